@@ -1,0 +1,67 @@
+"""Type stubs for the Rust extension `pyserve._rust` (sources in rust/)."""
+
+class Tokenizer:
+    """A Hugging Face `tokenizer.json` loaded with the `tokenizers` crate."""
+
+    @staticmethod
+    def from_file(path: str) -> Tokenizer: ...
+    @property
+    def vocab_size(self) -> int:
+        """Size of the vocabulary including added tokens (max id + 1)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Encode one text; the GIL is released while the crate works."""
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def id_to_token(self, id: int) -> str | None: ...
+    def added_tokens(self) -> dict[str, int]:
+        """Added tokens (content -> id), special or not."""
+    def special_token_ids(self) -> list[int]:
+        """Ids of the added tokens marked special."""
+
+class DecodeStream:
+    """Incremental detokenizer for one request.
+
+    `prompt_tail` gives a few ids that precede the first generated token so
+    that tokenizers which strip a leading space (Metaspace) decode the first
+    token as it reads inside the whole text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_tail: list[int] | None = None,
+    ) -> None: ...
+    def step(self, ids: list[int]) -> str:
+        """Feed new ids; returns the text they complete (only whole UTF-8
+        characters; an incomplete byte sequence is held back)."""
+    def flush(self) -> str:
+        """End of stream: returns whatever is still held back."""
+
+class StopMatcher:
+    """Finds any of several stop strings in a stream of text deltas."""
+
+    def __init__(self, stops: list[str]) -> None: ...
+    def feed(self, text: str) -> tuple[str, int | None]:
+        """Returns (text safe to emit now, index of the matched stop or None).
+
+        Text that could still be the start of a stop string is held back.
+        Once a stop matched, the text before it is returned, the stop string
+        itself never is, and every later call returns ("", index)."""
+    def flush(self) -> str:
+        """End of stream without a match: returns the held-back tail."""
+
+class ReasoningSplitter:
+    """Splits `<think>...</think>` reasoning from content in a text stream."""
+
+    def __init__(
+        self,
+        start: str = "<think>",
+        end: str = "</think>",
+        in_reasoning: bool = False,
+    ) -> None: ...
+    def feed(self, text: str) -> tuple[str, str]:
+        """Returns (reasoning delta, content delta); markers are never emitted
+        and a partial marker at the end is held back."""
+    def flush(self) -> tuple[str, str]: ...

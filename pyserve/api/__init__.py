@@ -1,0 +1,1 @@
+"""The HTTP layer: ASGI app, OpenAI and native routes."""

@@ -1,0 +1,1 @@
+"""The engine: scheduling, KV cache, model runner, sampling."""

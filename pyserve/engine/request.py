@@ -1,0 +1,55 @@
+"""What a caller hands the engine and what it gets back."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, already validated by the caller."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 means no top-k cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class GenerateOutput:
+    """One step's worth of progress for one request.
+
+    `text` and `token_ids` are deltas since the previous output. The last
+    output of a request has `finished=True` and a `finish_reason`:
+    "stop" (EOS, stop token or stop string), "length" (max_new_tokens or the
+    context limit) or "abort". `matched_stop` is the stop token id or the stop
+    string that ended it, None otherwise.
+    """
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0

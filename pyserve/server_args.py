@@ -1,0 +1,61 @@
+"""Command-line options, named as SGLang names them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None  # None: the embedded default model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    log_level: str = "info"
+    chat_template: str | None = None  # a file, or a name from templates/
+    reasoning_parser: str | None = None
+    api_key: str | None = None
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    max_total_tokens: int | None = None  # KV cache size in tokens
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192  # token budget of one prefill step
+    random_seed: int = 0
+    file_storage_path: str = "pyserve_storage"
+
+    @staticmethod
+    def parser() -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(
+            prog="pyserve", description="OpenAI-compatible LLM inference server"
+        )
+        p.add_argument("--model", "--model-path", dest="model_path", default=None,
+                       help="Hugging Face model directory (default: the embedded model)")
+        p.add_argument("--served-model-name", default=None,
+                       help="model name reported by the API (default: the model path)")
+        p.add_argument("--host", default=ServerArgs.host)
+        p.add_argument("--port", type=int, default=ServerArgs.port)
+        p.add_argument("--dtype", default=ServerArgs.dtype,
+                       choices=["auto", "float32", "bfloat16", "float16"])
+        p.add_argument("--device", default=ServerArgs.device, choices=["auto", "cpu", "cuda"])
+        p.add_argument("--log-level", default=ServerArgs.log_level,
+                       choices=["debug", "info", "warning", "error"])
+        p.add_argument("--chat-template", default=None,
+                       help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
+        p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek-r1"],
+                       help="split <think>...</think> into reasoning_content")
+        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+        p.add_argument("--context-length", type=int, default=None)
+        p.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV cache capacity in tokens")
+        p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)
+        p.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
+        p.add_argument("--random-seed", type=int, default=ServerArgs.random_seed)
+        p.add_argument("--file-storage-path", default=ServerArgs.file_storage_path)
+        return p
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        ns = cls.parser().parse_args(argv)
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
