@@ -1,8 +1,9 @@
-//! pyserve._rust: the text work of pyserve (tokenizer, incremental
-//! detokenizer, stop-string matcher, chat helpers).
-use pyo3::prelude::*;
+//! pyserve._rust: the text work of pyserve. Plain Rust types do the work
+//! (detokenizer, stop, reasoning); `python.rs` wraps them for Python.
 
-#[pymodule]
-fn _rust(_m: &Bound<'_, PyModule>) -> PyResult<()> {
-    Ok(())
-}
+pub mod detokenizer;
+pub mod reasoning;
+pub mod stop;
+
+#[cfg(feature = "python")]
+mod python;

@@ -1,0 +1,1 @@
+"""Attention backends: one interface, several implementations."""

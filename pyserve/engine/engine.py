@@ -1,0 +1,207 @@
+"""The engine: requests in, streams of text deltas out.
+
+`Engine.generate` queues a request and yields its outputs as the step loop
+produces them. The step loop is one asyncio task: schedule (CPU) -> forward
+and sample on the worker thread -> turn tokens into text -> hand outputs to
+each request's queue. A caller that stops listening aborts its request,
+which gives back every KV slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pyserve._rust import Tokenizer
+from pyserve.engine.model_runner import ModelRunner
+from pyserve.engine.output_processor import OutputProcessor
+from pyserve.engine.request import GenerateOutput, GenerateRequest
+from pyserve.engine.scheduler import ScheduledStep, Scheduler
+from pyserve.engine.sequence import Sequence
+from pyserve.server_args import ServerArgs
+
+logger = logging.getLogger("pyserve.engine")
+
+DECODE_LOG_INTERVAL = 40
+
+
+class Engine:
+    def __init__(self, args: ServerArgs):
+        if args.model_path:
+            self.model_dir = Path(args.model_path)
+        else:
+            from pyserve.default_model import default_model_path
+
+            self.model_dir = default_model_path()
+        self.args = args
+        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.runner = ModelRunner(args, self.model_dir)
+        self.model_config = self.runner.config
+        self.context_len = self.runner.context_len
+        self.eos_token_ids = self.model_config.eos_token_ids
+        # Ids the model can produce or read: the embedding rows.
+        self.vocab_size = self.model_config.vocab_size
+        self.scheduler = Scheduler(
+            self.runner.kv_pool, args.max_running_requests, args.max_prefill_tokens, self.runner.device
+        )
+        self._processors: dict[str, OutputProcessor] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._decode_log_start = time.perf_counter()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.create_task(self._step_loop(), name="pyserve-engine")
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        for rid in list(self._processors):
+            self.abort(rid)
+        self.runner.shutdown()
+
+    # -- requests ------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise ValueError for a request the engine cannot run."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = next((i for i in req.input_ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        if n >= self.context_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the context length is {self.context_len}"
+            )
+        if n + 1 > self.runner.kv_pool.capacity:
+            raise ValueError(f"the prompt has {n} tokens, but the KV cache holds {self.runner.kv_pool.capacity}")
+        if req.params.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Yields output deltas; the last one has finished=True."""
+        self.validate(req)
+        if self._loop_task is None:
+            raise RuntimeError("the engine is not started")
+        if req.rid in self._processors:
+            raise ValueError(f"request id {req.rid} is already running")
+        params = replace(
+            req.params,
+            max_new_tokens=min(req.params.max_new_tokens, self.context_len - len(req.input_ids)),
+        )
+        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self._processors[seq.rid] = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
+        self.scheduler.add(seq)
+        self._wakeup.set()
+        try:
+            while True:
+                out = await seq.outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not seq.finished:
+                self.abort(seq.rid)
+
+    def abort(self, rid: str) -> None:
+        """Stop a request now and give back everything it holds."""
+        proc = self._processors.pop(rid, None)
+        if proc is None:
+            return
+        seq = proc.seq
+        seq.aborted = seq.finished = True
+        self.scheduler.release(seq)
+        seq.outputs.put_nowait(proc.abort())
+
+    # -- the step loop -------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            step = self.scheduler.schedule()
+            if step is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._log_step(step)
+            try:
+                next_ids = await loop.run_in_executor(
+                    self.runner.executor, self.runner.step, step.batch, step.seqs
+                )
+            except Exception:
+                logger.exception("forward pass failed; aborting its requests")
+                for seq in step.seqs:
+                    self.abort(seq.rid)
+                continue
+            self._process(step, next_ids)
+
+    def _process(self, step: ScheduledStep, next_ids: list[int]) -> None:
+        for seq, token_id in zip(step.seqs, next_ids):
+            if seq.aborted:  # aborted while its forward ran
+                continue
+            proc = self._processors[seq.rid]
+            out = proc.append(token_id)
+            if out.finished:
+                seq.finished = True
+                self._processors.pop(seq.rid)
+                self.scheduler.release(seq)
+            seq.outputs.put_nowait(out)
+        if not step.is_prefill:
+            self._decode_steps += 1
+            self._decode_tokens += len(step.seqs)
+
+    def _log_step(self, step: ScheduledStep) -> None:
+        s = self.scheduler
+        if step.is_prefill:
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d",
+                len(step.seqs), step.num_new_tokens, s.token_usage(),
+                len(s.running) - len(step.seqs), len(s.waiting),
+            )
+        elif self._decode_steps % DECODE_LOG_INTERVAL == 0 and self._decode_steps:
+            now = time.perf_counter()
+            throughput = self._decode_tokens / max(now - self._decode_log_start, 1e-9)
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d",
+                len(s.running), s.owned_slots(), s.token_usage(), throughput, len(s.waiting),
+            )
+            self._decode_tokens = 0
+            self._decode_log_start = now
+
+    def check_integrity(self) -> None:
+        """Every KV slot is free or held by a running sequence: nothing leaked."""
+        pool = self.runner.kv_pool
+        held = self.scheduler.owned_slots()
+        if pool.num_free + held != pool.capacity:
+            raise AssertionError(
+                f"KV slots leaked: {pool.num_free} free + {held} held != {pool.capacity}"
+            )

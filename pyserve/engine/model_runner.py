@@ -1,0 +1,92 @@
+"""Owns the model, the KV pool and the one thread that runs forward passes.
+
+The asyncio loop must never wait on a forward pass, so every call into
+torch for a step (forward + sampling) goes to a dedicated worker thread;
+torch releases the GIL inside its kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pyserve.engine.attention.torch_backend import TorchAttention
+from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.sampler import Sampler
+from pyserve.engine.sequence import Sequence
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.loader import load_model
+from pyserve.server_args import ServerArgs
+
+logger = logging.getLogger("pyserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV cache budget when --max-total-tokens is not given.
+_CPU_KV_BYTES = 2 << 30
+_GPU_MEM_FRACTION = 0.85
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_dir: Path):
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
+        torch.manual_seed(args.random_seed)
+        self.model, self.config = load_model(model_dir, self.dtype, self.device)
+        self.context_len = args.context_length or self.config.max_position_embeddings
+        self.kv_pool = KVPool(
+            self.config.num_hidden_layers,
+            self._num_slots(args),
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attention = TorchAttention(self.kv_pool)
+        self.sampler = Sampler(args.random_seed)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
+        logger.info(
+            "KV cache: %d tokens (%.2f GiB), context length %d",
+            self.kv_pool.capacity,
+            self.kv_pool.capacity * self._bytes_per_slot() / (1 << 30),
+            self.context_len,
+        )
+
+    def _bytes_per_slot(self) -> int:
+        c = self.config
+        return KVPool.bytes_per_slot(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+
+    def _num_slots(self, args: ServerArgs) -> int:
+        if args.max_total_tokens:
+            return args.max_total_tokens + 1  # + the padding slot
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * _GPU_MEM_FRACTION)
+        else:
+            budget = _CPU_KV_BYTES
+        return max(budget // self._bytes_per_slot(), 2)
+
+    def step(self, batch: ForwardBatch, seqs: list[Sequence]) -> list[int]:
+        """Forward + sampling; runs on the worker thread."""
+        with torch.inference_mode():
+            logits = self.model(batch, self.attention)
+            return self.sampler.sample(logits, seqs)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)

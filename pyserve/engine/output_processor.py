@@ -1,0 +1,64 @@
+"""Turns each new token of a request into text and decides when it ends.
+
+Per request: a Rust DecodeStream (whole UTF-8 characters only) and a Rust
+StopMatcher (stop strings across token boundaries, never emitted).
+"""
+
+from __future__ import annotations
+
+from pyserve._rust import DecodeStream, StopMatcher, Tokenizer
+from pyserve.engine.request import GenerateOutput
+from pyserve.engine.sequence import Sequence
+
+# Prompt ids decoded as left context of the first generated token, so that
+# tokenizers which drop a leading space decode it as it reads in the text.
+_PROMPT_CONTEXT = 4
+
+
+class OutputProcessor:
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int], context_len: int):
+        self.seq = seq
+        p = seq.params
+        self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
+        self.stops = StopMatcher(p.stop)
+        self.stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            self.stop_ids.update(eos_token_ids)
+        self.context_len = context_len
+        self.sent_tokens = 0
+
+    def _output(self, text: str, **finish) -> GenerateOutput:
+        seq = self.seq
+        new_ids = seq.output_ids[self.sent_tokens :]
+        self.sent_tokens = len(seq.output_ids)
+        return GenerateOutput(
+            rid=seq.rid,
+            text=text,
+            token_ids=new_ids,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            **finish,
+        )
+
+    def append(self, token_id: int) -> GenerateOutput:
+        """Record one sampled token; the returned output may be finished."""
+        seq = self.seq
+        seq.output_ids.append(token_id)
+        if token_id in self.stop_ids:
+            return self._output(self._flush(), finished=True, finish_reason="stop", matched_stop=token_id)
+        text, matched = self.stops.feed(self.detok.step([token_id]))
+        if matched is not None:
+            return self._output(text, finished=True, finish_reason="stop", matched_stop=seq.params.stop[matched])
+        if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.context_len:
+            return self._output(text + self._flush(), finished=True, finish_reason="length")
+        return self._output(text)
+
+    def _flush(self) -> str:
+        """Release what the detokenizer and stop matcher still hold."""
+        text, matched = self.stops.feed(self.detok.flush())
+        if matched is not None:
+            return text
+        return text + self.stops.flush()
+
+    def abort(self) -> GenerateOutput:
+        return self._output("", finished=True, finish_reason="abort")

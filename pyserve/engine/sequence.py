@@ -1,0 +1,41 @@
+"""The engine's state for one request."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from pyserve.engine.request import GenerateOutput, SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    # KV slots of the tokens already in the cache, in order.
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    generator: torch.Generator | None = None  # set for requests with a seed
+    outputs: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    aborted: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_cached(self) -> int:
+        return self.slots.numel()
+
+    @property
+    def uncached_ids(self) -> list[int]:
+        """Tokens the next forward must process (their KV is not cached yet)."""
+        return self.all_ids[self.num_cached :]
