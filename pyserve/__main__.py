@@ -1,0 +1,3 @@
+from pyserve.cli import main
+
+main()

@@ -1,0 +1,131 @@
+"""SGLang's native routes: /generate, /get_model_info, and /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from pyserve import __version__
+from pyserve.api.errors import bad_request
+from pyserve.api.protocol import NativeGenerateRequest
+from pyserve.api.sampling import build_params, check_context
+from pyserve.api.serving import ServingContext, check_prompt_ids, merged_outputs, new_id
+from pyserve.engine.request import GenerateOutput, GenerateRequest
+
+# SGLang's sampling_params names and defaults
+_SAMPLING_KEYS = {
+    "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "stop": None, "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True,
+    "n": 1, "seed": None, "logit_bias": None,
+}
+
+
+def models(ctx: ServingContext) -> dict:
+    return {
+        "object": "list",
+        "data": [{
+            "id": ctx.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pyserve",
+            "root": ctx.served_model_name,
+            "max_model_len": ctx.engine.context_len,
+        }],
+    }
+
+
+def model_info(ctx: ServingContext) -> dict:
+    return {
+        "model_path": str(ctx.engine.model_dir),
+        "tokenizer_path": str(ctx.engine.model_dir),
+        "served_model_name": ctx.served_model_name,
+        "is_generation": True,
+        "architecture": ctx.engine.model_config.architecture,
+        "context_length": ctx.engine.context_len,
+        "version": __version__,
+    }
+
+
+def _params(ctx: ServingContext, raw: dict | None):
+    raw = dict(raw or {})
+    unknown = sorted(set(raw) - set(_SAMPLING_KEYS))
+    if unknown:
+        raise bad_request(f"unknown sampling_params: {unknown}", "sampling_params")
+    values = {**_SAMPLING_KEYS, **raw}
+    n = values.pop("n")
+    max_new = values.pop("max_new_tokens")
+    for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not isinstance(values[key], (int, float)) or isinstance(values[key], bool):
+            raise bad_request(f"sampling_params.{key} must be a number", f"sampling_params.{key}")
+    if not isinstance(max_new, int) or not isinstance(n, int):
+        raise bad_request("sampling_params.max_new_tokens and n must be integers", "sampling_params")
+    params = build_params(max_tokens=max_new, n=n, vocab_size=ctx.engine.vocab_size,
+                          max_tokens_param="sampling_params.max_new_tokens", **values)
+    return params, n, max_new
+
+
+def _meta(rid: str, out: GenerateOutput, started: float) -> dict:
+    if out.finish_reason == "stop":
+        reason = {"type": "stop", "matched": out.matched_stop}
+    elif out.finish_reason == "length":
+        reason = {"type": "length", "length": out.completion_tokens}
+    else:
+        reason = None
+    return {
+        "id": rid,
+        "finish_reason": reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "e2e_latency": time.perf_counter() - started,
+    }
+
+
+async def generate(ctx: ServingContext, req: NativeGenerateRequest):
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    tok = ctx.engine.tokenizer
+    if req.text is not None:
+        single = isinstance(req.text, str)
+        prompts = tok.encode_batch([req.text] if single else req.text)
+    else:
+        ids = req.input_ids
+        single = isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+        prompts = [ids] if single else ids
+        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+            raise bad_request("input_ids must be a list of token ids or a list of such lists", "input_ids")
+    for ids in prompts:
+        check_prompt_ids(ctx, ids, "input_ids" if req.input_ids is not None else "text")
+    params, n, max_new = _params(ctx, req.sampling_params)
+    for ids in prompts:
+        check_context(len(ids), max_new, ctx.engine.context_len, where="prompt")
+    base = req.rid or new_id("")
+    requests = [
+        GenerateRequest(input_ids=ids, params=params, rid=f"{base}-{p}-{i}" if len(prompts) * n > 1 else base)
+        for p, ids in enumerate(prompts) for i in range(n)
+    ]
+    started = time.perf_counter()
+    if req.stream:
+        return _stream(ctx, requests, started)
+    texts = [""] * len(requests)
+    results: list[dict] = [{}] * len(requests)
+    async for i, out in merged_outputs(ctx.engine, requests):
+        texts[i] += out.text
+        if out.finished:
+            results[i] = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started)}
+    return results[0] if len(results) == 1 else results
+
+
+async def _stream(ctx: ServingContext, requests, started: float) -> AsyncIterator[dict]:
+    texts = [""] * len(requests)
+    async for i, out in merged_outputs(ctx.engine, requests):
+        texts[i] += out.text
+        event = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started)}
+        if len(requests) > 1:
+            event["index"] = i
+        yield event
+
+
+def version() -> dict:
+    return {"version": __version__}

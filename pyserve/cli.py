@@ -1,0 +1,73 @@
+"""`pyserve`: load the model, then serve the HTTP API with Granian."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from pyserve.server_args import ServerArgs
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+async def serve(args: ServerArgs) -> None:
+    # Imported here so that `pyserve --help` answers without loading torch.
+    from granian.constants import Interfaces
+    from granian.server.embed import Server
+
+    from pyserve.api.app import App
+    from pyserve.api.serving import ServingContext
+    from pyserve.chat_template import ChatTemplate
+    from pyserve.default_model import DEFAULT_MODEL_NAME
+    from pyserve.engine.engine import Engine
+
+    log = logging.getLogger("pyserve")
+    started = time.perf_counter()
+    log.info("server_args=%s", args)
+    engine = Engine(args)
+    template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
+    name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
+    ctx = ServingContext(engine, name, template, args.reasoning_parser)
+    await engine.start()
+    server = Server(
+        App(ctx, args.api_key),
+        address=args.host,
+        port=args.port,
+        interface=Interfaces.ASGINL,
+        log_enabled=False,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)
+    log.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
+    log.info("pyserve is ready on http://%s:%d", args.host, args.port)
+    try:
+        await server.serve()
+    finally:
+        await engine.shutdown()
+        log.info("pyserve stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = ServerArgs.from_cli(argv)
+    setup_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, RuntimeError) as e:
+        logging.getLogger("pyserve").error("%s", e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
