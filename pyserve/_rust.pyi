@@ -1,7 +1,14 @@
-"""Type stubs for the Rust extension `pyserve._rust` (sources in rust/)."""
+"""Type stubs for the Rust extension `pyserve._rust` (sources in rust/).
+
+Every error (unreadable file, token id outside the vocabulary, malformed
+argument) is raised as ValueError.
+"""
 
 class Tokenizer:
-    """A Hugging Face `tokenizer.json` loaded with the `tokenizers` crate."""
+    """A Hugging Face `tokenizer.json` loaded with the `tokenizers` crate.
+
+    Thread-safe: one instance may be shared by every request and thread.
+    """
 
     @staticmethod
     def from_file(path: str) -> Tokenizer: ...
@@ -10,21 +17,24 @@ class Tokenizer:
         """Size of the vocabulary including added tokens (max id + 1)."""
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Encode one text; the GIL is released while the crate works."""
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]: ...
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """Encode many texts in parallel; the GIL is released meanwhile."""
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, id: int) -> str | None: ...
     def added_tokens(self) -> dict[str, int]:
         """Added tokens (content -> id), special or not."""
     def special_token_ids(self) -> list[int]:
-        """Ids of the added tokens marked special."""
+        """Ids of the added tokens marked special, ascending."""
 
 class DecodeStream:
     """Incremental detokenizer for one request.
 
     `prompt_tail` gives a few ids that precede the first generated token so
     that tokenizers which strip a leading space (Metaspace) decode the first
-    token as it reads inside the whole text.
+    token as it reads inside the whole text. For any split of the ids into
+    `step` calls, the concatenated outputs plus `flush()` equal
+    `decode(prompt_tail + ids)` minus `decode(prompt_tail)`.
     """
 
     def __init__(
@@ -40,7 +50,12 @@ class DecodeStream:
         """End of stream: returns whatever is still held back."""
 
 class StopMatcher:
-    """Finds any of several stop strings in a stream of text deltas."""
+    """Finds any of several stop strings in a stream of text deltas.
+
+    Empty stop strings are ignored. The result does not depend on how the
+    text is split: the stop that ends first wins (of those ending together,
+    the longest, then the first listed).
+    """
 
     def __init__(self, stops: list[str]) -> None: ...
     def feed(self, text: str) -> tuple[str, int | None]:
@@ -51,9 +66,18 @@ class StopMatcher:
         itself never is, and every later call returns ("", index)."""
     def flush(self) -> str:
         """End of stream without a match: returns the held-back tail."""
+    @property
+    def matched(self) -> int | None:
+        """Index in `stops` of the stop that matched, if one did."""
 
 class ReasoningSplitter:
-    """Splits `<think>...</think>` reasoning from content in a text stream."""
+    """Splits `<think>...</think>` reasoning from content in a text stream.
+
+    The start marker counts only at the start of the output (after optional
+    whitespace). `in_reasoning=True` is for templates that already opened
+    the block (DeepSeek-R1): the output starts as reasoning, and a repeated
+    start marker there is dropped.
+    """
 
     def __init__(
         self,
@@ -65,3 +89,11 @@ class ReasoningSplitter:
         """Returns (reasoning delta, content delta); markers are never emitted
         and a partial marker at the end is held back."""
     def flush(self) -> tuple[str, str]: ...
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether text fed now would count as reasoning."""
+
+def content_text(content: str | list[dict] | None) -> str:
+    """OpenAI message content as one string: a string as is, None as "",
+    a list of parts as its text parts joined by newlines (empty ones
+    skipped). A part of another type (image_url, ...) is a ValueError."""

@@ -38,7 +38,7 @@ async def serve(args: ServerArgs) -> None:
     engine = Engine(args)
     template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
     name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
-    ctx = ServingContext(engine, name, template, args.reasoning_parser)
+    ctx = ServingContext(engine, name, template, args.reasoning_parser, args.default_max_tokens)
     await engine.start()
     server = Server(
         App(ctx, args.api_key),

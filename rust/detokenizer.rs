@@ -2,129 +2,203 @@
 //! deltas that are always whole UTF-8 characters.
 //!
 //! Decoding ids one at a time is wrong for byte-level and byte-fallback
-//! vocabularies (a character can span tokens) and for tokenizers whose
-//! decoder strips a leading space. So each step decodes a short window
-//! twice: the ids already emitted (`prefix_offset..read_offset`) and the same
-//! ids plus the new ones. The new text is the difference, emitted only when
-//! it does not end in an incomplete character (U+FFFD).
+//! vocabularies (a character can span tokens) and for decoders that strip a
+//! leading space (Metaspace). So each step decodes a short window: the ids
+//! emitted last time (left context, their text already sent) plus the
+//! pending ones. The new text is what the window's text adds to the
+//! context's text, emitted only once it does not end in an incomplete
+//! character (U+FFFD). After each emission the window slides forward, so a
+//! step costs the same at token 10 and at token 10,000.
 
-use tokenizers::Tokenizer;
+use crate::tokenizer::Tokenizer;
 
 const REPLACEMENT: char = '\u{FFFD}';
 
-pub struct DecodeState {
+/// A character is at most 4 bytes, so an incomplete one at the end of the
+/// window spans at most its last 3 ids. Once more than `MAX_PENDING` ids
+/// wait, the window moves on anyway: a trailing U+FFFD before those last
+/// ids is real (invalid bytes), and ids that add no text (skipped special
+/// tokens) need no more waiting. This keeps the window, and so the cost of a
+/// step, bounded whatever the model generates.
+const MAX_PENDING: usize = 8;
+const MAX_INCOMPLETE_IDS: usize = 3;
+
+pub struct DecodeStream {
+    /// The window: `ids[..read]` is left context already emitted,
+    /// `ids[read..]` is pending.
     ids: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
+    read: usize,
+    /// decode(ids[..read]), cached: it only changes when the window slides.
+    context_text: String,
     skip_special_tokens: bool,
 }
 
-impl DecodeState {
+impl DecodeStream {
     /// `context` ids precede the first new id: they are decoded for context
     /// only and never emitted.
-    pub fn new(skip_special_tokens: bool, context: &[u32]) -> Self {
-        DecodeState {
-            ids: context.to_vec(),
-            prefix_offset: 0,
-            read_offset: context.len(),
-            skip_special_tokens,
-        }
-    }
-
-    fn decode(&self, tok: &Tokenizer, ids: &[u32]) -> Result<String, String> {
-        tok.decode(ids, self.skip_special_tokens).map_err(|e| e.to_string())
+    pub fn new(tok: &Tokenizer, skip_special_tokens: bool, context: &[u32]) -> Result<Self, String> {
+        let context_text = tok.decode(context, skip_special_tokens)?;
+        Ok(DecodeStream { ids: context.to_vec(), read: context.len(), context_text, skip_special_tokens })
     }
 
     /// Feed new ids; returns the text they complete (maybe empty).
     pub fn step(&mut self, tok: &Tokenizer, new_ids: &[u32]) -> Result<String, String> {
+        tok.check_ids(new_ids)?;
         self.ids.extend_from_slice(new_ids);
-        let prefix = self.decode(tok, &self.ids[self.prefix_offset..self.read_offset])?;
-        let full = self.decode(tok, &self.ids[self.prefix_offset..])?;
-        if full.len() <= prefix.len() || full.ends_with(REPLACEMENT) {
+        let text = tok.decode(&self.ids, self.skip_special_tokens)?;
+        let overflow = self.ids.len() - self.read > MAX_PENDING;
+        if text.ends_with(REPLACEMENT) {
+            if !overflow {
+                return Ok(String::new());
+            }
+            // Emit up to where the text is complete, leaving at most the
+            // last few ids to wait; what ends in U+FFFD before them is real.
+            let mut end = self.ids.len();
+            let mut text = text;
+            while text.ends_with(REPLACEMENT) && end > self.ids.len() - MAX_INCOMPLETE_IDS {
+                end -= 1;
+                text = tok.decode(&self.ids[..end], self.skip_special_tokens)?;
+            }
+            return self.emit(tok, end, &text);
+        }
+        let added = text.len() > self.context_text.len() || !text.starts_with(&self.context_text);
+        if !added && !overflow {
             return Ok(String::new());
         }
-        let delta = match full.get(prefix.len()..) {
-            Some(d) if full.starts_with(&prefix) => d.to_string(),
-            // The window re-decoded differently (rare normalizer effects):
-            // emit nothing now, the next step re-synchronises.
-            _ => return Ok(String::new()),
-        };
-        self.prefix_offset = self.read_offset;
-        self.read_offset = self.ids.len();
-        // Keep memory bounded: drop ids that no window will read again.
-        self.ids.drain(..self.prefix_offset);
-        self.read_offset -= self.prefix_offset;
-        self.prefix_offset = 0;
-        Ok(delta)
+        self.emit(tok, self.ids.len(), &text)
     }
 
     /// End of stream: whatever is still held back, incomplete bytes included.
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, String> {
-        let prefix = self.decode(tok, &self.ids[self.prefix_offset..self.read_offset])?;
-        let full = self.decode(tok, &self.ids[self.prefix_offset..])?;
-        self.prefix_offset = self.ids.len();
-        self.read_offset = self.ids.len();
-        Ok(full.get(prefix.len()..).unwrap_or("").to_string())
+        if self.read == self.ids.len() {
+            return Ok(String::new());
+        }
+        let text = tok.decode(&self.ids, self.skip_special_tokens)?;
+        self.emit(tok, self.ids.len(), &text)
     }
+
+    /// Emits what `text`, the text of `ids[..end]`, adds to the context's,
+    /// then slides the window: `ids[read..end]` becomes the new context.
+    fn emit(&mut self, tok: &Tokenizer, end: usize, text: &str) -> Result<String, String> {
+        // Normally the context's text is a prefix of the window's. When the
+        // new ids changed it (an incomplete character in a prompt tail now
+        // completed), the part that differs was never sent: send it now.
+        let delta = text[common_prefix_len(&self.context_text, text)..].to_string();
+        self.ids.drain(..self.read);
+        self.read = end - self.read;
+        self.context_text = tok.decode(&self.ids[..self.read], self.skip_special_tokens)?;
+        Ok(delta)
+    }
+}
+
+/// Length in bytes of the longest common prefix, on a character boundary.
+fn common_prefix_len(a: &str, b: &str) -> usize {
+    if b.starts_with(a) {
+        return a.len();
+    }
+    a.char_indices().zip(b.chars()).find(|((_, x), y)| x != y).map_or(a.len().min(b.len()), |((i, _), _)| i)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokenizers::models::bpe::BPE;
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use crate::tokenizer::tests::byte_tokenizer;
 
-    /// A byte-level BPE with no merges: every byte is its own token, so
-    /// multi-byte characters always span several tokens.
-    fn byte_tokenizer() -> Tokenizer {
-        let vocab: tokenizers::models::bpe::Vocab = ByteLevel::alphabet()
-            .into_iter()
-            .enumerate()
-            .map(|(i, c)| (c.to_string(), i as u32))
-            .collect();
-        let bpe = BPE::builder().vocab_and_merges(vocab, vec![]).build().unwrap();
-        let mut tok = Tokenizer::new(bpe);
-        tok.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
-        tok.with_decoder(Some(ByteLevel::default()));
-        tok
+    fn stream(tok: &Tokenizer, context: &[u32], chunks: &[&[u32]], skip: bool) -> Vec<String> {
+        let mut st = DecodeStream::new(tok, skip, context).unwrap();
+        let mut out: Vec<String> = chunks.iter().map(|c| st.step(tok, c).unwrap()).collect();
+        out.push(st.flush(tok).unwrap());
+        out
     }
 
     #[test]
     fn stream_equals_full_decode_for_every_split() {
         let tok = byte_tokenizer();
         let text = "héllo 你好 🎉 ok";
-        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        let ids = tok.encode(text, false).unwrap();
         for split in 0..=ids.len() {
-            let mut st = DecodeState::new(true, &[]);
-            let mut out = st.step(&tok, &ids[..split]).unwrap();
-            for id in &ids[split..] {
-                let piece = st.step(&tok, &[*id]).unwrap();
+            let mut chunks = vec![&ids[..split]];
+            chunks.extend(ids[split..].chunks(1));
+            let pieces = stream(&tok, &[], &chunks, true);
+            for piece in &pieces {
                 assert!(!piece.contains(REPLACEMENT), "split {split}: {piece:?}");
-                out += &piece;
             }
-            out += &st.flush(&tok).unwrap();
-            assert_eq!(out, text);
+            assert_eq!(pieces.concat(), text);
         }
     }
 
     #[test]
     fn context_is_not_emitted() {
         let tok = byte_tokenizer();
-        let ctx = tok.encode("ab", false).unwrap().get_ids().to_vec();
-        let ids = tok.encode("cd", false).unwrap().get_ids().to_vec();
-        let mut st = DecodeState::new(true, &ctx);
-        let mut out = st.step(&tok, &ids).unwrap();
-        out += &st.flush(&tok).unwrap();
-        assert_eq!(out, "cd");
+        let ctx = tok.encode("ab", false).unwrap();
+        let ids = tok.encode("cd", false).unwrap();
+        assert_eq!(stream(&tok, &ctx, &[&ids], true).concat(), "cd");
+    }
+
+    #[test]
+    fn context_ending_mid_character_is_completed() {
+        let tok = byte_tokenizer();
+        let ids = tok.encode("a你", false).unwrap();
+        // The prompt ends with the first byte of 你; generation supplies the rest.
+        let pieces = stream(&tok, &ids[..2], &[&ids[2..3], &ids[3..]], true);
+        assert_eq!(pieces, vec!["", "你", ""]);
     }
 
     #[test]
     fn incomplete_tail_is_released_by_flush() {
         let tok = byte_tokenizer();
-        let ids = tok.encode("a你", false).unwrap().get_ids().to_vec();
-        let mut st = DecodeState::new(true, &[]);
+        let ids = tok.encode("a你", false).unwrap();
         // "a" plus the first byte of a three-byte character.
-        assert_eq!(st.step(&tok, &ids[..2]).unwrap(), "");
-        assert_eq!(st.flush(&tok).unwrap(), "a\u{FFFD}");
+        assert_eq!(stream(&tok, &[], &[&ids[..2]], true), vec!["", "a\u{FFFD}"]);
+    }
+
+    #[test]
+    fn skipped_special_tokens_keep_the_context() {
+        let tok = byte_tokenizer();
+        let hi = tok.encode("hi", false).unwrap();
+        let there = tok.encode(" there", false).unwrap();
+        let pieces = stream(&tok, &[], &[&hi, &[256], &[256], &there], true);
+        assert_eq!(pieces.concat(), "hi there");
+        let pieces = stream(&tok, &[], &[&hi, &[256], &there], false);
+        assert_eq!(pieces.concat(), "hi<|end|> there");
+    }
+
+    #[test]
+    fn window_stays_bounded() {
+        let tok = byte_tokenizer();
+        let mut st = DecodeStream::new(&tok, true, &[]).unwrap();
+        // A lone continuation byte never completes; nor do skipped specials.
+        let junk = tok.encode("\u{80}", false).unwrap()[1];
+        for _ in 0..100 {
+            st.step(&tok, &[junk]).unwrap();
+            st.step(&tok, &[256]).unwrap();
+            assert!(st.ids.len() <= 2 * (MAX_PENDING + 1));
+        }
+    }
+
+    #[test]
+    fn invalid_bytes_stream_like_full_decode() {
+        let tok = byte_tokenizer();
+        // Lone continuation bytes and cut-off characters, among valid text.
+        let junk = tok.encode("\u{80}", false).unwrap()[1];
+        let cut = tok.encode("你", false).unwrap()[0];
+        let mut ids = vec![];
+        for i in 0..40 {
+            ids.push(if i % 7 == 3 { cut } else { junk });
+            if i % 5 == 0 {
+                ids.extend(tok.encode("ok", false).unwrap());
+            }
+        }
+        let chunks: Vec<&[u32]> = ids.chunks(1).collect();
+        assert_eq!(stream(&tok, &[], &chunks, true).concat(), tok.decode(&ids, true).unwrap());
+    }
+
+    #[test]
+    fn bad_id_is_an_error_and_leaves_the_state_intact() {
+        let tok = byte_tokenizer();
+        let mut st = DecodeStream::new(&tok, true, &[]).unwrap();
+        assert!(st.step(&tok, &[7, 100_000]).is_err());
+        let ids = tok.encode("ok", false).unwrap();
+        assert_eq!(st.step(&tok, &ids).unwrap(), "ok");
     }
 }

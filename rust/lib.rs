@@ -1,9 +1,10 @@
-//! pyserve._rust: the text work of pyserve. Plain Rust types do the work
-//! (detokenizer, stop, reasoning); `python.rs` wraps them for Python.
+//! pyserve._rust: the text work of pyserve. Plain Rust types do the work and
+//! are tested without Python; `python.rs` wraps them for Python.
 
+pub mod chat;
 pub mod detokenizer;
-pub mod reasoning;
 pub mod stop;
+pub mod tokenizer;
 
 #[cfg(feature = "python")]
 mod python;

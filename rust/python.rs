@@ -1,199 +1,199 @@
-//! PyO3 bindings: thin wrappers that convert errors to Python exceptions and
-//! release the GIL around tokenizer work.
+//! PyO3 bindings: thin wrappers over the plain Rust types that convert
+//! arguments and errors (every error is a ValueError, nothing panics) and
+//! release the GIL around the tokenizer work worth releasing it for.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tokenizers::Tokenizer as HfTokenizer;
+use pyo3::types::{PyDict, PyString};
 
-use crate::detokenizer::DecodeState;
-use crate::reasoning::ReasoningState;
-use crate::stop::StopState;
+use crate::chat::content::{join_parts, Part};
+use crate::chat::reasoning::ReasoningSplitter as Splitter;
+use crate::detokenizer::DecodeStream as Stream;
+use crate::stop::StopMatcher as Matcher;
+use crate::tokenizer::Tokenizer as Tok;
 
 fn value_error(e: impl ToString) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
-/// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate.
-#[pyclass(module = "pyserve._rust", frozen)]
-struct Tokenizer {
-    inner: Arc<HfTokenizer>,
+/// Python ints to token ids: a negative id is a ValueError like any other
+/// id outside the vocabulary (PyO3 would raise OverflowError).
+fn token_ids(ids: Vec<i64>) -> PyResult<Vec<u32>> {
+    ids.into_iter()
+        .map(|id| u32::try_from(id).map_err(|_| value_error(format!("token id {id} is outside the vocabulary"))))
+        .collect()
 }
 
-impl Tokenizer {
-    fn check_ids(&self, ids: &[u32]) -> PyResult<()> {
-        let n = self.inner.get_vocab_size(true) as u32;
-        match ids.iter().find(|&&id| id >= n) {
-            Some(id) => Err(value_error(format!("token id {id} is outside the vocabulary (size {n})"))),
-            None => Ok(()),
-        }
-    }
+/// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate.
+#[pyclass(name = "Tokenizer", module = "pyserve._rust", frozen)]
+struct PyTokenizer {
+    inner: Arc<Tok>,
 }
 
 #[pymethods]
-impl Tokenizer {
+impl PyTokenizer {
     #[staticmethod]
-    fn from_file(path: &str) -> PyResult<Self> {
-        let inner = HfTokenizer::from_file(path).map_err(|e| value_error(format!("{path}: {e}")))?;
-        Ok(Tokenizer { inner: Arc::new(inner) })
+    fn from_file(py: Python<'_>, path: &str) -> PyResult<Self> {
+        let inner = py.allow_threads(|| Tok::from_file(path)).map_err(value_error)?;
+        Ok(PyTokenizer { inner: Arc::new(inner) })
     }
 
-    /// Vocabulary size including added tokens (largest id + 1).
     #[getter]
     fn vocab_size(&self) -> usize {
-        let added = self.inner.get_added_tokens_decoder();
-        let max_added = added.keys().max().map(|&id| id as usize + 1).unwrap_or(0);
-        self.inner.get_vocab_size(true).max(max_added)
+        self.inner.vocab_size()
     }
 
     #[pyo3(signature = (text, add_special_tokens = false))]
-    fn encode(&self, py: Python<'_>, text: String, add_special_tokens: bool) -> PyResult<Vec<u32>> {
-        let tok = self.inner.clone();
-        py.allow_threads(move || tok.encode(text, add_special_tokens))
-            .map(|e| e.get_ids().to_vec())
-            .map_err(value_error)
+    fn encode(&self, py: Python<'_>, text: &str, add_special_tokens: bool) -> PyResult<Vec<u32>> {
+        py.allow_threads(|| self.inner.encode(text, add_special_tokens)).map_err(value_error)
     }
 
     #[pyo3(signature = (texts, add_special_tokens = false))]
-    fn encode_batch(
-        &self,
-        py: Python<'_>,
-        texts: Vec<String>,
-        add_special_tokens: bool,
-    ) -> PyResult<Vec<Vec<u32>>> {
-        let tok = self.inner.clone();
-        py.allow_threads(move || tok.encode_batch(texts, add_special_tokens))
-            .map(|all| all.iter().map(|e| e.get_ids().to_vec()).collect())
-            .map_err(value_error)
+    fn encode_batch(&self, py: Python<'_>, texts: Vec<String>, add_special_tokens: bool) -> PyResult<Vec<Vec<u32>>> {
+        py.allow_threads(|| self.inner.encode_batch(&texts, add_special_tokens)).map_err(value_error)
     }
 
     #[pyo3(signature = (ids, skip_special_tokens = true))]
-    fn decode(&self, py: Python<'_>, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
-        self.check_ids(&ids)?;
-        let tok = self.inner.clone();
-        py.allow_threads(move || tok.decode(&ids, skip_special_tokens)).map_err(value_error)
+    fn decode(&self, py: Python<'_>, ids: Vec<i64>, skip_special_tokens: bool) -> PyResult<String> {
+        let ids = token_ids(ids)?;
+        py.allow_threads(|| self.inner.decode(&ids, skip_special_tokens)).map_err(value_error)
     }
 
     fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
 
-    fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+    fn id_to_token(&self, id: i64) -> Option<String> {
+        u32::try_from(id).ok().and_then(|id| self.inner.id_to_token(id))
     }
 
-    /// Added tokens (content -> id), special or not.
-    fn added_tokens(&self) -> std::collections::HashMap<String, u32> {
-        self.inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .map(|(id, t)| (t.content, id))
-            .collect()
+    fn added_tokens(&self) -> HashMap<String, u32> {
+        self.inner.added_tokens()
     }
 
-    /// Ids of the added tokens marked special, ascending.
     fn special_token_ids(&self) -> Vec<u32> {
-        let mut ids: Vec<u32> = self
-            .inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, t)| t.special)
-            .map(|(id, _)| id)
-            .collect();
-        ids.sort_unstable();
-        ids
+        self.inner.special_token_ids()
     }
 }
 
-/// Incremental detokenizer for one request (see detokenizer.rs).
-#[pyclass(module = "pyserve._rust")]
-struct DecodeStream {
-    tokenizer: Arc<HfTokenizer>,
-    state: DecodeState,
+/// Incremental detokenizer for one request (see detokenizer.rs). A step
+/// decodes a few ids, so it keeps the GIL: releasing it would cost more.
+#[pyclass(name = "DecodeStream", module = "pyserve._rust")]
+struct PyDecodeStream {
+    tokenizer: Arc<Tok>,
+    stream: Stream,
 }
 
 #[pymethods]
-impl DecodeStream {
+impl PyDecodeStream {
     #[new]
     #[pyo3(signature = (tokenizer, skip_special_tokens = true, prompt_tail = None))]
-    fn new(tokenizer: &Tokenizer, skip_special_tokens: bool, prompt_tail: Option<Vec<u32>>) -> PyResult<Self> {
-        let tail = prompt_tail.unwrap_or_default();
-        tokenizer.check_ids(&tail)?;
-        Ok(DecodeStream {
-            tokenizer: tokenizer.inner.clone(),
-            state: DecodeState::new(skip_special_tokens, &tail),
-        })
+    fn new(tokenizer: &PyTokenizer, skip_special_tokens: bool, prompt_tail: Option<Vec<i64>>) -> PyResult<Self> {
+        let tail = token_ids(prompt_tail.unwrap_or_default())?;
+        let stream = Stream::new(&tokenizer.inner, skip_special_tokens, &tail).map_err(value_error)?;
+        Ok(PyDecodeStream { tokenizer: tokenizer.inner.clone(), stream })
     }
 
-    fn step(&mut self, ids: Vec<u32>) -> PyResult<String> {
-        let n = self.tokenizer.get_vocab_size(true) as u32;
-        if let Some(id) = ids.iter().find(|&&id| id >= n) {
-            return Err(value_error(format!("token id {id} is outside the vocabulary (size {n})")));
-        }
-        self.state.step(&self.tokenizer, &ids).map_err(value_error)
+    fn step(&mut self, ids: Vec<i64>) -> PyResult<String> {
+        let ids = token_ids(ids)?;
+        self.stream.step(&self.tokenizer, &ids).map_err(value_error)
     }
 
     fn flush(&mut self) -> PyResult<String> {
-        self.state.flush(&self.tokenizer).map_err(value_error)
+        self.stream.flush(&self.tokenizer).map_err(value_error)
     }
 }
 
 /// Stop strings over a stream of text deltas (see stop.rs).
-#[pyclass(module = "pyserve._rust")]
-struct StopMatcher {
-    state: StopState,
+#[pyclass(name = "StopMatcher", module = "pyserve._rust")]
+struct PyStopMatcher {
+    matcher: Matcher,
 }
 
 #[pymethods]
-impl StopMatcher {
+impl PyStopMatcher {
     #[new]
-    fn new(stops: Vec<String>) -> PyResult<Self> {
-        Ok(StopMatcher { state: StopState::new(stops).map_err(value_error)? })
+    fn new(stops: Vec<String>) -> Self {
+        PyStopMatcher { matcher: Matcher::new(&stops) }
     }
 
     fn feed(&mut self, text: &str) -> (String, Option<usize>) {
-        self.state.feed(text)
+        self.matcher.feed(text)
     }
 
     fn flush(&mut self) -> String {
-        self.state.flush()
+        self.matcher.flush()
     }
 
     #[getter]
     fn matched(&self) -> Option<usize> {
-        self.state.matched()
+        self.matcher.matched()
     }
 }
 
-/// Splits `<think>` reasoning from content in a text stream (see reasoning.rs).
-#[pyclass(module = "pyserve._rust")]
-struct ReasoningSplitter {
-    state: ReasoningState,
+/// Splits `<think>` reasoning from content in a text stream (see chat/reasoning.rs).
+#[pyclass(name = "ReasoningSplitter", module = "pyserve._rust")]
+struct PyReasoningSplitter {
+    splitter: Splitter,
 }
 
 #[pymethods]
-impl ReasoningSplitter {
+impl PyReasoningSplitter {
     #[new]
-    #[pyo3(signature = (start = "<think>".to_string(), end = "</think>".to_string(), in_reasoning = false))]
-    fn new(start: String, end: String, in_reasoning: bool) -> PyResult<Self> {
-        Ok(ReasoningSplitter { state: ReasoningState::new(start, end, in_reasoning).map_err(value_error)? })
+    #[pyo3(signature = (start = "<think>", end = "</think>", in_reasoning = false))]
+    fn new(start: &str, end: &str, in_reasoning: bool) -> PyResult<Self> {
+        Ok(PyReasoningSplitter { splitter: Splitter::new(start, end, in_reasoning).map_err(value_error)? })
     }
 
     fn feed(&mut self, text: &str) -> (String, String) {
-        self.state.feed(text)
+        self.splitter.feed(text)
     }
 
     fn flush(&mut self) -> (String, String) {
-        self.state.flush()
+        self.splitter.flush()
     }
+
+    #[getter]
+    fn in_reasoning(&self) -> bool {
+        self.splitter.in_reasoning()
+    }
+}
+
+/// OpenAI message content (None, a string, or a list of parts) as one
+/// string (see chat/content.rs).
+#[pyfunction]
+fn content_text(content: &Bound<'_, PyAny>) -> PyResult<String> {
+    if content.is_none() {
+        return Ok(String::new());
+    }
+    if let Ok(text) = content.downcast::<PyString>() {
+        return Ok(text.to_str()?.to_owned());
+    }
+    let malformed = || value_error("message content must be a string or a list of content parts");
+    let items: Vec<Bound<'_, PyDict>> = content.extract().map_err(|_| malformed())?;
+    let mut fields: Vec<(String, Option<String>)> = Vec::with_capacity(items.len());
+    for item in &items {
+        let field = |key: &str| -> PyResult<Option<String>> {
+            match item.get_item(key)? {
+                Some(v) if !v.is_none() => v.extract().map(Some).map_err(|_| malformed()),
+                _ => Ok(None),
+            }
+        };
+        fields.push((field("type")?.ok_or_else(malformed)?, field("text")?));
+    }
+    let parts: Vec<Part<'_>> = fields.iter().map(|(kind, text)| Part { kind, text: text.as_deref() }).collect();
+    join_parts(&parts).map_err(value_error)
 }
 
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<Tokenizer>()?;
-    m.add_class::<DecodeStream>()?;
-    m.add_class::<StopMatcher>()?;
-    m.add_class::<ReasoningSplitter>()?;
+    m.add_class::<PyTokenizer>()?;
+    m.add_class::<PyDecodeStream>()?;
+    m.add_class::<PyStopMatcher>()?;
+    m.add_class::<PyReasoningSplitter>()?;
+    m.add_function(wrap_pyfunction!(content_text, m)?)?;
     Ok(())
 }

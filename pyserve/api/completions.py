@@ -46,7 +46,7 @@ async def create(ctx: ServingContext, req: CompletionRequest):
         logit_bias=req.logit_bias, seed=req.seed, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        vocab_size=ctx.engine.vocab_size,
+        vocab_size=ctx.engine.vocab_size, default_max_tokens=ctx.default_max_tokens,
     )
     for ids in prompts:
         check_context(len(ids), req.max_tokens, ctx.engine.context_len, where="prompt")

@@ -27,6 +27,7 @@ class ServingContext:
     served_model_name: str
     chat_template: ChatTemplate | None
     reasoning_parser: str | None = None
+    default_max_tokens: int | None = None
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,98 @@
+"""Shared fixtures: the embedded model, tiny random models, a live server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pyserve.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random Llama with the default model's real tokenizer files."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=default_model_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m pyserve` in a subprocess, as a user would start it."""
+
+    def __init__(self, *args: str, timeout: float = 120.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pyserve-test-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pyserve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pyserve exited early:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"pyserve did not become ready:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The real server on the embedded default model. Requests that set no
+    max_tokens (as some seeds do) are capped so a rambling answer from the
+    small model cannot stall the suite."""
+    srv = ServerProcess("--default-max-tokens", "200")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{server.base_url}/v1", timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model_name(client) -> str:
+    return client.models.list().data[0].id

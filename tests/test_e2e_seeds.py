@@ -1,0 +1,156 @@
+"""The user's own examples (../shared/seeds, the cells before "Batches"),
+run unchanged with the official openai client against a real pyserve on
+the embedded model. Only the model name is substituted."""
+
+from __future__ import annotations
+
+import pytest
+
+HISTORIAN = [
+    {"role": "system", "content": "You are a knowledgeable historian who provides concise responses."},
+    {"role": "user", "content": "Tell me about ancient Rome"},
+    {"role": "assistant", "content": "Ancient Rome was a civilization centered in Italy."},
+    {"role": "user", "content": "What were their major achievements?"},
+]
+
+# Every distinct chat call in the seeds, keyword arguments as written there.
+CHAT_CALLS = {
+    "capitals": dict(messages=[{"role": "user", "content": "List 3 countries and their capitals."}],
+                     temperature=0, max_tokens=64),
+    "capitals-system": dict(messages=[{"role": "system", "content": "You are a helpful AI assistant"},
+                                      {"role": "user", "content": "List 3 countries and their capitals."}],
+                            temperature=0, max_tokens=64),
+    "historian-128": dict(messages=HISTORIAN, temperature=0.3, max_tokens=128, top_p=0.95,
+                          presence_penalty=0.2, frequency_penalty=0.2, n=1, seed=42),
+    "historian-100-stop": dict(messages=HISTORIAN, temperature=0.3, max_tokens=100, top_p=0.95,
+                               stop=["\n\n"], presence_penalty=0.2, frequency_penalty=0.2, n=1, seed=42),
+    "say-test": dict(messages=[{"role": "user", "content": "Say this is a test"}]),
+}
+
+COMPLETION_CALLS = {
+    "capitals": dict(prompt="List 3 countries and their capitals.", temperature=0, max_tokens=64, n=1, stop=None),
+    "story": dict(prompt="Write a short story about a space explorer.", temperature=0.7, max_tokens=150,
+                  top_p=0.9, presence_penalty=0.3, frequency_penalty=0.3, n=1, seed=123,
+                  stop=["\n\n", "THE END"]),
+}
+
+
+def stream_chat_text(client, **kwargs) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def check_usage(usage, max_tokens):
+    assert usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if max_tokens is not None:
+        assert 1 <= usage.completion_tokens <= max_tokens
+
+
+@pytest.mark.parametrize("name", list(CHAT_CALLS))
+def test_seed_chat_call(client, model_name, name):
+    kwargs = dict(CHAT_CALLS[name], model=model_name)
+    response = client.chat.completions.create(**kwargs)
+    choice = response.choices[0]
+    assert response.object == "chat.completion"
+    assert response.model == model_name
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    check_usage(response.usage, kwargs.get("max_tokens"))
+    if choice.finish_reason == "length":
+        assert response.usage.completion_tokens == kwargs["max_tokens"]
+    for stop in kwargs.get("stop") or []:
+        assert stop not in choice.message.content
+
+
+@pytest.mark.parametrize("name", ["historian-100-stop", "say-test"])
+def test_seed_chat_call_streamed(client, model_name, name):
+    """The seeds print `chunk.choices[0].delta.content` for every chunk."""
+    kwargs = dict(CHAT_CALLS[name], model=model_name)
+    text, chunks = stream_chat_text(client, **kwargs)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks].count(None) == len(chunks) - 1
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert text
+    for stop in kwargs.get("stop") or []:
+        assert stop not in text
+
+
+@pytest.mark.parametrize("name", ["capitals", "capitals-system", "say-test"])
+def test_streamed_chat_equals_non_streamed_at_temperature_0(client, model_name, name):
+    kwargs = dict(CHAT_CALLS[name], model=model_name, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed, _ = stream_chat_text(client, **kwargs)
+    assert streamed == whole
+
+
+@pytest.mark.parametrize("name", list(COMPLETION_CALLS))
+def test_seed_completion_call(client, model_name, name):
+    kwargs = dict(COMPLETION_CALLS[name], model=model_name)
+    response = client.completions.create(**kwargs)
+    choice = response.choices[0]
+    assert response.object == "text_completion"
+    assert choice.text or choice.finish_reason == "stop"  # the model may end at once
+    assert choice.finish_reason in ("stop", "length")
+    check_usage(response.usage, kwargs["max_tokens"])
+    for stop in kwargs.get("stop") or []:
+        assert stop not in choice.text
+    if choice.finish_reason == "stop" and kwargs.get("stop"):
+        assert choice.matched_stop in kwargs["stop"] or isinstance(choice.matched_stop, int)
+
+
+@pytest.mark.parametrize("name", list(COMPLETION_CALLS))
+def test_streamed_completion_equals_non_streamed_at_temperature_0(client, model_name, name):
+    kwargs = dict(COMPLETION_CALLS[name], model=model_name, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    for stop in kwargs.get("stop") or []:
+        assert stop not in whole
+
+
+def test_seeded_sampling_is_reproducible(client, model_name):
+    kwargs = dict(CHAT_CALLS["historian-128"], model=model_name, max_tokens=24)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    again = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert first == again
+
+
+def test_n_choices_are_independent(client, model_name):
+    response = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a color."}],
+        n=3, temperature=1.0, seed=7, max_tokens=12,
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    # completion tokens add up over choices; the prompt counts once
+    assert 3 <= response.usage.completion_tokens <= 3 * 12
+    single = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a color."}], max_tokens=1)
+    assert response.usage.prompt_tokens == single.usage.prompt_tokens
+    assert len({c.message.content for c in response.choices}) > 1
+
+
+def test_reasoning_example_runs(client, model_name):
+    """The seeds' enable_thinking + separate_reasoning request: SmolLM2 does
+    not think, so without a reasoning parser the answer is all content."""
+    response = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "9.11 and 9.8, which is greater?"}],
+        max_tokens=32,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True},
+    )
+    message = response.choices[0].message
+    assert message.content
+    assert getattr(message, "reasoning_content", None) is None
+
+
+def test_embedded_model_answers_sensibly(client, model_name):
+    """The converted embedded model is a working instruct model."""
+    response = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=32,
+    )
+    assert "Paris" in response.choices[0].message.content

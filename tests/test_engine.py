@@ -1,0 +1,164 @@
+"""The engine on a tiny random model: batching, sampling, stops, aborts, and
+KV slots that always come back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import GenerateRequest, SamplingParams
+from pyserve.server_args import ServerArgs
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started_engine(model_dir, **kwargs) -> Engine:
+    kwargs.setdefault("max_total_tokens", 4096)
+    engine = Engine(ServerArgs(model_path=str(model_dir), **kwargs))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: Engine, ids, **params):
+    text, tokens, last = "", [], None
+    async for out in engine.generate(GenerateRequest(ids, SamplingParams(**params))):
+        text += out.text
+        tokens += out.token_ids
+        last = out
+    return text, tokens, last
+
+
+PROMPTS = [[5, 17, 99], [42] * 9, list(range(100, 131)), [7], [300, 301, 302, 303, 304]]
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        alone = [await collect(engine, p, max_new_tokens=10, temperature=0, ignore_eos=True) for p in PROMPTS]
+        together = await asyncio.gather(
+            *[collect(engine, p, max_new_tokens=10, temperature=0, ignore_eos=True) for p in PROMPTS]
+        )
+        engine.check_integrity()
+        await engine.shutdown()
+        return alone, together
+
+    alone, together = run(main())
+    assert [t[1] for t in alone] == [t[1] for t in together]
+    assert all(len(t[1]) == 10 and t[2].finish_reason == "length" for t in together)
+
+
+def test_seed_reproduces_and_differs(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        args = dict(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+        a = await collect(engine, PROMPTS[0], seed=1, **args)
+        # the same seed inside a busy batch gives the same tokens
+        b, *_ = await asyncio.gather(
+            collect(engine, PROMPTS[0], seed=1, **args),
+            collect(engine, PROMPTS[1], **args),
+            collect(engine, PROMPTS[2], seed=5, **args),
+        )
+        c = await collect(engine, PROMPTS[0], seed=2, **args)
+        await engine.shutdown()
+        return a[1], b[1], c[1]
+
+    a, b, c = run(main())
+    assert a == b
+    assert a != c
+
+
+def test_stop_string_is_cut_and_never_emitted(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        text, _, _ = await collect(engine, PROMPTS[2], max_new_tokens=24, temperature=0, ignore_eos=True)
+        # stop on a piece of what the model says anyway
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        cut, _, last = await collect(engine, PROMPTS[2], max_new_tokens=24, temperature=0,
+                                     ignore_eos=True, stop=[stop])
+        await engine.shutdown()
+        return text, stop, cut, last
+
+    text, stop, cut, last = run(main())
+    assert stop and stop not in cut
+    assert cut == text[: text.index(stop)]
+    assert last.finish_reason == "stop" and last.matched_stop == stop
+
+
+def test_stop_token_id_ends_generation(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        _, tokens, _ = await collect(engine, PROMPTS[1], max_new_tokens=12, temperature=0, ignore_eos=True)
+        _, cut, last = await collect(engine, PROMPTS[1], max_new_tokens=12, temperature=0,
+                                     ignore_eos=True, stop_token_ids=[tokens[4]])
+        await engine.shutdown()
+        return tokens, cut, last
+
+    tokens, cut, last = run(main())
+    first = tokens.index(tokens[4])
+    assert cut == tokens[: first + 1]
+    assert last.finish_reason == "stop" and last.matched_stop == tokens[4]
+
+
+def test_aborted_request_frees_its_slots(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        pool = engine.runner.kv_pool
+        gen = engine.generate(GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=500, ignore_eos=True)))
+        for _ in range(3):
+            await gen.__anext__()
+        assert pool.num_free < pool.capacity
+        await gen.aclose()  # the client went away
+        engine.check_integrity()
+        freed = pool.num_free == pool.capacity
+        # the engine keeps serving
+        _, tokens, _ = await collect(engine, PROMPTS[0], max_new_tokens=4, ignore_eos=True)
+        await engine.shutdown()
+        return freed, tokens
+
+    freed, tokens = run(main())
+    assert freed
+    assert len(tokens) == 4
+
+
+def test_tiny_pool_with_many_requests_retracts_and_finishes_correctly(tiny_llama_dir):
+    """64 requests against room for a handful: all finish, same greedy text."""
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + (i % 7)] for i in range(64)]
+
+    async def main():
+        reference = await started_engine(tiny_llama_dir)
+        expected = [(await collect(reference, p, max_new_tokens=12, temperature=0, ignore_eos=True))[1]
+                    for p in prompts[:8]]
+        await reference.shutdown()
+        engine = await started_engine(tiny_llama_dir, max_total_tokens=60)
+        results = await asyncio.gather(
+            *[collect(engine, p, max_new_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
+        )
+        engine.check_integrity()
+        pool_full = engine.runner.kv_pool.num_free == engine.runner.kv_pool.capacity
+        await engine.shutdown()
+        return expected, results, pool_full
+
+    expected, results, pool_full = run(main())
+    assert all(len(r[1]) == 12 for r in results)
+    assert [r[1] for r in results[:8]] == expected
+    assert pool_full
+
+
+def test_prompt_that_cannot_fit_is_refused(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir, context_length=16)
+        with pytest.raises(ValueError, match="context length"):
+            engine.validate(GenerateRequest(list(range(3, 40))))
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.validate(GenerateRequest([engine.vocab_size + 5]))
+        # max_new_tokens is clipped to the context: it ends with "length"
+        _, tokens, last = await collect(engine, list(range(3, 13)), max_new_tokens=100, ignore_eos=True)
+        await engine.shutdown()
+        return tokens, last
+
+    tokens, last = run(main())
+    assert len(tokens) == 6 and last.finish_reason == "length"
