@@ -27,6 +27,9 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=default_model_dir)
 
 
+SERVER_DEFAULT_MAX_TOKENS = 200
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +84,7 @@ def server():
     """The real server on the embedded default model. Requests that set no
     max_tokens (as some seeds do) are capped so a rambling answer from the
     small model cannot stall the suite."""
-    srv = ServerProcess("--default-max-tokens", "200")
+    srv = ServerProcess("--default-max-tokens", str(SERVER_DEFAULT_MAX_TOKENS))
     yield srv
     srv.stop()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import SERVER_DEFAULT_MAX_TOKENS
+
 HISTORIAN = [
     {"role": "system", "content": "You are a knowledgeable historian who provides concise responses."},
     {"role": "user", "content": "Tell me about ancient Rome"},
@@ -58,9 +60,10 @@ def test_seed_chat_call(client, model_name, name):
     assert choice.message.role == "assistant"
     assert choice.message.content
     assert choice.finish_reason in ("stop", "length")
-    check_usage(response.usage, kwargs.get("max_tokens"))
+    max_tokens = kwargs.get("max_tokens", SERVER_DEFAULT_MAX_TOKENS)
+    check_usage(response.usage, max_tokens)
     if choice.finish_reason == "length":
-        assert response.usage.completion_tokens == kwargs["max_tokens"]
+        assert response.usage.completion_tokens == max_tokens
     for stop in kwargs.get("stop") or []:
         assert stop not in choice.message.content
 
