@@ -40,6 +40,7 @@ def _routes() -> dict[tuple[str, str], Route]:
         ("GET", "/v1/models"): Route(native.models),
         ("POST", "/generate"): Route(native.generate, NativeGenerateRequest),
         ("GET", "/get_model_info"): Route(native.model_info),
+        ("GET", "/get_server_info"): Route(native.server_info),
         ("GET", "/version"): Route(lambda ctx: native.version()),
         ("GET", "/health"): Route(lambda ctx: None, public=True),
     }

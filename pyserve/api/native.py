@@ -47,6 +47,19 @@ def model_info(ctx: ServingContext) -> dict:
     }
 
 
+def server_info(ctx: ServingContext) -> dict:
+    """Live engine state, for operators and for tests that check nothing leaked."""
+    engine = ctx.engine
+    pool = engine.runner.kv_pool
+    return {
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+        "kv_tokens_total": pool.capacity,
+        "kv_tokens_free": pool.num_free,
+        "context_length": engine.context_len,
+    }
+
+
 def _params(ctx: ServingContext, raw: dict | None):
     raw = dict(raw or {})
     unknown = sorted(set(raw) - set(_SAMPLING_KEYS))
