@@ -157,3 +157,32 @@ def test_embedded_model_answers_sensibly(client, model_name):
         temperature=0, max_tokens=32,
     )
     assert "Paris" in response.choices[0].message.content
+
+
+def test_stream_usage_chunk_and_n_choices_when_streaming(client, model_name):
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8,
+        n=2, seed=3, stream=True, stream_options={"include_usage": True},
+    ))
+    usage_chunks = [c for c in chunks if not c.choices]
+    assert len(usage_chunks) == 1 and chunks[-1] is usage_chunks[0]
+    usage = usage_chunks[0].usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    finished = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(c.index for c in finished) == [0, 1]
+    produced = {0: "", 1: ""}
+    for c in chunks:
+        if c.choices:
+            produced[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert all(produced.values())
+
+
+def test_completion_prompt_forms(client, model_name):
+    ids = client.completions.create(model=model_name, prompt="Hello", max_tokens=1).usage.prompt_tokens
+    batch = client.completions.create(model=model_name, prompt=["Hello", "The sky is"], max_tokens=3,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    echoed = client.completions.create(model=model_name, prompt="The sky is", max_tokens=3, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "The sky is" + batch.choices[1].text
+    assert ids >= 1
