@@ -162,3 +162,16 @@ def test_prompt_that_cannot_fit_is_refused(tiny_llama_dir):
 
     tokens, last = run(main())
     assert len(tokens) == 6 and last.finish_reason == "length"
+
+
+def test_sequence_longer_than_the_whole_pool_ends_with_length(tiny_llama_dir):
+    async def main():
+        engine = await started_engine(tiny_llama_dir, max_total_tokens=20)
+        _, tokens, last = await collect(engine, [5, 6, 7, 8], max_new_tokens=100, ignore_eos=True)
+        engine.check_integrity()
+        await engine.shutdown()
+        return tokens, last
+
+    tokens, last = run(main())
+    assert last.finish_reason == "length"
+    assert 4 + len(tokens) <= 21

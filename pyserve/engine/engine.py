@@ -146,6 +146,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             step = self.scheduler.schedule()
+            if step is None and self.scheduler.running:
+                # Sequences that cannot grow even with the whole KV pool.
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, self._processors[seq.rid].out_of_memory())
+                continue
             if step is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -166,16 +171,20 @@ class Engine:
         for seq, token_id in zip(step.seqs, next_ids):
             if seq.aborted:  # aborted while its forward ran
                 continue
-            proc = self._processors[seq.rid]
-            out = proc.append(token_id)
+            out = self._processors[seq.rid].append(token_id)
             if out.finished:
-                seq.finished = True
-                self._processors.pop(seq.rid)
-                self.scheduler.release(seq)
-            seq.outputs.put_nowait(out)
+                self._finish(seq, out)
+            else:
+                seq.outputs.put_nowait(out)
         if not step.is_prefill:
             self._decode_steps += 1
             self._decode_tokens += len(step.seqs)
+
+    def _finish(self, seq: Sequence, last: GenerateOutput) -> None:
+        seq.finished = True
+        self._processors.pop(seq.rid)
+        self.scheduler.release(seq)
+        seq.outputs.put_nowait(last)
 
     def _log_step(self, step: ScheduledStep) -> None:
         s = self.scheduler

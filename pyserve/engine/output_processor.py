@@ -60,5 +60,10 @@ class OutputProcessor:
             return text
         return text + self.stops.flush()
 
+    def out_of_memory(self) -> GenerateOutput:
+        """The KV cache cannot hold this sequence's next token: end it as
+        if it reached its length limit."""
+        return self._output(self._flush(), finished=True, finish_reason="length")
+
     def abort(self) -> GenerateOutput:
         return self._output("", finished=True, finish_reason="abort")
