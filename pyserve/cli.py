@@ -27,10 +27,13 @@ async def serve(args: ServerArgs) -> None:
     from granian.server.embed import Server
 
     from pyserve.api.app import App
+    from pyserve.api.batch_runner import BatchManager
     from pyserve.api.serving import ServingContext
     from pyserve.chat_template import ChatTemplate
     from pyserve.default_model import DEFAULT_MODEL_NAME
     from pyserve.engine.engine import Engine
+    from pyserve.storage.batches import BatchStore
+    from pyserve.storage.files import FileStore
 
     log = logging.getLogger("pyserve")
     started = time.perf_counter()
@@ -39,7 +42,10 @@ async def serve(args: ServerArgs) -> None:
     template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
     name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
     ctx = ServingContext(engine, name, template, args.reasoning_parser, args.default_max_tokens)
+    ctx.files = FileStore(args.file_storage_path, args.max_upload_size)
+    ctx.batches = BatchManager(ctx, ctx.files, BatchStore(args.file_storage_path), args.batch_concurrency)
     await engine.start()
+    ctx.batches.start()
     server = Server(
         App(ctx, args.api_key),
         address=args.host,
@@ -55,6 +61,7 @@ async def serve(args: ServerArgs) -> None:
     try:
         await server.serve()
     finally:
+        await ctx.batches.shutdown()
         await engine.shutdown()
         log.info("pyserve stopped")
 

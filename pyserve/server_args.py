@@ -25,6 +25,8 @@ class ServerArgs:
     default_max_tokens: int | None = None  # when a request sets none: up to the context length
     random_seed: int = 0
     file_storage_path: str = "pyserve_storage"
+    max_upload_size: int = 512 << 20  # bytes
+    batch_concurrency: int = 8  # requests of all batches in flight at once
 
     @staticmethod
     def parser() -> argparse.ArgumentParser:
@@ -55,7 +57,12 @@ class ServerArgs:
         p.add_argument("--default-max-tokens", type=int, default=None,
                        help="max_tokens for requests that set none (default: up to the context length)")
         p.add_argument("--random-seed", type=int, default=ServerArgs.random_seed)
-        p.add_argument("--file-storage-path", default=ServerArgs.file_storage_path)
+        p.add_argument("--file-storage-path", default=ServerArgs.file_storage_path,
+                       help="where /v1/files and /v1/batches keep their data")
+        p.add_argument("--max-upload-size", type=int, default=ServerArgs.max_upload_size,
+                       help="largest accepted upload, in bytes")
+        p.add_argument("--batch-concurrency", type=int, default=ServerArgs.batch_concurrency,
+                       help="batch requests in flight at once (they run below interactive ones)")
         return p
 
     @classmethod

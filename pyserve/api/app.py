@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import chat, completions, native
+from pyserve.api import batches, chat, completions, files, native
 from pyserve.api.errors import APIError, from_msgspec
-from pyserve.api.http import EventStream, Request, Response, error_response, json_response
+from pyserve.api.http import EventStream, FileResponse, Request, Response, error_response, json_response
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
 from pyserve.api.serving import ServingContext
 
@@ -30,30 +30,52 @@ logger = logging.getLogger("pyserve.http")
 class Route:
     handler: Callable[..., Any]
     body_type: type | None = None  # msgspec Struct to decode the body into
+    raw: bool = False  # the handler reads the Request itself (uploads, query strings)
     public: bool = False  # answered without an API key
 
 
-def _routes() -> dict[tuple[str, str], Route]:
-    return {
-        ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
-        ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
-        ("GET", "/v1/models"): Route(native.models),
-        ("POST", "/generate"): Route(native.generate, NativeGenerateRequest),
-        ("GET", "/get_model_info"): Route(native.model_info),
-        ("GET", "/get_server_info"): Route(native.server_info),
-        ("GET", "/version"): Route(lambda ctx: native.version()),
-        ("GET", "/health"): Route(lambda ctx: None, public=True),
-    }
+# Path segments in braces are handed to the handler as keyword arguments.
+ROUTES: dict[tuple[str, str], Route] = {
+    ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
+    ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
+    ("GET", "/v1/models"): Route(native.models),
+    ("POST", "/v1/files"): Route(files.upload, raw=True),
+    ("GET", "/v1/files"): Route(files.list_files, raw=True),
+    ("GET", "/v1/files/{file_id}"): Route(files.retrieve),
+    ("DELETE", "/v1/files/{file_id}"): Route(files.delete),
+    ("GET", "/v1/files/{file_id}/content"): Route(files.content),
+    ("POST", "/v1/batches"): Route(batches.create, batches.CreateBatchRequest),
+    ("GET", "/v1/batches"): Route(batches.list_batches, raw=True),
+    ("GET", "/v1/batches/{batch_id}"): Route(batches.retrieve),
+    ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel),
+    ("POST", "/generate"): Route(native.generate, NativeGenerateRequest),
+    ("GET", "/get_model_info"): Route(native.model_info),
+    ("GET", "/get_server_info"): Route(native.server_info),
+    ("GET", "/version"): Route(lambda ctx: native.version()),
+    ("GET", "/health"): Route(lambda ctx: None, public=True),
+}
+
+
+def match_path(pattern: str, path: str) -> dict[str, str] | None:
+    want, got = pattern.split("/"), path.split("/")
+    if len(want) != len(got):
+        return None
+    params = {}
+    for w, g in zip(want, got):
+        if w.startswith("{"):
+            if not g:
+                return None
+            params[w[1:-1]] = g
+        elif w != g:
+            return None
+    return params
 
 
 class App:
     def __init__(self, ctx: ServingContext, api_key: str | None = None):
         self.ctx = ctx
         self.api_key = api_key
-        self.routes = _routes()
-        self.decoders = {
-            r.body_type: msgspec.json.Decoder(r.body_type) for r in self.routes.values() if r.body_type
-        }
+        self.decoders = {r.body_type: msgspec.json.Decoder(r.body_type) for r in ROUTES.values() if r.body_type}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -72,14 +94,21 @@ class App:
         await self._respond(request, response, send)
 
     async def _dispatch(self, request: Request):
-        route = self.routes.get((request.method, request.path))
+        route, params, path_known = None, {}, False
+        for (method, pattern), candidate in ROUTES.items():
+            found = match_path(pattern, request.path)
+            if found is not None:
+                path_known = True
+                if method == request.method:
+                    route, params = candidate, found
+                    break
         if route is None:
-            if any(path == request.path for _, path in self.routes):
+            if path_known:
                 raise APIError(f"method {request.method} is not allowed on {request.path}", 405)
             raise APIError(f"no route {request.method} {request.path}", 404, code="not_found")
         if self.api_key and not route.public:
             self._authorize(request)
-        args = []
+        args: list = [request] if route.raw else []
         if route.body_type is not None:
             body = await request.body()
             try:
@@ -87,7 +116,11 @@ class App:
             except msgspec.DecodeError as e:
                 raise from_msgspec(e) from None
         # Generation can take long: if the client leaves, stop working for it.
-        work = asyncio.ensure_future(_call(route.handler, self.ctx, *args))
+        if route.raw:
+            # The handler reads the body itself, so nothing else may
+            # receive() meanwhile; an upload ends when its body does.
+            return to_response(await _call(route.handler, self.ctx, *args, **params))
+        work = asyncio.ensure_future(_call(route.handler, self.ctx, *args, **params))
         watcher = asyncio.ensure_future(request.wait_disconnect())
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -101,7 +134,7 @@ class App:
         if isinstance(result, AsyncIterator):
             return _Streaming(result, watcher)
         watcher.cancel()
-        return Response(200, b"") if result is None else json_response(result)
+        return to_response(result)
 
     def _authorize(self, request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -121,8 +154,16 @@ class App:
                     request.scope.get("http_version", "1.1"), response.status)
 
 
-async def _call(handler, *args):
-    result = handler(*args)
+def to_response(result):
+    if result is None:
+        return Response(200, b"")
+    if isinstance(result, FileResponse):
+        return result
+    return json_response(result)
+
+
+async def _call(handler, *args, **kwargs):
+    result = handler(*args, **kwargs)
     if asyncio.iscoroutine(result):
         result = await result
     return result

@@ -76,10 +76,10 @@ def _splitter(ctx: ServingContext, req: ChatCompletionRequest) -> ReasoningSplit
     return ReasoningSplitter(start, end, opened)
 
 
-async def create(ctx: ServingContext, req: ChatCompletionRequest):
+async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
     prompt_ids, params = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
-    requests = choice_requests(prompt_ids, params, req.n, rid)
+    requests = choice_requests(prompt_ids, params, req.n, rid, priority)
     if req.stream:
         return _stream(ctx, req, requests, rid)
     texts = [""] * req.n

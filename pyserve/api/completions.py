@@ -30,7 +30,7 @@ def prompt_id_lists(ctx: ServingContext, prompt) -> list[list[int]]:
     return prompts
 
 
-async def create(ctx: ServingContext, req: CompletionRequest):
+async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0):
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.logprobs:
@@ -54,7 +54,7 @@ async def create(ctx: ServingContext, req: CompletionRequest):
     # Choice index = prompt index * n + sample index, as OpenAI numbers them.
     requests = []
     for p, ids in enumerate(prompts):
-        requests += choice_requests(ids, params, req.n, f"{rid}-{p}" if len(prompts) > 1 else rid)
+        requests += choice_requests(ids, params, req.n, f"{rid}-{p}" if len(prompts) > 1 else rid, priority)
     echoes = [ctx.engine.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)

@@ -36,6 +36,16 @@ class Request:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    async def stream(self):
+        """The body chunk by chunk, for uploads that must not sit in memory."""
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError("client disconnected")
+            yield message.get("body", b"")
+            if not message.get("more_body", False):
+                return
+
     async def wait_disconnect(self) -> None:
         while (await self.receive())["type"] != "http.disconnect":
             pass
@@ -55,6 +65,22 @@ class Response:
                         (b"content-length", str(len(self.body)).encode())],
         })
         await send({"type": "http.response.body", "body": self.body})
+
+
+class FileResponse:
+    """A file's bytes, streamed from disk chunk by chunk."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], content_type: str = "application/octet-stream"):
+        self.status = 200
+        self.chunks = chunks
+        self.content_type = content_type
+
+    async def send(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", self.content_type.encode())]})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
 
 def json_response(obj, status: int = 200) -> Response:

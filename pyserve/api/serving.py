@@ -8,11 +8,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pyserve.api.errors import APIError, bad_request
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from pyserve.api.batch_runner import BatchManager
+    from pyserve.storage.files import FileStore
 
 # Reasoning parsers: (start marker, end marker, does the template open it?)
 REASONING_PARSERS = {
@@ -28,6 +33,8 @@ class ServingContext:
     chat_template: ChatTemplate | None
     reasoning_parser: str | None = None
     default_max_tokens: int | None = None
+    files: "FileStore | None" = None
+    batches: "BatchManager | None" = None
 
 
 def new_id(prefix: str) -> str:
@@ -47,13 +54,15 @@ def check_prompt_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
         raise bad_request("the prompt is empty", param)
 
 
-def choice_requests(prompt_ids: list[int], params: SamplingParams, n: int, rid: str) -> list[GenerateRequest]:
+def choice_requests(
+    prompt_ids: list[int], params: SamplingParams, n: int, rid: str, priority: int = 0
+) -> list[GenerateRequest]:
     """n independent requests; with a seed, choice i uses seed + i so the
     choices differ yet stay reproducible."""
     out = []
     for i in range(n):
         p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-        out.append(GenerateRequest(input_ids=prompt_ids, params=p, rid=f"{rid}-{i}" if n > 1 else rid))
+        out.append(GenerateRequest(prompt_ids, p, f"{rid}-{i}" if n > 1 else rid, priority))
     return out
 
 

@@ -114,7 +114,7 @@ class Engine:
             req.params,
             max_new_tokens=min(req.params.max_new_tokens, self.context_len - len(req.input_ids)),
         )
-        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params)
+        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self._processors[seq.rid] = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)

@@ -31,6 +31,11 @@ class GenerateRequest:
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Lower runs first: interactive requests are 0, batch jobs BATCH_PRIORITY.
+    priority: int = 0
+
+
+BATCH_PRIORITY = 1
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 Each step is either a prefill of newly admitted sequences or one decode
 step for every running sequence. New requests are admitted first-come
-first-served while there is room (running-request cap, prefill token budget,
-KV slots). When decode runs out of KV slots, the newest running sequence is
-retracted: its slots are freed and it goes back to the head of the queue,
+first-served within their priority (interactive before batch jobs) while
+there is room (running-request cap, prefill token budget,
+KV slots). When decode runs out of KV slots, the newest running sequence of the
+lowest priority is retracted: its slots are freed and it goes back to the head of the queue,
 to be recomputed (prompt + tokens so far) when room returns.
 """
 
@@ -69,7 +70,7 @@ class Scheduler:
         admitted_slots: list[torch.Tensor] = []
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             need = len(seq.uncached_ids)
             if admitted and need > budget:
                 break
@@ -81,7 +82,7 @@ class Scheduler:
             slots = self.kv_pool.alloc(need)
             if slots is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             admitted.append(seq)
             admitted_slots.append(slots)
             budget -= need
@@ -96,9 +97,15 @@ class Scheduler:
             if len(self.running) == 1:
                 # A lone sequence that no longer fits the whole pool.
                 return None
-            self._retract(self.running[-1])
+            # running is in admission order: the last of the max priority
+            # value is the newest of the least urgent.
+            self._retract(max(reversed(self.running), key=lambda s: s.priority))
         slots = [self.kv_pool.alloc(1) for _ in self.running]
         return self._build(list(self.running), slots, is_prefill=False)
+
+    def _next_waiting(self) -> Sequence:
+        """The oldest waiting sequence of the most urgent priority."""
+        return min(self.waiting, key=lambda s: s.priority)
 
     def _retract(self, seq: Sequence) -> None:
         logger.info("KV cache full: retracting request %s (%d tokens)", seq.rid, seq.num_tokens)

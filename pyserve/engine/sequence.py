@@ -15,6 +15,7 @@ class Sequence:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0
     output_ids: list[int] = field(default_factory=list)
     # KV slots of the tokens already in the cache, in order.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))

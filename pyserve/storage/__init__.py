@@ -1,0 +1,1 @@
+"""Persistent state: uploaded files and batch records."""
