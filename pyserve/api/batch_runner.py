@@ -87,7 +87,7 @@ class BatchManager:
             raise APIError(f"no batch with id {batch_id!r}", 404, code="batch_not_found") from None
 
     def list(self) -> list[dict]:
-        return sorted(self.records.values(), key=lambda r: (r["created_at"], r["id"]), reverse=True)
+        return sorted(self.records.values(), key=lambda r: r["id"], reverse=True)  # newest first
 
     async def cancel(self, batch_id: str) -> dict:
         record = self.get(batch_id)

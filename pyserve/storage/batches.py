@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from pathlib import Path
+
+from pyserve.storage.files import time_ordered_hex
 
 BATCH_ID = re.compile(r"^batch_[0-9a-f]{24}$")
 
@@ -22,7 +23,7 @@ class BatchNotFound(KeyError):
 
 
 def new_batch_id() -> str:
-    return f"batch_{uuid.uuid4().hex[:24]}"
+    return f"batch_{time_ordered_hex()}"
 
 
 class BatchStore:

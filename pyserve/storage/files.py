@@ -31,8 +31,13 @@ class FileTooLarge(ValueError):
     pass
 
 
+def time_ordered_hex() -> str:
+    """24 hex digits that sort in creation order: nanoseconds, then random."""
+    return f"{time.time_ns():016x}"[-16:] + uuid.uuid4().hex[:8]
+
+
 def new_file_id() -> str:
-    return f"file-{uuid.uuid4().hex[:24]}"
+    return f"file-{time_ordered_hex()}"
 
 
 class FileStore:
@@ -120,7 +125,7 @@ class FileStore:
                 continue
             if purpose is None or meta["purpose"] == purpose:
                 out.append(meta)
-        out.sort(key=lambda m: (m["created_at"], m["id"]), reverse=True)
+        out.sort(key=lambda m: m["id"], reverse=True)  # ids sort by creation time
         return out
 
     def data_path(self, file_id: str) -> Path:
