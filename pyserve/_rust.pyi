@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension `pyserve._rust` (sources in rust/).
 
-Every error (unreadable file, token id outside the vocabulary, malformed
-argument) is raised as ValueError.
+Bad input (an unreadable tokenizer file, a token id outside the
+vocabulary, malformed message content) raises ValueError.
 """
 
 class Tokenizer:
@@ -32,9 +32,9 @@ class DecodeStream:
 
     `prompt_tail` gives a few ids that precede the first generated token so
     that tokenizers which strip a leading space (Metaspace) decode the first
-    token as it reads inside the whole text. For any split of the ids into
-    `step` calls, the concatenated outputs plus `flush()` equal
-    `decode(prompt_tail + ids)` minus `decode(prompt_tail)`.
+    token as it reads inside the whole text. For valid UTF-8 text and any
+    split of the ids into `step` calls, the concatenated outputs plus
+    `flush()` equal `decode(prompt_tail + ids)` minus `decode(prompt_tail)`.
     """
 
     def __init__(

@@ -71,16 +71,6 @@ def load_template_source(model_dir: Path, override: str | None) -> str | None:
     return template
 
 
-def content_text(content) -> str:
-    """OpenAI message content: a string, or a list of parts of which the text
-    parts are joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part["text"] for part in content if part.get("type") == "text" and part.get("text"))
-
-
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str | None]):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -128,7 +118,7 @@ class ChatTemplate:
         if continue_final_message:
             # End the prompt right after the final message's text, so the
             # model continues it instead of starting a new turn.
-            final = content_text(messages[-1].get("content"))
+            final = messages[-1].get("content") or ""
             cut = text.rfind(final) if final else -1
             if cut < 0:
                 raise ChatTemplateError("continue_final_message: the final message is not in the rendered prompt")

@@ -13,23 +13,27 @@
 use crate::tokenizer::Tokenizer;
 
 const REPLACEMENT: char = '\u{FFFD}';
+const REPLACEMENT_LEN: usize = REPLACEMENT.len_utf8();
 
-/// A character is at most 4 bytes, so an incomplete one at the end of the
-/// window spans at most its last 3 ids. Once more than `MAX_PENDING` ids
-/// wait, the window moves on anyway: a trailing U+FFFD before those last
-/// ids is real (invalid bytes), and ids that add no text (skipped special
-/// tokens) need no more waiting. This keeps the window, and so the cost of a
-/// step, bounded whatever the model generates.
+/// How many ids may wait before the window moves on regardless: past this,
+/// a text that still ends in U+FFFD holds invalid bytes (a model's garbage),
+/// and ids that add no text are skipped special tokens. This bounds the
+/// window, and so the cost of a step, whatever the model generates.
 const MAX_PENDING: usize = 8;
-const MAX_INCOMPLETE_IDS: usize = 3;
+/// A character is at most 4 bytes, so an incomplete one at the end of the
+/// text comes from at most the last 3 ids, and decodes to at most 3 U+FFFD
+/// (3 for byte fallback, which replaces each byte; 1 for byte-level).
+const MAX_INCOMPLETE: usize = 3;
 
 pub struct DecodeStream {
-    /// The window: `ids[..read]` is left context already emitted,
-    /// `ids[read..]` is pending.
+    /// The window: `ids[..read]` is left context, `ids[read..]` is pending.
     ids: Vec<u32>,
     read: usize,
     /// decode(ids[..read]), cached: it only changes when the window slides.
     context_text: String,
+    /// Bytes at the end of `context_text` not sent yet: U+FFFD that may
+    /// still turn out to be part of a character.
+    unsent: usize,
     skip_special_tokens: bool,
 }
 
@@ -38,7 +42,7 @@ impl DecodeStream {
     /// only and never emitted.
     pub fn new(tok: &Tokenizer, skip_special_tokens: bool, context: &[u32]) -> Result<Self, String> {
         let context_text = tok.decode(context, skip_special_tokens)?;
-        Ok(DecodeStream { ids: context.to_vec(), read: context.len(), context_text, skip_special_tokens })
+        Ok(DecodeStream { ids: context.to_vec(), read: context.len(), context_text, unsent: 0, skip_special_tokens })
     }
 
     /// Feed new ids; returns the text they complete (maybe empty).
@@ -51,44 +55,54 @@ impl DecodeStream {
             if !overflow {
                 return Ok(String::new());
             }
-            // Emit up to where the text is complete, leaving at most the
-            // last few ids to wait; what ends in U+FFFD before them is real.
-            let mut end = self.ids.len();
-            let mut text = text;
-            while text.ends_with(REPLACEMENT) && end > self.ids.len() - MAX_INCOMPLETE_IDS {
+            // Move on to the last of the final few ids where the text is
+            // complete. Tokens can straddle characters, so there may be none:
+            // then move on a few ids before the end, holding back the U+FFFD
+            // the text ends with there, which may be a character cut short.
+            let (mut end, mut text) = (self.ids.len(), text);
+            while text.ends_with(REPLACEMENT) && end > self.ids.len() - MAX_INCOMPLETE {
                 end -= 1;
                 text = tok.decode(&self.ids[..end], self.skip_special_tokens)?;
             }
-            return self.emit(tok, end, &text);
+            return self.emit(tok, end, &text, trailing_replacements(&text));
         }
-        let added = text.len() > self.context_text.len() || !text.starts_with(&self.context_text);
-        if !added && !overflow {
+        let grew = text.len() > self.context_text.len() || !text.starts_with(&self.context_text);
+        if !grew && !overflow {
             return Ok(String::new());
         }
-        self.emit(tok, self.ids.len(), &text)
+        self.emit(tok, self.ids.len(), &text, 0)
     }
 
     /// End of stream: whatever is still held back, incomplete bytes included.
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, String> {
-        if self.read == self.ids.len() {
+        if self.read == self.ids.len() && self.unsent == 0 {
             return Ok(String::new());
         }
         let text = tok.decode(&self.ids, self.skip_special_tokens)?;
-        self.emit(tok, self.ids.len(), &text)
+        self.emit(tok, self.ids.len(), &text, 0)
     }
 
-    /// Emits what `text`, the text of `ids[..end]`, adds to the context's,
-    /// then slides the window: `ids[read..end]` becomes the new context.
-    fn emit(&mut self, tok: &Tokenizer, end: usize, text: &str) -> Result<String, String> {
-        // Normally the context's text is a prefix of the window's. When the
-        // new ids changed it (an incomplete character in a prompt tail now
-        // completed), the part that differs was never sent: send it now.
-        let delta = text[common_prefix_len(&self.context_text, text)..].to_string();
+    /// Emits `text`, the text of `ids[..end]`, from where the sent text ends
+    /// to `hold` bytes before its end; then slides the window: `ids[read..end]`
+    /// becomes the new context.
+    fn emit(&mut self, tok: &Tokenizer, end: usize, text: &str, hold: usize) -> Result<String, String> {
+        // Normally the context's text is a prefix of the window's. Where the
+        // new ids changed it (they completed a character the context ended
+        // in), the part that differs was never sent: send it now.
+        let sent = self.context_text.len() - self.unsent;
+        let start = common_prefix_len(&self.context_text, text).min(sent);
+        let delta = text.get(start..text.len() - hold).unwrap_or_default().to_string();
         self.ids.drain(..self.read);
         self.read = end - self.read;
         self.context_text = tok.decode(&self.ids[..self.read], self.skip_special_tokens)?;
+        self.unsent = hold.min(trailing_replacements(&self.context_text));
         Ok(delta)
     }
+}
+
+/// Bytes of the U+FFFD run that ends `text`, at most `MAX_INCOMPLETE` of them.
+fn trailing_replacements(text: &str) -> usize {
+    text.chars().rev().take(MAX_INCOMPLETE).take_while(|&c| c == REPLACEMENT).count() * REPLACEMENT_LEN
 }
 
 /// Length in bytes of the longest common prefix, on a character boundary.

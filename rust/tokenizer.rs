@@ -1,6 +1,7 @@
 //! A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate, plus
 //! what the crate leaves to its callers: a vocabulary size that covers every
-//! id (added tokens included), id validation, and batch encoding that stays
+//! id (added tokens included), id validation, fast decoding of byte-level
+//! vocabularies (byte_level.rs), and batch encoding that stays
 //! safe after the process forks.
 
 use std::collections::HashMap;
@@ -8,9 +9,13 @@ use std::sync::OnceLock;
 
 use tokenizers::Tokenizer as HfTokenizer;
 
+use crate::byte_level::ByteLevelDecoder;
+
 pub struct Tokenizer {
     inner: HfTokenizer,
     vocab_size: usize,
+    /// Decodes byte-level vocabularies without the crate (see byte_level.rs).
+    byte_level: Option<ByteLevelDecoder>,
 }
 
 impl Tokenizer {
@@ -26,7 +31,8 @@ impl Tokenizer {
         // Ids need not be dense, so the size is the largest id + 1, not the
         // number of tokens.
         let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
-        Tokenizer { inner, vocab_size }
+        let byte_level = ByteLevelDecoder::for_tokenizer(&inner, vocab_size);
+        Tokenizer { inner, vocab_size, byte_level }
     }
 
     /// Largest id + 1, added tokens included.
@@ -58,7 +64,10 @@ impl Tokenizer {
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, String> {
         self.check_ids(ids)?;
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| e.to_string())
+        match &self.byte_level {
+            Some(decoder) => Ok(decoder.decode(ids, skip_special_tokens)),
+            None => self.inner.decode(ids, skip_special_tokens).map_err(|e| e.to_string()),
+        }
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
@@ -132,6 +141,18 @@ pub(crate) mod tests {
         assert_eq!(*ids.last().unwrap(), 256);
         assert_eq!(tok.decode(&ids, false).unwrap(), text);
         assert_eq!(tok.decode(&ids, true).unwrap(), "héllo 你好 🎉");
+    }
+
+    #[test]
+    fn byte_level_vocabularies_decode_without_the_crate() {
+        let tok = byte_tokenizer();
+        assert!(tok.byte_level.is_some());
+        let ids = tok.encode("a\u{80}你<|end|>", false).unwrap();
+        for skip in [false, true] {
+            for end in 0..=ids.len() {
+                assert_eq!(tok.decode(&ids[..end], skip).unwrap(), tok.inner.decode(&ids[..end], skip).unwrap());
+            }
+        }
     }
 
     #[test]

@@ -44,6 +44,8 @@ BAD_CHAT_BODIES = {
     "logit bias outside vocab": ({"messages": MSG, "logit_bias": {"99999999": 1}}, "logit_bias"),
     "too long for the context": ({"messages": MSG, "max_tokens": 10**6}, "max_tokens"),
     "stream_options without stream": ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+    "image content part": ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
     "response_format json": ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
 }
 

@@ -186,3 +186,13 @@ def test_completion_prompt_forms(client, model_name):
                                        echo=True)
     assert echoed.choices[0].text == "The sky is" + batch.choices[1].text
     assert ids >= 1
+
+
+def test_list_of_text_parts_is_the_same_as_a_string(client, model_name):
+    as_parts = client.chat.completions.create(
+        model=model_name, temperature=0, max_tokens=12,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}])
+    as_string = client.chat.completions.create(
+        model=model_name, temperature=0, max_tokens=12,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content

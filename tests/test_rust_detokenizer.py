@@ -41,6 +41,11 @@ def test_every_split_point_equals_full_decode(pair):
                 assert not any(FFFD in p for p in pieces), (text, k, pieces)
 
 
+def char_boundaries(ref, ids) -> list[int]:
+    """Positions in `ids` that fall between whole characters."""
+    return [p for p in range(len(ids) + 1) if not ref.decode(ids[:p]).endswith(FFFD)]
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_chunks_with_added_tokens(pair, skip_special_tokens):
     tok, ref = pair
@@ -48,10 +53,14 @@ def test_random_chunks_with_added_tokens(pair, skip_special_tokens):
     added = sorted(tok.added_tokens().values())
     for text in CORPUS:
         ids = ref.encode(text, add_special_tokens=False).ids
+        # Added tokens go between characters, as a model puts them: inside a
+        # run of byte-fallback tokens one would turn the whole run into
+        # U+FFFD in the full decode, which no stream can foresee.
+        boundaries = char_boundaries(ref, ids)
         for _ in range(5):
             mixed = list(ids)
-            for _ in range(rng.randint(0, 3)):
-                mixed.insert(rng.randint(0, len(mixed)), rng.choice(added))
+            for p in sorted(rng.sample(boundaries, min(3, len(boundaries))), reverse=True):
+                mixed.insert(p, rng.choice(added))
             cuts = sorted(rng.sample(range(len(mixed) + 1), min(len(mixed) + 1, rng.randint(1, 6))))
             chunks = [mixed[a:b] for a, b in zip([0] + cuts, cuts + [len(mixed)])]
             expected = ref.decode(mixed, skip_special_tokens=skip_special_tokens)
@@ -75,11 +84,11 @@ def test_prompt_tail_is_left_context(pair):
 
 def test_metaspace_first_token_keeps_its_space(tmp_path_factory):
     tok = Tokenizer.from_file(str(tokenizer_file("metaspace", tmp_path_factory)))
-    ids = tok.encode("Hello world")
-    assert tok.id_to_token(ids[-1]).startswith("▁")
-    assert "".join(stream(tok, [ids[-1:]], prompt_tail=ids[:-1])) == " world"
+    ids = tok.encode("say the")
+    assert tok.id_to_token(ids[-1]) == "▁the"
+    assert "".join(stream(tok, [ids[-1:]], prompt_tail=ids[:-1])) == " the"
     # Without left context it reads as the start of a text.
-    assert "".join(stream(tok, [ids[-1:]])) == "world"
+    assert "".join(stream(tok, [ids[-1:]])) == "the"
 
 
 def test_byte_fallback_characters_arrive_whole(tmp_path_factory):
@@ -91,11 +100,17 @@ def test_byte_fallback_characters_arrive_whole(tmp_path_factory):
     assert [p for p in pieces if p] == [" 猫"[1:], "🐱"]
 
 
-def test_long_stream_of_junk_stays_consistent(pair):
+def test_random_ids_stream_like_full_decode(pair):
+    """A broken model's output (invalid bytes, ids that add no text) streams
+    like its full decode. Except with byte fallback: there one invalid byte
+    turns its whole run of byte tokens into U+FFFD, which no stream can
+    foresee, so there the stream only has to keep going."""
     tok, ref = pair
     rng = random.Random(1)
     ids = [rng.randrange(tok.vocab_size) for _ in range(3000)]
-    assert "".join(stream(tok, [[i] for i in ids])) == ref.decode(ids)
+    out = "".join(stream(tok, [[i] for i in ids]))
+    if tok.token_to_id("<0x41>") is None:
+        assert out == ref.decode(ids)
 
 
 def test_bad_ids_are_value_errors(pair):

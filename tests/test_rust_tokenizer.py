@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -70,6 +72,24 @@ def test_threads_share_one_tokenizer(pair):
         results = list(pool.map(lambda _: [tok.encode(t) for t in CORPUS], range(8)))
         batches = list(pool.map(lambda _: tok.encode_batch(CORPUS), range(8)))
     assert all(r == expected for r in results + batches)
+
+
+def _encode_batch_in_child(tok: Tokenizer, texts: list[str], expected: list[list[int]]) -> None:
+    sys.exit(0 if tok.encode_batch(texts) == expected else 1)
+
+
+def test_encode_batch_after_fork(pair):
+    """The parent's thread pool is gone in a forked child: the child must
+    encode without it instead of waiting for it forever."""
+    tok, _ = pair
+    texts = CORPUS * 8
+    expected = tok.encode_batch(texts)  # the parent's pool now runs
+    child = multiprocessing.get_context("fork").Process(target=_encode_batch_in_child, args=(tok, texts, expected))
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
 
 
 def test_bad_ids_are_value_errors(pair):

@@ -6,14 +6,14 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from pyserve._rust import ReasoningSplitter
+from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.errors import bad_request
 from pyserve.api.protocol import ChatCompletionRequest
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
     REASONING_PARSERS, ServingContext, UsageCounter, choice_requests, merged_outputs, new_id, now,
 )
-from pyserve.chat_template import ChatTemplateError, content_text
+from pyserve.chat_template import ChatTemplateError
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -23,7 +23,11 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise bad_request(f"unknown role {m.role!r}", f"messages[{i}].role")
-        msg = {"role": m.role, "content": content_text(msgspec.to_builtins(m.content))}
+        try:
+            text = content_text(msgspec.to_builtins(m.content))
+        except ValueError as e:  # e.g. image parts: this server serves text models
+            raise bad_request(str(e), f"messages[{i}].content") from None
+        msg = {"role": m.role, "content": text}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             value = getattr(m, key)
             if value is not None:

@@ -19,7 +19,9 @@ pub struct ReasoningSplitter {
 enum Phase {
     /// Nothing but whitespace and maybe part of the start marker seen yet;
     /// `reasoning` says where that text goes if no marker follows.
-    Opening { reasoning: bool },
+    Opening {
+        reasoning: bool,
+    },
     Reasoning,
     Content,
 }
