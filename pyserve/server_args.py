@@ -22,6 +22,7 @@ class ServerArgs:
     max_total_tokens: int | None = None  # KV cache size in tokens
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192  # token budget of one prefill step
+    disable_radix_cache: bool = False
     default_max_tokens: int | None = None  # when a request sets none: up to the context length
     random_seed: int = 0
     file_storage_path: str = "pyserve_storage"
@@ -54,6 +55,8 @@ class ServerArgs:
                        help="KV cache capacity in tokens")
         p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)
         p.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
+        p.add_argument("--disable-radix-cache", action="store_true",
+                       help="do not reuse the KV of shared prompt prefixes")
         p.add_argument("--default-max-tokens", type=int, default=None,
                        help="max_tokens for requests that set none (default: up to the context length)")
         p.add_argument("--random-seed", type=int, default=ServerArgs.random_seed)

@@ -130,7 +130,8 @@ def test_seed_cancel_large_batch(bclient, batch_server):
         assert len(read_lines(bclient, final.output_file_id)) == final.request_counts.completed
     info = httpx.get(f"{batch_server.base_url}/get_server_info").json()
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-    assert info["kv_tokens_free"] == info["kv_tokens_total"]
+    assert info["kv_tokens_in_use"] == 0
+    assert info["kv_tokens_cached"] == info["kv_tokens_cached_evictable"]
     assert bclient.files.delete(file.id).deleted
 
 
@@ -251,5 +252,34 @@ def test_batch_resumes_after_kill_9(tmp_path):
         assert done.request_counts.completed == 12
         ids = [line["custom_id"] for line in read_lines(client, done.output_file_id)]
         assert sorted(ids) == sorted(f"request-{i}" for i in range(12))  # each exactly once
+    finally:
+        again.stop()
+
+
+def test_batch_past_its_window_after_downtime_ends_expired(tmp_path):
+    """The server was down past the completion window: on restart the batch
+    ends `expired`, keeping what it had finished."""
+    srv = ServerProcess("--file-storage-path", str(tmp_path), "--batch-concurrency", "1")
+    client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=60)
+    batch = client.batches.create(input_file_id=upload(client, jsonl([story(i, 24) for i in range(12)])).id,
+                                  endpoint="/v1/chat/completions", completion_window="1h")
+    deadline = time.time() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait()
+    srv.stop()
+    record_path = tmp_path / "batches" / f"{batch.id}.json"
+    record = json.loads(record_path.read_text())
+    record["expires_at"] = int(time.time()) - 1  # the hour went by while it was down
+    record_path.write_text(json.dumps(record))
+    again = ServerProcess("--file-storage-path", str(tmp_path))
+    try:
+        client = openai.OpenAI(api_key="EMPTY", base_url=f"{again.base_url}/v1", timeout=60)
+        done = wait_for(client, batch.id, {"expired", "completed", "failed"})
+        assert done.status == "expired" and done.expired_at
+        assert 2 <= done.request_counts.completed < 12
+        assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed
     finally:
         again.stop()

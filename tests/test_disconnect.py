@@ -11,7 +11,7 @@ def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict:
     deadline = time.time() + timeout
     while True:
         info = http.get("/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["kv_tokens_free"] == info["kv_tokens_total"]:
+        if info["num_running_reqs"] == 0 and info["kv_tokens_in_use"] == 0:
             return info
         if time.time() > deadline:
             raise AssertionError(f"engine not idle after the client left: {info}")

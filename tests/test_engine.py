@@ -32,6 +32,12 @@ async def collect(engine: Engine, ids, **params):
     return text, tokens, last
 
 
+def idle(engine: Engine) -> bool:
+    """No request holds KV; what the prefix cache keeps can all be evicted."""
+    kv = engine.kv_usage()
+    return kv["in_use"] == 0 and kv["cached"] == kv["cached_evictable"] and engine.num_running == 0
+
+
 PROMPTS = [[5, 17, 99], [42] * 9, list(range(100, 131)), [7], [300, 301, 302, 303, 304]]
 
 
@@ -106,14 +112,13 @@ def test_stop_token_id_ends_generation(tiny_llama_dir):
 def test_aborted_request_frees_its_slots(tiny_llama_dir):
     async def main():
         engine = await started_engine(tiny_llama_dir)
-        pool = engine.runner.kv_pool
         gen = engine.generate(GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=500, ignore_eos=True)))
         for _ in range(3):
             await gen.__anext__()
-        assert pool.num_free < pool.capacity
+        assert engine.kv_usage()["in_use"] > 0
         await gen.aclose()  # the client went away
         engine.check_integrity()
-        freed = pool.num_free == pool.capacity
+        freed = idle(engine)
         # the engine keeps serving
         _, tokens, _ = await collect(engine, PROMPTS[0], max_new_tokens=4, ignore_eos=True)
         await engine.shutdown()
@@ -138,7 +143,7 @@ def test_tiny_pool_with_many_requests_retracts_and_finishes_correctly(tiny_llama
             *[collect(engine, p, max_new_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
         )
         engine.check_integrity()
-        pool_full = engine.runner.kv_pool.num_free == engine.runner.kv_pool.capacity
+        pool_full = idle(engine)
         await engine.shutdown()
         return expected, results, pool_full
 
@@ -175,3 +180,23 @@ def test_sequence_longer_than_the_whole_pool_ends_with_length(tiny_llama_dir):
     tokens, last = run(main())
     assert last.finish_reason == "length"
     assert 4 + len(tokens) <= 21
+
+
+def test_shared_prefix_is_reused_and_output_is_identical(tiny_llama_dir):
+    system = list(range(200, 330))  # a long shared "system prompt"
+
+    async def main():
+        cold = await started_engine(tiny_llama_dir, disable_radix_cache=True)
+        expected = (await collect(cold, system + [7, 8], max_new_tokens=8, temperature=0, ignore_eos=True))[1]
+        await cold.shutdown()
+        engine = await started_engine(tiny_llama_dir)
+        first = await collect(engine, system + [5, 6], max_new_tokens=8, temperature=0, ignore_eos=True)
+        second = await collect(engine, system + [7, 8], max_new_tokens=8, temperature=0, ignore_eos=True)
+        engine.check_integrity()
+        await engine.shutdown()
+        return expected, first, second
+
+    expected, first, second = run(main())
+    assert first[2].cached_tokens == 0
+    assert second[2].cached_tokens == len(system)
+    assert second[1] == expected

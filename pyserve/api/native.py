@@ -50,12 +50,15 @@ def model_info(ctx: ServingContext) -> dict:
 def server_info(ctx: ServingContext) -> dict:
     """Live engine state, for operators and for tests that check nothing leaked."""
     engine = ctx.engine
-    pool = engine.runner.kv_pool
+    kv = engine.kv_usage()
     return {
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
-        "kv_tokens_total": pool.capacity,
-        "kv_tokens_free": pool.num_free,
+        "kv_tokens_total": kv["total"],
+        "kv_tokens_free": kv["free"],
+        "kv_tokens_in_use": kv["in_use"],
+        "kv_tokens_cached": kv["cached"],
+        "kv_tokens_cached_evictable": kv["cached_evictable"],
         "context_length": engine.context_len,
     }
 

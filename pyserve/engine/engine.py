@@ -21,6 +21,7 @@ import torch
 from pyserve._rust import Tokenizer
 from pyserve.engine.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor
+from pyserve.engine.radix_cache import RadixCache
 from pyserve.engine.request import GenerateOutput, GenerateRequest
 from pyserve.engine.scheduler import ScheduledStep, Scheduler
 from pyserve.engine.sequence import Sequence
@@ -47,8 +48,9 @@ class Engine:
         self.eos_token_ids = self.model_config.eos_token_ids
         # Ids the model can produce or read: the embedding rows.
         self.vocab_size = self.model_config.vocab_size
+        cache = None if args.disable_radix_cache else RadixCache(self.runner.kv_pool)
         self.scheduler = Scheduler(
-            self.runner.kv_pool, args.max_running_requests, args.max_prefill_tokens, self.runner.device
+            self.runner.kv_pool, cache, args.max_running_requests, args.max_prefill_tokens, self.runner.device
         )
         self._processors: dict[str, OutputProcessor] = {}
         self._wakeup = asyncio.Event()
@@ -190,9 +192,9 @@ class Engine:
         s = self.scheduler
         if step.is_prefill:
             logger.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                 "#running-req: %d, #queue-req: %d",
-                len(step.seqs), step.num_new_tokens, s.token_usage(),
+                len(step.seqs), step.num_new_tokens, step.num_cached_tokens, s.token_usage(),
                 len(s.running) - len(step.seqs), len(s.waiting),
             )
         elif self._decode_steps % DECODE_LOG_INTERVAL == 0 and self._decode_steps:
@@ -206,11 +208,25 @@ class Engine:
             self._decode_tokens = 0
             self._decode_log_start = now
 
+    def kv_usage(self) -> dict[str, int]:
+        """KV slots by owner. When idle, in_use is 0 and every cached slot
+        can be evicted."""
+        s = self.scheduler
+        return {
+            "total": self.runner.kv_pool.capacity,
+            "free": self.runner.kv_pool.num_free,
+            "in_use": s.owned_slots(),
+            "cached": s.cached_slots(),
+            "cached_evictable": s.cache.evictable_slots() if s.cache is not None else 0,
+        }
+
     def check_integrity(self) -> None:
-        """Every KV slot is free or held by a running sequence: nothing leaked."""
+        """Every KV slot is free, owned by the prefix cache or held by a
+        running sequence: nothing leaked."""
         pool = self.runner.kv_pool
         held = self.scheduler.owned_slots()
-        if pool.num_free + held != pool.capacity:
+        cached = self.scheduler.cached_slots()
+        if pool.num_free + held + cached != pool.capacity:
             raise AssertionError(
-                f"KV slots leaked: {pool.num_free} free + {held} held != {pool.capacity}"
+                f"KV slots leaked: {pool.num_free} free + {held} held + {cached} cached != {pool.capacity}"
             )

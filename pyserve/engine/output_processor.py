@@ -37,6 +37,7 @@ class OutputProcessor:
             token_ids=new_ids,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens or 0,
             **finish,
         )
 

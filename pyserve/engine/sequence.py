@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyserve.engine.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
 
 
@@ -19,6 +20,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     # KV slots of the tokens already in the cache, in order.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    # The leading slots that belong to the radix cache, and the cache node
+    # this sequence locks so they are not evicted under it.
+    num_shared: int = 0
+    prefix_node: RadixNode | None = None
+    cached_tokens: int | None = None  # prompt tokens found in the cache at admission
     generator: torch.Generator | None = None  # set for requests with a seed
     outputs: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)
     finished: bool = False
