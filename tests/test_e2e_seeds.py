@@ -196,3 +196,13 @@ def test_list_of_text_parts_is_the_same_as_a_string(client, model_name):
         model=model_name, temperature=0, max_tokens=12,
         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+
+
+def test_shared_prefix_is_reported_as_cached_tokens(client, model_name):
+    system = {"role": "system", "content": "You are a meticulous assistant. " * 20}
+    ask = lambda q: client.chat.completions.create(  # noqa: E731
+        model=model_name, temperature=0, max_tokens=8, messages=[system, {"role": "user", "content": q}])
+    first, second = ask("What is 2+2?"), ask("Name a planet.")
+    assert second.usage.prompt_tokens_details.cached_tokens >= 100
+    again = ask("What is 2+2?")
+    assert again.choices[0].message.content == first.choices[0].message.content
