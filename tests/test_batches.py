@@ -283,3 +283,18 @@ def test_batch_past_its_window_after_downtime_ends_expired(tmp_path):
         assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed
     finally:
         again.stop()
+
+
+def test_upload_over_the_size_limit_is_refused(tmp_path):
+    srv = ServerProcess("--file-storage-path", str(tmp_path), "--max-upload-size", "1000",
+                        "--max-total-tokens", "1024")
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/files", data={"purpose": "batch"},
+                       files={"file": ("big.jsonl", b"x" * 5000)})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+        assert httpx.get(f"{srv.base_url}/v1/files").json()["data"] == []
+        assert not list((tmp_path / "files").iterdir())  # nothing left behind
+        ok = httpx.post(f"{srv.base_url}/v1/files", data={"purpose": "batch"}, files={"file": ("s.jsonl", b"{}\n")})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
