@@ -22,6 +22,7 @@ class ServerArgs:
     max_total_tokens: int | None = None  # KV cache size in tokens
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192  # token budget of one prefill step
+    chunked_prefill_size: int = 2048  # longer prompts are computed in chunks; -1: never
     disable_radix_cache: bool = False
     default_max_tokens: int | None = None  # when a request sets none: up to the context length
     random_seed: int = 0
@@ -55,6 +56,8 @@ class ServerArgs:
                        help="KV cache capacity in tokens")
         p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)
         p.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
+        p.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size,
+                       help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
         p.add_argument("--disable-radix-cache", action="store_true",
                        help="do not reuse the KV of shared prompt prefixes")
         p.add_argument("--default-max-tokens", type=int, default=None,

@@ -200,3 +200,41 @@ def test_shared_prefix_is_reused_and_output_is_identical(tiny_llama_dir):
     assert first[2].cached_tokens == 0
     assert second[2].cached_tokens == len(system)
     assert second[1] == expected
+
+
+def test_chunked_prefill_gives_the_same_output_and_lets_decode_run(tiny_llama_dir):
+    long_prompt = [(i * 7) % 400 + 3 for i in range(700)]
+
+    async def main():
+        whole = await started_engine(tiny_llama_dir, chunked_prefill_size=-1)
+        expected = (await collect(whole, long_prompt, max_new_tokens=6, temperature=0, ignore_eos=True))[1]
+        await whole.shutdown()
+        engine = await started_engine(tiny_llama_dir, chunked_prefill_size=128)
+        steps = []  # (is_prefill, rids in the step), as scheduled
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            step = schedule()
+            if step is not None:
+                steps.append((step.is_prefill, {s.rid for s in step.seqs}))
+            return step
+
+        engine.scheduler.schedule = recording_schedule
+        short = asyncio.create_task(collect(engine, PROMPTS[0], max_new_tokens=40, temperature=0, ignore_eos=True))
+        while not steps:
+            await asyncio.sleep(0)
+        long_req = GenerateRequest(long_prompt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True),
+                                   rid="long")
+        tokens = [t async for out in engine.generate(long_req) for t in out.token_ids]
+        await short
+        engine.check_integrity()
+        await engine.shutdown()
+        return expected, tokens, steps
+
+    expected, tokens, steps = run(main())
+    assert tokens == expected
+    chunks = [i for i, (prefill, rids) in enumerate(steps) if prefill and "long" in rids]
+    assert len(chunks) == 6  # 700 tokens in chunks of 128
+    # decode steps of the short stream ran between the chunks
+    between = steps[chunks[0] : chunks[-1]]
+    assert sum(1 for prefill, _ in between if not prefill) >= 4

@@ -50,7 +50,8 @@ class Engine:
         self.vocab_size = self.model_config.vocab_size
         cache = None if args.disable_radix_cache else RadixCache(self.runner.kv_pool)
         self.scheduler = Scheduler(
-            self.runner.kv_pool, cache, args.max_running_requests, args.max_prefill_tokens, self.runner.device
+            self.runner.kv_pool, cache, args.max_running_requests, args.max_prefill_tokens,
+            args.chunked_prefill_size if args.chunked_prefill_size > 0 else None, self.runner.device,
         )
         self._processors: dict[str, OutputProcessor] = {}
         self._wakeup = asyncio.Event()
@@ -82,7 +83,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return len(self.scheduler.running) + len(self.scheduler.prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -148,10 +149,12 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             step = self.scheduler.schedule()
-            if step is None and self.scheduler.running:
-                # Sequences that cannot grow even with the whole KV pool.
-                for seq in list(self.scheduler.running):
-                    self._finish(seq, self._processors[seq.rid].out_of_memory())
+            if step is None and (self.scheduler.running or self.scheduler.prefilling):
+                # Sequences hold slots yet none can advance: make one wait,
+                # or end the lone one that cannot grow even with the whole pool.
+                if not self.scheduler.retract_one():
+                    for seq in self.scheduler.running + self.scheduler.prefilling:
+                        self._finish(seq, self._processors[seq.rid].out_of_memory())
                 continue
             if step is None:
                 self._wakeup.clear()
@@ -160,7 +163,7 @@ class Engine:
             self._log_step(step)
             try:
                 next_ids = await loop.run_in_executor(
-                    self.runner.executor, self.runner.step, step.batch, step.seqs
+                    self.runner.executor, self.runner.step, step.batch, step.sampled
                 )
             except Exception:
                 logger.exception("forward pass failed; aborting its requests")
@@ -170,7 +173,7 @@ class Engine:
             self._process(step, next_ids)
 
     def _process(self, step: ScheduledStep, next_ids: list[int]) -> None:
-        for seq, token_id in zip(step.seqs, next_ids):
+        for seq, token_id in zip(step.sampled, next_ids):
             if seq.aborted:  # aborted while its forward ran
                 continue
             out = self._processors[seq.rid].append(token_id)
