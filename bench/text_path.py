@@ -84,21 +84,12 @@ def best_of(repeats: int, fn) -> float:
     return min(times)
 
 
-def run_rust(tok: Tokenizer, streams, stops: bool) -> str:
+def run_streams(tok, decode_stream, stop_matcher, streams, stops: bool) -> str:
+    """Detokenize each stream one token per step, optionally through stops.
+    The same loop drives the Rust types and the Python reference."""
     out = []
     for ids in streams:
-        ds, sm = DecodeStream(tok), StopMatcher(STOPS)
-        for t in ids:
-            delta = ds.step([t])
-            out.append(sm.feed(delta)[0] if stops else delta)
-        out.append(ds.flush())
-    return "".join(out)
-
-
-def run_python(tok: PyTokenizer, streams, stops: bool) -> str:
-    out = []
-    for ids in streams:
-        ds, sm = PyDecodeStream(tok), PyStopMatcher(STOPS)
+        ds, sm = decode_stream(tok), stop_matcher(STOPS)
         for t in ids:
             delta = ds.step([t])
             out.append(sm.feed(delta)[0] if stops else delta)
@@ -126,8 +117,8 @@ def main() -> None:
 
     rows = []
     for label, stops in (("detokenize", False), ("detokenize + stop strings", True)):
-        rust = best_of(5, lambda: run_rust(tok, streams, stops)) / n_tokens * 1e6
-        python = best_of(3, lambda: run_python(py_tok, streams, stops)) / n_tokens * 1e6
+        rust = best_of(5, lambda: run_streams(tok, DecodeStream, StopMatcher, streams, stops)) / n_tokens * 1e6
+        python = best_of(3, lambda: run_streams(py_tok, PyDecodeStream, PyStopMatcher, streams, stops)) / n_tokens * 1e6
         rows.append((label + " (µs/token)", rust, python))
 
     docs = [" ".join(CORPUS[i % len(CORPUS) :] + CORPUS[: i % len(CORPUS)]) * 4 for i in range(64)]

@@ -231,23 +231,29 @@ def test_upload_needs_a_purpose_and_a_file(batch_server):
     assert r.status_code == 400
 
 
-def test_batch_resumes_after_kill_9(tmp_path):
-    lines = [story(i, 24) for i in range(12)]
-    srv = ServerProcess("--file-storage-path", str(tmp_path), "--batch-concurrency", "2")
+def run_batch_then_kill_9(storage, lines: int, window: str, concurrency: int, kill_after: int) -> str:
+    """Start a server, submit a batch, `kill -9` the server once `kill_after`
+    requests are done; returns the batch id."""
+    srv = ServerProcess("--file-storage-path", str(storage), "--batch-concurrency", str(concurrency))
     client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=60)
-    batch = client.batches.create(input_file_id=upload(client, jsonl(lines)).id,
-                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(input_file_id=upload(client, jsonl([story(i, 24) for i in range(lines)])).id,
+                                  endpoint="/v1/chat/completions", completion_window=window)
     deadline = time.time() + 120
-    while client.batches.retrieve(batch.id).request_counts.completed < 3:
+    while client.batches.retrieve(batch.id).request_counts.completed < kill_after:
         assert time.time() < deadline
         time.sleep(0.2)
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait()
     srv.stop()
+    return batch.id
+
+
+def test_batch_resumes_after_kill_9(tmp_path):
+    batch_id = run_batch_then_kill_9(tmp_path, 12, "24h", concurrency=2, kill_after=3)
     again = ServerProcess("--file-storage-path", str(tmp_path))
     try:
         client = openai.OpenAI(api_key="EMPTY", base_url=f"{again.base_url}/v1", timeout=60)
-        done = wait_for(client, batch.id, {"completed", "failed"})
+        done = wait_for(client, batch_id, {"completed", "failed"})
         assert done.status == "completed"
         assert done.request_counts.completed == 12
         ids = [line["custom_id"] for line in read_lines(client, done.output_file_id)]
@@ -259,25 +265,15 @@ def test_batch_resumes_after_kill_9(tmp_path):
 def test_batch_past_its_window_after_downtime_ends_expired(tmp_path):
     """The server was down past the completion window: on restart the batch
     ends `expired`, keeping what it had finished."""
-    srv = ServerProcess("--file-storage-path", str(tmp_path), "--batch-concurrency", "1")
-    client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=60)
-    batch = client.batches.create(input_file_id=upload(client, jsonl([story(i, 24) for i in range(12)])).id,
-                                  endpoint="/v1/chat/completions", completion_window="1h")
-    deadline = time.time() + 120
-    while client.batches.retrieve(batch.id).request_counts.completed < 2:
-        assert time.time() < deadline
-        time.sleep(0.2)
-    os.kill(srv.proc.pid, signal.SIGKILL)
-    srv.proc.wait()
-    srv.stop()
-    record_path = tmp_path / "batches" / f"{batch.id}.json"
+    batch_id = run_batch_then_kill_9(tmp_path, 12, "1h", concurrency=1, kill_after=2)
+    record_path = tmp_path / "batches" / f"{batch_id}.json"
     record = json.loads(record_path.read_text())
     record["expires_at"] = int(time.time()) - 1  # the hour went by while it was down
     record_path.write_text(json.dumps(record))
     again = ServerProcess("--file-storage-path", str(tmp_path))
     try:
         client = openai.OpenAI(api_key="EMPTY", base_url=f"{again.base_url}/v1", timeout=60)
-        done = wait_for(client, batch.id, {"expired", "completed", "failed"})
+        done = wait_for(client, batch_id, {"expired", "completed", "failed"})
         assert done.status == "expired" and done.expired_at
         assert 2 <= done.request_counts.completed < 12
         assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed

@@ -62,9 +62,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
-
     def release(self, seq: Sequence) -> None:
         """Give back what `seq` holds and forget it."""
         self._return_slots(seq)

@@ -86,13 +86,6 @@ class FileStore:
         await self._write_meta(meta_path, meta)
         return meta
 
-    async def create_from_bytes(self, filename: str, purpose: str, data: bytes) -> dict:
-        async def one():
-            yield data
-
-        file_id, size = await self.write_data(one())
-        return await self.write_meta(file_id, filename, purpose, size)
-
     async def adopt(self, path: Path, filename: str, purpose: str) -> dict:
         """Move a file written elsewhere by pyserve (a batch's output) into the store."""
         file_id = new_file_id()
