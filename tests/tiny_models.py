@@ -1,8 +1,15 @@
-"""Tiny random Llama / Qwen2 / Qwen3 models, saved with transformers itself.
+"""Tiny random Llama / Mistral / Qwen2 / Qwen3 models, saved by transformers.
 
-Building them with transformers' own classes and `save_pretrained` means
-the files have exactly the names, shapes and config keys that real
-checkpoints have, so pyserve's loader is tested on the real format.
+Building them with transformers' own classes and `save_pretrained` means the
+files have exactly the names, shapes and config keys that real checkpoints
+have, so pyserve's loader is tested on the real format. They load in well
+under a second, which makes them the model of choice for engine and API
+tests that need *a* model rather than a good one:
+
+    from tests.tiny_models import build_tiny_model
+    model_dir = build_tiny_model(tmp_path, "llama", tokenizer_dir=default_model_dir)
+
+The same (arch, seed, overrides) always gives the same weights.
 """
 
 from __future__ import annotations
@@ -11,7 +18,19 @@ import json
 import shutil
 from pathlib import Path
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Copied from `tokenizer_dir`; generation_config.json last, so its eos/bos win.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _tokenizer_vocab_size(tokenizer_json: Path) -> int:
+    """One more than the largest token id in a tokenizer.json."""
+    tok = json.loads(tokenizer_json.read_text())
+    vocab = tok["model"]["vocab"]
+    # BPE/WordPiece store {token: id}; Unigram stores [[token, score], ...] in id order.
+    largest = max(vocab.values(), default=-1) if isinstance(vocab, dict) else len(vocab) - 1
+    largest = max([largest] + [t["id"] for t in tok.get("added_tokens", [])])
+    return largest + 1
 
 
 def build_tiny_model(
@@ -22,61 +41,72 @@ def build_tiny_model(
     max_shard_size: str | None = None,
     **overrides,
 ) -> Path:
-    """Write a tiny random model to `out_dir` and return it.
+    """Write a tiny random model to `out_dir` (created if needed) and return it.
 
-    arch: "llama", "qwen2" or "qwen3". With `tokenizer_dir`, its tokenizer
-    files are copied and the vocabulary covers the tokenizer. `overrides`
-    go into the transformers config (rope_scaling, tie_word_embeddings...).
-    `max_shard_size` (e.g. "200KB") writes a sharded checkpoint with an index.
+    arch: "llama", "mistral", "qwen2" (q/k/v bias) or "qwen3" (q/k norm).
+      Defaults: hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads,
+      head_dim 16, vocab 512, bos 1, eos 2, untied embeddings, float32.
+    tokenizer_dir: a model directory whose tokenizer.json,
+      tokenizer_config.json, special_tokens_map.json and generation_config.json
+      (those present) are copied; the vocabulary then covers the tokenizer and
+      bos/eos come from its config.json when it has one.
+    seed: weights are drawn from torch.manual_seed(seed).
+    max_shard_size: e.g. "100KB" writes several shards plus
+      model.safetensors.index.json instead of one model.safetensors.
+    overrides: any transformers config field, e.g. num_hidden_layers=4,
+      tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", ...}.
     """
     import torch
     import transformers
 
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = 512
-    eos = 2
-    if tokenizer_dir is not None:
-        tokenizer_dir = Path(tokenizer_dir)
-        for name in _TOKENIZER_FILES:
-            if (tokenizer_dir / name).is_file():
-                shutil.copy(tokenizer_dir / name, out / name)
-        vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-        vocab_size = max(
-            max(vocab["model"]["vocab"].values(), default=0),
-            max((t["id"] for t in vocab.get("added_tokens", [])), default=0),
-        ) + 1
-        config_path = tokenizer_dir / "config.json"
-        if config_path.is_file():
-            eos = json.loads(config_path.read_text()).get("eos_token_id", eos)
-    common = dict(
-        vocab_size=vocab_size,
+    config = dict(
+        vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=2048,
-        eos_token_id=eos,
         bos_token_id=1,
+        eos_token_id=2,
         tie_word_embeddings=False,
     )
-    common.update(overrides)
+    if tokenizer_dir is not None:
+        tokenizer_dir = Path(tokenizer_dir)
+        config["vocab_size"] = _tokenizer_vocab_size(tokenizer_dir / "tokenizer.json")
+        if (tokenizer_dir / "config.json").is_file():
+            source = json.loads((tokenizer_dir / "config.json").read_text())
+            for key in ("bos_token_id", "eos_token_id"):
+                if source.get(key) is not None:
+                    config[key] = source[key]
+    config.update(overrides)
+
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
-    if arch == "qwen3":
-        common.setdefault("head_dim", 16)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common)).to(torch.float32)
-    # Random init is small; scale weights up so logits are not all ties.
+    model = model_cls(config_cls(**config)).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if "norm" in name:
+                # Not all ones, so a norm weight loaded into the wrong place shows.
+                p.uniform_(0.5, 1.5)
+            else:
+                # transformers' init is small; larger weights keep logits from tying.
                 p.normal_(0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
+    if tokenizer_dir is not None:
+        for name in _TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy(tokenizer_dir / name, out / name)
     return out

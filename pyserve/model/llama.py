@@ -1,9 +1,10 @@
 """A Llama-family decoder: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 The layers follow Hugging Face's numerics (RMSNorm in float32, rotate-half
-RoPE) so greedy tokens match transformers on the same weights. q/k/v and
-gate/up are fused into one matmul each; the loader fills the fused weights.
-Attention reads and writes the KV cache through an AttentionBackend.
+RoPE computed in float32 then cast) so greedy tokens match transformers on
+the same weights. q/k/v and gate/up are fused into one matmul each; the
+loader fills the fused weights. Attention reads and writes the KV cache
+through an AttentionBackend, so this file never sees the cache layout.
 """
 
 from __future__ import annotations
@@ -32,34 +33,116 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with llama3 or linear scaling applied."""
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Float32 inverse frequencies [head_dim / 2] with the checkpoint's scaling
+    applied, and the factor cos/sin are multiplied by (yarn's attention scale)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # An explicit CPU device: the model may be built under torch.device("meta").
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    wave = config.rope_theta**exponents  # positions per radian, per dimension pair
+    inv_freq = 1.0 / wave
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    factor = float(scaling.get("factor", 1.0))
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    factor = float(scaling["factor"])
     if kind == "linear":
-        return inv_freq / factor
+        return inv_freq / factor, 1.0
     if kind == "llama3":
-        low = float(scaling["low_freq_factor"])
-        high = float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        # Between the two wavelengths, blend scaled and unscaled smoothly.
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported")
+        return _llama3_frequencies(inv_freq, factor, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(wave, factor, scaling, config)
+    raise ValueError(f"rope scaling type {kind!r} is not supported")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _llama3_frequencies(inv_freq: torch.Tensor, factor: float, scaling: dict) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, and the
+    # band between the two is blended linearly in 1/wavelength.
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(
+    wave: torch.Tensor, factor: float, scaling: dict, config: ModelConfig
+) -> tuple[torch.Tensor, float]:
+    # Dimensions that rotate many times within the original context keep their
+    # frequency (extrapolate), slow ones are divided by `factor`
+    # (interpolate), with a linear ramp between; cos/sin get a magnitude fix.
+    dim = config.head_dim
+    base = config.rope_theta
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # weight of the original (extrapolated) frequency
+    inv_freq = 1.0 / (factor * wave) * (1 - keep) + 1.0 / wave * keep
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """cos/sin per position, cached and grown on demand.
+
+    A plain object rather than a module: casting the model to bf16 must not
+    round the frequencies, and the cache lives wherever the positions are.
+    The cache holds cos/sin already cast to the model dtype, exactly as
+    transformers computes them (float32, scaled, then cast). It grows from
+    the batch's longest sequence, a host-side int, so checking it never
+    waits on the device; CUDA-graph capture should run at the longest length.
+    """
+
+    def __init__(self, config: ModelConfig):
+        self.inv_freq, self.attention_scaling = rope_frequencies(config)
+        self._cos = self._sin = None
+
+    def _grow(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
+        # Powers of two: a long-running server rebuilds the cache a few times at most.
+        length = 1 << max(length - 1, 1).bit_length()
+        positions = torch.arange(length, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+        self._cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        self._sin = (freqs.sin() * self.attention_scaling).to(dtype)
+
+    def cos_sin(
+        self, positions: torch.Tensor, max_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin as [T, 1, head_dim / 2] for positions that are all < max_len."""
+        c = self._cos
+        if c is None or c.shape[0] < max_len or c.device != positions.device or c.dtype != dtype:
+            self._grow(max_len, positions.device, dtype)
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [T, heads, head_dim]; the same arithmetic as
+    transformers' `x * cos + rotate_half(x) * sin` on half-width cos/sin."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -72,25 +155,22 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend):
+    def forward(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -99,10 +179,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -115,37 +195,36 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, batch, attn):
+    def forward(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
+    """Parameter names are the checkpoint's minus the leading `model.`, with
+    q/k/v fused as `qkv_proj` and gate/up as `gate_up_proj`."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
+        # Tied checkpoints reuse the embedding matrix as the output projection.
+        self.lm_head = None
+        if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # A plain float32 tensor, not a buffer: casting the model to bf16
-        # must not round the rotary frequencies. The loader places it.
-        self.inv_freq = rope_inv_freq(config)
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        self.rotary = RotaryEmbedding(config)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Float32 logits [B, vocab] at `batch.logits_indices`."""
+        """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
+        attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rope(batch.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, batch, attn)
+        # Only the rows whose next token is wanted go through the norm and the
+        # vocabulary projection, the most expensive matmul for small models.
         x = self.norm(x[batch.logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -1,14 +1,18 @@
 """Load Hugging Face safetensors weights into LlamaForCausalLM.
 
-Weights are read shard by shard (single file or an index) and copied into
-the fused q/k/v and gate/up parameters. The model is built on the meta
-device first, so no throwaway random initialisation is ever allocated.
+The model is built on the meta device and then given uninitialised storage
+on the target device in the target dtype, so no throwaway random weights
+(and no float32 copy of a bf16 model) are ever allocated. Tensors are then
+read one at a time from the checkpoint (one file or an index of shards) and
+copied into place; q/k/v and gate/up land in row ranges of the fused
+parameters. Every parameter row range must be filled exactly once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -16,97 +20,113 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pyserve.model.config import ModelConfig
-from pyserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from pyserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 
-def _shard_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards an index names, or model.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shards that are not there: {absent}")
+        return files
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
-    found = sorted(model_dir.glob("*.safetensors"))
-    if not found:
-        raise ValueError(f"{model_dir} has no .safetensors weights")
-    return found
+    raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _target(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
-    """Map a checkpoint name to (our parameter name, shard index in a fused
-    parameter or None). None means the tensor is not used."""
+def _fusions(config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """Fused parameter -> its parts: (checkpoint projection, first row, rows)."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    return {
+        "self_attn.qkv_proj": [
+            ("self_attn.q_proj", 0, q),
+            ("self_attn.k_proj", q, kv),
+            ("self_attn.v_proj", q + kv, kv),
+        ],
+        "mlp.gate_up_proj": [("mlp.gate_proj", 0, inter), ("mlp.up_proj", inter, inter)],
+    }
+
+
+def _destination(hf_name: str, config: ModelConfig) -> tuple[str, int | None, int | None] | None:
+    """(our parameter name, first row, rows) for a checkpoint tensor; rows
+    are None for an unfused parameter. None for tensors skipped on purpose."""
     name = hf_name.removeprefix("model.")
-    if name.endswith("rotary_emb.inv_freq"):
+    if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
         return None
     if name == "lm_head.weight" and config.tie_word_embeddings:
-        return None
-    for proj, shard in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):
-        if f".self_attn.{proj}." in name:
-            return name.replace(f"self_attn.{proj}", "self_attn.qkv_proj"), shard
-    for proj, shard in (("gate_proj", 0), ("up_proj", 1)):
-        if f".mlp.{proj}." in name:
-            return name.replace(f"mlp.{proj}", "mlp.gate_up_proj"), shard
-    return name, None
+        return None  # some tied checkpoints store the copy anyway
+    for fused, parts in _fusions(config).items():
+        for proj, first, rows in parts:
+            if f".{proj}." in name:
+                return name.replace(proj, fused), first, rows
+    return name, None, None
 
 
-def _shard_offsets(model: LlamaForCausalLM, param_name: str) -> list[int]:
-    """Row offsets of the shards inside a fused parameter."""
-    cfg = model.config
-    if ".qkv_proj." in param_name:
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        return [0, q, q + kv]
-    return [0, cfg.intermediate_size]
+def _expected_pieces(params: dict, config: ModelConfig) -> set[tuple[str, int | None]]:
+    """Every (parameter, first row) the checkpoint must fill exactly once."""
+    pieces = set()
+    for name in params:
+        fused = next((f for f in _fusions(config) if f".{f}." in name), None)
+        if fused is None:
+            pieces.add((name, None))
+        else:
+            pieces.update((name, first) for _, first, _ in _fusions(config)[fused])
+    return pieces
 
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model in eval mode with every weight loaded, and its config."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.inv_freq = rope_inv_freq(config).to(device)
+    model.requires_grad_(False)
     params = dict(model.named_parameters())
+    missing = _expected_pieces(params, config)
 
-    # Every fused parameter expects each of its shards once.
-    expected = {
-        (name, shard)
-        for name in params
-        for shard in (range(3) if ".qkv_proj." in name else range(2) if ".gate_up_proj." in name else [None])
-    }
-    loaded: set[tuple[str, int | None]] = set()
-    files = _shard_files(model_dir)
-    for path in tqdm(files, desc="Loading safetensors shards", unit="shard"):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                target = _target(hf_name, config)
-                if target is None:
+    files = checkpoint_files(model_dir)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files]
+        total = sum(len(h.keys()) for h in handles)
+        progress = stack.enter_context(tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor"))
+        for path, handle in zip(files, handles):
+            for hf_name in handle.keys():
+                progress.update()
+                dest = _destination(hf_name, config)
+                if dest is None:
                     continue
-                name, shard = target
-                if name not in params:
-                    raise ValueError(f"{path.name}: unexpected tensor {hf_name}")
-                tensor = f.get_tensor(hf_name)
-                param = params[name]
-                if shard is None:
-                    dest = param.data
-                else:
-                    start = _shard_offsets(model, name)[shard]
-                    dest = param.data.narrow(0, start, tensor.shape[0])
-                if dest.shape != tensor.shape:
+                name, first, rows = dest
+                if (name, first) not in missing:
                     raise ValueError(
-                        f"{hf_name}: checkpoint shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}"
+                        f"{path.name}: unexpected (or repeated) tensor {hf_name} for {config.architecture}"
                     )
-                dest.copy_(tensor)
-                loaded.add(target)
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+                target = params[name].data
+                if rows is not None:
+                    target = target.narrow(0, first, rows)
+                tensor = handle.get_tensor(hf_name)
+                if tensor.shape != target.shape:
+                    raise ValueError(
+                        f"{path.name}: {hf_name} has shape {tuple(tensor.shape)}, "
+                        f"the config expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                missing.discard((name, first))
     if missing:
-        raise ValueError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
+        names = sorted(n if first is None else f"{n} (rows from {first})" for n, first in missing)
+        raise ValueError(f"{model_dir}: {len(names)} weights missing from the checkpoint, e.g. {names[:5]}")
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(

@@ -1,1 +1,3 @@
-"""Attention backends: one interface, several implementations."""
+"""Attention backends: one interface (base.AttentionBackend), several
+implementations checked against each other (torch_backend.TorchAttention;
+a Triton backend later)."""

@@ -1,24 +1,36 @@
-"""The interface the model calls for attention over the KV cache."""
+"""The interface the model calls for attention over the KV cache.
+
+Per forward pass the model calls `prepare(batch)` once, then `forward` once
+per layer. Backends build whatever per-batch metadata they need (slot
+tables, masks, kernel work lists) in `prepare`, so the layers reuse it.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
 
 import torch
 
 from pyserve.model.forward_batch import ForwardBatch
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend(ABC):
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build the per-batch metadata every layer's `forward` reuses."""
+
+    @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,  # [T, heads, head_dim]
+        q: torch.Tensor,  # [T, heads, head_dim], the new tokens of all sequences
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
-        """Store k/v at batch.out_cache_loc, then attend every new token over
-        its sequence up to and including itself. Returns [T, heads, head_dim]."""
-        ...
+        """Store k/v at `batch.out_cache_loc` in layer `layer_id`'s cache, then
+        attend every new token over its own sequence (`batch.kv_indices`),
+        causally: the new token at absolute position p sees positions <= p.
+        Query head h reads kv head h // (heads // kv_heads). Returns
+        [T, heads, head_dim] in q's dtype."""

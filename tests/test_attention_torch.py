@@ -1,0 +1,202 @@
+"""TorchAttention against a naive float64 attention, and the KV slot pool.
+
+Sequences get scattered, non-contiguous slots (as a long-running pool hands
+out), ragged lengths, cached prefixes and grouped kv heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyserve.engine.attention.torch_backend import TorchAttention
+from pyserve.engine.kv_pool import KVPool
+from pyserve.model.forward_batch import ForwardBatch
+
+LAYERS, SLOTS, DIM = 2, 512, 16
+
+
+def reference_attention(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
+    """q [n, H, D] at positions first_pos.., over k/v [L, KVH, D], causal."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    q_pos = torch.arange(first_pos, first_pos + q.shape[0])
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos[:, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+class Harness:
+    """A pool, a backend, and the true K/V of every sequence so far."""
+
+    def __init__(self, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
+        self.heads, self.kv_heads, self.dtype = heads, kv_heads, dtype
+        self.pool = KVPool(LAYERS, SLOTS, kv_heads, DIM, dtype, "cpu")
+        # Scatter the slots: take them all, give them back shuffled.
+        g = torch.Generator().manual_seed(seed)
+        everything = self.pool.alloc(self.pool.capacity)
+        self.pool.free(everything[torch.randperm(everything.numel(), generator=g)])
+        self.attn = TorchAttention(self.pool)
+        self.gen = g
+        self.slots: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def step(self, new_lens: list[int], layer_id: int = 0, decode: bool = False):
+        """One forward over sequences 0..B-1 (created on first use) adding
+        `new_lens` tokens each; returns (output, expected output)."""
+        while len(self.slots) < len(new_lens):
+            self.slots.append(torch.empty(0, dtype=torch.long))
+            self.keys.append(self.randn(0, self.kv_heads, DIM))
+            self.values.append(self.randn(0, self.kv_heads, DIM))
+        T = sum(new_lens)
+        q, k, v = self.randn(T, self.heads, DIM), self.randn(T, self.kv_heads, DIM), self.randn(T, self.kv_heads, DIM)
+        fresh, first_pos = [], []
+        for i, n in enumerate(new_lens):
+            first_pos.append(self.slots[i].numel())
+            fresh.append(self.pool.alloc(n))
+            self.slots[i] = torch.cat([self.slots[i], fresh[-1]])
+        starts = [sum(new_lens[:i]) for i in range(len(new_lens))]
+        for i, (s, n) in enumerate(zip(starts, new_lens)):
+            self.keys[i] = torch.cat([self.keys[i], k[s : s + n]])
+            self.values[i] = torch.cat([self.values[i], v[s : s + n]])
+        batch = ForwardBatch(
+            input_ids=torch.zeros(T, dtype=torch.long),
+            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
+            out_cache_loc=torch.cat(fresh),
+            extend_lens=list(new_lens),
+            seq_lens=[s.numel() for s in self.slots[: len(new_lens)]],
+            kv_indices=self.slots[: len(new_lens)],
+            logits_indices=torch.tensor([s + n - 1 for s, n in zip(starts, new_lens)]),
+            is_decode=decode,
+        )
+        scale = DIM**-0.5
+        self.attn.prepare(batch)
+        out = self.attn.forward(q, k, v, layer_id, batch, scale)
+        expected = torch.cat([
+            reference_attention(q[s : s + n], self.keys[i], self.values[i], first_pos[i], scale)
+            for i, (s, n) in enumerate(zip(starts, new_lens))
+        ])
+        return out, expected
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_ragged_prefill(heads, kv_heads):
+    h = Harness(heads, kv_heads)
+    out, expected = h.step([1, 7, 33, 4])
+    assert out.shape == (45, heads, DIM)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_extend_over_cached_prefix(heads, kv_heads):
+    h = Harness(heads, kv_heads)
+    h.step([5, 1, 12, 3])
+    # Sequence 4 is new (no prefix) in the same batch as extends over prefixes;
+    # sequence 1 extends by a single token outside a decode step.
+    out, expected = h.step([4, 1, 9, 6, 3])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_batched_decode_of_ragged_sequences(heads, kv_heads):
+    h = Harness(heads, kv_heads)
+    h.step([1, 5, 17, 9])
+    for _ in range(3):
+        out, expected = h.step([1, 1, 1, 1], decode=True)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_of_equal_lengths_and_single_sequence():
+    h = Harness(8, 2)
+    h.step([6, 6])
+    out, expected = h.step([1, 1], decode=True)  # no padding, so no mask
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    single = Harness(8, 2)
+    single.step([3])
+    out, expected = single.step([1], decode=True)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_padding_reads_slot_0_harmlessly():
+    h = Harness(8, 2)
+    h.step([2, 20])
+    h.pool.k_buffer[0][0] = 1e4  # padded entries point at slot 0
+    h.pool.v_buffer[0][0] = 1e4
+    out, expected = h.step([1, 1], decode=True)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_is_written_to_its_slots_and_layer_only():
+    h = Harness(8, 2)
+    h.step([3, 5], layer_id=1)
+    for slots, keys, values in zip(h.slots, h.keys, h.values):
+        assert torch.equal(h.pool.k_buffer[1][slots], keys)
+        assert torch.equal(h.pool.v_buffer[1][slots], values)
+        assert not h.pool.k_buffer[0][slots].any()
+
+
+def test_bfloat16_close_to_reference():
+    h = Harness(8, 2, dtype=torch.bfloat16)
+    h.step([4, 11])
+    out, expected = h.step([3, 2])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_forward_without_prepare_is_an_error():
+    pool = KVPool(1, 8, 4, DIM, torch.float32, "cpu")
+    slots = pool.alloc(2)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(2, dtype=torch.long), positions=torch.arange(2), out_cache_loc=slots,
+        extend_lens=[2], seq_lens=[2], kv_indices=[slots], logits_indices=torch.tensor([1]), is_decode=False,
+    )
+    qkv = torch.zeros(2, 4, DIM)
+    with pytest.raises(RuntimeError, match="prepare"):
+        TorchAttention(pool).forward(qkv, qkv, qkv, 0, batch, 1.0)
+
+
+# The KV slot pool
+
+
+def test_pool_never_hands_out_slot_0_and_runs_dry():
+    pool = KVPool(1, 8, 2, DIM, torch.float32, "cpu")
+    assert pool.num_slots == 8 and pool.capacity == 7 and pool.num_free == 7
+    assert pool.alloc(8) is None
+    a = pool.alloc(4)
+    b = pool.alloc(3)
+    assert pool.num_free == 0 and pool.alloc(1) is None
+    assert sorted(torch.cat([a, b]).tolist()) == list(range(1, 8))
+    assert pool.alloc(0).numel() == 0
+    pool.free(a)
+    assert pool.num_free == 4
+    c = pool.alloc(4)
+    assert sorted(c.tolist()) == sorted(a.tolist())
+
+
+def test_pool_rejects_double_free_and_slot_0():
+    pool = KVPool(1, 8, 2, DIM, torch.float32, "cpu")
+    a = pool.alloc(3)
+    pool.free(a)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(a)
+    with pytest.raises(RuntimeError):
+        pool.free(torch.tensor([0]))
+    b = pool.alloc(2)
+    with pytest.raises(RuntimeError):
+        pool.free(torch.cat([b, b[:1]]))
+    assert pool.num_free == 5
+
+
+def test_pool_buffers_and_budget():
+    pool = KVPool(3, 10, 2, DIM, torch.bfloat16, "cpu")
+    assert len(pool.k_buffer) == len(pool.v_buffer) == 3
+    assert pool.k_buffer[2].shape == (10, 2, DIM) and pool.k_buffer[2].dtype == torch.bfloat16
+    per_slot = KVPool.bytes_per_slot(3, 2, DIM, torch.bfloat16)
+    assert per_slot == 2 * 3 * 2 * DIM * 2
+    assert KVPool.slots_for_budget(per_slot * 100 + 5, 3, 2, DIM, torch.bfloat16) == 100
+    assert KVPool.slots_for_budget(0, 3, 2, DIM, torch.bfloat16) == 2
