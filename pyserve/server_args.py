@@ -26,6 +26,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     default_max_tokens: int | None = None  # when a request sets none: up to the context length
     random_seed: int = 0
+    decode_log_interval: int = 40  # decode steps between "Decode batch." log lines
     file_storage_path: str = "pyserve_storage"
     max_upload_size: int = 512 << 20  # bytes
     batch_concurrency: int = 8  # requests of all batches in flight at once
@@ -62,6 +63,8 @@ class ServerArgs:
                        help="do not reuse the KV of shared prompt prefixes")
         p.add_argument("--default-max-tokens", type=int, default=None,
                        help="max_tokens for requests that set none (default: up to the context length)")
+        p.add_argument("--decode-log-interval", type=int, default=ServerArgs.decode_log_interval,
+                       help="decode steps between 'Decode batch.' log lines")
         p.add_argument("--random-seed", type=int, default=ServerArgs.random_seed)
         p.add_argument("--file-storage-path", default=ServerArgs.file_storage_path,
                        help="where /v1/files and /v1/batches keep their data")

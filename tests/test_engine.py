@@ -238,3 +238,19 @@ def test_chunked_prefill_gives_the_same_output_and_lets_decode_run(tiny_llama_di
     # decode steps of the short stream ran between the chunks
     between = steps[chunks[0] : chunks[-1]]
     assert sum(1 for prefill, _ in between if not prefill) >= 4
+
+
+def test_logs_follow_sglang_shape(tiny_llama_dir, caplog):
+    async def main():
+        engine = await started_engine(tiny_llama_dir, decode_log_interval=4)
+        await collect(engine, PROMPTS[2], max_new_tokens=12, ignore_eos=True)
+        await engine.shutdown()
+
+    with caplog.at_level("INFO", logger="pyserve.engine"):
+        run(main())
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("Prefill batch. #new-seq: 1, #new-token: 31, #cached-token: 0, token usage: ")
+               and "#running-req: 0, #queue-req: 0" in line for line in lines)
+    decode = [line for line in lines if line.startswith("Decode batch. #running-req: 1, #token: ")]
+    assert len(decode) == 2  # steps 4 and 8 of 11 decode steps
+    assert all("gen throughput (token/s): " in line and "#queue-req: 0" in line for line in decode)

@@ -29,8 +29,6 @@ from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
 
-DECODE_LOG_INTERVAL = 40
-
 
 class Engine:
     def __init__(self, args: ServerArgs):
@@ -200,7 +198,7 @@ class Engine:
                 len(step.seqs), step.num_new_tokens, step.num_cached_tokens, s.token_usage(),
                 len(s.running) - len(step.seqs), len(s.waiting),
             )
-        elif self._decode_steps % DECODE_LOG_INTERVAL == 0 and self._decode_steps:
+        elif self._decode_steps % self.args.decode_log_interval == 0 and self._decode_steps:
             now = time.perf_counter()
             throughput = self._decode_tokens / max(now - self._decode_log_start, 1e-9)
             logger.info(
