@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 
@@ -38,6 +39,7 @@ async def serve(args: ServerArgs) -> None:
     log = logging.getLogger("pyserve")
     started = time.perf_counter()
     log.info("server_args=%s", args)
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
     engine = Engine(args)
     template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
     name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
@@ -57,7 +59,8 @@ async def serve(args: ServerArgs) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
     log.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
-    log.info("pyserve is ready on http://%s:%d", args.host, args.port)
+    # Granian calls its startup hooks once the listening socket is bound.
+    server.on_startup(lambda: log.info("pyserve is ready on http://%s:%d", args.host, args.port))
     try:
         await server.serve()
     finally:
@@ -66,12 +69,25 @@ async def serve(args: ServerArgs) -> None:
         log.info("pyserve stopped")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Granian binds with SO_REUSEPORT, so a second server on a taken port
+    would silently share it; a bind without it tells us it is taken (while
+    SO_REUSEADDR lets a restart reuse a port its predecessor left in TIME_WAIT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = ServerArgs.from_cli(argv)
     setup_logging(args.log_level)
     try:
         asyncio.run(serve(args))
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:  # bad model, options or port: one clear line
         logging.getLogger("pyserve").error("%s", e)
         sys.exit(1)
 

@@ -38,3 +38,30 @@ def test_unsupported_model_fails_clearly(tmp_path):
     out = run_cli("--model", str(tmp_path))
     assert out.returncode != 0
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_serves_logs_and_stops_cleanly_on_sigterm(tiny_llama_dir):
+    """What it loaded and where it listens, in SGLang's timestamped shape;
+    a second server on the same port fails at once; SIGTERM ends it with 0."""
+    import re
+    import signal
+
+    from tests.conftest import ServerProcess
+
+    srv = ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "2048",
+                        "--served-model-name", "tiny")
+    try:
+        log = srv.log()
+        assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] server_args=ServerArgs\(", log, re.M)
+        assert "LlamaForCausalLM" in log and "parameters" in log and "on cpu" in log
+        assert "KV cache" in log and "context length" in log
+        assert f"pyserve is ready on http://127.0.0.1:{srv.port}" in log
+        taken = run_cli("--model", str(tiny_llama_dir), "--port", str(srv.port))
+        assert taken.returncode != 0
+        assert "already in use" in taken.stdout + taken.stderr
+        assert "Traceback" not in taken.stdout + taken.stderr
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 0
+        srv.stop()
+    assert "pyserve stopped" in srv.log_path.read_text()

@@ -39,19 +39,35 @@ COMPLETION_CALLS = {
 
 def stream_chat_text(client, **kwargs) -> tuple[str, list]:
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # As the seeds read a stream: choices[0] of every chunk.
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
     return text, chunks
 
 
-def check_usage(usage, max_tokens):
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from pyserve._rust import Tokenizer
+
+    return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+
+
+def check_usage(usage, max_tokens, choice=None, text=None, tokenizer=None):
+    """Counts add up; with the output in hand, completion_tokens is the
+    number of generated tokens: max_tokens when cut for length, the text's
+    tokens plus the EOS token when the model ended it (greedy output
+    re-encodes to the same tokens)."""
     assert usage.prompt_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     if max_tokens is not None:
         assert 1 <= usage.completion_tokens <= max_tokens
+    if choice is not None and choice.finish_reason == "length":
+        assert usage.completion_tokens == max_tokens
+    if tokenizer is not None and choice.finish_reason == "stop" and isinstance(choice.matched_stop, int):
+        assert usage.completion_tokens == len(tokenizer.encode(text)) + 1
 
 
 @pytest.mark.parametrize("name", list(CHAT_CALLS))
-def test_seed_chat_call(client, model_name, name):
+def test_seed_chat_call(client, model_name, tokenizer, name):
     kwargs = dict(CHAT_CALLS[name], model=model_name)
     response = client.chat.completions.create(**kwargs)
     choice = response.choices[0]
@@ -61,9 +77,8 @@ def test_seed_chat_call(client, model_name, name):
     assert choice.message.content
     assert choice.finish_reason in ("stop", "length")
     max_tokens = kwargs.get("max_tokens", SERVER_DEFAULT_MAX_TOKENS)
-    check_usage(response.usage, max_tokens)
-    if choice.finish_reason == "length":
-        assert response.usage.completion_tokens == max_tokens
+    greedy = kwargs.get("temperature") == 0
+    check_usage(response.usage, max_tokens, choice, choice.message.content, tokenizer if greedy else None)
     for stop in kwargs.get("stop") or []:
         assert stop not in choice.message.content
 
@@ -91,14 +106,15 @@ def test_streamed_chat_equals_non_streamed_at_temperature_0(client, model_name, 
 
 
 @pytest.mark.parametrize("name", list(COMPLETION_CALLS))
-def test_seed_completion_call(client, model_name, name):
+def test_seed_completion_call(client, model_name, tokenizer, name):
     kwargs = dict(COMPLETION_CALLS[name], model=model_name)
     response = client.completions.create(**kwargs)
     choice = response.choices[0]
     assert response.object == "text_completion"
     assert choice.text or choice.finish_reason == "stop"  # the model may end at once
     assert choice.finish_reason in ("stop", "length")
-    check_usage(response.usage, kwargs["max_tokens"])
+    check_usage(response.usage, kwargs["max_tokens"], choice, choice.text,
+                tokenizer if kwargs["temperature"] == 0 else None)
     for stop in kwargs.get("stop") or []:
         assert stop not in choice.text
     if choice.finish_reason == "stop" and kwargs.get("stop"):
@@ -113,6 +129,16 @@ def test_streamed_completion_equals_non_streamed_at_temperature_0(client, model_
     assert "".join(c.choices[0].text for c in chunks) == whole
     for stop in kwargs.get("stop") or []:
         assert stop not in whole
+
+
+def test_seeded_story_streams_as_the_seed_prints_it(client, model_name):
+    """The seeds' streamed story, as written: seeded sampling streams the
+    same text as the whole response."""
+    kwargs = dict(COMPLETION_CALLS["story"], model=model_name)
+    whole = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(chunk.choices[0].text or "" for chunk in client.completions.create(stream=True, **kwargs))
+    assert streamed == whole
+    assert "\n\n" not in streamed and "THE END" not in streamed
 
 
 def test_seeded_sampling_is_reproducible(client, model_name):
@@ -142,7 +168,6 @@ def test_reasoning_example_runs(client, model_name):
     response = client.chat.completions.create(
         model=model_name,
         messages=[{"role": "user", "content": "9.11 and 9.8, which is greater?"}],
-        max_tokens=32,
         extra_body={"chat_template_kwargs": {"enable_thinking": True}, "separate_reasoning": True},
     )
     message = response.choices[0].message

@@ -13,15 +13,19 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Callable
 
 import msgspec
 
 from pyserve.api import batches, chat, completions, files, native
 from pyserve.api.errors import APIError, from_msgspec
-from pyserve.api.http import EventStream, FileResponse, Request, Response, error_response, json_response
+from pyserve.api.http import (
+    FileResponse, Request, Response, error_response, json_response, preflight_response, with_cors,
+)
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
 from pyserve.api.serving import ServingContext
+from pyserve.api.sse import DisconnectableStream
 
 logger = logging.getLogger("pyserve.http")
 
@@ -34,11 +38,14 @@ class Route:
     public: bool = False  # answered without an API key
 
 
-# Path segments in braces are handed to the handler as keyword arguments.
+# Path segments in braces are handed to the handler as keyword arguments;
+# a last `{name:path}` takes the rest of the path, slashes included (model
+# names such as "meta-llama/Llama-3.1-8B-Instruct").
 ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
     ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
     ("GET", "/v1/models"): Route(native.models),
+    ("GET", "/v1/models/{model:path}"): Route(native.retrieve_model),
     ("POST", "/v1/files"): Route(files.upload, raw=True),
     ("GET", "/v1/files"): Route(files.list_files, raw=True),
     ("GET", "/v1/files/{file_id}"): Route(files.retrieve),
@@ -53,11 +60,15 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/get_server_info"): Route(native.server_info),
     ("GET", "/version"): Route(lambda ctx: native.version()),
     ("GET", "/health"): Route(lambda ctx: None, public=True),
+    ("GET", "/health_generate"): Route(native.health_generate, public=True),
 }
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:
     want, got = pattern.split("/"), path.split("/")
+    if want[-1].endswith(":path}"):
+        want[-1] = want[-1].replace(":path}", "}")
+        got = got[: len(want) - 1] + ["/".join(got[len(want) - 1:])]
     if len(want) != len(got):
         return None
     params = {}
@@ -81,6 +92,12 @@ class App:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
+        origin = request.headers.get("origin")
+        if origin is not None:
+            send = with_cors(send, origin)
+            if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+                await self._respond(request, preflight_response(request.headers), send)
+                return
         try:
             response = await self._dispatch(request)
         except APIError as err:
@@ -132,14 +149,14 @@ class App:
             raise asyncio.CancelledError
         result = work.result()
         if isinstance(result, AsyncIterator):
-            return _Streaming(result, watcher)
+            return DisconnectableStream(result, watcher)
         watcher.cancel()
         return to_response(result)
 
     def _authorize(self, request: Request) -> None:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError("invalid or missing API key", 401, "authentication_error", code="invalid_api_key")
 
     async def _respond(self, request: Request, response, send) -> None:
@@ -148,10 +165,9 @@ class App:
         except (OSError, RuntimeError, asyncio.CancelledError):
             logger.info("client %s went away during %s", _client(request.scope), request.path)
         finally:
-            if isinstance(response, _Streaming):
+            if isinstance(response, DisconnectableStream):
                 await response.close()
-        logger.info('%s - "%s %s HTTP/%s" %d', _client(request.scope), request.method, request.path,
-                    request.scope.get("http_version", "1.1"), response.status)
+        access_log(request, response.status)
 
 
 def to_response(result):
@@ -169,27 +185,18 @@ async def _call(handler, *args, **kwargs):
     return result
 
 
+def access_log(request: Request, status: int) -> None:
+    """Uvicorn's access line, as SGLang's logs show it."""
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    target = f"{request.path}?{query}" if query else request.path
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    logger.info('INFO:     %s - "%s %s HTTP/%s" %d %s', _client(request.scope), request.method, target,
+                request.scope.get("http_version", "1.1"), status, phrase)
+
+
 def _client(scope) -> str:
     client = scope.get("client") or ("-", 0)
     return f"{client[0]}:{client[1]}"
-
-
-class _Streaming(EventStream):
-    """An SSE response that stops its generator when the client leaves."""
-
-    def __init__(self, events: AsyncIterator[dict], disconnect: asyncio.Future):
-        super().__init__(events)
-        self.disconnect = disconnect
-
-    async def send(self, send) -> None:
-        streaming = asyncio.ensure_future(super().send(send))
-        done, _ = await asyncio.wait({streaming, self.disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if streaming not in done:
-            streaming.cancel()
-            await asyncio.gather(streaming, return_exceptions=True)
-            raise asyncio.CancelledError
-        streaming.result()
-
-    async def close(self) -> None:
-        self.disconnect.cancel()
-        await self.events.aclose()

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import msgspec
+from msgspec import UNSET
 
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.errors import bad_request
-from pyserve.api.protocol import ChatCompletionRequest
+from pyserve.api.protocol import (
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatStreamChoice, Delta,
+)
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
-    REASONING_PARSERS, ServingContext, UsageCounter, choice_requests, merged_outputs, new_id, now,
+    REASONING_PARSERS, ServingContext, UsageCounter, check_requests, choice_requests, merged_outputs, new_id, now,
 )
 from pyserve.chat_template import ChatTemplateError
+from pyserve.engine.request import GenerateOutput
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -24,24 +30,43 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
         if m.role not in _ROLES:
             raise bad_request(f"unknown role {m.role!r}", f"messages[{i}].role")
         try:
-            text = content_text(msgspec.to_builtins(m.content))
+            # None stays None: templates tell "no content" (a tool call) from "".
+            text = None if m.content is None else content_text(msgspec.to_builtins(m.content))
         except ValueError as e:  # e.g. image parts: this server serves text models
             raise bad_request(str(e), f"messages[{i}].content") from None
         msg = {"role": m.role, "content": text}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(m, key)
             if value is not None:
                 msg[key] = value
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
         messages.append(msg)
     return messages
 
 
+def _template_tool_call(call: dict) -> dict:
+    """OpenAI sends a call's arguments as a JSON string; chat templates
+    (Llama 3.1, Qwen...) iterate them as a mapping, so decode them when we can."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
+
+
 def prepare(ctx: ServingContext, req: ChatCompletionRequest):
-    """Validate and tokenize; returns (prompt ids, SamplingParams, max_tokens)."""
+    """Validate, render the chat template and tokenize: (prompt ids, SamplingParams)."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
-    if req.logprobs:
-        raise bad_request("logprobs are not supported yet", "logprobs")
+    if req.logprobs or req.top_logprobs:
+        raise bad_request("logprobs are not supported yet", "logprobs" if req.logprobs else "top_logprobs")
+    if req.tool_choice not in (None, "none", "auto"):
+        # Tools reach the template, but calls are not parsed out of the output yet.
+        raise bad_request("tool_choice other than 'auto' or 'none' is not supported yet", "tool_choice")
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(f"response_format {req.response_format.type!r} is not supported yet", "response_format")
     if req.stream_options is not None and not req.stream:
@@ -84,10 +109,11 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     prompt_ids, params = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
     requests = choice_requests(prompt_ids, params, req.n, rid, priority)
+    check_requests(ctx.engine, requests, "messages")
     if req.stream:
         return _stream(ctx, req, requests, rid)
     texts = [""] * req.n
-    finals = [None] * req.n
+    finals: list[GenerateOutput | None] = [None] * req.n
     counter = UsageCounter()
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
@@ -102,43 +128,30 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
             r1, c1 = splitter.feed(text)
             r2, c2 = splitter.flush()
             reasoning, text = (r1 + r2).strip() or None, (c1 + c2).lstrip()
-        choices.append({
-            "index": i,
-            "message": {"role": "assistant", "content": text, "reasoning_content": reasoning, "tool_calls": None},
-            "logprobs": None,
-            "finish_reason": out.finish_reason,
-            "matched_stop": out.matched_stop,
-        })
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": now(),
-        "model": ctx.served_model_name,
-        "choices": choices,
-        "usage": counter.body(),
-    }
+        choices.append(ChatChoice(
+            index=i,
+            message=AssistantMessage(content=text, reasoning_content=reasoning),
+            finish_reason=out.finish_reason,
+            matched_stop=out.matched_stop,
+        ))
+    return ChatCompletionResponse(
+        id=rid, created=now(), model=ctx.served_model_name, choices=choices, usage=counter.body()
+    )
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid: str) -> AsyncIterator[dict]:
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid: str) -> AsyncIterator:
+    """OpenAI's chunk order: a role chunk per choice, content deltas, a
+    finish chunk per choice, then (if asked) one usage chunk with no choices."""
     created = now()
-    model = ctx.served_model_name
 
-    def chunk(choices: list[dict], usage=None) -> dict:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-    def delta_choice(i: int, delta: dict, finish_reason=None, matched_stop=None) -> dict:
-        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        if finish_reason is not None:
-            c["matched_stop"] = matched_stop
-        return c
+    def chunk(choices: list[ChatStreamChoice], usage=UNSET) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=rid, created=created, model=ctx.served_model_name, choices=choices,
+                                   usage=usage)
 
     splitters = [_splitter(ctx, req) for _ in requests]
     counter = UsageCounter()
     for i in range(len(requests)):
-        yield chunk([delta_choice(i, {"role": "assistant", "content": ""})])
+        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
     async for i, out in merged_outputs(ctx.engine, requests):
         reasoning, content = "", out.text
         if splitters[i] is not None:
@@ -146,15 +159,12 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid
             if out.finished:
                 r, c = splitters[i].flush()
                 reasoning, content = reasoning + r, content + c
-        delta = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        if delta:
-            yield chunk([delta_choice(i, delta)])
+        if reasoning or content:
+            delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET)
+            yield chunk([ChatStreamChoice(index=i, delta=delta)])
         if out.finished:
             counter.add(0, out)
-            yield chunk([delta_choice(i, {}, out.finish_reason, out.matched_stop)])
+            yield chunk([ChatStreamChoice(index=i, delta=Delta(), finish_reason=out.finish_reason,
+                                          matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], counter.body())

@@ -4,27 +4,34 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from msgspec import UNSET
+
 from pyserve.api.errors import bad_request
-from pyserve.api.protocol import CompletionRequest
+from pyserve.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
-    ServingContext, UsageCounter, check_prompt_ids, choice_requests, merged_outputs, new_id, now,
+    ServingContext, UsageCounter, check_prompt_ids, check_requests, choice_requests, merged_outputs, new_id, now,
 )
+from pyserve.engine.request import GenerateOutput
 
 
 def prompt_id_lists(ctx: ServingContext, prompt) -> list[list[int]]:
-    """The four prompt shapes OpenAI accepts: str, [str], [int], [[int]]."""
+    """The four prompt shapes OpenAI accepts: str, [str], [int], [[int]].
+
+    Text gets the tokenizer's special tokens (a Llama BOS), as SGLang and
+    vLLM encode completion prompts; token ids are taken as they are."""
     tok = ctx.engine.tokenizer
     if isinstance(prompt, str):
-        prompts = [tok.encode(prompt)]
+        prompts = [tok.encode(prompt, add_special_tokens=True)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = tok.encode_batch(prompt)
+        prompts = tok.encode_batch(prompt, add_special_tokens=True)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = prompt
     else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of those lists", "prompt")
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of those lists", "prompt")
     for ids in prompts:
         check_prompt_ids(ctx, ids, "prompt")
     return prompts
@@ -55,51 +62,51 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
     requests = []
     for p, ids in enumerate(prompts):
         requests += choice_requests(ids, params, req.n, f"{rid}-{p}" if len(prompts) > 1 else rid, priority)
-    echoes = [ctx.engine.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+    check_requests(ctx.engine, requests, "prompt")
+    echoes = _echoes(ctx, req.prompt, prompts) if req.echo else [""] * len(prompts)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)
     texts = [echoes[i // req.n] for i in range(len(requests))]
-    finals = [None] * len(requests)
+    finals: list[GenerateOutput | None] = [None] * len(requests)
     counter = UsageCounter()
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
         if out.finished:
             finals[i] = out
             counter.add(i // req.n, out)
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": now(),
-        "model": ctx.served_model_name,
-        "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason,
-             "matched_stop": out.matched_stop}
-            for i, (text, out) in enumerate(zip(texts, finals))
-        ],
-        "usage": counter.body(),
-    }
+    choices = [
+        CompletionChoice(index=i, text=text, finish_reason=out.finish_reason, matched_stop=out.matched_stop)
+        for i, (text, out) in enumerate(zip(texts, finals))
+    ]
+    return CompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
+                              usage=counter.body())
 
 
-async def _stream(ctx: ServingContext, req: CompletionRequest, requests, rid, echoes) -> AsyncIterator[dict]:
+def _echoes(ctx: ServingContext, prompt, prompts: list[list[int]]) -> list[str]:
+    """The prompt as sent when it was text, decoded when it was token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [ctx.engine.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, requests, rid, echoes) -> AsyncIterator:
     created = now()
 
-    def chunk(choices: list[dict], usage=None) -> dict:
-        body = {"id": rid, "object": "text_completion", "created": created,
-                "model": ctx.served_model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
+    def chunk(choices: list[CompletionChoice], usage=UNSET) -> CompletionResponse:
+        return CompletionResponse(id=rid, created=created, model=ctx.served_model_name, choices=choices,
+                                  usage=usage)
 
     counter = UsageCounter()
     if req.echo:
         for i in range(len(requests)):
-            yield chunk([{"index": i, "text": echoes[i // req.n], "logprobs": None, "finish_reason": None}])
+            yield chunk([CompletionChoice(index=i, text=echoes[i // req.n])])
     async for i, out in merged_outputs(ctx.engine, requests):
-        choice = {"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
         if out.finished:
-            choice["matched_stop"] = out.matched_stop
             counter.add(i // req.n, out)
         if out.text or out.finished:
-            yield chunk([choice])
+            yield chunk([CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
+                                          matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], counter.body())

@@ -24,15 +24,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_msgspec(exc: msgspec.DecodeError) -> APIError:
-    """A readable 400 from msgspec's message, which ends in `- at `$.field``."""
-    text = str(exc)
-    param = None
-    if " - at `$." in text:
-        text, _, path = text.rpartition(" - at `$.")
-        param = path.rstrip("`")
-        text = f"{text} for field '{param}'"
-    elif isinstance(exc, msgspec.ValidationError) and text.startswith("Object missing required field"):
-        param = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else None
-    else:
-        text = f"invalid JSON body: {text}" if not isinstance(exc, msgspec.ValidationError) else text
-    return bad_request(text, param)
+    """A readable 400 from msgspec's message, whose `- at `$.path`` suffix
+    names the field: "Expected `int`, got `str` - at `$.max_tokens`"."""
+    if not isinstance(exc, msgspec.ValidationError):
+        return bad_request(f"invalid JSON body: {exc}")
+    text, _, path = str(exc).partition(" - at `$")
+    path = path.rstrip("`").lstrip(".")
+    missing = text.startswith("Object missing required field `")
+    if missing:
+        field = text.split("`")[1]
+        path = f"{path}.{field}" if path else field
+        return bad_request(f"missing required field '{path}'", path)
+    if not path:
+        return bad_request(f"the request body must be a JSON object ({text})")
+    return bad_request(f"{text} for field '{path}'", path)

@@ -1,4 +1,4 @@
-"""Minimal ASGI plumbing: bodies, JSON and SSE responses, disconnects."""
+"""Minimal ASGI plumbing: bodies, JSON and file responses, CORS, disconnects."""
 
 from __future__ import annotations
 
@@ -56,13 +56,15 @@ class Response:
         self.status = status
         self.body = body
         self.content_type = content_type
+        self.headers: list[tuple[bytes, bytes]] = []  # beyond content type and length
 
     async def send(self, send) -> None:
         await send({
             "type": "http.response.start",
             "status": self.status,
             "headers": [(b"content-type", self.content_type.encode()),
-                        (b"content-length", str(len(self.body)).encode())],
+                        (b"content-length", str(len(self.body)).encode()),
+                        *self.headers],
         })
         await send({"type": "http.response.body", "body": self.body})
 
@@ -91,25 +93,26 @@ def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status)
 
 
-class EventStream:
-    """A Server-Sent Events response: `data: {json}` frames, then `[DONE]`."""
+# CORS as SGLang configures it: any origin, method and header, with credentials.
+def with_cors(send, origin: str):
+    """`send` with the CORS headers added to the response's status line."""
+    extra = [(b"access-control-allow-origin", origin.encode("latin-1")),
+             (b"access-control-allow-credentials", b"true"),
+             (b"vary", b"Origin")]
 
-    def __init__(self, events: AsyncIterator[dict]):
-        self.status = 200
-        self.events = events
+    async def send_with_cors(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
 
-    async def send(self, send) -> None:
-        await send({
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
-        })
-        try:
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": b"data: " + _json.encode(event) + b"\n\n",
-                            "more_body": True})
-        except APIError as err:
-            # Headers are gone already: report the error in the stream.
-            await send({"type": "http.response.body", "body": b"data: " + _json.encode(err.body()) + b"\n\n",
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    return send_with_cors
+
+
+def preflight_response(headers: dict[str, str]) -> Response:
+    response = Response(200, b"OK", "text/plain")
+    response.headers = [
+        (b"access-control-allow-methods", b"DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"),
+        (b"access-control-allow-headers", headers.get("access-control-request-headers", "*").encode("latin-1")),
+        (b"access-control-max-age", b"600"),
+    ]
+    return response

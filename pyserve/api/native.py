@@ -1,16 +1,21 @@
-"""SGLang's native routes: /generate, /get_model_info, and /v1/models."""
+"""SGLang's native routes (/generate, /get_model_info, /health_generate...) and /v1/models."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from pyserve import __version__
-from pyserve.api.errors import bad_request
-from pyserve.api.protocol import NativeGenerateRequest
+from pyserve.api.errors import APIError, bad_request
+from pyserve.api.protocol import ModelCard, ModelList, NativeGenerateRequest
 from pyserve.api.sampling import build_params, check_context
-from pyserve.api.serving import ServingContext, check_prompt_ids, merged_outputs, new_id
-from pyserve.engine.request import GenerateOutput, GenerateRequest
+from pyserve.api.serving import (
+    ServingContext, check_prompt_ids, check_requests, choice_requests, merged_outputs, new_id,
+)
+from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
+
+HEALTH_GENERATE_TIMEOUT = 20.0  # seconds
 
 # SGLang's sampling_params names and defaults
 _SAMPLING_KEYS = {
@@ -21,18 +26,36 @@ _SAMPLING_KEYS = {
 }
 
 
-def models(ctx: ServingContext) -> dict:
-    return {
-        "object": "list",
-        "data": [{
-            "id": ctx.served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "pyserve",
-            "root": ctx.served_model_name,
-            "max_model_len": ctx.engine.context_len,
-        }],
-    }
+def _model_card(ctx: ServingContext) -> ModelCard:
+    name = ctx.served_model_name
+    return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.engine.context_len)
+
+
+def models(ctx: ServingContext) -> ModelList:
+    return ModelList(data=[_model_card(ctx)])
+
+
+def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
+    if model != ctx.served_model_name:
+        raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+    return _model_card(ctx)
+
+
+async def health_generate(ctx: ServingContext) -> None:
+    """SGLang's deep health check: the engine generates one token in time."""
+    ids = ctx.engine.tokenizer.encode("Hello", add_special_tokens=True)
+    req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"))
+
+    async def one_token():
+        async for _ in merged_outputs(ctx.engine, [req]):
+            pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise APIError("the engine did not generate a token in time", 503, "server_error") from None
+    except APIError as e:
+        raise APIError(f"the engine did not generate a token: {e.message}", 503, "server_error") from None
 
 
 def model_info(ctx: ServingContext) -> dict:
@@ -104,7 +127,7 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     tok = ctx.engine.tokenizer
     if req.text is not None:
         single = isinstance(req.text, str)
-        prompts = tok.encode_batch([req.text] if single else req.text)
+        prompts = tok.encode_batch([req.text] if single else req.text, add_special_tokens=True)
     else:
         ids = req.input_ids
         single = isinstance(ids, list) and all(isinstance(i, int) for i in ids)
@@ -117,10 +140,10 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     for ids in prompts:
         check_context(len(ids), max_new, ctx.engine.context_len, where="prompt")
     base = req.rid or new_id("")
-    requests = [
-        GenerateRequest(input_ids=ids, params=params, rid=f"{base}-{p}-{i}" if len(prompts) * n > 1 else base)
-        for p, ids in enumerate(prompts) for i in range(n)
-    ]
+    requests = []
+    for p, ids in enumerate(prompts):
+        requests += choice_requests(ids, params, n, f"{base}-{p}" if len(prompts) > 1 else base)
+    check_requests(ctx.engine, requests, "input_ids" if req.input_ids is not None else "text")
     started = time.perf_counter()
     if req.stream:
         return _stream(ctx, requests, started)
@@ -130,7 +153,8 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         texts[i] += out.text
         if out.finished:
             results[i] = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started)}
-    return results[0] if len(results) == 1 else results
+    # As SGLang answers: one object for one text, a list for a batch or n > 1.
+    return results[0] if single and n == 1 else results
 
 
 async def _stream(ctx: ServingContext, requests, started: float) -> AsyncIterator[dict]:

@@ -1,8 +1,14 @@
-"""Request bodies of the OpenAI and native routes, as msgspec Structs.
+"""Request and response bodies of the OpenAI and native routes, as msgspec Structs.
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Fields whose
-JSON shape varies (a completion prompt, SGLang's sampling_params) are
-decoded loosely and checked in code, with a clear message.
+Requests: unknown fields are ignored, as OpenAI-compatible servers do.
+Fields whose JSON shape varies (a completion prompt, SGLang's
+sampling_params) are decoded loosely and checked in code, with a clear
+message.
+
+Responses mirror SGLang's shapes field for field, nulls included (the
+openai client reads `logprobs: null`, `matched_stop: null`...). A field
+that must be absent rather than null is typed `... | UnsetType = UNSET`:
+msgspec never encodes UNSET.
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
+
+# -- requests ----------------------------------------------------------------
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -27,7 +36,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -38,7 +47,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     """Sampling settings shared by chat and completions (OpenAI + SGLang extras)."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: up to the context length
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -75,6 +84,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # the legacy API's default (OpenAI, SGLang, vLLM)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -86,3 +96,101 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True):
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     rid: str | None = None
+
+
+# -- responses ---------------------------------------------------------------
+# Field order is SGLang's, so bodies read the same.
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(msgspec.Struct, kw_only=True):
+    """A streamed message delta: only what this chunk adds."""
+
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+
+
+class ChatStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | UnsetType = UNSET  # only on the final usage chunk
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """A whole completion, or (usage unset until the last) one streamed chunk."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | UnsetType = UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "pyserve"
+    root: str
+    parent: None = None
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

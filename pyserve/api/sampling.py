@@ -57,6 +57,8 @@ def build_params(
     _check(top_k == -1 or top_k >= 0, "top_k must be -1 (disabled) or a positive integer", "top_k")
     _check(0.0 <= min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
     _check(0.0 < repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]", "repetition_penalty")
+    # Choice i uses seed + i, and torch generators take a signed 64-bit seed.
+    _check(seed is None or -(1 << 63) <= seed <= (1 << 63) - n, "seed must be a signed 64-bit integer", "seed")
     bias: dict[int, float] = {}
     for key, value in (logit_bias or {}).items():
         try:

@@ -7,10 +7,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pyserve.api.errors import APIError, bad_request
+from pyserve.api.protocol import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
@@ -35,6 +36,7 @@ class ServingContext:
     default_max_tokens: int | None = None
     files: "FileStore | None" = None
     batches: "BatchManager | None" = None
+    created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
 
 
 def new_id(prefix: str) -> str:
@@ -47,9 +49,11 @@ def now() -> int:
 
 def check_prompt_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
     vocab = ctx.engine.vocab_size
-    bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < vocab), None)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise bad_request("token ids must be integers", param)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
-        raise bad_request(f"token id {bad!r} is outside the vocabulary (size {vocab})", param)
+        raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})", param)
     if not ids:
         raise bad_request("the prompt is empty", param)
 
@@ -66,22 +70,33 @@ def choice_requests(
     return out
 
 
+def check_requests(engine: Engine, requests: list[GenerateRequest], param: str) -> None:
+    """What only the engine knows (its KV capacity...), asked before a
+    streamed response starts so that a refusal is still a plain 400."""
+    for r in requests:
+        try:
+            engine.validate(r)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
+
+
 async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """Outputs of several requests as they come: (request index, output).
 
     Leaving early (client gone) cancels every request's generator, which
     aborts it in the engine."""
-    for r in requests:
-        try:
-            engine.validate(r)
-        except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest):
+        started = False
         try:
             async for out in engine.generate(req):
+                started = True
                 await queue.put((i, out))
+        except ValueError as e:
+            # Before the first output a ValueError is the engine refusing the
+            # request (e.g. a client-chosen rid already running): the client's fault.
+            await queue.put((i, e if started else bad_request(str(e), "rid")))
         except Exception as e:  # surfaced to the consumer below
             await queue.put((i, e))
 
@@ -103,13 +118,13 @@ async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> Asy
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
 
 
 class UsageCounter:
@@ -125,5 +140,5 @@ class UsageCounter:
         self.completion += out.completion_tokens
         self.cached += out.cached_tokens
 
-    def body(self) -> dict:
+    def body(self) -> Usage:
         return usage(sum(self.prompt.values()), self.completion, self.cached)

@@ -1,0 +1,72 @@
+"""Server-Sent Events responses, as OpenAI-compatible servers stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from pyserve.api.errors import APIError
+
+logger = logging.getLogger("pyserve.http")
+_json = msgspec.json.Encoder()
+
+
+class EventStream:
+    """A Server-Sent Events response: `data: {json}` frames, then `[DONE]`.
+
+    The status line is sent before the first event, so an error raised by
+    the events becomes an error event (`data: {"error": ...}`), as SGLang
+    and vLLM report it, and the stream still ends with `[DONE]`."""
+
+    def __init__(self, events: AsyncIterator):
+        self.status = 200
+        self.events = events
+
+    async def send(self, send) -> None:
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        })
+        while True:
+            try:
+                event = await self.events.__anext__()
+            except StopAsyncIteration:
+                break
+            except APIError as err:
+                await send(_event_frame(err.body()))
+                break
+            except Exception:
+                logger.exception("a streamed response failed")
+                await send(_event_frame(APIError("internal server error", 500, "server_error").body()))
+                break
+            await send(_event_frame(event))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _event_frame(event) -> dict:
+    return {"type": "http.response.body", "body": b"data: " + _json.encode(event) + b"\n\n", "more_body": True}
+
+
+class DisconnectableStream(EventStream):
+    """An SSE response that stops its generator when the client leaves."""
+
+    def __init__(self, events: AsyncIterator, disconnect: asyncio.Future):
+        super().__init__(events)
+        self.disconnect = disconnect
+
+    async def send(self, send) -> None:
+        streaming = asyncio.ensure_future(super().send(send))
+        done, _ = await asyncio.wait({streaming, self.disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if streaming not in done:
+            streaming.cancel()
+            await asyncio.gather(streaming, return_exceptions=True)
+            raise asyncio.CancelledError
+        streaming.result()
+
+    async def close(self) -> None:
+        self.disconnect.cancel()
+        await self.events.aclose()

@@ -1,0 +1,129 @@
+"""The routes besides chat/completions, and response shapes byte by byte,
+against the real server on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def sse_events(response: httpx.Response) -> list:
+    body = response.read().decode()
+    frames = body.split("\n\n")
+    assert frames[-1] == "" and all(f.startswith("data: ") for f in frames[:-1]), body
+    return [f[6:] if f == "data: [DONE]" else json.loads(f[6:]) for f in frames[:-1]]
+
+
+def test_health(http):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.content == b""
+    assert http.get("/health_generate").status_code == 200
+
+
+def test_models_list_and_retrieve(http, client, model_name):
+    listed = http.get("/v1/models").json()
+    assert listed["object"] == "list"
+    card = listed["data"][0]
+    assert card["owned_by"] == "pyserve" and card["max_model_len"] > 0 and card["object"] == "model"
+    assert client.models.retrieve(model_name).id == model_name
+    r = http.get("/v1/models/meta-llama/Not-This-One")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_model_info_and_version(http):
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] and info["tokenizer_path"]
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert http.get("/version").json()["version"]
+
+
+def test_native_generate(http):
+    out = http.post("/generate", json={"text": "The capital of France is",
+                                       "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    meta = out["meta_info"]
+    assert out["text"] and meta["completion_tokens"] <= 8 and meta["prompt_tokens"] > 0
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"]["length"] == 8
+    batch = http.post("/generate", json={"text": ["Hello", "The sky is"],
+                                         "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    assert len(http.post("/generate", json={"input_ids": [1, 2, 3],
+                                            "sampling_params": {"max_new_tokens": 2, "n": 2}}).json()) == 2
+
+
+def test_native_generate_streams_cumulative_text(http):
+    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    with http.stream("POST", "/generate", json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    texts = [e["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert events[-2]["meta_info"]["finish_reason"] is not None
+    whole = http.post("/generate", json={**body, "stream": False}).json()
+    assert texts[-1] == whole["text"]
+
+
+def test_streamed_chat_bytes(http):
+    """What the openai client parses: every chunk a complete object, nulls
+    where OpenAI has them, usage only in the final usage chunk."""
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"] == "text/event-stream"
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert list(chunks[0]) == ["id", "object", "created", "model", "choices"]
+    assert chunks[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None, "matched_stop": None}
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]].count(None) == len(chunks) - 2
+    assert chunks[-1]["choices"] == [] and set(chunks[-1]["usage"]) == {
+        "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+
+
+def test_whole_chat_bytes(http):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi"}],
+                                               "max_tokens": 4, "temperature": 0})
+    data = r.json()
+    assert list(data) == ["id", "object", "created", "model", "choices", "usage"]
+    assert data["id"].startswith("chatcmpl-")
+    choice = data["choices"][0]
+    assert list(choice) == ["index", "message", "logprobs", "finish_reason", "matched_stop"]
+    assert list(choice["message"]) == ["role", "content", "reasoning_content", "tool_calls"]
+
+
+def test_completions_default_to_16_tokens_and_echo_the_prompt_as_sent(http):
+    prompt = "Once upon  a time"  # two spaces survive the echo
+    data = http.post("/v1/completions", json={"prompt": prompt, "echo": True, "ignore_eos": True}).json()
+    assert data["usage"]["completion_tokens"] == 16
+    assert data["choices"][0]["text"].startswith(prompt)
+    assert data["choices"][0]["finish_reason"] == "length"
+
+
+def test_client_chosen_rid_already_running_is_a_400(server, http):
+    body = {"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "rid": "same-rid", "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as other:
+        with other.stream("POST", "/v1/completions", json=body) as first:
+            lines = first.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)  # it is running now
+            second = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+    assert second.status_code == 400 and second.json()["error"]["param"] == "rid"
+
+
+def test_access_log_lines(server, http):
+    http.get("/v1/models?x=1")
+    line = '"GET /v1/models?x=1 HTTP/1.1" 200 OK'
+    deadline = time.time() + 5  # the line is written once the response is sent
+    while line not in server.log() and time.time() < deadline:
+        time.sleep(0.05)
+    assert "INFO:     127.0.0.1:" in server.log() and line in server.log()
