@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pyserve.engine.request import SamplingParams
-from pyserve.engine.sampler import Sampler
+from pyserve.engine.sampler import Sampler, apply_penalties
 from pyserve.engine.sequence import Sequence
 
 
@@ -50,8 +50,54 @@ def test_top_k_and_top_p_restrict_the_draw():
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
-    logits = torch.zeros(1, 50)
-    alone = [Sampler(0).sample(logits, [s])[0] for s in [seq(seed=3)] for _ in range(1)]
-    s = seq(seed=3)
-    batched = Sampler(9).sample(torch.zeros(3, 50), [seq(), s, seq()])[1]
-    assert alone == [batched]
+    alone = Sampler(0).sample(torch.zeros(1, 50), [seq(seed=3)])[0]
+    batched = Sampler(9).sample(torch.zeros(3, 50), [seq(), seq(seed=3), seq(top_k=5)])[1]
+    assert alone == batched
+
+
+def test_penalties_follow_openai_and_ctrl_formulas():
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    s = seq(prompt=[1], output=[0, 0, 2], frequency_penalty=0.25, presence_penalty=0.5, repetition_penalty=2.0)
+    apply_penalties(row, s)
+    # repetition (prompt + output: 0, 1, 2): positive / 2, negative * 2;
+    # then frequency * count + presence over the output only
+    assert torch.allclose(row, torch.tensor([1.0 - 0.5 - 0.5, -2.0, 0.25 - 0.25 - 0.5, 3.0]))
+
+
+def test_a_mixed_batch_keeps_greedy_rows_greedy():
+    logits = torch.tensor([[0.0, 1.0, 0.9], [0.0, 1.0, 0.9], [3.0, 0.0, 0.0]])
+    rows = [seq(temperature=0), seq(temperature=1.0, seed=4), seq(temperature=0, presence_penalty=1.0, output=[0])]
+    for _ in range(20):
+        ids = Sampler(0).sample(logits, rows)
+        assert ids[0] == 1 and ids[2] == 0  # presence: 3 - 1 still the largest
+    assert torch.equal(logits[0], torch.tensor([0.0, 1.0, 0.9]))  # the caller's logits are untouched
+
+
+def test_draws_follow_the_distribution_and_temperature_reshapes_it():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(4000, 1)
+    sampler = Sampler(0)
+
+    def freqs(**params):
+        ids = torch.tensor(sampler.sample(logits, [seq(**params) for _ in range(4000)]))
+        return torch.bincount(ids, minlength=3).float() / 4000
+
+    assert torch.allclose(freqs(), torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+    cold = freqs(temperature=0.25)  # p^4, renormalised
+    assert torch.allclose(cold, torch.tensor([0.866, 0.112, 0.022]), atol=0.03)
+    hot = freqs(temperature=10.0)
+    assert hot.max() - hot.min() < 0.08
+
+
+def test_top_k_one_is_greedy_and_min_p_keeps_the_best():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
+    best = logits.argmax(-1).tolist()
+    assert Sampler(1).sample(logits, [seq(top_k=1) for _ in range(8)]) == best
+    assert Sampler(1).sample(logits, [seq(min_p=1.0) for _ in range(8)]) == best
+    assert Sampler(1).sample(logits, [seq(top_p=1e-6) for _ in range(8)]) == best
+
+
+def test_unseeded_draws_follow_the_global_seed():
+    logits = torch.zeros(4, 1000)
+    rows = [seq() for _ in range(4)]
+    assert Sampler(7).sample(logits, rows) == Sampler(7).sample(logits, rows)
+    assert Sampler(7).sample(logits, rows) != Sampler(8).sample(logits, rows)

@@ -8,6 +8,7 @@ torch releases the GIL inside its kernels.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,9 +25,39 @@ from pyserve.server_args import ServerArgs
 logger = logging.getLogger("pyserve.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV cache budget when --max-total-tokens is not given.
-_CPU_KV_BYTES = 2 << 30
+# KV cache size when --max-total-tokens is not given. On CPU: room for a
+# few full-length sequences, capped in slots and by the memory available.
+_CPU_KV_CONTEXTS = 4
+_CPU_KV_MAX_SLOTS = 65536
+_CPU_KV_MEM_FRACTION = 0.25
 _GPU_MEM_FRACTION = 0.85
+
+
+def usable_cpus() -> int:
+    """CPUs this process may really use: its affinity mask, further capped by
+    a cgroup v2 CPU quota (containers often allow fewer CPUs than they show,
+    and torch would otherwise start one thread per visible core)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def available_memory() -> int:
+    """Bytes of RAM that can be taken without swapping others out."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def pick_device(name: str) -> torch.device:
@@ -47,6 +78,8 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: Path):
         self.device = pick_device(args.device)
         self.dtype = pick_dtype(args.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(usable_cpus())
         torch.manual_seed(args.random_seed)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
@@ -77,10 +110,10 @@ class ModelRunner:
             return args.max_total_tokens + 1  # + the padding slot
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * _GPU_MEM_FRACTION)
-        else:
-            budget = _CPU_KV_BYTES
-        return max(budget // self._bytes_per_slot(), 2)
+            return max(int(free * _GPU_MEM_FRACTION) // self._bytes_per_slot(), 2)
+        wanted = min(self.context_len * _CPU_KV_CONTEXTS, _CPU_KV_MAX_SLOTS) + 1
+        affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // self._bytes_per_slot()
+        return max(min(wanted, affordable), 2)
 
     def step(self, batch: ForwardBatch, seqs: list[Sequence]) -> list[int]:
         """Forward + sampling; runs on the worker thread."""

@@ -46,25 +46,42 @@ class OutputProcessor:
         seq = self.seq
         seq.output_ids.append(token_id)
         if token_id in self.stop_ids:
-            return self._output(self._flush(), finished=True, finish_reason="stop", matched_stop=token_id)
+            # The stop token's own text is never emitted.
+            text, matched = self._flush()
+            return self._finish(text, matched, token_id)
         text, matched = self.stops.feed(self.detok.step([token_id]))
+        if matched is None and (
+            len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.context_len
+        ):
+            rest, matched = self._flush()
+            return self._finish(text + rest, matched, None)
         if matched is not None:
-            return self._output(text, finished=True, finish_reason="stop", matched_stop=seq.params.stop[matched])
-        if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.context_len:
-            return self._output(text + self._flush(), finished=True, finish_reason="length")
+            return self._finish(text, matched, None)
         return self._output(text)
 
-    def _flush(self) -> str:
-        """Release what the detokenizer and stop matcher still hold."""
+    def _finish(self, text: str, matched: int | None, stop_token: int | None) -> GenerateOutput:
+        """The last output: a stop string wins over the stop token that came
+        after it; with neither, the request ran out of length."""
+        if matched is not None:
+            stop = self.seq.params.stop[matched]
+            return self._output(text, finished=True, finish_reason="stop", matched_stop=stop)
+        if stop_token is not None:
+            return self._output(text, finished=True, finish_reason="stop", matched_stop=stop_token)
+        return self._output(text, finished=True, finish_reason="length")
+
+    def _flush(self) -> tuple[str, int | None]:
+        """Release what the detokenizer and stop matcher still hold; a stop
+        string may still match in the detokenizer's held-back text."""
         text, matched = self.stops.feed(self.detok.flush())
         if matched is not None:
-            return text
-        return text + self.stops.flush()
+            return text, matched
+        return text + self.stops.flush(), None
 
     def out_of_memory(self) -> GenerateOutput:
         """The KV cache cannot hold this sequence's next token: end it as
         if it reached its length limit."""
-        return self._output(self._flush(), finished=True, finish_reason="length")
+        text, matched = self._flush()
+        return self._finish(text, matched, None)
 
     def abort(self) -> GenerateOutput:
         return self._output("", finished=True, finish_reason="abort")

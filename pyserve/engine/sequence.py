@@ -44,5 +44,10 @@ class Sequence:
 
     @property
     def uncached_ids(self) -> list[int]:
-        """Tokens the next forward must process (their KV is not cached yet)."""
-        return self.all_ids[self.num_cached :]
+        """Tokens the next forward must process (their KV is not cached yet).
+        Built without copying the whole prompt: decode asks every step."""
+        start = self.num_cached
+        prompt_len = len(self.prompt_ids)
+        if start >= prompt_len:
+            return self.output_ids[start - prompt_len :]
+        return self.prompt_ids[start:] + self.output_ids
