@@ -20,6 +20,12 @@ class ServerArgs:
     api_key: str | None = None
     context_length: int | None = None  # default: the model's max_position_embeddings
     max_total_tokens: int | None = None  # KV cache size in tokens
+    mem_fraction_static: float | None = None  # share of device memory for weights + KV (GPU)
+    page_size: int = 1  # tokens per KV page
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 128
+    disable_overlap_schedule: bool = False
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192  # token budget of one prefill step
     chunked_prefill_size: int = 2048  # longer prompts are computed in chunks; -1: never
@@ -55,6 +61,19 @@ class ServerArgs:
         p.add_argument("--context-length", type=int, default=None)
         p.add_argument("--max-total-tokens", type=int, default=None,
                        help="KV cache capacity in tokens")
+        p.add_argument("--mem-fraction-static", type=float, default=None,
+                       help="share of GPU memory for weights and KV cache (default 0.85)")
+        p.add_argument("--page-size", type=int, default=ServerArgs.page_size,
+                       help="tokens per KV cache page; the prefix cache shares whole pages")
+        p.add_argument("--attention-backend", default=ServerArgs.attention_backend,
+                       choices=["auto", "torch", "triton"],
+                       help="auto: triton on CUDA, torch on CPU")
+        p.add_argument("--disable-cuda-graph", action="store_true",
+                       help="run decode steps eagerly instead of replaying CUDA graphs")
+        p.add_argument("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs,
+                       help="largest decode batch captured as a CUDA graph")
+        p.add_argument("--disable-overlap-schedule", action="store_true",
+                       help="schedule the next step only after the current one finished")
         p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)
         p.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
         p.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size,

@@ -64,15 +64,15 @@ class Harness:
         for i, (s, n) in enumerate(zip(starts, new_lens)):
             self.keys[i] = torch.cat([self.keys[i], k[s : s + n]])
             self.values[i] = torch.cat([self.values[i], v[s : s + n]])
-        batch = ForwardBatch(
-            input_ids=torch.zeros(T, dtype=torch.long),
+        batch = ForwardBatch.build(
+            input_ids=[0] * T,
             positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
             out_cache_loc=torch.cat(fresh),
             extend_lens=list(new_lens),
-            seq_lens=[s.numel() for s in self.slots[: len(new_lens)]],
-            kv_indices=self.slots[: len(new_lens)],
-            logits_indices=torch.tensor([s + n - 1 for s, n in zip(starts, new_lens)]),
+            slots=self.slots[: len(new_lens)],
+            logits_indices=[s + n - 1 for s, n in zip(starts, new_lens)],
             is_decode=decode,
+            device="cpu",
         )
         scale = DIM**-0.5
         self.attn.prepare(batch)
@@ -151,9 +151,9 @@ def test_bfloat16_close_to_reference():
 def test_forward_without_prepare_is_an_error():
     pool = KVPool(1, 8, 4, DIM, torch.float32, "cpu")
     slots = pool.alloc(2)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(2, dtype=torch.long), positions=torch.arange(2), out_cache_loc=slots,
-        extend_lens=[2], seq_lens=[2], kv_indices=[slots], logits_indices=torch.tensor([1]), is_decode=False,
+    batch = ForwardBatch.build(
+        input_ids=[0, 0], positions=[0, 1], out_cache_loc=slots,
+        extend_lens=[2], slots=[slots], logits_indices=[1], is_decode=False, device="cpu",
     )
     qkv = torch.zeros(2, 4, DIM)
     with pytest.raises(RuntimeError, match="prepare"):

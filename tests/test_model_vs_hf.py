@@ -45,15 +45,15 @@ class CachedSequences:
             positions += range(cached.numel(), cached.numel() + len(tokens))
             new_slots.append(fresh)
             logits_indices.append(len(ids) - 1)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
+        batch = ForwardBatch.build(
+            input_ids=ids,
+            positions=positions,
             out_cache_loc=torch.cat(new_slots),
             extend_lens=[len(t) for t in chunks.values()],
-            seq_lens=[self.slots[s].numel() for s in chunks],
-            kv_indices=[self.slots[s] for s in chunks],
-            logits_indices=torch.tensor(logits_indices),
+            slots=[self.slots[s] for s in chunks],
+            logits_indices=logits_indices,
             is_decode=all(len(t) == 1 for t in chunks.values()),
+            device="cpu",
         )
         with torch.inference_mode():
             return self.model(batch, self.attn)

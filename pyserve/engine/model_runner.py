@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pyserve.engine.attention.base import AttentionBackend
 from pyserve.engine.attention.torch_backend import TorchAttention
 from pyserve.engine.kv_pool import KVPool
 from pyserve.engine.sampler import Sampler
@@ -91,7 +92,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.attention = TorchAttention(self.kv_pool)
+        self.attention = self._make_attention(args.attention_backend)
         self.sampler = Sampler(args.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         logger.info(
@@ -115,10 +116,23 @@ class ModelRunner:
         affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // self._bytes_per_slot()
         return max(min(wanted, affordable), 2)
 
+    def _make_attention(self, name: str) -> AttentionBackend:
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from pyserve.engine.attention.triton_backend import TritonAttention
+
+            return TritonAttention(self.kv_pool, self.config.num_attention_heads, self.context_len)
+        return TorchAttention(self.kv_pool)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
+        return self.model(batch, self.attention)
+
     def step(self, batch: ForwardBatch, seqs: list[Sequence]) -> list[int]:
         """Forward + sampling; runs on the worker thread."""
         with torch.inference_mode():
-            logits = self.model(batch, self.attention)
+            logits = self.forward(batch)
             return self.sampler.sample(logits, seqs)
 
     def shutdown(self) -> None:

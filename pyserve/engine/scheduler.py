@@ -200,7 +200,7 @@ class Scheduler:
                is_prefill: bool) -> ScheduledStep:
         input_ids: list[int] = []
         positions: list[int] = []
-        extend_lens, seq_lens, kv_indices, logits_indices, sampled = [], [], [], [], []
+        extend_lens, logits_indices, sampled = [], [], []
         for seq, slots, n in zip(seqs, new_slots, lengths):
             new = seq.uncached_ids[:n]
             start = seq.num_cached
@@ -208,21 +208,12 @@ class Scheduler:
             positions.extend(range(start, start + len(new)))
             seq.slots = torch.cat([seq.slots, slots])
             extend_lens.append(len(new))
-            seq_lens.append(seq.num_cached)
-            kv_indices.append(seq.slots.to(self.device))
             if seq.num_cached == seq.num_tokens:  # the whole sequence is in: sample
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(seq)
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_cache_loc=torch.cat(new_slots).to(dev),
-            extend_lens=extend_lens,
-            seq_lens=seq_lens,
-            kv_indices=kv_indices,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            is_decode=not is_prefill,
+        batch = ForwardBatch.build(
+            input_ids, positions, torch.cat(new_slots), extend_lens, [s.slots for s in seqs],
+            logits_indices, is_decode=not is_prefill, device=self.device,
         )
         return ScheduledStep(seqs=seqs, batch=batch, is_prefill=is_prefill, num_new_tokens=len(input_ids),
                              sampled=sampled)

@@ -1,9 +1,10 @@
 """The description of one forward pass that the model and attention read.
 
-The KV cache is a pool of token slots per layer (see kv_pool.py). Every
-sequence in a batch owns a list of slots, one per token it has seen; the new
-tokens of this step are written to `out_cache_loc` before attention reads the
-whole sequence back through `kv_indices`.
+The KV cache is a pool of pages per layer (see kv_pool.py); attention sees
+it as token slots (page * page_size + offset). Every sequence in a batch
+owns a list of slots, one per token it has seen; the new tokens of this step
+are written to `out_cache_loc` before attention reads the whole sequence
+back through its stretch of `kv_indices`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,47 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64: KV slot each new token is written to
     extend_lens: list[int]  # new tokens per sequence (1 for every sequence in decode)
     seq_lens: list[int]  # tokens per sequence after this step (cached prefix + new)
-    kv_indices: list[torch.Tensor]  # per sequence: [seq_len] int64 slots, in order
-    logits_indices: torch.Tensor  # [B] int64: index into T whose logits are wanted
+    # Sequence i reads the slots kv_indices[kv_indptr[i]:kv_indptr[i + 1]], in order.
+    kv_indptr: torch.Tensor  # [B + 1] int64
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int64
+    logits_indices: torch.Tensor  # [B'] int64: index into T whose logits are wanted
     is_decode: bool  # every sequence adds exactly one token
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: list[int],
+        positions: list[int],
+        out_cache_loc: torch.Tensor,
+        extend_lens: list[int],
+        slots: list[torch.Tensor],
+        logits_indices: list[int],
+        is_decode: bool,
+        device: torch.device | str,
+    ) -> "ForwardBatch":
+        """Concatenate per-sequence CPU lists into device tensors, one copy
+        each. `slots[i]` are sequence i's KV slots after this step."""
+        seq_lens = [s.numel() for s in slots]
+        indptr = [0]
+        for n in seq_lens:
+            indptr.append(indptr[-1] + n)
+
+        def to_dev(x) -> torch.Tensor:
+            t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+            return t.to(device, torch.long, non_blocking=True)
+
+        return cls(
+            input_ids=to_dev(input_ids),
+            positions=to_dev(positions),
+            out_cache_loc=to_dev(out_cache_loc),
+            extend_lens=list(extend_lens),
+            seq_lens=seq_lens,
+            kv_indptr=to_dev(indptr),
+            kv_indices=to_dev(torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)),
+            logits_indices=to_dev(logits_indices),
+            is_decode=is_decode,
+        )

@@ -30,7 +30,8 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Store k/v at `batch.out_cache_loc` in layer `layer_id`'s cache, then
-        attend every new token over its own sequence (`batch.kv_indices`),
+        attend every new token over its own sequence (its stretch of
+        `batch.kv_indices`, see ForwardBatch),
         causally: the new token at absolute position p sees positions <= p.
         Query head h reads kv head h // (heads // kv_heads). Returns
         [T, heads, head_dim] in q's dtype."""

@@ -39,7 +39,8 @@ class TorchAttention(AttentionBackend):
         self._batch = batch
         device = batch.input_ids.device
         if batch.is_decode:
-            self._decode_slots = pad_sequence(batch.kv_indices, batch_first=True, padding_value=0)
+            per_seq = batch.kv_indices.split(batch.seq_lens)
+            self._decode_slots = pad_sequence(per_seq, batch_first=True, padding_value=0)
             lens = batch.seq_lens
             self._decode_mask = None
             if min(lens) != max(lens):
@@ -49,7 +50,8 @@ class TorchAttention(AttentionBackend):
             return
         self._extend = []
         start = 0
-        for num_new, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_indices):
+        per_seq = batch.kv_indices.split(batch.seq_lens)
+        for num_new, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, per_seq):
             if num_new == seq_len:
                 plan = _ExtendSeq(start, num_new, None, None)
             else:
