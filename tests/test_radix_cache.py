@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.kv_pool import PagePool
 from pyserve.engine.radix_cache import RadixCache
 
 
-def make(slots: int = 64) -> tuple[KVPool, RadixCache]:
-    pool = KVPool(1, slots + 1, 1, 2, torch.float32, "cpu")
+def make(slots: int = 64) -> tuple[PagePool, RadixCache]:
+    pool = PagePool(1, slots + 1, 1, 2, torch.float32, "cpu")
     return pool, RadixCache(pool)
 
 
@@ -22,7 +22,7 @@ def test_match_insert_and_split():
     b = pool.alloc(3)
     assert cache.insert([1, 2, 3, 7, 8, 9], torch.cat([a[:3], b])) == 3
     assert cache.match_prefix([1, 2, 3, 7, 8, 9, 10])[0].tolist() == a[:3].tolist() + b.tolist()
-    assert cache.total_slots == 8
+    assert cache.total_pages == 8
 
 
 def test_locked_prefixes_survive_eviction_and_lru_goes_first():
@@ -38,7 +38,7 @@ def test_locked_prefixes_survive_eviction_and_lru_goes_first():
     assert cache.evict(10) == 0  # locked
     cache.unlock(node)
     assert cache.evict(10) == 4
-    assert pool.num_free == pool.capacity and cache.total_slots == 0
+    assert pool.num_free == pool.capacity and cache.total_pages == 0
 
 
 def test_evicting_a_leaf_can_free_its_parent():
