@@ -89,6 +89,20 @@ def server():
     srv.stop()
 
 
+@pytest.fixture(autouse=True)
+def kv_integrity_after_test(request):
+    """After every test that talked to the shared server: each KV page is
+    free, cached, or held by exactly one running request."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    import httpx
+
+    srv = request.getfixturevalue("server")
+    info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
+    assert info["kv_integrity"] == "ok", info["kv_integrity"]
+
+
 @pytest.fixture(scope="session")
 def client(server):
     import openai

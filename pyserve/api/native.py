@@ -82,6 +82,8 @@ def server_info(ctx: ServingContext) -> dict:
         "kv_tokens_in_use": kv["in_use"],
         "kv_tokens_cached": kv["cached"],
         "kv_tokens_cached_evictable": kv["cached_evictable"],
+        "kv_page_size": kv["page_size"],
+        "kv_integrity": engine.integrity_problem() or "ok",
         "context_length": engine.context_len,
     }
 

@@ -267,10 +267,11 @@ class Engine:
             "page_size": ps,
         }
 
-    def check_integrity(self) -> None:
-        """Every KV page is exactly one of: free, owned by the prefix cache,
-        or held by one running sequence. Nothing leaked, nothing shared by
-        mistake."""
+    def integrity_problem(self) -> str | None:
+        """None when every KV page is exactly one of: free, owned by the
+        prefix cache, or held by one running sequence (nothing leaked,
+        nothing shared by mistake); else what is wrong. Valid at any time
+        between steps."""
         pool, s = self.runner.kv_pool, self.scheduler
         owners = [pool.free_page_ids()]
         if s.cache is not None:
@@ -278,7 +279,13 @@ class Engine:
         owners += [pool.pages_of(seq.slots[seq.num_shared :]) for seq in s.holders()]
         counts = torch.bincount(torch.cat(owners), minlength=pool.num_pages)
         counts[0] += 1  # the reserved padding page
-        if not bool((counts == 1).all()):
-            lost = (counts == 0).nonzero().flatten().tolist()
-            doubled = (counts > 1).nonzero().flatten().tolist()
-            raise AssertionError(f"KV pages leaked: {lost[:10]} (of {len(lost)}); held twice: {doubled[:10]}")
+        if bool((counts == 1).all()):
+            return None
+        lost = (counts == 0).nonzero().flatten().tolist()
+        doubled = (counts > 1).nonzero().flatten().tolist()
+        return f"KV pages leaked: {lost[:10]} (of {len(lost)}); held twice: {doubled[:10]} (of {len(doubled)})"
+
+    def check_integrity(self) -> None:
+        problem = self.integrity_problem()
+        if problem is not None:
+            raise AssertionError(problem)
