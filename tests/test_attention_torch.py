@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pyserve.engine.attention.torch_backend import TorchAttention
-from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.kv_pool import PagePool
 from pyserve.model.forward_batch import ForwardBatch
 
 LAYERS, SLOTS, DIM = 2, 512, 16
@@ -32,7 +32,7 @@ class Harness:
 
     def __init__(self, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
         self.heads, self.kv_heads, self.dtype = heads, kv_heads, dtype
-        self.pool = KVPool(LAYERS, SLOTS, kv_heads, DIM, dtype, "cpu")
+        self.pool = PagePool(LAYERS, SLOTS, kv_heads, DIM, dtype, "cpu")
         # Scatter the slots: take them all, give them back shuffled.
         g = torch.Generator().manual_seed(seed)
         everything = self.pool.alloc(self.pool.capacity)
@@ -149,7 +149,7 @@ def test_bfloat16_close_to_reference():
 
 
 def test_forward_without_prepare_is_an_error():
-    pool = KVPool(1, 8, 4, DIM, torch.float32, "cpu")
+    pool = PagePool(1, 8, 4, DIM, torch.float32, "cpu")
     slots = pool.alloc(2)
     batch = ForwardBatch.build(
         input_ids=[0, 0], positions=[0, 1], out_cache_loc=slots,
@@ -160,12 +160,12 @@ def test_forward_without_prepare_is_an_error():
         TorchAttention(pool).forward(qkv, qkv, qkv, 0, batch, 1.0)
 
 
-# The KV slot pool
+# The KV page pool
 
 
 def test_pool_never_hands_out_slot_0_and_runs_dry():
-    pool = KVPool(1, 8, 2, DIM, torch.float32, "cpu")
-    assert pool.num_slots == 8 and pool.capacity == 7 and pool.num_free == 7
+    pool = PagePool(1, 8, 2, DIM, torch.float32, "cpu")
+    assert pool.num_pages == 8 and pool.capacity == 7 and pool.num_free == 7
     assert pool.alloc(8) is None
     a = pool.alloc(4)
     b = pool.alloc(3)
@@ -179,7 +179,7 @@ def test_pool_never_hands_out_slot_0_and_runs_dry():
 
 
 def test_pool_rejects_double_free_and_slot_0():
-    pool = KVPool(1, 8, 2, DIM, torch.float32, "cpu")
+    pool = PagePool(1, 8, 2, DIM, torch.float32, "cpu")
     a = pool.alloc(3)
     pool.free(a)
     with pytest.raises(RuntimeError, match="double free"):
@@ -193,10 +193,24 @@ def test_pool_rejects_double_free_and_slot_0():
 
 
 def test_pool_buffers_and_budget():
-    pool = KVPool(3, 10, 2, DIM, torch.bfloat16, "cpu")
+    pool = PagePool(3, 10, 2, DIM, torch.bfloat16, "cpu")
     assert len(pool.k_buffer) == len(pool.v_buffer) == 3
     assert pool.k_buffer[2].shape == (10, 2, DIM) and pool.k_buffer[2].dtype == torch.bfloat16
-    per_slot = KVPool.bytes_per_slot(3, 2, DIM, torch.bfloat16)
-    assert per_slot == 2 * 3 * 2 * DIM * 2
-    assert KVPool.slots_for_budget(per_slot * 100 + 5, 3, 2, DIM, torch.bfloat16) == 100
-    assert KVPool.slots_for_budget(0, 3, 2, DIM, torch.bfloat16) == 2
+    per_token = PagePool.bytes_per_token(3, 2, DIM, torch.bfloat16)
+    assert per_token == 2 * 3 * 2 * DIM * 2
+    assert PagePool.pages_for_budget(per_token * 100 + 5, 3, 2, DIM, torch.bfloat16) == 100
+    assert PagePool.pages_for_budget(per_token * 100 + 5, 3, 2, DIM, torch.bfloat16, page_size=16) == 6
+    assert PagePool.pages_for_budget(0, 3, 2, DIM, torch.bfloat16) == 2
+
+
+def test_pages_are_addressed_as_token_slots():
+    pool = PagePool(2, 5, 2, DIM, torch.float32, "cpu", page_size=4)
+    assert pool.k_pages[1].shape == (5, 4, 2, DIM) and pool.k_buffer[1].shape == (20, 2, DIM)
+    assert pool.capacity == 4 and pool.capacity_tokens == 16
+    page = int(pool.alloc(1)[0])
+    pool.k_buffer[1][page * 4 + 3] = 7.0  # slot = page * page_size + offset
+    assert bool((pool.k_pages[1][page, 3] == 7.0).all())
+    slots = torch.arange(page * 4, page * 4 + 3)  # a partly filled page
+    assert pool.pages_of(slots).tolist() == [page]
+    pool.free_slots(slots)
+    assert pool.num_free == 4

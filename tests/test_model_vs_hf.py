@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyserve.engine.attention.torch_backend import TorchAttention
-from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.kv_pool import PagePool
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.loader import load_model
 from tests.tiny_models import build_tiny_model
@@ -22,11 +22,11 @@ PROMPT_LENGTHS = [1, 2, 5, 9, 17, 3, 31, 8, 12, 24]
 
 
 class CachedSequences:
-    """Sequences whose KV lives in a KVPool; `forward` runs one step."""
+    """Sequences whose KV lives in a PagePool; `forward` runs one step."""
 
     def __init__(self, model, config, num_slots: int = 2048):
         self.model = model
-        self.pool = KVPool(
+        self.pool = PagePool(
             config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
         )
         self.attn = TorchAttention(self.pool)

@@ -23,6 +23,7 @@ from pyserve.engine.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor
 from pyserve.engine.radix_cache import RadixCache
 from pyserve.engine.request import GenerateOutput, GenerateRequest
+from pyserve.engine.sampler import reads_history
 from pyserve.engine.scheduler import ScheduledStep, Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.server_args import ServerArgs
@@ -49,7 +50,7 @@ class Engine:
         cache = None if args.disable_radix_cache else RadixCache(self.runner.kv_pool)
         self.scheduler = Scheduler(
             self.runner.kv_pool, cache, args.max_running_requests, args.max_prefill_tokens,
-            args.chunked_prefill_size if args.chunked_prefill_size > 0 else None, self.runner.device,
+            args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
         )
         self._processors: dict[str, OutputProcessor] = {}
         self._wakeup = asyncio.Event()
@@ -99,8 +100,9 @@ class Engine:
             raise ValueError(
                 f"the prompt has {n} tokens, but the context length is {self.context_len}"
             )
-        if n + 1 > self.runner.kv_pool.capacity:
-            raise ValueError(f"the prompt has {n} tokens, but the KV cache holds {self.runner.kv_pool.capacity}")
+        capacity = self.runner.kv_pool.capacity_tokens
+        if n + 1 > capacity:
+            raise ValueError(f"the prompt has {n} tokens, but the KV cache holds {capacity}")
         if req.params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
 
@@ -144,35 +146,77 @@ class Engine:
     # -- the step loop -------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            step = self.scheduler.schedule()
-            if step is None and (self.scheduler.running or self.scheduler.prefilling):
-                # Sequences hold slots yet none can advance: make one wait,
-                # or end the lone one that cannot grow even with the whole pool.
-                if not self.scheduler.retract_one():
-                    for seq in self.scheduler.running + self.scheduler.prefilling:
-                        self._finish(seq, self._processors[seq.rid].out_of_memory())
-                continue
-            if step is None:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            self._log_step(step)
-            try:
-                next_ids = await loop.run_in_executor(
-                    self.runner.executor, self.runner.step, step.batch, step.sampled
-                )
-            except Exception:
-                logger.exception("forward pass failed; aborting its requests")
-                for seq in step.seqs:
-                    self.abort(seq.rid)
-                continue
-            self._process(step, next_ids)
+        """Schedule, launch, then finish the previous step while this one runs.
 
-    def _process(self, step: ScheduledStep, next_ids: list[int]) -> None:
+        With overlap (the default) the loop schedules and launches step N+1
+        before it turns step N's ids into text, so the device never waits
+        for the CPU work in between. Without it, each step is finished
+        before the next is scheduled.
+        """
+        loop = asyncio.get_running_loop()
+        in_flight: tuple[ScheduledStep, asyncio.Future] | None = None
+        try:
+            while True:
+                if in_flight is not None and self._needs_known_tokens():
+                    await self._complete(*in_flight)
+                    in_flight = None
+                step = self.scheduler.schedule()
+                if step is None:
+                    if in_flight is not None:  # its results may free room or finish requests
+                        await self._complete(*in_flight)
+                        in_flight = None
+                    elif self.scheduler.holders():
+                        self._unstick()
+                    else:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                    continue
+                self._log_step(step)
+                launched = loop.run_in_executor(
+                    self.runner.executor, self.runner.step, step.batch, step.sampled, step.has_placeholders
+                )
+                for row, seq in enumerate(step.sampled):
+                    seq.pending += 1
+                    seq.pending_row = row
+                if in_flight is not None:
+                    await self._complete(*in_flight)
+                in_flight = (step, launched)
+                if self.args.disable_overlap_schedule:
+                    await self._complete(*in_flight)
+                    in_flight = None
+        except BaseException:
+            # Whatever stopped the loop (shutdown or a bug), no caller is left
+            # waiting forever.
+            for rid in list(self._processors):
+                self.abort(rid)
+            raise
+
+    def _needs_known_tokens(self) -> bool:
+        """Penalties read every previous token when sampling: such a
+        sequence's next step waits for its pending token to come back."""
+        return any(reads_history(s.params) for s in self.scheduler.running)
+
+    def _unstick(self) -> None:
+        """Sequences hold pages yet none can advance: make one wait, or end
+        the lone one that cannot grow even with the whole pool."""
+        if not self.scheduler.retract_one():
+            for seq in self.scheduler.holders():
+                self._finish(seq, self._processors[seq.rid].out_of_memory())
+
+    async def _complete(self, step: ScheduledStep, launched: asyncio.Future) -> None:
+        """Wait for a launched step's ids and hand them to their requests."""
+        try:
+            output = await launched
+            next_ids = output.ids.tolist() if output.ready is None else await asyncio.to_thread(output.wait)
+        except Exception:
+            logger.exception("forward pass failed; aborting its requests")
+            for seq in step.seqs:
+                seq.kv_valid = False  # what it wrote may be garbage: keep it out of the prefix cache
+                self.abort(seq.rid)
+            return
         for seq, token_id in zip(step.sampled, next_ids):
-            if seq.aborted:  # aborted while its forward ran
+            seq.pending -= 1
+            if seq.finished:  # aborted, or finished by an earlier token, while this step ran
                 continue
             out = self._processors[seq.rid].append(token_id)
             if out.finished:
@@ -195,8 +239,8 @@ class Engine:
             logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                 "#running-req: %d, #queue-req: %d",
-                len(step.seqs), step.num_new_tokens, step.num_cached_tokens, s.token_usage(),
-                len(s.running) - len(step.seqs), len(s.waiting),
+                step.num_prefill_seqs, step.num_prefill_tokens, step.num_cached_tokens, s.token_usage(),
+                len(step.seqs) - step.num_prefill_seqs, len(s.waiting),
             )
         elif self._decode_steps % self.args.decode_log_interval == 0 and self._decode_steps:
             now = time.perf_counter()
@@ -204,30 +248,37 @@ class Engine:
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                 "gen throughput (token/s): %.2f, #queue-req: %d",
-                len(s.running), s.owned_slots(), s.token_usage(), throughput, len(s.waiting),
+                len(s.running), s.owned_tokens(), s.token_usage(), throughput, len(s.waiting),
             )
             self._decode_tokens = 0
             self._decode_log_start = now
 
     def kv_usage(self) -> dict[str, int]:
-        """KV slots by owner. When idle, in_use is 0 and every cached slot
-        can be evicted."""
-        s = self.scheduler
+        """KV cache tokens by owner, in whole pages. When idle, in_use is 0
+        and every cached token can be evicted."""
+        s, pool = self.scheduler, self.runner.kv_pool
+        ps = pool.page_size
         return {
-            "total": self.runner.kv_pool.capacity,
-            "free": self.runner.kv_pool.num_free,
-            "in_use": s.owned_slots(),
-            "cached": s.cached_slots(),
-            "cached_evictable": s.cache.evictable_slots() if s.cache is not None else 0,
+            "total": pool.capacity_tokens,
+            "free": pool.num_free * ps,
+            "in_use": s.owned_pages() * ps,
+            "cached": s.cached_pages() * ps,
+            "cached_evictable": (s.cache.evictable_pages() if s.cache is not None else 0) * ps,
+            "page_size": ps,
         }
 
     def check_integrity(self) -> None:
-        """Every KV slot is free, owned by the prefix cache or held by a
-        running sequence: nothing leaked."""
-        pool = self.runner.kv_pool
-        held = self.scheduler.owned_slots()
-        cached = self.scheduler.cached_slots()
-        if pool.num_free + held + cached != pool.capacity:
-            raise AssertionError(
-                f"KV slots leaked: {pool.num_free} free + {held} held + {cached} cached != {pool.capacity}"
-            )
+        """Every KV page is exactly one of: free, owned by the prefix cache,
+        or held by one running sequence. Nothing leaked, nothing shared by
+        mistake."""
+        pool, s = self.runner.kv_pool, self.scheduler
+        owners = [pool.free_page_ids()]
+        if s.cache is not None:
+            owners.append(pool.pages_of(s.cache.all_slots()))
+        owners += [pool.pages_of(seq.slots[seq.num_shared :]) for seq in s.holders()]
+        counts = torch.bincount(torch.cat(owners), minlength=pool.num_pages)
+        counts[0] += 1  # the reserved padding page
+        if not bool((counts == 1).all()):
+            lost = (counts == 0).nonzero().flatten().tolist()
+            doubled = (counts > 1).nonzero().flatten().tolist()
+            raise AssertionError(f"KV pages leaked: {lost[:10]} (of {len(lost)}); held twice: {doubled[:10]}")

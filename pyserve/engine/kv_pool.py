@@ -1,8 +1,14 @@
-"""The KV cache memory: per layer, one K and one V tensor of token slots.
+"""The KV cache memory: per layer, K and V pages of `page_size` tokens.
 
-A request owns one slot per token it has seen (page size 1). Slot 0 is never
-handed out: it is the harmless target of padded entries (decode batches and
-CUDA-graph batches pad with it), so it stays finite (zeros) forever.
+Each layer's K (and V) is one tensor [num_pages, page_size, kv_heads,
+head_dim]. Attention addresses it by token slot, `page * page_size +
+offset`, through the flat views `k_buffer[layer]` / `v_buffer[layer]`
+[num_pages * page_size, kv_heads, head_dim]. A request owns whole pages; the
+radix cache shares whole pages between requests.
+
+Page 0 is never handed out: its slots are the harmless target of padded
+entries (decode batches and CUDA-graph batches pad with slot 0), so they
+stay finite forever.
 
 The free list is a CPU tensor used as a stack: alloc and free never touch
 the device, so they never wait on a running forward pass.
@@ -13,50 +19,63 @@ from __future__ import annotations
 import torch
 
 
-class KVPool:
+class PagePool:
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        num_pages: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        page_size: int = 1,
     ):
-        if num_slots < 2:
-            raise ValueError("the KV pool needs at least 2 slots (slot 0 is reserved)")
-        self.num_slots = num_slots
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
+        if page_size < 1:
+            raise ValueError("the page size must be at least 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
         self.dtype = dtype
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._free = torch.arange(1, num_slots, dtype=torch.long)  # [: _num_free] are free
-        self._num_free = num_slots - 1
-        self._in_use = torch.zeros(num_slots, dtype=torch.bool)  # catches double frees
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
+        self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
+        self._free = torch.arange(1, num_pages, dtype=torch.long)  # [: _num_free] are free
+        self._num_free = num_pages - 1
+        self._in_use = torch.zeros(num_pages, dtype=torch.bool)  # catches double frees
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """K and V of one token across all layers."""
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     @classmethod
-    def slots_for_budget(
-        cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    def pages_for_budget(
+        cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        page_size: int = 1,
     ) -> int:
-        """How many slots (the reserved slot 0 included) fit in `budget_bytes`."""
-        return max(budget_bytes // cls.bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype), 2)
+        """How many pages (the reserved page 0 included) fit in `budget_bytes`."""
+        per_page = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * page_size
+        return max(budget_bytes // per_page, 2)
 
     @property
     def capacity(self) -> int:
-        """Slots that can be handed out (all but the padding slot)."""
-        return self.num_slots - 1
+        """Pages that can be handed out (all but the padding page)."""
+        return self.num_pages - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity * self.page_size
 
     @property
     def num_free(self) -> int:
+        """Free pages."""
         return self._num_free
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """`n` free slots as a CPU int64 tensor, or None if fewer are free."""
+        """`n` free pages as a CPU int64 tensor of page ids, or None if fewer are free."""
         if n > self._num_free:
             return None
         out = self._free[self._num_free - n : self._num_free].clone()
@@ -64,13 +83,24 @@ class KVPool:
         self._in_use[out] = True
         return out
 
-    def free(self, slots: torch.Tensor) -> None:
-        slots = slots.to("cpu", torch.long)
-        n = slots.numel()
+    def free(self, pages: torch.Tensor) -> None:
+        pages = pages.to("cpu", torch.long)
+        n = pages.numel()
         if n == 0:
             return
-        if not bool(self._in_use[slots].all()) or slots.unique().numel() != n:
-            raise RuntimeError("freeing KV slots that are not allocated (double free?)")
-        self._in_use[slots] = False
-        self._free[self._num_free : self._num_free + n] = slots
+        if not bool(self._in_use[pages].all()) or pages.unique().numel() != n:
+            raise RuntimeError("freeing KV pages that are not allocated (double free?)")
+        self._in_use[pages] = False
+        self._free[self._num_free : self._num_free + n] = pages
         self._num_free += n
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Free the pages under a page-aligned run of token slots."""
+        self.free(self.pages_of(slots))
+
+    def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Page ids under a run of token slots that starts on a page boundary."""
+        return slots[:: self.page_size] // self.page_size
+
+    def free_page_ids(self) -> torch.Tensor:
+        return self._free[: self._num_free]

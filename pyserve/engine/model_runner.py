@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pyserve.engine.attention.base import AttentionBackend
 from pyserve.engine.attention.torch_backend import TorchAttention
-from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.kv_pool import PagePool
 from pyserve.engine.sampler import Sampler
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
@@ -31,7 +32,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CPU_KV_CONTEXTS = 4
 _CPU_KV_MAX_SLOTS = 65536
 _CPU_KV_MEM_FRACTION = 0.25
-_GPU_MEM_FRACTION = 0.85
+_GPU_MEM_FRACTION = 0.85  # default --mem-fraction-static: weights + KV cache
+_GPU_ACTIVATION_RESERVE = 1 << 30
 
 
 def usable_cpus() -> int:
@@ -75,6 +77,20 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+@dataclass
+class StepOutput:
+    """A step's sampled ids, one per sampled sequence, once `ready` has fired."""
+
+    ids: torch.Tensor  # int64 on the CPU
+    ready: "torch.cuda.Event | None"  # None: already complete
+
+    def wait(self) -> list[int]:
+        """Blocks until the ids are on the host; call it off the event loop."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.ids.tolist()
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: Path):
         self.device = pick_device(args.device)
@@ -84,13 +100,14 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
-        self.kv_pool = KVPool(
+        self.kv_pool = PagePool(
             self.config.num_hidden_layers,
-            self._num_slots(args),
+            self._num_pages(args),
             self.config.num_key_value_heads,
             self.config.head_dim,
             self.dtype,
             self.device,
+            page_size=args.page_size,
         )
         self.attention = self._make_attention(args.attention_backend)
         self.cuda_graphs = None  # replays decode steps when set
@@ -104,26 +121,38 @@ class ModelRunner:
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
         self.sampler = Sampler(args.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
+        self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         logger.info(
-            "KV cache: %d tokens (%.2f GiB), context length %d",
-            self.kv_pool.capacity,
-            self.kv_pool.capacity * self._bytes_per_slot() / (1 << 30),
+            "KV cache: %d tokens in pages of %d (%.2f GiB), context length %d",
+            self.kv_pool.capacity_tokens,
+            self.kv_pool.page_size,
+            self.kv_pool.capacity_tokens * self._bytes_per_token() / (1 << 30),
             self.context_len,
         )
 
-    def _bytes_per_slot(self) -> int:
+    def _bytes_per_token(self) -> int:
         c = self.config
-        return KVPool.bytes_per_slot(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        return PagePool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
 
-    def _num_slots(self, args: ServerArgs) -> int:
+    def _num_pages(self, args: ServerArgs) -> int:
+        """Pages in the pool, the reserved padding page included."""
+        return max(-(-self._kv_tokens(args) // args.page_size) + 1, 2)
+
+    def _kv_tokens(self, args: ServerArgs) -> int:
         if args.max_total_tokens:
-            return args.max_total_tokens + 1  # + the padding slot
+            return args.max_total_tokens
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(int(free * _GPU_MEM_FRACTION) // self._bytes_per_slot(), 2)
-        wanted = min(self.context_len * _CPU_KV_CONTEXTS, _CPU_KV_MAX_SLOTS) + 1
-        affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // self._bytes_per_slot()
-        return max(min(wanted, affordable), 2)
+            # Weights are loaded: the KV cache gets what is left of the
+            # static share, minus room for activations and CUDA graphs.
+            _, total = torch.cuda.mem_get_info(self.device)
+            fraction = args.mem_fraction_static or _GPU_MEM_FRACTION
+            budget = int(total * fraction) - torch.cuda.memory_allocated(self.device) - _GPU_ACTIVATION_RESERVE
+            if budget <= 0:
+                raise ValueError(f"--mem-fraction-static {fraction} leaves no GPU memory for the KV cache")
+            return budget // self._bytes_per_token()
+        wanted = min(self.context_len * _CPU_KV_CONTEXTS, _CPU_KV_MAX_SLOTS)
+        affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // self._bytes_per_token()
+        return min(wanted, affordable)
 
     def _make_attention(self, name: str) -> AttentionBackend:
         if name == "auto":
@@ -140,11 +169,39 @@ class ModelRunner:
             return self.cuda_graphs.replay(batch)
         return self.model(batch, self.attention)
 
-    def step(self, batch: ForwardBatch, seqs: list[Sequence]) -> list[int]:
-        """Forward + sampling; runs on the worker thread."""
-        with torch.inference_mode():
-            logits = self.forward(batch)
-            return self.sampler.sample(logits, seqs)
+    def step(self, batch: ForwardBatch, seqs: list[Sequence], has_placeholders: bool) -> "StepOutput":
+        """Forward + sampling for one scheduled step; runs on the worker thread.
+
+        Returns as soon as the work is queued on the device: on CUDA the ids
+        come back through a non-blocking copy and an event, so this thread
+        can launch the next step while this one computes. Decode rows whose
+        input is a placeholder (-(row + 1), see scheduler.py) read row `row`
+        of the previous step's ids, which are still on the device.
+        """
+        try:
+            with torch.inference_mode():
+                batch = batch.to(self.device)
+                if has_placeholders:
+                    batch.input_ids = self._resolve_placeholders(batch.input_ids)
+                next_ids = self.sampler.sample(self.forward(batch), seqs)
+                self._last_ids = next_ids.to(self.device)
+                if self.device.type != "cuda":
+                    return StepOutput(next_ids.cpu(), None)
+                host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
+                host.copy_(next_ids, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                return StepOutput(host, done)
+        except Exception:
+            self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
+            raise
+
+    def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        last = self._last_ids
+        if last is None or last.numel() == 0:
+            last = torch.zeros(1, dtype=torch.long, device=ids.device)
+        rows = (-ids - 1).clamp(0, last.numel() - 1)
+        return torch.where(ids < 0, last[rows], ids)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True)

@@ -17,19 +17,26 @@ from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
 
 
+def reads_history(p: SamplingParams) -> bool:
+    """Penalties depend on every token generated so far."""
+    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+
+
 def _adjusts_logits(p: SamplingParams) -> bool:
-    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias)
+    return reads_history(p) or bool(p.logit_bias)
 
 
 class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: float32 [B, vocab] on any device; returns one id per row."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: float32 [B, vocab] on any device; returns one int64 id per
+        row, on the logits' device when every row is greedy (no wait for the
+        device), on the CPU otherwise."""
         params = [s.params for s in seqs]
         if all(p.temperature == 0 and not _adjusts_logits(p) for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         # Generators live on the CPU; one [B, vocab] copy is cheap next to a
         # forward pass. The copy also leaves the caller's tensor untouched.
         logits = logits.to("cpu", torch.float32, copy=True)
@@ -45,7 +52,7 @@ class Sampler:
             rows = logits if len(drawn) == len(seqs) else logits[drawn]
             probs = probabilities(rows, [params[i] for i in drawn])
             ids[drawn] = self._draw(probs, [seqs[i] for i in drawn])
-        return ids.tolist()
+        return ids
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, found in the

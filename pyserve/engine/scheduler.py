@@ -1,30 +1,39 @@
 """Continuous batching: which sequences run in the next forward pass.
 
-Each step is either a prefill of newly admitted sequences or one decode
-step for every running sequence. New requests are admitted first-come
-first-served within their priority (interactive before batch jobs) while
-there is room (running-request cap, prefill token budget, KV slots). An
-admitted request reuses the longest prefix of its prompt that the radix
-cache holds and computes only the rest. When KV slots run short, unused
-cached prefixes are evicted first; if that is not enough during decode,
-the newest running sequence of the lowest priority is retracted: what it
-computed goes to the cache, and it waits at the head of the queue to be
-resumed (prompt + tokens so far) when room returns.
+Every step gives each running sequence its next token (decode rows) and
+spends what is left of the step's token budget on prompts (prefill rows):
+first the sequences in the middle of a chunked prefill, then new requests,
+first-come first-served within their priority (interactive before batch
+jobs) while there is room (running-request cap, token budget, KV pages). A
+step with no prefill rows is a pure decode step, which the attention
+backends and CUDA graphs run on their fast path.
 
-With chunked prefill, a prompt longer than the chunk size is computed a
-chunk per step, and decode steps of the running sequences come in between,
+An admitted request reuses the longest prefix of its prompt that the radix
+cache holds and computes only the rest. A prompt longer than the chunk size
+is computed a chunk per step, with the running streams decoding alongside,
 so one long prompt does not freeze every stream.
+
+When KV pages run short, unused cached prefixes are evicted first; if that
+is not enough for the decode rows, the newest running sequence of the least
+urgent priority is retracted: what it computed goes to the cache, and it
+waits at the head of the queue to be resumed (prompt + tokens so far) when
+room returns.
+
+Overlap: the engine schedules step N+1 while step N still runs, so a
+sequence's newest token may not be known yet (`Sequence.pending`). Its
+decode row then carries a placeholder, -(row + 1), that the model runner
+replaces with row `row` of step N's sampled ids before the forward pass.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.kv_pool import PagePool
 from pyserve.engine.radix_cache import RadixCache
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
@@ -36,27 +45,42 @@ logger = logging.getLogger("pyserve.engine")
 class ScheduledStep:
     seqs: list[Sequence]
     batch: ForwardBatch
-    is_prefill: bool
-    num_new_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens taken from the radix cache
-    # The sequences whose next token this step samples; a sequence in the
-    # middle of a chunked prefill is computed but not sampled.
-    sampled: list[Sequence] | None = None
+    # The sequences whose next token this step samples, in the order of the
+    # sampled ids; a sequence in the middle of a chunked prefill is
+    # computed but not sampled.
+    sampled: list[Sequence]
+    num_prefill_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens newly admitted requests took from the radix cache
+    # Decode rows whose input is a placeholder for the previous step's output.
+    has_placeholders: bool = False
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_prefill_seqs > 0
+
+
+@dataclass
+class _Rows:
+    """The rows of a step being assembled."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    new_slots: list[torch.Tensor] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, kv_pool: KVPool, cache: RadixCache | None, max_running: int, max_prefill_tokens: int,
-                 chunk_size: int | None, device: torch.device):
-        self.kv_pool = kv_pool
+    def __init__(self, pool: PagePool, cache: RadixCache | None, max_running: int, max_prefill_tokens: int,
+                 chunk_size: int | None):
+        self.pool = pool
+        self.page_size = pool.page_size
         self.cache = cache
         self.max_running = max_running
-        # Prefill tokens one step may compute.
-        self.prefill_budget = chunk_size if chunk_size else max_prefill_tokens
+        # Tokens one step may compute: a chunk, or a whole prefill batch.
+        self.token_budget = chunk_size if chunk_size else max_prefill_tokens
         self.chunked = bool(chunk_size)
-        self.prefilling: list[Sequence] = []  # admitted, prompt partly computed
-        self._last_was_prefill = False
-        self.device = device
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, prompt partly computed
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -64,70 +88,110 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Give back what `seq` holds and forget it."""
-        self._return_slots(seq)
+        self._return_pages(seq)
         for queue in (self.running, self.prefilling, self.waiting):
             if seq in queue:
                 queue.remove(seq)
                 return
 
-    def _return_slots(self, seq: Sequence) -> None:
-        """The KV that `seq` computed goes into the cache (it stays valid for
-        any request with the same prefix); slots the cache already had are
-        freed."""
-        if self.cache is None:
-            self.kv_pool.free(seq.slots)
+    # -- KV pages ------------------------------------------------------------
+
+    def _return_pages(self, seq: Sequence) -> None:
+        """The KV that `seq` computed goes into the cache in whole pages (it
+        stays valid for any request with the same prefix); pages the cache
+        already had, the partial last page, and slots of tokens not known
+        yet (pending) are freed."""
+        own = seq.slots[seq.num_shared :]
+        if self.cache is None or not seq.kv_valid:
+            self.pool.free_slots(own)
         else:
-            already = self.cache.insert(seq.all_ids[: seq.num_cached], seq.slots)
-            if already > seq.num_shared:
-                self.kv_pool.free(seq.slots[seq.num_shared : already])
-            if seq.prefix_node is not None:
-                self.cache.unlock(seq.prefix_node)
+            known = min(seq.num_cached, seq.num_tokens)
+            whole = known - known % self.page_size
+            already = self.cache.insert(seq.all_ids[:whole], seq.slots[:whole])
+            self.pool.free_slots(seq.slots[seq.num_shared : max(already, seq.num_shared)])
+            self.pool.free_slots(seq.slots[whole:])
+        if seq.prefix_node is not None:
+            self.cache.unlock(seq.prefix_node)
         seq.slots = seq.slots[:0]
         seq.num_shared = 0
         seq.prefix_node = None
 
-    def _make_room(self, needed: int) -> bool:
-        """Evict cached prefixes until `needed` slots are free, if possible."""
-        short = needed - self.kv_pool.num_free
+    def _pages_needed(self, seq: Sequence, n: int) -> int:
+        """New pages `seq` needs to store `n` more tokens."""
+        room = -seq.num_cached % self.page_size  # free slots in its last page
+        return max(0, -(-(n - room) // self.page_size))
+
+    def _new_slots(self, seq: Sequence, n: int) -> torch.Tensor:
+        """Slots for `n` more tokens of `seq`: the rest of its last page, then
+        new pages. The caller made room first."""
+        ps = self.page_size
+        if ps == 1:
+            return self.pool.alloc(n)
+        room = min(-seq.num_cached % ps, n)
+        parts = []
+        if room:
+            last = int(seq.slots[-1])
+            parts.append(torch.arange(last + 1, last + 1 + room))
+        pages = self._pages_needed(seq, n)
+        if pages:
+            fresh = self.pool.alloc(pages)
+            parts.append((fresh[:, None] * ps + torch.arange(ps)).flatten()[: n - room])
+        return torch.cat(parts)
+
+    def _make_room(self, pages: int) -> bool:
+        """Evict cached prefixes until `pages` pages are free, if possible."""
+        short = pages - self.pool.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
-        return self.kv_pool.num_free >= needed
+        return self.pool.num_free >= pages
 
     def token_usage(self) -> float:
-        return 1.0 - self.kv_pool.num_free / self.kv_pool.capacity
+        return 1.0 - self.pool.num_free / self.pool.capacity
+
+    # -- scheduling ----------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
-        # Between two chunks of a long prompt, let the running streams move.
-        if self.prefilling and self.running and self._last_was_prefill:
-            step = self._schedule_decode()
-            if step is not None:
-                self._last_was_prefill = False
-                return step
-        step = self._schedule_prefill()
-        if step is None and self.running:
-            step = self._schedule_decode()
-        self._last_was_prefill = step is not None and step.is_prefill
+        decode = self._decode_rows()
+        prefill, cached_tokens = self._prefill_rows(self.token_budget - len(decode.seqs), len(decode.seqs))
+        if not decode.seqs and not prefill.seqs:
+            return None
+        step = self._build(prefill, decode)
+        step.num_cached_tokens = cached_tokens
         return step
 
-    def _schedule_prefill(self) -> ScheduledStep | None:
-        seqs: list[Sequence] = []
-        new_slots: list[torch.Tensor] = []
-        lengths: list[int] = []
-        budget = self.prefill_budget
-        cached_tokens = 0
-        # Sequences in the middle of a chunked prefill go first: they hold slots.
-        for seq in list(self.prefilling):
-            take = min(len(seq.uncached_ids), budget)
-            if take == 0 or not self._make_room(take + len(self.running)):
+    def _decode_rows(self) -> _Rows:
+        """One token for every running sequence, retracting sequences while
+        the pool cannot hold them all."""
+        rows = _Rows()
+        while self.running:
+            needed = sum(self._pages_needed(s, 1) for s in self.running)
+            if self._make_room(needed):
                 break
-            seqs.append(seq)
-            new_slots.append(self.kv_pool.alloc(take))
-            lengths.append(take)
+            if not self.retract_one():
+                return rows
+        for seq in self.running:
+            rows.seqs.append(seq)
+            rows.lengths.append(1)
+            rows.new_slots.append(self._new_slots(seq, 1))
+        return rows
+
+    def _prefill_rows(self, budget: int, num_decode: int) -> tuple[_Rows, int]:
+        rows = _Rows()
+        cached_tokens = 0
+        # Keep a page per sequence free so the next decode step does not have
+        # to retract what was just admitted.
+        headroom = num_decode
+        # Sequences in the middle of a chunked prefill go first: they hold pages.
+        for seq in self.prefilling:
+            take = min(seq.num_tokens - seq.num_cached, budget)
+            if take <= 0 or not self._make_room(self._pages_needed(seq, take) + headroom + 1):
+                break
+            self._add_row(rows, seq, take)
             budget -= take
-        while (self.waiting and budget > 0
-               and len(self.running) + len(self.prefilling) + len(seqs) < self.max_running):
+            headroom += 1
+        while budget > 0 and len(self.running) + len(self.prefilling) < self.max_running:
             seq = self._next_waiting()
-            if seq in seqs:
+            if seq is None:
                 break
             # Leave at least the last token to compute: its logits are needed.
             if self.cache is not None:
@@ -137,10 +201,8 @@ class Scheduler:
                 prefix, node = seq.slots[:0], None
             need = seq.num_tokens - prefix.numel()
             take = min(need, budget) if self.chunked else need
-            # Keep one slot per running sequence free so the next decode
-            # step does not have to retract what was just admitted.
-            headroom = len(self.running) + len(seqs)
-            if (seqs and take > budget) or not self._make_room(take + headroom):
+            pages = -(-take // self.page_size)  # the prefix ends on a page boundary
+            if (rows.seqs and take > budget) or not self._make_room(pages + headroom + 1):
                 if node is not None:
                     self.cache.unlock(node)
                 break
@@ -149,39 +211,27 @@ class Scheduler:
             if seq.cached_tokens is None:  # report the hit of the first admission
                 seq.cached_tokens = prefix.numel()
             cached_tokens += prefix.numel()
-            seqs.append(seq)
-            new_slots.append(self.kv_pool.alloc(take))
-            lengths.append(take)
+            self.prefilling.append(seq)
+            self._add_row(rows, seq, take)
             budget -= take
-        if not seqs:
-            return None
-        step = self._build(seqs, new_slots, lengths, is_prefill=True)
-        step.num_cached_tokens = cached_tokens
-        for seq in seqs:
-            done = seq.num_cached == seq.num_tokens
-            if seq in self.prefilling and done:
-                self.prefilling.remove(seq)
-                self.running.append(seq)
-            elif seq not in self.prefilling:
-                (self.running if done else self.prefilling).append(seq)
-        return step
+            headroom += 1
+        return rows, cached_tokens
 
-    def _schedule_decode(self) -> ScheduledStep | None:
-        while not self._make_room(len(self.running)):
-            if not self.retract_one():
-                return None
-        if not self.running:
-            return None
-        slots = [self.kv_pool.alloc(1) for _ in self.running]
-        return self._build(list(self.running), slots, [1] * len(self.running), is_prefill=False)
+    def _add_row(self, rows: _Rows, seq: Sequence, n: int) -> None:
+        rows.seqs.append(seq)
+        rows.lengths.append(n)
+        rows.new_slots.append(self._new_slots(seq, n))
 
-    def _next_waiting(self) -> Sequence:
-        """The oldest waiting sequence of the most urgent priority."""
-        return min(self.waiting, key=lambda s: s.priority)
+    def _next_waiting(self) -> Sequence | None:
+        """The oldest waiting sequence of the most urgent priority. One just
+        retracted while its last token was still being sampled waits until
+        that token is known."""
+        ready = [s for s in self.waiting if not s.pending]
+        return min(ready, key=lambda s: s.priority) if ready else None
 
     def retract_one(self) -> bool:
         """Retract the newest sequence of the least urgent priority, unless
-        only one sequence holds slots (it has nothing to wait for)."""
+        only one sequence holds pages (it has nothing to wait for)."""
         holders = self.running + self.prefilling
         if len(holders) < 2:
             return False
@@ -192,35 +242,57 @@ class Scheduler:
 
     def _retract(self, seq: Sequence) -> None:
         logger.info("KV cache full: retracting request %s (%d tokens)", seq.rid, seq.num_tokens)
-        self._return_slots(seq)
+        self._return_pages(seq)
         (self.running if seq in self.running else self.prefilling).remove(seq)
         self.waiting.appendleft(seq)
 
-    def _build(self, seqs: list[Sequence], new_slots: list[torch.Tensor], lengths: list[int],
-               is_prefill: bool) -> ScheduledStep:
+    def _build(self, prefill: _Rows, decode: _Rows) -> ScheduledStep:
         input_ids: list[int] = []
         positions: list[int] = []
-        extend_lens, logits_indices, sampled = [], [], []
-        for seq, slots, n in zip(seqs, new_slots, lengths):
-            new = seq.uncached_ids[:n]
+        extend_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        has_placeholders = False
+        for seq, n, slots in zip(prefill.seqs + decode.seqs, prefill.lengths + decode.lengths,
+                                 prefill.new_slots + decode.new_slots):
             start = seq.num_cached
+            if start < seq.num_tokens:
+                new = seq.uncached_ids[:n]
+            else:  # a decode row whose input is still being sampled
+                new = [-(seq.pending_row + 1)]
+                has_placeholders = True
             input_ids.extend(new)
-            positions.extend(range(start, start + len(new)))
+            positions.extend(range(start, start + n))
             seq.slots = torch.cat([seq.slots, slots])
-            extend_lens.append(len(new))
-            if seq.num_cached == seq.num_tokens:  # the whole sequence is in: sample
+            extend_lens.append(n)
+            if seq.num_cached == seq.num_total:  # the whole sequence is in: sample
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(seq)
+        for seq in prefill.seqs:
+            if seq.num_cached == seq.num_tokens:
+                self.prefilling.remove(seq)
+                self.running.append(seq)
+        seqs = prefill.seqs + decode.seqs
         batch = ForwardBatch.build(
-            input_ids, positions, torch.cat(new_slots), extend_lens, [s.slots for s in seqs],
-            logits_indices, is_decode=not is_prefill, device=self.device,
+            input_ids, positions, torch.cat(prefill.new_slots + decode.new_slots), extend_lens,
+            [s.slots for s in seqs], logits_indices, is_decode=not prefill.seqs, device="cpu",
         )
-        return ScheduledStep(seqs=seqs, batch=batch, is_prefill=is_prefill, num_new_tokens=len(input_ids),
-                             sampled=sampled)
+        return ScheduledStep(
+            seqs=seqs, batch=batch, sampled=sampled, num_prefill_seqs=len(prefill.seqs),
+            num_prefill_tokens=sum(prefill.lengths), has_placeholders=has_placeholders,
+        )
 
-    def owned_slots(self) -> int:
-        """Slots running sequences hold that the cache does not."""
-        return sum(s.num_cached - s.num_shared for s in self.running + self.prefilling)
+    # -- accounting ----------------------------------------------------------
 
-    def cached_slots(self) -> int:
-        return self.cache.total_slots if self.cache is not None else 0
+    def holders(self) -> list[Sequence]:
+        return self.running + self.prefilling
+
+    def owned_pages(self) -> int:
+        """Pages running sequences hold that the cache does not."""
+        return sum(-(-(s.num_cached - s.num_shared) // self.page_size) for s in self.holders())
+
+    def owned_tokens(self) -> int:
+        return sum(s.num_cached - s.num_shared for s in self.holders())
+
+    def cached_pages(self) -> int:
+        return self.cache.total_pages if self.cache is not None else 0

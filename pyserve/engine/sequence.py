@@ -18,7 +18,8 @@ class Sequence:
     params: SamplingParams
     priority: int = 0
     output_ids: list[int] = field(default_factory=list)
-    # KV slots of the tokens already in the cache, in order.
+    # KV slots of the tokens already in the cache, in order; they fill whole
+    # pages except the last.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     # The leading slots that belong to the radix cache, and the cache node
     # this sequence locks so they are not evicted under it.
@@ -29,6 +30,13 @@ class Sequence:
     outputs: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)
     finished: bool = False
     aborted: bool = False
+    # Overlap scheduling: tokens sampled by launched steps whose ids have not
+    # come back yet, and where the newest one sits in its step's output.
+    pending: int = 0
+    pending_row: int = 0
+    # False once a forward pass that wrote this sequence's KV failed: its
+    # slots must not go into the prefix cache.
+    kv_valid: bool = True
 
     @property
     def all_ids(self) -> list[int]:
@@ -37,6 +45,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_total(self) -> int:
+        """Tokens including the pending ones."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def num_cached(self) -> int:

@@ -9,7 +9,7 @@ back through its stretch of `kv_indices`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,4 +64,20 @@ class ForwardBatch:
             kv_indices=to_dev(torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)),
             logits_indices=to_dev(logits_indices),
             is_decode=is_decode,
+        )
+
+    def to(self, device: torch.device) -> "ForwardBatch":
+        """The batch on `device`. Host tensors go through pinned memory so the
+        copies queue behind the running step instead of waiting for it."""
+        if self.input_ids.device.type == device.type:
+            return self
+        pin = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+        return replace(
+            self, input_ids=move(self.input_ids), positions=move(self.positions),
+            out_cache_loc=move(self.out_cache_loc), kv_indptr=move(self.kv_indptr),
+            kv_indices=move(self.kv_indices), logits_indices=move(self.logits_indices),
         )

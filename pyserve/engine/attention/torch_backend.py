@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from pyserve.engine.attention.base import AttentionBackend
-from pyserve.engine.kv_pool import KVPool
+from pyserve.engine.kv_pool import PagePool
 from pyserve.model.forward_batch import ForwardBatch
 
 
@@ -27,43 +27,53 @@ class _ExtendSeq:
     mask: torch.Tensor | None  # [num_new, seq_len] bool; None: causal (no prefix) or sees all
 
 
+@dataclass
+class _SingleTokenRows:
+    """Rows that add one token to a sequence (all of a decode batch, the
+    running streams of a mixed batch): one padded SDPA call for all."""
+
+    rows: torch.Tensor | None  # indices into q/k/v; None: every row
+    slots: torch.Tensor  # [B, max_len] slots, padded with slot 0
+    mask: torch.Tensor | None  # [B, 1, 1, max_len]; None when no padding
+
+
 class TorchAttention(AttentionBackend):
-    def __init__(self, kv_pool: KVPool):
+    def __init__(self, kv_pool: PagePool):
         self.kv_pool = kv_pool
         self._batch: ForwardBatch | None = None
         self._extend: list[_ExtendSeq] = []
-        self._decode_slots: torch.Tensor | None = None  # [B, max_len], padded with slot 0
-        self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len]; None when no padding
+        self._single: _SingleTokenRows | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._batch = batch
         device = batch.input_ids.device
-        if batch.is_decode:
-            per_seq = batch.kv_indices.split(batch.seq_lens)
-            self._decode_slots = pad_sequence(per_seq, batch_first=True, padding_value=0)
-            lens = batch.seq_lens
-            self._decode_mask = None
-            if min(lens) != max(lens):
-                lens_t = torch.tensor(lens, device=device)
-                valid = torch.arange(max(lens), device=device)[None, :] < lens_t[:, None]
-                self._decode_mask = valid[:, None, None, :]
-            return
-        self._extend = []
-        start = 0
         per_seq = batch.kv_indices.split(batch.seq_lens)
+        self._extend = []
+        single_rows, single_slots = [], []
+        start = 0
         for num_new, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, per_seq):
-            if num_new == seq_len:
-                plan = _ExtendSeq(start, num_new, None, None)
+            if num_new == 1 and seq_len > 1:
+                single_rows.append(start)
+                single_slots.append(slots)
+            elif num_new == seq_len:
+                self._extend.append(_ExtendSeq(start, num_new, None, None))
             else:
                 # New token i sits at position seq_len - num_new + i and sees
                 # every position up to itself.
-                mask = None
-                if num_new > 1:
-                    q_pos = torch.arange(seq_len - num_new, seq_len, device=device)
-                    mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                plan = _ExtendSeq(start, num_new, slots, mask)
-            self._extend.append(plan)
+                q_pos = torch.arange(seq_len - num_new, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                self._extend.append(_ExtendSeq(start, num_new, slots, mask))
             start += num_new
+        self._single = None
+        if single_rows:
+            lens = [s.numel() for s in single_slots]
+            mask = None
+            if min(lens) != max(lens):
+                lens_t = torch.tensor(lens, device=device)
+                mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+            rows = None if len(single_rows) == start else torch.tensor(single_rows, device=device)
+            self._single = _SingleTokenRows(rows, pad_sequence(single_slots, batch_first=True, padding_value=0),
+                                            mask)
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch is not self._batch:
@@ -72,9 +82,12 @@ class TorchAttention(AttentionBackend):
         v_cache = self.kv_pool.v_buffer[layer_id]
         k_cache[batch.out_cache_loc] = k
         v_cache[batch.out_cache_loc] = v
-        if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, scale)
+        single = self._single
+        if single is not None and single.rows is None:
+            return self._single_tokens(q, k_cache, v_cache, single, scale)
         out = torch.empty_like(q)
+        if single is not None:
+            out[single.rows] = self._single_tokens(q[single.rows], k_cache, v_cache, single, scale)
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
             if s.slots is None:
@@ -94,13 +107,13 @@ class TorchAttention(AttentionBackend):
             out[rows] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _single_tokens(q, k_cache, v_cache, single: _SingleTokenRows, scale: float) -> torch.Tensor:
         # One query per sequence: every sequence is padded to the longest
-        # (padding reads slot 0, masked out), so the batch is one SDPA call.
-        slots = self._decode_slots
-        ks = k_cache[slots].transpose(1, 2)  # [B, kv_heads, max_len, D]
-        vs = v_cache[slots].transpose(1, 2)
+        # (padding reads slot 0, masked out), so the rows are one SDPA call.
+        ks = k_cache[single.slots].transpose(1, 2)  # [B, kv_heads, max_len, D]
+        vs = v_cache[single.slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], ks, vs, attn_mask=self._decode_mask, scale=scale, enable_gqa=True
+            q[:, :, None, :], ks, vs, attn_mask=single.mask, scale=scale, enable_gqa=True
         )
         return o[:, :, 0, :]
