@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pyserve.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from pyserve.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
-from pyserve.engine.kv_pool import KVPool  # noqa: E402
+from pyserve.engine.kv_pool import PagePool  # noqa: E402
 from pyserve.model.config import ModelConfig  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
 from pyserve.model.llama import LlamaForCausalLM  # noqa: E402
@@ -172,7 +172,7 @@ class Decoder:
         return (time.perf_counter() - start) / steps
 
 
-def logits_agreement(decoder: Decoder, pool: KVPool, rows: int) -> dict:
+def logits_agreement(decoder: Decoder, pool: PagePool, rows: int) -> dict:
     """One decode batch of `rows` sequences through the graph, eager Triton
     and eager torch attention; how far Triton's logits are from torch's."""
     decoder.lens, decoder.slots, decoder.last = decoder.lens[:rows], decoder.slots[:rows], decoder.last[:rows]
@@ -210,7 +210,7 @@ def kernel_errors(config: ModelConfig, device: str = "cuda", seed: int = 0) -> d
     torch.manual_seed(seed)
     cached, added = [512, 0, 1500, 3], [64, 300, 200, 1]  # per sequence, before the decode token
     total = [c + a + 1 for c, a in zip(cached, added)]
-    pool = KVPool(1, sum(total) + 1, kv_heads, dim, DTYPE, device)
+    pool = PagePool(1, sum(total) + 1, kv_heads, dim, DTYPE, device)
     slots = (torch.randperm(sum(total)) + 1).split(total)  # scattered, as a busy pool hands them out
     keys = [torch.randn(n, kv_heads, dim).to(DTYPE) for n in total]
     values = [torch.randn(n, kv_heads, dim).to(DTYPE) for n in total]
@@ -247,7 +247,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     config = llama_config(name, args.context_len)
     model = random_model(config)
     max_len = args.prompt_len + args.warmup + max(args.steps_bs1, args.steps_bs64) + 8
-    pool = KVPool(config.num_hidden_layers, args.batch * max_len + 1, config.num_key_value_heads,
+    pool = PagePool(config.num_hidden_layers, args.batch * max_len + 1, config.num_key_value_heads,
                   config.head_dim, DTYPE, "cuda")
     attention = TritonAttention(pool, config.num_attention_heads, args.context_len)
     start = time.perf_counter()
@@ -256,7 +256,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     decoder = Decoder(model, attention, graphs, config.vocab_size)
 
     weight_bytes = weight_bytes_per_step(model, config)
-    kv_bytes_per_token = KVPool.bytes_per_slot(config.num_hidden_layers, config.num_key_value_heads,
+    kv_bytes_per_token = PagePool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
                                                config.head_dim, DTYPE)
     # Mean context while timing: the prompt, the warm-up steps, half the timed steps.
     ctx_bs1 = args.prompt_len + args.warmup + args.steps_bs1 // 2
