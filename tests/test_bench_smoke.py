@@ -1,11 +1,11 @@
 """Smoke tests of the benchmarks: bench/serving.py against the session's
-live server, bench/baseline_hf.py on a tiny model."""
+live server, bench/baseline_hf.py and bench/compare.py on a tiny model."""
 
 from __future__ import annotations
 
 import asyncio
 
-from bench import baseline_hf, serving
+from bench import baseline_hf, compare, serving
 
 # 2 prompts of exactly 8 words (8 tokens with the embedded model's tokenizer,
 # which adds no BOS) and 4 output tokens each
@@ -44,3 +44,21 @@ def test_baseline_hf_generates_the_asked_tokens(tiny_llama_dir, tmp_path):
     assert report["e2e_latency_ms"]["mean"] > 0
     assert out.read_text().count('"prompt_tokens"') == 2
 
+
+def test_compare_prints_both_rows_and_ratios(tiny_llama_dir, tmp_path, capsys):
+    result = compare.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-concurrency", "2",
+                           "--disable-tqdm", "--output-json", str(tmp_path / "cmp.json"), *TINY])
+
+    ours, hf = result["pyserve"], result["transformers"]
+    assert ours["errors"] == [] and ours["completed"] == 2
+    assert hf["batch_size"] == 2  # follows --max-concurrency
+    # the same prompts on both sides, and exactly the asked output tokens
+    assert ours["total_input_tokens"] == hf["total_input_tokens"] == 16
+    assert ours["total_output_tokens"] == hf["total_output_tokens"] == 8
+    printed = capsys.readouterr().out
+    assert result["table"] in printed
+    header, pyserve_row, hf_row, ratio_row = result["table"].splitlines()
+    assert "out tok/s" in header and "median TTFT ms" in header
+    assert pyserve_row.split()[:3] == ["pyserve", "16", "8"]
+    assert hf_row.split()[:3] == ["transformers", "16", "8"]
+    assert ratio_row.startswith("pyserve/transformers") and ratio_row.count("x") == 3
