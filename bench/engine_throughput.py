@@ -27,12 +27,12 @@ def make_workload(vocab: int, n: int, in_range: tuple[int, int], out_range: tupl
     ]
 
 
-async def run_pyserve(model_dir: str, workload, device: str) -> float:
+async def run_pyserve(model_dir: str, workload, device: str, dtype: str) -> float:
     from pyserve.engine.engine import Engine
     from pyserve.engine.request import GenerateRequest, SamplingParams
     from pyserve.server_args import ServerArgs
 
-    engine = Engine(ServerArgs(model_path=model_dir, device=device, max_total_tokens=65536))
+    engine = Engine(ServerArgs(model_path=model_dir, device=device, dtype=dtype, max_total_tokens=65536))
     await engine.start()
 
     async def one(ids, out_len):
@@ -51,10 +51,10 @@ async def run_pyserve(model_dir: str, workload, device: str) -> float:
     return elapsed
 
 
-def run_transformers(model_dir: str, workload, device: str, batch_size: int) -> float:
+def run_transformers(model_dir: str, workload, device: str, dtype: str, batch_size: int) -> float:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
     model.generation_config.eos_token_id = None  # like ignore_eos
     start = time.perf_counter()
     with torch.no_grad():
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu (both sides)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.model is None:
@@ -89,9 +90,10 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model).vocab_size
     workload = make_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     out_tokens = sum(n for _, n in workload)
-    ours = asyncio.run(run_pyserve(args.model, workload, args.device))
-    hf = run_transformers(args.model, workload, args.device, args.hf_batch_size)
-    print(f"machine: {platform.machine()} {torch.get_num_threads()} threads, device {args.device}, "
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    ours = asyncio.run(run_pyserve(args.model, workload, args.device, dtype))
+    hf = run_transformers(args.model, workload, args.device, dtype, args.hf_batch_size)
+    print(f"machine: {platform.machine()} {torch.get_num_threads()} threads, device {args.device}, {dtype}, "
           f"torch {torch.__version__}")
     print(f"workload: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
           f"{out_tokens} output tokens, EOS ignored")

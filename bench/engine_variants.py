@@ -28,6 +28,10 @@ LAYOUTS = {
     "no overlap, page 1": {"disable_overlap_schedule": True},
     "overlap, page 16": {"page_size": 16},
 }
+CUDA_LAYOUTS = {
+    "no CUDA graph": {"disable_cuda_graph": True},
+    "no CUDA graph, no overlap": {"disable_cuda_graph": True, "disable_overlap_schedule": True},
+}
 
 
 async def run_engine(model_dir: str, workload, device: str, layout: dict) -> tuple[float, int]:
@@ -83,17 +87,18 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model).vocab_size
     workload = make_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     out_tokens = sum(n for _, n in workload)
+    layouts = dict(LAYOUTS, **(CUDA_LAYOUTS if args.device == "cuda" else {}))
     results = {}
     # Rounds interleave the layouts, so a slow spell of the machine hits all.
     for _ in range(args.rounds):
-        for name, layout in LAYOUTS.items():
+        for name, layout in layouts.items():
             elapsed, steps = asyncio.run(run_engine(args.model, workload, args.device, layout))
             if name not in results or elapsed < results[name][0]:
                 results[name] = (elapsed, steps)
     print(f"machine: {platform.machine()}, device {args.device}, torch {torch.__version__}")
     print(f"workload: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
           f"{out_tokens} output tokens, EOS ignored; best of {args.rounds}")
-    base = results[next(iter(LAYOUTS))][0]
+    base = results[next(iter(layouts))][0]
     print(f"{'layout':<28}{'seconds':>9}{'tok/s':>9}{'steps':>7}{'ms/step':>9}{'vs default':>12}")
     for name, (elapsed, steps) in results.items():
         print(f"{name:<28}{elapsed:>9.2f}{out_tokens / elapsed:>9.1f}{steps:>7}"

@@ -288,12 +288,14 @@ async def benchmark(args) -> dict:
 # --- output -------------------------------------------------------------------
 
 
-def format_report(m: dict) -> str:
-    def row(label: str, value) -> str:
-        if isinstance(value, float):
-            value = f"{value:.2f}"
-        return f"{label:<40}{value}"
+def row(label: str, value) -> str:
+    """One line of a report: label, then the value (floats to 2 decimals)."""
+    if isinstance(value, float):
+        value = f"{value:.2f}"
+    return f"{label:<40}{value}"
 
+
+def format_report(m: dict) -> str:
     def section(title: str, key: str, name: str) -> list[str]:
         stats = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}
         return [f"{title:-^50}"] + [row(f"{label} {name} (ms):", m[key][s]) for s, label in stats.items()]
@@ -323,14 +325,9 @@ def format_report(m: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root, without /v1")
-    p.add_argument("--backend", choices=("completions", "chat"), default="completions",
-                   help="completions: POST /v1/completions; chat: POST /v1/chat/completions")
-    p.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="sent as a bearer token (default: $OPENAI_API_KEY)")
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """The options that pick the prompts; bench/baseline_hf.py and
+    bench/compare.py take the same ones, so one seed gives one dataset."""
     p.add_argument("--dataset-name", choices=("random", "shared-prefix"), default="random")
     p.add_argument("--num-prompts", type=int, default=1000, help="requests of the random dataset")
     p.add_argument("--random-input-len", type=int, default=1024, help="words per prompt, at most")
@@ -342,13 +339,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="words of the shared prefix")
     p.add_argument("--gsp-question-len", type=int, default=128, help="words of each question")
     p.add_argument("--gsp-output-len", type=int, default=256, help="max_tokens of each request")
+    p.add_argument("--seed", type=int, default=1, help="seeds the prompts, lengths and arrival times")
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """How the requests are sent (shared with bench/compare.py)."""
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--warmup-requests", type=int, default=1, help="short requests sent first, not counted")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--output-json", help="write metrics and per-request records here")
     p.add_argument("--disable-tqdm", action="store_true")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root, without /v1")
+    p.add_argument("--backend", choices=("completions", "chat"), default="completions",
+                   help="completions: POST /v1/completions; chat: POST /v1/chat/completions")
+    p.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    add_dataset_args(p)
+    add_load_args(p)
+    p.add_argument("--output-json", help="write metrics and per-request records here")
     return p.parse_args(argv)
 
 

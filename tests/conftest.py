@@ -10,8 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_models import build_tiny_model
+
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter.
+# Triton reads TRITON_INTERPRET when a kernel is decorated, that is when its
+# module is first imported, so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,16 @@
-"""Smoke test of bench/serving.py against the session's live server."""
+"""Smoke tests of the benchmarks: bench/serving.py against the session's
+live server, bench/baseline_hf.py and bench/compare.py on a tiny model."""
 
 from __future__ import annotations
 
 import asyncio
 
-from bench import serving
+from bench import baseline_hf, compare, serving
+
+# 2 prompts of exactly 8 words (8 tokens with the embedded model's tokenizer,
+# which adds no BOS) and 4 output tokens each
+TINY = ["--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
+        "--random-range-ratio", "1"]
 
 
 def test_serving_benchmark_counts_tokens_and_latencies(server):
@@ -24,3 +30,35 @@ def test_serving_benchmark_counts_tokens_and_latencies(server):
     assert all(r["ttft"] > 0 and r["e2e"] >= r["ttft"] for r in records)
     assert report["ttft_ms"]["mean"] > 0
     assert "Successful requests:" in serving.format_report(report)
+
+
+def test_baseline_hf_generates_the_asked_tokens(tiny_llama_dir, tmp_path):
+    out = tmp_path / "hf.json"
+    report = baseline_hf.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--batch-size", "2",
+                               "--output-json", str(out), *TINY])
+
+    assert report["completed"] == 2
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in report["requests"]] == [(8, 4), (8, 4)]
+    assert report["total_output_tokens"] == 8
+    assert report["output_throughput"] > 0 and report["request_throughput"] > 0
+    assert report["e2e_latency_ms"]["mean"] > 0
+    assert out.read_text().count('"prompt_tokens"') == 2
+
+
+def test_compare_prints_both_rows_and_ratios(tiny_llama_dir, tmp_path, capsys):
+    result = compare.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-concurrency", "2",
+                           "--disable-tqdm", "--output-json", str(tmp_path / "cmp.json"), *TINY])
+
+    ours, hf = result["pyserve"], result["transformers"]
+    assert ours["errors"] == [] and ours["completed"] == 2
+    assert hf["batch_size"] == 2  # follows --max-concurrency
+    # the same prompts on both sides, and exactly the asked output tokens
+    assert ours["total_input_tokens"] == hf["total_input_tokens"] == 16
+    assert ours["total_output_tokens"] == hf["total_output_tokens"] == 8
+    printed = capsys.readouterr().out
+    assert result["table"] in printed
+    header, pyserve_row, hf_row, ratio_row = result["table"].splitlines()
+    assert "out tok/s" in header and "median TTFT ms" in header
+    assert pyserve_row.split()[:3] == ["pyserve", "16", "8"]
+    assert hf_row.split()[:3] == ["transformers", "16", "8"]
+    assert ratio_row.startswith("pyserve/transformers") and ratio_row.count("x") == 3

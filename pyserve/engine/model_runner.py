@@ -110,6 +110,15 @@ class ModelRunner:
             page_size=args.page_size,
         )
         self.attention = self._make_attention(args.attention_backend)
+        self.cuda_graphs = None  # replays decode steps when set
+        graph_max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        if self.device.type == "cuda" and not args.disable_cuda_graph and graph_max_bs > 0:
+            from pyserve.engine.attention.triton_backend import TritonAttention
+            from pyserve.engine.cuda_graph_runner import CudaGraphRunner
+
+            # The graphs read the Triton backend's static kv tables.
+            if isinstance(self.attention, TritonAttention):
+                self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
         self.sampler = Sampler(args.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
@@ -156,6 +165,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.replay(batch)
         return self.model(batch, self.attention)
 
     def step(self, batch: ForwardBatch, seqs: list[Sequence], has_placeholders: bool) -> "StepOutput":

@@ -1,0 +1,105 @@
+"""pyserve vs transformers `generate` on the same prompts, in one command.
+
+Starts pyserve on a free port (the model directory, --device and --dtype
+passed through), runs bench/serving.py's benchmark against it, stops it,
+then runs bench/baseline_hf.py on the same dataset with the same model,
+device and dtype, and prints one table with both and their ratio. The two
+never run at the same time, so neither slows the other.
+
+    python bench/compare.py --num-prompts 16 --random-input-len 128 \\
+        --random-output-len 32 --random-range-ratio 1 --max-concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import baseline_hf, serving  # noqa: E402
+from tests.conftest import ServerProcess  # noqa: E402  (the same launcher the tests use)
+
+# (header, how to read it from a report, how to print it, whether to show a ratio)
+COLUMNS = [
+    ("in tokens", lambda m: m["total_input_tokens"], "{}", False),
+    ("out tokens", lambda m: m["total_output_tokens"], "{}", False),
+    ("out tok/s", lambda m: m["output_throughput"], "{:.2f}", True),
+    ("req/s", lambda m: m["request_throughput"], "{:.3f}", True),
+    ("mean E2E ms", lambda m: m["e2e_latency_ms"]["mean"], "{:.1f}", True),
+    # generate hands back whole batches, so only pyserve has these
+    ("median TTFT ms", lambda m: m.get("ttft_ms", {}).get("median"), "{:.1f}", False),
+    ("median TPOT ms", lambda m: m.get("tpot_ms", {}).get("median"), "{:.1f}", False),
+]
+
+
+def format_table(ours: dict, hf: dict) -> str:
+    def line(label: str, cells: list[str]) -> str:
+        return f"{label:<20}" + "".join(f"{c:>{max(len(h), 9) + 3}}" for c, (h, *_) in zip(cells, COLUMNS))
+
+    def cells(m: dict) -> list[str]:
+        values = [get(m) for _, get, _, _ in COLUMNS]
+        return ["-" if v is None else fmt.format(v) for v, (_, _, fmt, _) in zip(values, COLUMNS)]
+
+    ratios = [f"{get(ours) / get(hf):.2f}x" if shown else "-" for _, get, _, shown in COLUMNS]
+    return "\n".join([
+        line("", [header for header, *_ in COLUMNS]),
+        line("pyserve", cells(ours)),
+        line("transformers", cells(hf)),
+        line("pyserve/transformers", ratios),
+    ])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    baseline_hf.add_model_args(p)
+    serving.add_dataset_args(p)
+    serving.add_load_args(p)
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="prompts per generate call (default: --max-concurrency, else all prompts)")
+    p.add_argument("--output-json", help="write both reports and the table here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    directory = baseline_hf.model_dir(args)  # resolved once, so both load the same files
+    with tempfile.TemporaryDirectory() as storage:  # the server's files/batches, thrown away
+        server = ServerProcess("--model", str(directory), "--device", args.device, "--dtype", args.dtype,
+                               "--file-storage-path", storage)
+        try:
+            # serving.py's options on top of ours: completions with text
+            # prompts, the model name from /v1/models, no API key
+            ours = asyncio.run(serving.benchmark(argparse.Namespace(**vars(args) | {
+                "base_url": server.base_url, "backend": "completions", "model": None, "api_key": None})))
+        finally:
+            server.stop()
+
+    hf_args = argparse.Namespace(**vars(args) | {
+        "model_dir": str(directory),
+        "batch_size": args.hf_batch_size or args.max_concurrency or len(ours["requests"]),
+    })
+    hf = baseline_hf.run(hf_args)
+
+    table = format_table(ours, hf)
+    print(f"model {directory.name}, device {hf['device']}, dtype {hf['dtype']}, "
+          f"{platform.machine()} with {torch.get_num_threads()} torch threads; pyserve max concurrency "
+          f"{args.max_concurrency or 'unlimited'}, transformers batch size {hf['batch_size']}")
+    print(table)
+    print("ratio = pyserve / transformers: higher is better for tok/s and req/s, lower for E2E")
+    for error in ours["errors"]:
+        print(f"pyserve error: {error}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"pyserve": ours, "transformers": hf, "table": table}, f, indent=2)
+    return {"pyserve": ours, "transformers": hf, "table": table}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Attention with the Triton kernels: split-KV decode and paged extend.
+
+The GPU production path. Both kernels read K/V straight from the pool
+through `batch.kv_indices`, so nothing is gathered or padded per layer.
+`prepare` builds what the kernels need besides the batch: the query row
+offsets of an extend batch, the split scratch of a decode batch.
+
+For CUDA graphs the backend also owns static kv tables (`kv_indptr`,
+`kv_indices` sized for max_bs sequences of context_len tokens): a graph is
+captured reading them, and before each replay the real batch's tables are
+copied in, padded rows pointing at the reserved slot 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pyserve.engine.attention.base import AttentionBackend
+from pyserve.engine.attention.triton_decode import decode_attention, decode_scratch
+from pyserve.engine.attention.triton_extend import extend_attention
+from pyserve.model.forward_batch import ForwardBatch
+
+# Decode programs to aim for, per streaming multiprocessor: enough that a
+# small batch still occupies the whole GPU. Measured on an H100 (bf16, 8 kv
+# heads of 128): at batch 1 to 8, 8 to 16 splits run the kernel about 4x
+# faster than one; at batch 64 the count changes nothing (~2.2 TB/s of KV).
+_PROGRAMS_PER_SM = 4
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, kv_pool, num_heads: int, context_len: int, max_kv_splits: int = 16):
+        """kv_pool: anything with per-layer `k_buffer` / `v_buffer` lists of
+        [num_slots, kv_heads, head_dim] tensors."""
+        self.kv_pool = kv_pool
+        k0 = kv_pool.k_buffer[0]
+        self.device = k0.device
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend needs CUDA (on CPU use --attention-backend torch)")
+        self.num_heads = num_heads
+        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
+        self.context_len = context_len
+        self.max_kv_splits = max_kv_splits
+        self._target_programs = 0  # 0: always max_kv_splits (the CPU interpreter in tests)
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._target_programs = _PROGRAMS_PER_SM * sms
+        self._batch: ForwardBatch | None = None
+        self._qo_indptr: torch.Tensor | None = None  # extend: [B + 1] rows of each sequence's new tokens
+        self._max_new = 0
+        self._mid: tuple[torch.Tensor, torch.Tensor] | None = None  # decode: split scratch
+        self._num_splits = 1
+        self._graph_indptr: torch.Tensor | None = None
+        self._graph_indices: torch.Tensor | None = None
+        self._arange: torch.Tensor | None = None  # 0..max_bs
+
+    def num_kv_splits(self, batch_size: int) -> int:
+        """Pieces per sequence in a decode batch: as many as it takes for
+        batch * kv_heads * splits programs to fill the GPU. A function of the
+        batch size alone, so a captured graph keeps its split count."""
+        if not self._target_programs:
+            return self.max_kv_splits
+        wanted = -(-self._target_programs // (batch_size * self.num_kv_heads))
+        return max(1, min(self.max_kv_splits, wanted))
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._batch = batch
+        if batch.is_decode:
+            bs = batch.batch_size
+            self._mid = decode_scratch(bs, self.num_heads, self.head_dim, self.max_kv_splits, self.device)
+            self._num_splits = self.num_kv_splits(bs)
+            return
+        indptr = [0]
+        for n in batch.extend_lens:
+            indptr.append(indptr[-1] + n)
+        self._qo_indptr = torch.tensor(indptr, dtype=torch.long).to(self.device, non_blocking=True)
+        self._max_new = max(batch.extend_lens)
+
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        if batch is not self._batch:
+            raise RuntimeError("TritonAttention.prepare(batch) must be called before forward")
+        k_cache = self.kv_pool.k_buffer[layer_id]
+        v_cache = self.kv_pool.v_buffer[layer_id]
+        k_cache[batch.out_cache_loc] = k
+        v_cache[batch.out_cache_loc] = v
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if batch.is_decode:
+            mid_o, mid_lse = self._mid
+            decode_attention(
+                q, k_cache, v_cache, out, batch.kv_indptr, batch.kv_indices, mid_o, mid_lse, self._num_splits, scale
+            )
+        else:
+            extend_attention(
+                q, k_cache, v_cache, out, self._qo_indptr, batch.kv_indptr, batch.kv_indices, self._max_new, scale
+            )
+        return out
+
+    # CUDA graphs (see cuda_graph_runner.py)
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static kv tables for decode batches of up to max_bs."""
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.long, device=self.device)
+        self._graph_indices = torch.zeros(max_bs * self.context_len, dtype=torch.long, device=self.device)
+        self._arange = torch.arange(max_bs + 1, dtype=torch.long, device=self.device)
+
+    def cuda_graph_kv_tables(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_indptr, kv_indices) for capturing a graph of `bs` decode rows,
+        set to bs one-token sequences in slot 0; replays refill them."""
+        indptr = self._graph_indptr[: bs + 1]
+        indptr.copy_(self._arange[: bs + 1])
+        self._graph_indices[:bs].zero_()
+        return indptr, self._graph_indices
+
+    def fill_cuda_graph_kv_tables(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a decode batch's kv tables into the static ones, rows past its
+        batch size padded as one-token sequences in the reserved slot 0.
+        Device-side copies only: no wait on the GPU."""
+        n = batch.batch_size
+        total = batch.kv_indices.numel()
+        self._graph_indptr[: n + 1].copy_(batch.kv_indptr)
+        self._graph_indices[:total].copy_(batch.kv_indices)
+        if bs > n:
+            torch.add(self._arange[1 : bs - n + 1], total, out=self._graph_indptr[n + 1 : bs + 1])
+            self._graph_indices[total : total + bs - n].zero_()

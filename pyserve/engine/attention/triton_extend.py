@@ -1,0 +1,120 @@
+"""Extend (prefill) attention in Triton over the paged KV pool.
+
+The new tokens of each sequence attend causally over the sequence's cached
+prefix and themselves. The backend stores the new K/V in the pool before
+calling this, so the whole sequence, prefix and new tokens alike, is read
+through its stretch of `kv_indices`; a sequence with no prefix is just the
+case prefix = 0.
+
+One program per (sequence, query head, block of BLOCK_M new tokens), with
+an online softmax over blocks of BLOCK_N keys. The new token i of a sequence
+of `seq_len` tokens, `num_new` of them new, sits at position
+seq_len - num_new + i and sees the keys at positions up to its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pyserve.engine.attention.triton_decode import dot_precision
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, scale,
+    stride_q_tok, stride_q_head,
+    stride_k_slot, stride_k_head,
+    stride_v_slot, stride_v_head,
+    stride_o_tok, stride_o_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+
+    q_start = tl.load(qo_indptr + seq)
+    num_new = tl.load(qo_indptr + seq + 1) - q_start
+    # The grid is sized for the longest sequence; shorter ones have spare blocks.
+    if block * BLOCK_M < num_new:
+        kv_start = tl.load(kv_indptr + seq)
+        seq_len = tl.load(kv_indptr + seq + 1) - kv_start
+        prefix = seq_len - num_new
+        kv_head = head // GROUP
+
+        i = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        i_ok = i < num_new
+        q_pos = prefix + i
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM  # head_dim need not be a power of two
+        q_rows = (q_start + i)[:, None]
+        q = tl.load(Q + q_rows * stride_q_tok + head * stride_q_head + d[None, :],
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max score
+        l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys past the block's last query are never seen. Key 0 is seen by
+        # every row, so after the first block each row's max is finite.
+        end = tl.minimum(prefix + (block + 1) * BLOCK_M, seq_len)
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+                        mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(O + q_rows * stride_o_tok + head * stride_o_head + d[None, :], out.to(O.dtype.element_ty),
+                 mask=i_ok[:, None] & d_ok[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]: the new tokens of all sequences
+    k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim], new K already stored
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,  # [T, heads, head_dim], written
+    qo_indptr: torch.Tensor,  # [B + 1]: sequence i's new tokens are rows qo_indptr[i]:qo_indptr[i + 1]
+    kv_indptr: torch.Tensor,  # [B + 1]
+    kv_indices: torch.Tensor,
+    max_new: int,  # the most new tokens of any sequence
+    scale: float,
+) -> None:
+    assert q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == out.stride(-1) == 1
+    batch = qo_indptr.numel() - 1
+    _, num_heads, head_dim = q.shape
+    block_d = triton.next_power_of_2(head_dim)
+    # Tiles of q, k and v must fit in shared memory together.
+    block = 64 if block_d <= 128 else 32
+    grid = (batch, num_heads, triton.cdiv(max_new, block))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, scale,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // k_buffer.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block,
+        BLOCK_N=block,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
