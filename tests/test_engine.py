@@ -316,3 +316,23 @@ def test_failed_forward_aborts_its_requests_and_caches_nothing(tiny_llama_dir):
     assert last.finish_reason == "abort"
     assert kv["in_use"] == 0 and kv["cached"] == 0  # nothing it wrote was kept
     assert again[1] == expected[1]
+
+
+def test_idle_check_reports_a_leaked_page(tiny_llama_dir, caplog):
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        await collect(engine, PROMPTS[0], max_new_tokens=3, ignore_eos=True)
+        await asyncio.sleep(0.05)  # the loop goes idle: the check passes
+        healthy = engine.integrity_problem()
+        engine.runner.kv_pool.alloc(1)  # a page nobody owns: a leak
+        engine._last_idle_check = -float("inf")
+        await collect(engine, PROMPTS[1], max_new_tokens=3, ignore_eos=True)
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        return healthy
+
+    with caplog.at_level("ERROR", logger="pyserve.engine"):
+        healthy = run(main())
+    assert healthy is None
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith("KV cache integrity check failed while idle: KV pages leaked")

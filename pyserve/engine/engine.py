@@ -29,6 +29,7 @@ from pyserve.engine.sequence import Sequence
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
+_IDLE_CHECK_INTERVAL = 1.0  # seconds
 
 
 class Engine:
@@ -58,6 +59,7 @@ class Engine:
         self._decode_steps = 0
         self._decode_tokens = 0
         self._decode_log_start = time.perf_counter()
+        self._last_idle_check = -float("inf")
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -168,6 +170,7 @@ class Engine:
                     elif self.scheduler.holders():
                         self._unstick()
                     else:
+                        self._check_when_idle()
                         self._wakeup.clear()
                         await self._wakeup.wait()
                     continue
@@ -284,6 +287,18 @@ class Engine:
         lost = (counts == 0).nonzero().flatten().tolist()
         doubled = (counts > 1).nonzero().flatten().tolist()
         return f"KV pages leaked: {lost[:10]} (of {len(lost)}); held twice: {doubled[:10]} (of {len(doubled)})"
+
+    def _check_when_idle(self) -> None:
+        """With nothing running, every page must be free or cached: a leak
+        shows here first. At most once a second, so a server answering one
+        request at a time does not pay for it on every request."""
+        now = time.monotonic()
+        if now - self._last_idle_check < _IDLE_CHECK_INTERVAL:
+            return
+        self._last_idle_check = now
+        problem = self.integrity_problem()
+        if problem is not None:
+            logger.error("KV cache integrity check failed while idle: %s", problem)
 
     def check_integrity(self) -> None:
         problem = self.integrity_problem()
