@@ -9,6 +9,11 @@
 //! context's text, emitted only once it does not end in an incomplete
 //! character (U+FFFD). After each emission the window slides forward, so a
 //! step costs the same at token 10 and at token 10,000.
+//!
+//! With `skip_special_tokens`, special ids never enter the window: decoding
+//! skips them anyway, and a run of them must not become a left context that
+//! decodes to "" (a Metaspace decoder would then strip the next word's
+//! leading space, as at the start of a text).
 
 use crate::tokenizer::Tokenizer;
 
@@ -17,8 +22,8 @@ const REPLACEMENT_LEN: usize = REPLACEMENT.len_utf8();
 
 /// How many ids may wait before the window moves on regardless: past this,
 /// a text that still ends in U+FFFD holds invalid bytes (a model's garbage),
-/// and ids that add no text are skipped special tokens. This bounds the
-/// window, and so the cost of a step, whatever the model generates.
+/// or the ids add no text. This bounds the window, and so the cost of a
+/// step, whatever the model generates.
 const MAX_PENDING: usize = 8;
 /// A character is at most 4 bytes, so an incomplete one at the end of the
 /// text comes from at most the last 3 ids, and decodes to at most 3 U+FFFD
@@ -41,14 +46,20 @@ impl DecodeStream {
     /// `context` ids precede the first new id: they are decoded for context
     /// only and never emitted.
     pub fn new(tok: &Tokenizer, skip_special_tokens: bool, context: &[u32]) -> Result<Self, String> {
-        let context_text = tok.decode(context, skip_special_tokens)?;
-        Ok(DecodeStream { ids: context.to_vec(), read: context.len(), context_text, unsent: 0, skip_special_tokens })
+        tok.check_ids(context)?;
+        let ids = kept_ids(tok, context, skip_special_tokens);
+        let context_text = tok.decode(&ids, skip_special_tokens)?;
+        Ok(DecodeStream { read: ids.len(), ids, context_text, unsent: 0, skip_special_tokens })
     }
 
     /// Feed new ids; returns the text they complete (maybe empty).
     pub fn step(&mut self, tok: &Tokenizer, new_ids: &[u32]) -> Result<String, String> {
         tok.check_ids(new_ids)?;
-        self.ids.extend_from_slice(new_ids);
+        let new_ids = kept_ids(tok, new_ids, self.skip_special_tokens);
+        if new_ids.is_empty() {
+            return Ok(String::new());
+        }
+        self.ids.extend_from_slice(&new_ids);
         let text = tok.decode(&self.ids, self.skip_special_tokens)?;
         let overflow = self.ids.len() - self.read > MAX_PENDING;
         if text.ends_with(REPLACEMENT) {
@@ -98,6 +109,11 @@ impl DecodeStream {
         self.unsent = hold.min(trailing_replacements(&self.context_text));
         Ok(delta)
     }
+}
+
+/// The ids that can add text: all, or all but the special ones when they are skipped.
+fn kept_ids(tok: &Tokenizer, ids: &[u32], skip_special_tokens: bool) -> Vec<u32> {
+    ids.iter().copied().filter(|&id| !(skip_special_tokens && tok.is_special(id))).collect()
 }
 
 /// Bytes of the U+FFFD run that ends `text`, at most `MAX_INCOMPLETE` of them.

@@ -4,7 +4,7 @@
 //! vocabularies (byte_level.rs), and batch encoding that stays
 //! safe after the process forks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 
 use tokenizers::Tokenizer as HfTokenizer;
@@ -16,6 +16,8 @@ pub struct Tokenizer {
     vocab_size: usize,
     /// Decodes byte-level vocabularies without the crate (see byte_level.rs).
     byte_level: Option<ByteLevelDecoder>,
+    /// Added tokens marked special: what `skip_special_tokens` leaves out.
+    special: HashSet<u32>,
 }
 
 impl Tokenizer {
@@ -32,7 +34,9 @@ impl Tokenizer {
         // number of tokens.
         let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
         let byte_level = ByteLevelDecoder::for_tokenizer(&inner, vocab_size);
-        Tokenizer { inner, vocab_size, byte_level }
+        let special =
+            inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        Tokenizer { inner, vocab_size, byte_level, special }
     }
 
     /// Largest id + 1, added tokens included.
@@ -85,10 +89,13 @@ impl Tokenizer {
 
     /// Ids of the added tokens marked special, ascending.
     pub fn special_token_ids(&self) -> Vec<u32> {
-        let mut ids: Vec<u32> =
-            self.inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        let mut ids: Vec<u32> = self.special.iter().copied().collect();
         ids.sort_unstable();
         ids
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.contains(&id)
     }
 }
 

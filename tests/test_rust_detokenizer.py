@@ -124,3 +124,18 @@ def test_bad_ids_are_value_errors(pair):
         DecodeStream(tok, prompt_tail=[tok.vocab_size])
     ok = tok.encode("ok")
     assert ds.step(ok) + ds.flush() == tok.decode(ok)
+
+
+def test_long_run_of_skipped_special_tokens_keeps_the_space(tmp_path_factory):
+    """More skipped special tokens in a row than the window lets wait must
+    not leave a left context that decodes to "": Metaspace would then strip
+    the next word's space."""
+    tok = Tokenizer.from_file(str(tokenizer_file("metaspace", tmp_path_factory)))
+    hi, hi_there = tok.encode("hi"), tok.encode("hi there")
+    ids = hi + [tok.special_token_ids()[0]] * 20 + hi_there[len(hi) :]
+    assert tok.decode(ids) == "hi there"
+    assert "".join(stream(tok, [[i] for i in ids])) == "hi there"
+    # Kept, the special tokens are text like any other.
+    kept = DecodeStream(tok, skip_special_tokens=False)
+    pieces = [kept.step([i]) for i in ids] + [kept.flush()]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=False)
