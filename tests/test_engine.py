@@ -336,3 +336,36 @@ def test_idle_check_reports_a_leaked_page(tiny_llama_dir, caplog):
     assert healthy is None
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and errors[0].startswith("KV cache integrity check failed while idle: KV pages leaked")
+
+
+def test_logprobs_match_transformers_and_ride_with_their_tokens(tiny_llama_dir):
+    import torch
+    import transformers
+
+    prompt = PROMPTS[2]
+
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        outs = []
+        params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
+        async for out in engine.generate(GenerateRequest(prompt, params)):
+            outs.append(out)
+        plain = await collect(engine, prompt, max_new_tokens=2, temperature=0, ignore_eos=True)
+        await engine.shutdown()
+        return outs, plain[2]
+
+    outs, plain = run(main())
+    tokens = [t for o in outs for t in o.token_ids]
+    entries = [e for o in outs for e in o.logprobs]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+    assert [e.token_id for e in entries] == tokens
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1)
+    for e, row in zip(entries, expected):
+        assert abs(e.logprob - row[e.token_id].item()) < 1e-4
+        top_vals, top_ids = row.topk(3)
+        assert [i for i, _ in e.top] == top_ids.tolist()  # greedy: the token is the best
+        assert all(abs(v - w) < 1e-4 for (_, v), w in zip(e.top, top_vals.tolist()))
+    assert plain.logprobs is None  # only when asked

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from pyserve._rust import Tokenizer
-from pyserve.engine.model_runner import ModelRunner
+from pyserve.engine.model_runner import ModelRunner, StepOutput
 from pyserve.engine.output_processor import OutputProcessor
 from pyserve.engine.radix_cache import RadixCache
-from pyserve.engine.request import GenerateOutput, GenerateRequest
+from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
 from pyserve.engine.sampler import reads_history
 from pyserve.engine.scheduler import ScheduledStep, Scheduler
 from pyserve.engine.sequence import Sequence
@@ -30,6 +30,20 @@ from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
 _IDLE_CHECK_INTERVAL = 1.0  # seconds
+
+
+def _token_logprobs(output: StepOutput, seqs: list[Sequence], ids: list[int]) -> list[TokenLogprob | None]:
+    """Per sampled sequence, its token's logprob entry if it asked for one."""
+    if output.logprobs is None:
+        return [None] * len(ids)
+    chosen, top_vals, top_ids = (t.tolist() for t in output.logprobs)
+    entries = []
+    for i, (seq, token_id) in enumerate(zip(seqs, ids)):
+        k = seq.params.top_logprobs
+        wanted = seq.params.logprobs or k
+        entries.append(TokenLogprob(token_id, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+                       if wanted else None)
+    return entries
 
 
 class Engine:
@@ -210,18 +224,21 @@ class Engine:
         """Wait for a launched step's ids and hand them to their requests."""
         try:
             output = await launched
-            next_ids = output.ids.tolist() if output.ready is None else await asyncio.to_thread(output.wait)
+            if output.ready is not None:
+                await asyncio.to_thread(output.wait)
+            next_ids = output.ids.tolist()
+            logprobs = _token_logprobs(output, step.sampled, next_ids)
         except Exception:
             logger.exception("forward pass failed; aborting its requests")
             for seq in step.seqs:
                 seq.kv_valid = False  # what it wrote may be garbage: keep it out of the prefix cache
                 self.abort(seq.rid)
             return
-        for seq, token_id in zip(step.sampled, next_ids):
+        for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
             seq.pending -= 1
             if seq.finished:  # aborted, or finished by an earlier token, while this step ran
                 continue
-            out = self._processors[seq.rid].append(token_id)
+            out = self._processors[seq.rid].append(token_id, logprob)
             if out.finished:
                 self._finish(seq, out)
             else:

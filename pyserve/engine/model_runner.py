@@ -18,7 +18,7 @@ import torch
 from pyserve.engine.attention.base import AttentionBackend
 from pyserve.engine.attention.torch_backend import TorchAttention
 from pyserve.engine.kv_pool import PagePool
-from pyserve.engine.sampler import Sampler
+from pyserve.engine.sampler import Sampler, wants_logprobs
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.loader import load_model
@@ -79,16 +79,27 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class StepOutput:
-    """A step's sampled ids, one per sampled sequence, once `ready` has fired."""
+    """A step's results on the host, once `ready` has fired: one sampled id
+    per sampled sequence, and when any asked, their log-probabilities
+    (Sampler.logprobs: chosen [B], top values [B, K], top ids [B, K])."""
 
-    ids: torch.Tensor  # int64 on the CPU
+    ids: torch.Tensor  # int64
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     ready: "torch.cuda.Event | None"  # None: already complete
 
-    def wait(self) -> list[int]:
-        """Blocks until the ids are on the host; call it off the event loop."""
+    def wait(self) -> "StepOutput":
+        """Blocks until the results are on the host; call it off the event loop."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.ids.tolist()
+        return self
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that does not wait for the device: valid once an event
+    recorded after it has fired."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class ModelRunner:
@@ -183,15 +194,19 @@ class ModelRunner:
                 batch = batch.to(self.device)
                 if has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
-                next_ids = self.sampler.sample(self.forward(batch), seqs)
+                logits = self.forward(batch)
+                next_ids = self.sampler.sample(logits, seqs)
+                logprobs = None
+                if any(wants_logprobs(s.params) for s in seqs):
+                    logprobs = self.sampler.logprobs(logits, next_ids, seqs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), None)
-                host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
-                host.copy_(next_ids, non_blocking=True)
+                    return StepOutput(next_ids.cpu(), logprobs, None)
+                host_logprobs = tuple(_pinned_copy(t) for t in logprobs) if logprobs is not None else None
+                host_ids = _pinned_copy(next_ids)
                 done = torch.cuda.Event()
                 done.record()
-                return StepOutput(host, done)
+                return StepOutput(host_ids, host_logprobs, done)
         except Exception:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise

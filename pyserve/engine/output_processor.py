@@ -7,7 +7,7 @@ StopMatcher (stop strings across token boundaries, never emitted).
 from __future__ import annotations
 
 from pyserve._rust import DecodeStream, StopMatcher, Tokenizer
-from pyserve.engine.request import GenerateOutput
+from pyserve.engine.request import GenerateOutput, TokenLogprob
 from pyserve.engine.sequence import Sequence
 
 # Prompt ids decoded as left context of the first generated token, so that
@@ -26,10 +26,13 @@ class OutputProcessor:
             self.stop_ids.update(eos_token_ids)
         self.context_len = context_len
         self.sent_tokens = 0
+        # One entry per output token when the request asked for logprobs.
+        self.logprobs: list[TokenLogprob] | None = [] if p.logprobs or p.top_logprobs else None
 
     def _output(self, text: str, **finish) -> GenerateOutput:
         seq = self.seq
         new_ids = seq.output_ids[self.sent_tokens :]
+        logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
         self.sent_tokens = len(seq.output_ids)
         return GenerateOutput(
             rid=seq.rid,
@@ -38,13 +41,16 @@ class OutputProcessor:
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens or 0,
+            logprobs=logprobs,
             **finish,
         )
 
-    def append(self, token_id: int) -> GenerateOutput:
+    def append(self, token_id: int, logprob: TokenLogprob | None = None) -> GenerateOutput:
         """Record one sampled token; the returned output may be finished."""
         seq = self.seq
         seq.output_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         if token_id in self.stop_ids:
             # The stop token's own text is never emitted.
             text, matched = self._flush()

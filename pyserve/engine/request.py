@@ -24,6 +24,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False  # report each sampled token's log-probability
+    top_logprobs: int = 0  # ... and this many most likely alternatives
 
 
 @dataclass
@@ -36,6 +38,17 @@ class GenerateRequest:
 
 
 BATCH_PRIORITY = 1
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model's distribution
+    (raw logits, before penalties, bias and temperature, as vLLM reports by
+    default), and the `top_logprobs` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -58,3 +71,4 @@ class GenerateOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for

@@ -17,6 +17,10 @@ from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
 
 
+def wants_logprobs(p: SamplingParams) -> bool:
+    return p.logprobs or p.top_logprobs > 0
+
+
 def reads_history(p: SamplingParams) -> bool:
     """Penalties depend on every token generated so far."""
     return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
@@ -53,6 +57,18 @@ class Sampler:
             probs = probabilities(rows, [params[i] for i in drawn])
             ids[drawn] = self._draw(probs, [seqs[i] for i in drawn])
         return ids
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
+        """(sampled-token log-probabilities [B], top values [B, K], top ids
+        [B, K]) from the raw logits, K the largest top_logprobs asked for; on
+        the logits' device (no wait). Rows that asked for nothing are
+        computed too: one batched op is cheaper than picking rows."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, ids.to(logp.device)[:, None])[:, 0]
+        k = max(s.params.top_logprobs for s in seqs)
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        return chosen, top_vals, top_ids
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, found in the
