@@ -76,8 +76,9 @@ BAD_CHAT_BODIES = {
     "logit bias key": ({"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias"),
     "logit bias outside vocab": ({"messages": MSG, "logit_bias": {"99999999": 1}}, "logit_bias"),
     "logit bias value": ({"messages": MSG, "logit_bias": {"5": 500}}, "logit_bias"),
-    "logprobs": ({"messages": MSG, "logprobs": True}, "logprobs"),
-    "top_logprobs": ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+    "logprobs a number": ({"messages": MSG, "logprobs": 3}, "logprobs"),
+    "top_logprobs without logprobs": ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+    "top_logprobs too many": ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "tool_choice required": ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
     "too long for the context": ({"messages": MSG, "max_tokens": 10**6}, "max_tokens"),
     "stream_options without stream": ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -109,7 +110,9 @@ BAD_COMPLETION_BODIES = {
     "prompt longer than context": ({"prompt": [5] * (CONTEXT + 10)}, "prompt"),
     "n too large": ({"prompt": "hi", "n": 1000}, "n"),
     "suffix": ({"prompt": "hi", "suffix": "end"}, "suffix"),
-    "logprobs": ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    "logprobs too many": ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    "logprobs a boolean": ({"prompt": "hi", "logprobs": True}, "logprobs"),
+    "logprobs with echo": ({"prompt": "hi", "logprobs": 2, "echo": True}, "echo"),
     "best_of": ({"prompt": "hi", "best_of": 3}, "best_of"),
 }
 

@@ -10,6 +10,7 @@ from msgspec import UNSET
 
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.errors import bad_request
+from pyserve.api.logprobs import ChatLogprobs, chat_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatStreamChoice, Delta,
@@ -19,7 +20,7 @@ from pyserve.api.serving import (
     REASONING_PARSERS, ServingContext, UsageCounter, check_requests, choice_requests, merged_outputs, new_id, now,
 )
 from pyserve.chat_template import ChatTemplateError
-from pyserve.engine.request import GenerateOutput
+from pyserve.engine.request import GenerateOutput, TokenLogprob
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -62,8 +63,10 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest):
     """Validate, render the chat template and tokenize: (prompt ids, SamplingParams)."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("logprobs are not supported yet", "logprobs" if req.logprobs else "top_logprobs")
+    if req.logprobs is not None and not isinstance(req.logprobs, bool):
+        raise bad_request("logprobs must be true or false", "logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.tool_choice not in (None, "none", "auto"):
         # Tools reach the template, but calls are not parsed out of the output yet.
         raise bad_request("tool_choice other than 'auto' or 'none' is not supported yet", "tool_choice")
@@ -93,6 +96,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest):
         repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         vocab_size=ctx.engine.vocab_size, default_max_tokens=ctx.default_max_tokens, max_tokens_param=param,
+        logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0,
     )
     check_context(len(prompt_ids), max_tokens, ctx.engine.context_len)
     return prompt_ids, params
@@ -113,10 +117,12 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     if req.stream:
         return _stream(ctx, req, requests, rid)
     texts = [""] * req.n
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
     finals: list[GenerateOutput | None] = [None] * req.n
     counter = UsageCounter()
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
+        logprobs[i] += out.logprobs or []
         if out.finished:
             finals[i] = out
             counter.add(0, out)
@@ -131,6 +137,7 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
         choices.append(ChatChoice(
             index=i,
             message=AssistantMessage(content=text, reasoning_content=reasoning),
+            logprobs=chat_logprobs(ctx.token_texts, logprobs[i]) if req.logprobs else None,
             finish_reason=out.finish_reason,
             matched_stop=out.matched_stop,
         ))
@@ -149,10 +156,20 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid
                                    usage=usage)
 
     splitters = [_splitter(ctx, req) for _ in requests]
+    # Logprobs of tokens whose text is not out yet ride with the next chunk.
+    pending: list[list[TokenLogprob]] = [[] for _ in requests]
+
+    def take_logprobs(i: int) -> ChatLogprobs | None:
+        if not req.logprobs or not pending[i]:
+            return None
+        entries, pending[i] = pending[i], []
+        return chat_logprobs(ctx.token_texts, entries)
+
     counter = UsageCounter()
     for i in range(len(requests)):
         yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
     async for i, out in merged_outputs(ctx.engine, requests):
+        pending[i] += out.logprobs or []
         reasoning, content = "", out.text
         if splitters[i] is not None:
             reasoning, content = splitters[i].feed(out.text)
@@ -161,10 +178,10 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid
                 reasoning, content = reasoning + r, content + c
         if reasoning or content:
             delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET)
-            yield chunk([ChatStreamChoice(index=i, delta=delta)])
+            yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=take_logprobs(i))])
         if out.finished:
             counter.add(0, out)
-            yield chunk([ChatStreamChoice(index=i, delta=Delta(), finish_reason=out.finish_reason,
-                                          matched_stop=out.matched_stop)])
+            yield chunk([ChatStreamChoice(index=i, delta=Delta(), logprobs=take_logprobs(i),
+                                          finish_reason=out.finish_reason, matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], counter.body())

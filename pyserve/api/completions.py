@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 from msgspec import UNSET
 
 from pyserve.api.errors import bad_request
+from pyserve.api.logprobs import MAX_TOP_LOGPROBS, completion_logprobs
 from pyserve.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
     ServingContext, UsageCounter, check_prompt_ids, check_requests, choice_requests, merged_outputs, new_id, now,
 )
-from pyserve.engine.request import GenerateOutput
+from pyserve.engine.request import GenerateOutput, TokenLogprob
 
 
 def prompt_id_lists(ctx: ServingContext, prompt) -> list[list[int]]:
@@ -40,8 +41,12 @@ def prompt_id_lists(ctx: ServingContext, prompt) -> list[list[int]]:
 async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0):
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.logprobs:
-        raise bad_request("logprobs are not supported yet", "logprobs")
+    if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
+        raise bad_request("completions take logprobs as the number of alternatives, 0 to "
+                          f"{MAX_TOP_LOGPROBS}", "logprobs")
+    if req.logprobs is not None and req.echo:
+        # The prompt's own logprobs would need logits at every prompt position.
+        raise bad_request("logprobs together with echo are not supported", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.stream_options is not None and not req.stream:
@@ -54,6 +59,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
         repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         vocab_size=ctx.engine.vocab_size, default_max_tokens=ctx.default_max_tokens,
+        logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, top_logprobs_param="logprobs",
     )
     for ids in prompts:
         check_context(len(ids), req.max_tokens, ctx.engine.context_len, where="prompt")
@@ -67,15 +73,21 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)
     texts = [echoes[i // req.n] for i in range(len(requests))]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
     finals: list[GenerateOutput | None] = [None] * len(requests)
     counter = UsageCounter()
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
+        logprobs[i] += out.logprobs or []
         if out.finished:
             finals[i] = out
             counter.add(i // req.n, out)
     choices = [
-        CompletionChoice(index=i, text=text, finish_reason=out.finish_reason, matched_stop=out.matched_stop)
+        CompletionChoice(
+            index=i, text=text,
+            logprobs=completion_logprobs(ctx.token_texts, logprobs[i], 0) if req.logprobs is not None else None,
+            finish_reason=out.finish_reason, matched_stop=out.matched_stop,
+        )
         for i, (text, out) in enumerate(zip(texts, finals))
     ]
     return CompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
@@ -102,11 +114,21 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests, rid, ec
     if req.echo:
         for i in range(len(requests)):
             yield chunk([CompletionChoice(index=i, text=echoes[i // req.n])])
+    # Logprobs of tokens whose text is not out yet ride with the next chunk;
+    # text offsets run on across chunks.
+    pending: list[list[TokenLogprob]] = [[] for _ in requests]
+    offsets = [0] * len(requests)
     async for i, out in merged_outputs(ctx.engine, requests):
+        pending[i] += out.logprobs or []
         if out.finished:
             counter.add(i // req.n, out)
         if out.text or out.finished:
-            yield chunk([CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(ctx.token_texts, pending[i], offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs.tokens)
+                pending[i] = []
+            yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
                                           matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], counter.body())

@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from pyserve.api.logprobs import ChatLogprobs, CompletionLogprobs
+
 # -- requests ----------------------------------------------------------------
 
 
@@ -59,7 +61,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     user: str | None = None
-    logprobs: Any = None
+    logprobs: bool | int | None = None  # chat: bool; completions: how many alternatives
     top_logprobs: int | None = None
     # SGLang / vLLM extensions, sent through the client's extra_body
     top_k: int = -1
@@ -123,7 +125,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     matched_stop: int | str | None = None
 
@@ -148,7 +150,7 @@ class Delta(msgspec.Struct, kw_only=True):
 class ChatStreamChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -165,7 +167,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

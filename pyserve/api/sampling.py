@@ -7,6 +7,7 @@ reject the same bad values with the same OpenAI-style message.
 from __future__ import annotations
 
 from pyserve.api.errors import bad_request
+from pyserve.api.logprobs import MAX_TOP_LOGPROBS
 from pyserve.engine.request import SamplingParams
 
 MAX_N = 128
@@ -43,6 +44,9 @@ def build_params(
     vocab_size: int,
     max_tokens_param: str = "max_tokens",
     default_max_tokens: int | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    top_logprobs_param: str = "top_logprobs",
 ) -> SamplingParams:
     """max_tokens None means default_max_tokens, or else up to the context
     length (the engine clips to it)."""
@@ -68,6 +72,8 @@ def build_params(
         _check(0 <= token < vocab_size, f"logit_bias token id {token} is outside the vocabulary", "logit_bias")
         _check(-100.0 <= value <= 100.0, "logit_bias values must be between -100 and 100", "logit_bias")
         bias[token] = value
+    _check(0 <= top_logprobs <= MAX_TOP_LOGPROBS, f"{top_logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}",
+           top_logprobs_param)
     stop_ids = list(stop_token_ids or [])
     _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids must be in the vocabulary", "stop_token_ids")
     return SamplingParams(
@@ -85,6 +91,8 @@ def build_params(
         ignore_eos=ignore_eos,
         skip_special_tokens=skip_special_tokens,
         logit_bias=bias,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 

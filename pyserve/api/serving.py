@@ -8,9 +8,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pyserve.api.errors import APIError, bad_request
+from pyserve.api.logprobs import TokenTexts
 from pyserve.api.protocol import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
@@ -37,6 +39,10 @@ class ServingContext:
     files: "FileStore | None" = None
     batches: "BatchManager | None" = None
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
+
+    @cached_property
+    def token_texts(self) -> TokenTexts:
+        return TokenTexts(self.engine.tokenizer)
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,78 @@
+"""OpenAI `logprobs` bodies from the engine's per-token entries.
+
+Chat (`logprobs: true`, `top_logprobs: 0..20`) answers
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`;
+completions (`logprobs: 0..20`, the number of alternatives) answer the
+legacy shape `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+A token's text is its own decode (special tokens included), so a token that
+holds part of a UTF-8 character reads as U+FFFD, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import msgspec
+
+from pyserve._rust import Tokenizer
+from pyserve.engine.request import TokenLogprob
+
+MAX_TOP_LOGPROBS = 20
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TokenTexts:
+    """Token id -> its text, cached: the same ids come back all the time."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.text = lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i], skip_special_tokens=False))
+
+    def top(self, entry: TokenLogprob) -> list[TopLogprob]:
+        return [TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                for t, lp in ((self.text(i), lp) for i, lp in entry.top)]
+
+
+def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprob]) -> ChatLogprobs:
+    content = []
+    for e in entries:
+        text = texts.text(e.token_id)
+        content.append(ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()),
+                                        top_logprobs=texts.top(e)))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """`offset`: where the first token's text starts in the choice's text."""
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for e in entries:
+        text = texts.text(e.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({texts.text(i): lp for i, lp in e.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,66 @@
+"""logprobs through the official openai client, against the real server."""
+
+from __future__ import annotations
+
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_chat_logprobs_cover_every_token(client, model_name):
+    plain = client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=0, max_tokens=12)
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=0, max_tokens=12,
+                                       logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert choice.message.content == plain.choices[0].message.content  # asking changes nothing
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert "".join(t.token for t in content) == choice.message.content
+    for t in content:
+        assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob  # greedy
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_arrive_with_their_text(client, model_name):
+    stream = client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=0, max_tokens=12,
+                                            logprobs=True, stream=True, stream_options={"include_usage": True})
+    text, tokens, usage, finish = "", [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+            if c.logprobs is not None:
+                assert c.logprobs.content and all(t.top_logprobs == [] for t in c.logprobs.content)
+                tokens += [t.token for t in c.logprobs.content]
+    assert len(tokens) == usage.completion_tokens
+    # the stop token, if any, has a logprob but no text
+    assert "".join(tokens) == text if finish == "length" else "".join(tokens).startswith(text)
+
+
+def test_completion_logprobs_legacy_shape(client, model_name):
+    r = client.completions.create(model=model_name, prompt="The capital of France is", temperature=0,
+                                  max_tokens=8, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and max(top.values()) == logprob and top[token] == logprob
+
+
+def test_streamed_completion_offsets_run_on(client, model_name):
+    stream = client.completions.create(model=model_name, prompt="Once upon a time", temperature=0, max_tokens=10,
+                                       logprobs=1, stream=True)
+    text, tokens, offsets = "", [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+    assert len(tokens) == 10
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert "".join(tokens) == text
