@@ -345,7 +345,7 @@ def test_logprobs_match_transformers_and_ride_with_their_tokens(tiny_llama_dir):
     prompt = PROMPTS[2]
 
     async def main():
-        engine = await started_engine(tiny_llama_dir)
+        engine = await started_engine(tiny_llama_dir, dtype="float32")
         outs = []
         params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
         async for out in engine.generate(GenerateRequest(prompt, params)):
