@@ -127,3 +127,39 @@ def test_access_log_lines(server, http):
     while line not in server.log() and time.time() < deadline:
         time.sleep(0.05)
     assert "INFO:     127.0.0.1:" in server.log() and line in server.log()
+
+
+def test_metrics_count_requests_and_tokens(http):
+    def scrape() -> dict[str, float]:
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        values = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    body = {"prompt": "Hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    after = scrape()
+    assert after["pyserve:generation_tokens_total"] - before["pyserve:generation_tokens_total"] == 5
+    assert after["pyserve:prompt_tokens_total"] - before["pyserve:prompt_tokens_total"] == usage["prompt_tokens"]
+    key = 'pyserve:num_requests_total{finish_reason="length"}'
+    assert after[key] - before.get(key, 0) == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
+        assert after[f"pyserve:{name}_count"] - before.get(f"pyserve:{name}_count", 0) == 1
+        assert after[f'pyserve:{name}_bucket{{le="+Inf"}}'] == after[f"pyserve:{name}_count"]
+    assert 0 <= after["pyserve:token_usage"] <= 1 and after["pyserve:num_running_reqs"] >= 0
+
+
+def test_flush_cache_empties_the_prefix_cache(http):
+    prompt = "A long shared beginning of a prompt, " * 8
+    http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    r = http.post("/flush_cache")
+    assert r.status_code == 200
+    info = http.get("/get_server_info").json()
+    assert info["kv_tokens_cached"] == 0 and info["kv_integrity"] == "ok"
+    again = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -58,6 +58,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/generate"): Route(native.generate, NativeGenerateRequest),
     ("GET", "/get_model_info"): Route(native.model_info),
     ("GET", "/get_server_info"): Route(native.server_info),
+    ("GET", "/metrics"): Route(native.metrics),
+    ("POST", "/flush_cache"): Route(native.flush_cache),
     ("GET", "/version"): Route(lambda ctx: native.version()),
     ("GET", "/health"): Route(lambda ctx: None, public=True),
     ("GET", "/health_generate"): Route(native.health_generate, public=True),
@@ -173,7 +175,7 @@ class App:
 def to_response(result):
     if result is None:
         return Response(200, b"")
-    if isinstance(result, FileResponse):
+    if isinstance(result, (FileResponse, Response)):
         return result
     return json_response(result)
 

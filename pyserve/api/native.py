@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from pyserve import __version__
 from pyserve.api.errors import APIError, bad_request
+from pyserve.api.http import Response
 from pyserve.api.protocol import ModelCard, ModelList, NativeGenerateRequest
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
@@ -68,6 +69,28 @@ def model_info(ctx: ServingContext) -> dict:
         "context_length": ctx.engine.context_len,
         "version": __version__,
     }
+
+
+def metrics(ctx: ServingContext) -> Response:
+    """Prometheus text: request counters and latency histograms, and the
+    engine's state now."""
+    engine = ctx.engine
+    m = engine.metrics
+    gauges = {
+        "num_running_reqs": (engine.num_running, "Requests in the running batch."),
+        "num_queue_reqs": (engine.num_waiting, "Requests waiting to be scheduled."),
+        "token_usage": (round(engine.scheduler.token_usage(), 4), "Share of the KV cache in use."),
+        "cache_hit_rate": (round(m.cached_tokens / m.prompt_tokens, 4) if m.prompt_tokens else 0.0,
+                           "Share of prompt tokens served from the prefix cache."),
+    }
+    return Response(200, m.render(gauges).encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+def flush_cache(ctx: ServingContext) -> Response:
+    """SGLang's POST /flush_cache: drop every cached prefix, when idle."""
+    if not ctx.engine.flush_cache():
+        raise bad_request("cannot flush the cache while requests are running")
+    return Response(200, b"Cache flushed.\n", "text/plain; charset=utf-8")
 
 
 def server_info(ctx: ServingContext) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pyserve._rust import Tokenizer
+from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.model_runner import ModelRunner, StepOutput
 from pyserve.engine.output_processor import OutputProcessor
 from pyserve.engine.radix_cache import RadixCache
@@ -74,6 +75,7 @@ class Engine:
         self._decode_tokens = 0
         self._decode_log_start = time.perf_counter()
         self._last_idle_check = -float("inf")
+        self.metrics = EngineMetrics()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -133,7 +135,8 @@ class Engine:
             req.params,
             max_new_tokens=min(req.params.max_new_tokens, self.context_len - len(req.input_ids)),
         )
-        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority)
+        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority,
+                       arrival=time.monotonic())
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self._processors[seq.rid] = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
@@ -157,7 +160,9 @@ class Engine:
         seq = proc.seq
         seq.aborted = seq.finished = True
         self.scheduler.release(seq)
-        seq.outputs.put_nowait(proc.abort())
+        last = proc.abort()
+        self._record_finish(seq, last)
+        seq.outputs.put_nowait(last)
 
     # -- the step loop -------------------------------------------------------
 
@@ -238,6 +243,9 @@ class Engine:
             seq.pending -= 1
             if seq.finished:  # aborted, or finished by an earlier token, while this step ran
                 continue
+            if seq.first_token_at is None:
+                seq.first_token_at = time.monotonic()
+                self.metrics.on_first_token(seq.first_token_at - seq.arrival)
             out = self._processors[seq.rid].append(token_id, logprob)
             if out.finished:
                 self._finish(seq, out)
@@ -251,7 +259,13 @@ class Engine:
         seq.finished = True
         self._processors.pop(seq.rid)
         self.scheduler.release(seq)
+        self._record_finish(seq, last)
         seq.outputs.put_nowait(last)
+
+    def _record_finish(self, seq: Sequence, last: GenerateOutput) -> None:
+        ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
+        self.metrics.on_finish(last.finish_reason, len(seq.prompt_ids), seq.cached_tokens or 0,
+                               len(seq.output_ids), time.monotonic() - seq.arrival, ttft)
 
     def _log_step(self, step: ScheduledStep) -> None:
         s = self.scheduler
@@ -272,6 +286,15 @@ class Engine:
             )
             self._decode_tokens = 0
             self._decode_log_start = now
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests run."""
+        s = self.scheduler
+        if s.holders() or s.waiting:
+            return False
+        if s.cache is not None:
+            s.cache.evict(s.cache.total_pages)
+        return True
 
     def kv_usage(self) -> dict[str, int]:
         """KV cache tokens by owner, in whole pages. When idle, in_use is 0

@@ -34,6 +34,8 @@ class Sequence:
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0
     pending_row: int = 0
+    arrival: float = 0.0  # time.monotonic() when the engine got it
+    first_token_at: float | None = None
     # False once a forward pass that wrote this sequence's KV failed: its
     # slots must not go into the prefix cache.
     kv_valid: bool = True
