@@ -5,6 +5,10 @@ RoPE computed in float32 then cast) so greedy tokens match transformers on
 the same weights. q/k/v and gate/up are fused into one matmul each; the
 loader fills the fused weights. Attention reads and writes the KV cache
 through an AttentionBackend, so this file never sees the cache layout.
+
+On CUDA the elementwise work (residual add + RMSNorm, rotary, SiLU * up)
+runs as fused Triton kernels (fused_ops.py) that round where the torch code
+here rounds; the torch code is the CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +23,20 @@ from pyserve.engine.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig
 from pyserve.model.forward_batch import ForwardBatch
 
+# Tests turn this off to compare the fused kernels with the torch path on one GPU.
+FUSED_ON_CUDA = True
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return FUSED_ON_CUDA and x.is_cuda
+
+
+def _fused_ops():
+    # Imported on first use: Triton is a Linux-only dependency, unused on CPU.
+    from pyserve.model import fused_ops
+
+    return fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -26,7 +44,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); given the residual stream, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return _fused_ops().rms_norm(x, self.weight, self.eps) if _fused(x) else self._norm(x)
+        if _fused(x):
+            return _fused_ops().add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -145,6 +172,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def apply_rotary_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary on q and k; on CUDA one fused kernel, in place."""
+    if _fused(q):
+        _fused_ops().rotary_(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -170,7 +205,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -183,7 +218,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _fused(gate_up):
+            return self.down_proj(_fused_ops().silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -195,9 +233,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, batch: ForwardBatch, attn: AttentionBackend):
+        """x: the previous layer's MLP output, or the embeddings (residual
+        None) for the first layer. Returns (this layer's MLP output, the
+        residual stream before it): each residual add is left to the next
+        norm, which fuses it on CUDA."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, batch, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -221,10 +268,13 @@ class LlamaForCausalLM(nn.Module):
         attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, attn)
-        # Only the rows whose next token is wanted go through the norm and the
-        # vocabulary projection, the most expensive matmul for small models.
-        x = self.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, cos, sin, batch, attn)
+        # Only the rows whose next token is wanted go through the last
+        # residual add, the norm and the vocabulary projection, the most
+        # expensive matmul for small models.
+        rows = batch.logits_indices
+        x, _ = self.norm(x[rows], residual[rows])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
