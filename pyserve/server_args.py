@@ -26,6 +26,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 128
     disable_overlap_schedule: bool = False
+    tp_size: int = 1  # tensor parallelism: one GPU only
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192  # token budget of one prefill step
     chunked_prefill_size: int = 2048  # longer prompts are computed in chunks; -1: never
@@ -74,6 +75,8 @@ class ServerArgs:
                        help="largest decode batch captured as a CUDA graph")
         p.add_argument("--disable-overlap-schedule", action="store_true",
                        help="schedule the next step only after the current one finished")
+        p.add_argument("--tp-size", "--tp", type=int, default=ServerArgs.tp_size,
+                       help="tensor-parallel size; pyserve runs on one GPU, so only 1")
         p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)
         p.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
         p.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size,
@@ -95,5 +98,12 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
-        ns = cls.parser().parse_args(argv)
+        parser = cls.parser()
+        ns = parser.parse_args(argv)
+        if ns.tp_size != 1:
+            parser.error(f"--tp-size {ns.tp_size}: pyserve runs a model on one GPU (tensor parallelism is not built)")
+        if ns.page_size < 1:
+            parser.error("--page-size must be at least 1")
+        if ns.mem_fraction_static is not None and not 0 < ns.mem_fraction_static <= 1:
+            parser.error("--mem-fraction-static must be in (0, 1]")
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})

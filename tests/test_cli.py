@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 
@@ -16,13 +18,22 @@ def test_help_lists_the_sglang_style_options():
     out = run_cli("--help")
     assert out.returncode == 0
     for option in ("--model", "--model-path", "--served-model-name", "--dtype", "--device", "--port",
-                   "--host", "--chat-template", "--api-key", "--log-level"):
+                   "--host", "--chat-template", "--api-key", "--log-level", "--page-size", "--mem-fraction-static",
+                   "--attention-backend", "--disable-cuda-graph", "--cuda-graph-max-bs",
+                   "--disable-overlap-schedule", "--tp-size", "--chunked-prefill-size"):
         assert option in out.stdout
 
 
 def test_model_path_is_an_alias_of_model():
     assert ServerArgs.from_cli(["--model-path", "/m"]).model_path == "/m"
     assert ServerArgs.from_cli(["--model", "/m", "--port", "1234"]).port == 1234
+
+
+@pytest.mark.parametrize("option", [["--tp-size", "2"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"]])
+def test_impossible_engine_options_fail_clearly(option):
+    out = run_cli(*option)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert option[0] in out.stderr
 
 
 def test_missing_model_directory_fails_clearly(tmp_path):
