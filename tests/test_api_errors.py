@@ -112,7 +112,6 @@ BAD_COMPLETION_BODIES = {
     "suffix": ({"prompt": "hi", "suffix": "end"}, "suffix"),
     "logprobs too many": ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     "logprobs a boolean": ({"prompt": "hi", "logprobs": True}, "logprobs"),
-    "logprobs with echo": ({"prompt": "hi", "logprobs": 2, "echo": True}, "echo"),
     "best_of": ({"prompt": "hi", "best_of": 3}, "best_of"),
 }
 

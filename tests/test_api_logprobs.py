@@ -64,3 +64,28 @@ def test_streamed_completion_offsets_run_on(client, model_name):
     assert len(tokens) == 10
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     assert "".join(tokens) == text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(client, model_name):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo,
+    logprobs=1, max_tokens=1; it reads token_logprobs[ctxlen:-1]."""
+    prompt = [504, 3575, 282, 4649, 314, 7042, 30]  # some token ids
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 1 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:-1])
+    assert all(len(top) == 1 and max(top.values()) >= v for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert "".join(lp.tokens) == r.choices[0].text
+    # the prompt's scores do not depend on a cached prefix or on streaming
+    again = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                      logprobs=1)
+    assert again.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    streamed = []
+    for chunk in client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                           echo=True, logprobs=1, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed += c.logprobs.token_logprobs
+    assert streamed == lp.token_logprobs

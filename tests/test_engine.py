@@ -369,3 +369,33 @@ def test_logprobs_match_transformers_and_ride_with_their_tokens(tiny_llama_dir):
         assert [i for i, _ in e.top] == top_ids.tolist()  # greedy: the token is the best
         assert all(abs(v - w) < 1e-4 for (_, v), w in zip(e.top, top_vals.tolist()))
     assert plain.logprobs is None  # only when asked
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(tiny_llama_dir):
+    import torch
+    import transformers
+
+    prompt = PROMPTS[2]  # 31 tokens, in chunks of 8
+
+    async def main():
+        engine = await started_engine(tiny_llama_dir, dtype="float32", chunked_prefill_size=8)
+        await collect(engine, prompt, max_new_tokens=2, temperature=0)  # the prefix is now cached
+        params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=True,
+                                top_logprobs=2)
+        outs = [out async for out in engine.generate(GenerateRequest(prompt, params))]
+        engine.check_integrity()
+        await engine.shutdown()
+        return outs
+
+    outs = run(main())
+    entries = outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert len(entries) == len(prompt) and entries[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    for i, e in enumerate(entries[1:], start=1):
+        assert e.token_id == prompt[i]
+        assert abs(e.logprob - expected[i - 1, prompt[i]].item()) < 1e-4
+        assert [t for t, _ in e.top] == expected[i - 1].topk(2).indices.tolist()
+    assert outs[-1].cached_tokens == 0  # computed whole, not taken from the cache

@@ -44,9 +44,6 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
     if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
         raise bad_request("completions take logprobs as the number of alternatives, 0 to "
                           f"{MAX_TOP_LOGPROBS}", "logprobs")
-    if req.logprobs is not None and req.echo:
-        # The prompt's own logprobs would need logits at every prompt position.
-        raise bad_request("logprobs together with echo are not supported", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.stream_options is not None and not req.stream:
@@ -61,6 +58,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
         vocab_size=ctx.engine.vocab_size, default_max_tokens=ctx.default_max_tokens,
         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, top_logprobs_param="logprobs",
     )
+    params.prompt_logprobs = req.echo and req.logprobs is not None
     for ids in prompts:
         check_context(len(ids), req.max_tokens, ctx.engine.context_len, where="prompt")
     rid = req.rid or new_id("cmpl-")
@@ -73,19 +71,20 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)
     texts = [echoes[i // req.n] for i in range(len(requests))]
-    logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
+    logprobs: list[list[TokenLogprob | None]] = [[] for _ in requests]
     finals: list[GenerateOutput | None] = [None] * len(requests)
     counter = UsageCounter()
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
-        logprobs[i] += out.logprobs or []
+        logprobs[i] += (out.prompt_logprobs or []) + (out.logprobs or [])
         if out.finished:
             finals[i] = out
             counter.add(i // req.n, out)
     choices = [
         CompletionChoice(
             index=i, text=text,
-            logprobs=completion_logprobs(ctx.token_texts, logprobs[i], 0) if req.logprobs is not None else None,
+            logprobs=(completion_logprobs(ctx.token_texts, logprobs[i], 0, requests[i].input_ids[0])
+                      if req.logprobs is not None else None),
             finish_reason=out.finish_reason, matched_stop=out.matched_stop,
         )
         for i, (text, out) in enumerate(zip(texts, finals))
@@ -116,16 +115,16 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests, rid, ec
             yield chunk([CompletionChoice(index=i, text=echoes[i // req.n])])
     # Logprobs of tokens whose text is not out yet ride with the next chunk;
     # text offsets run on across chunks.
-    pending: list[list[TokenLogprob]] = [[] for _ in requests]
+    pending: list[list[TokenLogprob | None]] = [[] for _ in requests]
     offsets = [0] * len(requests)
     async for i, out in merged_outputs(ctx.engine, requests):
-        pending[i] += out.logprobs or []
+        pending[i] += (out.prompt_logprobs or []) + (out.logprobs or [])
         if out.finished:
             counter.add(i // req.n, out)
         if out.text or out.finished:
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(ctx.token_texts, pending[i], offsets[i])
+                logprobs = completion_logprobs(ctx.token_texts, pending[i], offsets[i], requests[i].input_ids[0])
                 offsets[i] += sum(len(t) for t in logprobs.tokens)
                 pending[i] = []
             yield chunk([CompletionChoice(index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,

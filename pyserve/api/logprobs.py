@@ -3,7 +3,8 @@
 Chat (`logprobs: true`, `top_logprobs: 0..20`) answers
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`;
 completions (`logprobs: 0..20`, the number of alternatives) answer the
-legacy shape `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+legacy shape `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`,
+with `echo` covering the prompt's tokens too (as evaluation harnesses use it).
 A token's text is its own decode (special tokens included), so a token that
 holds part of a UTF-8 character reads as U+FFFD, as in vLLM.
 """
@@ -40,8 +41,8 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -65,14 +66,17 @@ def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprob]) -> ChatLogprob
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """`offset`: where the first token's text starts in the choice's text."""
+def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob | None], offset: int,
+                        first_token: int | None = None) -> CompletionLogprobs:
+    """`offset`: where the first token's text starts in the choice's text.
+    An echoed prompt's entries come first, led by None for its first token,
+    `first_token`, which nothing scores."""
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for e in entries:
-        text = texts.text(e.token_id)
+        text = texts.text(first_token if e is None else e.token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({texts.text(i): lp for i, lp in e.top})
+        out.token_logprobs.append(None if e is None else e.logprob)
+        out.top_logprobs.append(None if e is None else {texts.text(i): lp for i, lp in e.top})
         out.text_offset.append(offset)
         offset += len(text)
     return out

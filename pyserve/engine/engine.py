@@ -47,6 +47,22 @@ def _token_logprobs(output: StepOutput, seqs: list[Sequence], ids: list[int]) ->
     return entries
 
 
+def _prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Sequence, list[TokenLogprob]]]:
+    """The step's prompt log-probabilities, split by sequence."""
+    if output.prompt_logprobs is None:
+        return []
+    chosen, top_vals, top_ids = (t.tolist() for t in output.prompt_logprobs)
+    out, row = [], 0
+    for seq, count in step.prompt_spans:
+        k = seq.params.top_logprobs
+        out.append((seq, [
+            TokenLogprob(step.prompt_targets[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+            for i in range(row, row + count)
+        ]))
+        row += count
+    return out
+
+
 class Engine:
     def __init__(self, args: ServerArgs):
         if args.model_path:
@@ -194,8 +210,10 @@ class Engine:
                         await self._wakeup.wait()
                     continue
                 self._log_step(step)
+                prompt_top = max((seq.params.top_logprobs for seq, _ in step.prompt_spans), default=0)
                 launched = loop.run_in_executor(
-                    self.runner.executor, self.runner.step, step.batch, step.sampled, step.has_placeholders
+                    self.runner.executor, self.runner.step, step.batch, step.sampled, step.has_placeholders,
+                    step.prompt_targets, prompt_top,
                 )
                 for row, seq in enumerate(step.sampled):
                     seq.pending += 1
@@ -233,12 +251,16 @@ class Engine:
                 await asyncio.to_thread(output.wait)
             next_ids = output.ids.tolist()
             logprobs = _token_logprobs(output, step.sampled, next_ids)
+            prompt_logprobs = _prompt_logprobs(output, step)
         except Exception:
             logger.exception("forward pass failed; aborting its requests")
             for seq in step.seqs:
                 seq.kv_valid = False  # what it wrote may be garbage: keep it out of the prefix cache
                 self.abort(seq.rid)
             return
+        for seq, entries in prompt_logprobs:
+            if not seq.finished:
+                self._processors[seq.rid].add_prompt_logprobs(entries)
         for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
             seq.pending -= 1
             if seq.finished:  # aborted, or finished by an earlier token, while this step ran

@@ -18,7 +18,7 @@ import torch
 from pyserve.engine.attention.base import AttentionBackend
 from pyserve.engine.attention.torch_backend import TorchAttention
 from pyserve.engine.kv_pool import PagePool
-from pyserve.engine.sampler import Sampler, wants_logprobs
+from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.loader import load_model
@@ -86,6 +86,8 @@ class StepOutput:
     ids: torch.Tensor  # int64
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     ready: "torch.cuda.Event | None"  # None: already complete
+    # Prompt log-probabilities, in the same three parts, one row per target.
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def wait(self) -> "StepOutput":
         """Blocks until the results are on the host; call it off the event loop."""
@@ -180,33 +182,43 @@ class ModelRunner:
             return self.cuda_graphs.replay(batch)
         return self.model(batch, self.attention)
 
-    def step(self, batch: ForwardBatch, seqs: list[Sequence], has_placeholders: bool) -> "StepOutput":
+    def step(self, batch: ForwardBatch, seqs: list[Sequence], has_placeholders: bool,
+             prompt_targets: list[int] | None = None, prompt_top: int = 0) -> "StepOutput":
         """Forward + sampling for one scheduled step; runs on the worker thread.
 
         Returns as soon as the work is queued on the device: on CUDA the ids
         come back through a non-blocking copy and an event, so this thread
         can launch the next step while this one computes. Decode rows whose
         input is a placeholder (-(row + 1), see scheduler.py) read row `row`
-        of the previous step's ids, which are still on the device.
+        of the previous step's ids, which are still on the device. Logits
+        rows past the sampled ones score `prompt_targets`, with `prompt_top`
+        alternatives each.
         """
         try:
             with torch.inference_mode():
                 batch = batch.to(self.device)
                 if has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
-                logits = self.forward(batch)
+                all_logits = self.forward(batch)
+                logits = all_logits[: len(seqs)]
                 next_ids = self.sampler.sample(logits, seqs)
-                logprobs = None
+                logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):
                     logprobs = self.sampler.logprobs(logits, next_ids, seqs)
+                if prompt_targets:
+                    targets = torch.tensor(prompt_targets, device=self.device)
+                    prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, prompt_top)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None)
-                host_logprobs = tuple(_pinned_copy(t) for t in logprobs) if logprobs is not None else None
-                host_ids = _pinned_copy(next_ids)
-                done = torch.cuda.Event()
-                done.record()
-                return StepOutput(host_ids, host_logprobs, done)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs)
+
+                def to_host(parts):
+                    return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
+
+                output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
+                                    to_host(prompt_logprobs))
+                output.ready.record()
+                return output
         except Exception:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise

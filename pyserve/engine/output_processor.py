@@ -28,11 +28,14 @@ class OutputProcessor:
         self.sent_tokens = 0
         # One entry per output token when the request asked for logprobs.
         self.logprobs: list[TokenLogprob] | None = [] if p.logprobs or p.top_logprobs else None
+        # The prompt's, gathered over its chunks; sent with the first output.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if p.prompt_logprobs else None
 
     def _output(self, text: str, **finish) -> GenerateOutput:
         seq = self.seq
         new_ids = seq.output_ids[self.sent_tokens :]
         logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         self.sent_tokens = len(seq.output_ids)
         return GenerateOutput(
             rid=seq.rid,
@@ -42,8 +45,12 @@ class OutputProcessor:
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens or 0,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             **finish,
         )
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprob]) -> None:
+        self.prompt_logprobs += entries
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> GenerateOutput:
         """Record one sampled token; the returned output may be finished."""

@@ -26,6 +26,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False  # report each sampled token's log-probability
     top_logprobs: int = 0  # ... and this many most likely alternatives
+    # Also the log-probability of every prompt token after the first (the
+    # prompt is then computed whole: its cached prefix is not reused).
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -72,3 +75,5 @@ class GenerateOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    # On the first output, when asked for: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -30,6 +30,15 @@ def _adjusts_logits(p: SamplingParams) -> bool:
     return reads_history(p) or bool(p.logit_bias)
 
 
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """(log-probability of ids[i] under row i [B], top-k values [B, k], top-k
+    ids [B, k]) from raw logits, on their device (no wait for it)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    return chosen, top_vals, top_ids
+
+
 class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
@@ -60,15 +69,10 @@ class Sampler:
 
     @staticmethod
     def logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        """(sampled-token log-probabilities [B], top values [B, K], top ids
-        [B, K]) from the raw logits, K the largest top_logprobs asked for; on
-        the logits' device (no wait). Rows that asked for nothing are
-        computed too: one batched op is cheaper than picking rows."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logp.gather(1, ids.to(logp.device)[:, None])[:, 0]
-        k = max(s.params.top_logprobs for s in seqs)
-        top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        return chosen, top_vals, top_ids
+        """token_logprobs for the sampled ids, K the largest top_logprobs
+        asked for. Rows that asked for nothing are computed too: one batched
+        op is cheaper than picking rows."""
+        return token_logprobs(logits, ids.to(logits.device), max(s.params.top_logprobs for s in seqs))
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, found in the

@@ -54,6 +54,10 @@ class ScheduledStep:
     num_cached_tokens: int = 0  # prompt tokens newly admitted requests took from the radix cache
     # Decode rows whose input is a placeholder for the previous step's output.
     has_placeholders: bool = False
+    # Prompt log-probabilities: the token each extra logits row (after the
+    # sampled ones) is scored on, and how many rows each sequence has.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -194,7 +198,8 @@ class Scheduler:
             if seq is None:
                 break
             # Leave at least the last token to compute: its logits are needed.
-            if self.cache is not None:
+            # Prompt log-probabilities need the logits of every position.
+            if self.cache is not None and not seq.params.prompt_logprobs:
                 prefix, node = self.cache.match_prefix(seq.all_ids[:-1])
                 self.cache.lock(node)
             else:
@@ -253,6 +258,9 @@ class Scheduler:
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
         has_placeholders = False
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[Sequence, int]] = []
         for seq, n, slots in zip(prefill.seqs + decode.seqs, prefill.lengths + decode.lengths,
                                  prefill.new_slots + decode.new_slots):
             start = seq.num_cached
@@ -261,6 +269,12 @@ class Scheduler:
             else:  # a decode row whose input is still being sampled
                 new = [-(seq.pending_row + 1)]
                 has_placeholders = True
+            if seq.params.prompt_logprobs:
+                rows = self._prompt_logprob_rows(seq, start, n, len(input_ids))
+                if rows:
+                    prompt_rows += rows
+                    prompt_targets += [seq.prompt_ids[r - len(input_ids) + start + 1] for r in rows]
+                    prompt_spans.append((seq, len(rows)))
             input_ids.extend(new)
             positions.extend(range(start, start + n))
             seq.slots = torch.cat([seq.slots, slots])
@@ -275,12 +289,24 @@ class Scheduler:
         seqs = prefill.seqs + decode.seqs
         batch = ForwardBatch.build(
             input_ids, positions, torch.cat(prefill.new_slots + decode.new_slots), extend_lens,
-            [s.slots for s in seqs], logits_indices, is_decode=not prefill.seqs, device="cpu",
+            [s.slots for s in seqs], logits_indices + prompt_rows, is_decode=not prefill.seqs, device="cpu",
         )
         return ScheduledStep(
             seqs=seqs, batch=batch, sampled=sampled, num_prefill_seqs=len(prefill.seqs),
             num_prefill_tokens=sum(prefill.lengths), has_placeholders=has_placeholders,
+            prompt_targets=prompt_targets, prompt_spans=prompt_spans,
         )
+
+    @staticmethod
+    def _prompt_logprob_rows(seq: Sequence, start: int, n: int, first_row: int) -> list[int]:
+        """Rows of this step whose logits score a prompt token not scored
+        yet: the row at position p scores prompt token p + 1."""
+        first = max(start, seq.next_prompt_logprob - 1)
+        last = min(start + n, len(seq.prompt_ids) - 1)  # exclusive
+        if first >= last:
+            return []
+        seq.next_prompt_logprob = last + 1
+        return [first_row + p - start for p in range(first, last)]
 
     # -- accounting ----------------------------------------------------------
 

@@ -34,6 +34,9 @@ class Sequence:
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0
     pending_row: int = 0
+    # Next prompt position whose log-probability is still to be computed
+    # (prompt_logprobs); survives retraction, so none is computed twice.
+    next_prompt_logprob: int = 1
     arrival: float = 0.0  # time.monotonic() when the engine got it
     first_token_at: float | None = None
     # False once a forward pass that wrote this sequence's KV failed: its
