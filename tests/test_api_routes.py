@@ -163,3 +163,21 @@ def test_flush_cache_empties_the_prefix_cache(http):
     assert info["kv_tokens_cached"] == 0 and info["kv_integrity"] == "ok"
     again = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_native_generate_returns_sglang_logprobs(http):
+    body = {"input_ids": [504, 3575, 282, 4649, 314], "return_logprob": True, "logprob_start_len": 0,
+            "top_logprobs_num": 2, "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == body["input_ids"]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert all(e[0] < 0 and isinstance(e[2], str) for e in meta["input_token_logprobs"][1:])
+    assert len(meta["output_token_logprobs"]) == 4 == len(meta["output_top_logprobs"])
+    for e, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 2 and top[0][1] == e[1] and top[0][0] == e[0]  # greedy: the best
+    plain = http.post("/generate", json={**body, "return_logprob": False}).json()["meta_info"]
+    assert "output_token_logprobs" not in plain
+    # logprob_start_len -1 (the default): output tokens only
+    out_only = http.post("/generate", json={**body, "logprob_start_len": -1}).json()["meta_info"]
+    assert out_only["input_token_logprobs"] == [] and len(out_only["output_token_logprobs"]) == 4

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from pyserve import __version__
 from pyserve.api.errors import APIError, bad_request
 from pyserve.api.http import Response
+from pyserve.api.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol import ModelCard, ModelList, NativeGenerateRequest
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
@@ -129,7 +131,7 @@ def _params(ctx: ServingContext, raw: dict | None):
     return params, n, max_new
 
 
-def _meta(rid: str, out: GenerateOutput, started: float) -> dict:
+def _meta(rid: str, out: GenerateOutput, started: float, logprobs: "_Logprobs | None" = None) -> dict:
     if out.finish_reason == "stop":
         reason = {"type": "stop", "matched": out.matched_stop}
     elif out.finish_reason == "length":
@@ -143,6 +145,7 @@ def _meta(rid: str, out: GenerateOutput, started: float) -> dict:
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "e2e_latency": time.perf_counter() - started,
+        **(logprobs.meta() if logprobs else {}),
     }
 
 
@@ -162,6 +165,11 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     for ids in prompts:
         check_prompt_ids(ctx, ids, "input_ids" if req.input_ids is not None else "text")
     params, n, max_new = _params(ctx, req.sampling_params)
+    if req.return_logprob:
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs_num")
+        params = replace(params, logprobs=True, top_logprobs=req.top_logprobs_num,
+                         prompt_logprobs=req.logprob_start_len >= 0)
     for ids in prompts:
         check_context(len(ids), max_new, ctx.engine.context_len, where="prompt")
     base = req.rid or new_id("")
@@ -170,26 +178,65 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         requests += choice_requests(ids, params, n, f"{base}-{p}" if len(prompts) > 1 else base)
     check_requests(ctx.engine, requests, "input_ids" if req.input_ids is not None else "text")
     started = time.perf_counter()
+    logprobs = [_Logprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
     if req.stream:
-        return _stream(ctx, requests, started)
+        return _stream(ctx, requests, started, logprobs)
     texts = [""] * len(requests)
     results: list[dict] = [{}] * len(requests)
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
+        if logprobs:
+            logprobs[i].add(out)
         if out.finished:
-            results[i] = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started)}
+            results[i] = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
     return results[0] if single and n == 1 else results
 
 
-async def _stream(ctx: ServingContext, requests, started: float) -> AsyncIterator[dict]:
+async def _stream(ctx: ServingContext, requests, started: float, logprobs) -> AsyncIterator[dict]:
     texts = [""] * len(requests)
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
-        event = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started)}
+        if logprobs:
+            logprobs[i].add(out)
+        event = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
         if len(requests) > 1:
             event["index"] = i
         yield event
+
+
+class _Logprobs:
+    """SGLang's meta_info logprob lists for one request, built up as its
+    outputs arrive: entries are [logprob, token_id, text or None]."""
+
+    def __init__(self, ctx: ServingContext, req: NativeGenerateRequest, prompt_ids: list[int]):
+        self.texts = ctx.token_texts if req.return_text_in_logprobs else None
+        self.start = req.logprob_start_len
+        self.prompt_ids = prompt_ids
+        self.input: list = []
+        self.input_top: list = []
+        self.output: list = []
+        self.output_top: list = []
+
+    def _entry(self, logprob: float | None, token_id: int) -> list:
+        return [logprob, token_id, self.texts.text(token_id) if self.texts else None]
+
+    def add(self, out: GenerateOutput) -> None:
+        if out.prompt_logprobs is not None:
+            for pos, e in enumerate(out.prompt_logprobs[self.start :], start=self.start):
+                if e is None:  # the first prompt token: nothing scores it
+                    self.input.append(self._entry(None, self.prompt_ids[pos]))
+                    self.input_top.append(None)
+                else:
+                    self.input.append(self._entry(e.logprob, e.token_id))
+                    self.input_top.append([self._entry(lp, i) for i, lp in e.top])
+        for e in out.logprobs or []:
+            self.output.append(self._entry(e.logprob, e.token_id))
+            self.output_top.append([self._entry(lp, i) for i, lp in e.top])
+
+    def meta(self) -> dict:
+        return {"input_token_logprobs": self.input, "output_token_logprobs": self.output,
+                "input_top_logprobs": self.input_top, "output_top_logprobs": self.output_top}
 
 
 def version() -> dict:

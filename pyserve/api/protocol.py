@@ -98,6 +98,12 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True):
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     rid: str | None = None
+    # SGLang's logprob options: output tokens' logprobs, and the prompt's
+    # from position logprob_start_len on (-1: none of the prompt).
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
 
 # -- responses ---------------------------------------------------------------
