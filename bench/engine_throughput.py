@@ -70,17 +70,20 @@ def run_transformers(model_dir: str, workload, device: str, dtype: str, batch_si
     return time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The model and workload options the engine benchmarks share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, nargs=2, default=(32, 128))
     ap.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
-    ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu (both sides)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap
+
+
+def workload_from_args(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """Fills in args.model when it was not given; returns the workload."""
     if args.model is None:
         from pyserve.default_model import default_model_path
 
@@ -88,7 +91,15 @@ def main() -> None:
     from pyserve.model.config import ModelConfig
 
     vocab = ModelConfig.from_dir(args.model).vocab_size
-    workload = make_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
+    return make_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
+
+
+def main() -> None:
+    ap = workload_parser(__doc__.split("\n")[0])
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu (both sides)")
+    args = ap.parse_args()
+    workload = workload_from_args(args)
     out_tokens = sum(n for _, n in workload)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     ours = asyncio.run(run_pyserve(args.model, workload, args.device, dtype))

@@ -11,7 +11,6 @@ rows show what larger KV pages cost or save.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import platform
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import make_workload  # noqa: E402
+from engine_throughput import workload_from_args, workload_parser  # noqa: E402
 
 LAYOUTS = {
     "overlap, page 1 (default)": {},
@@ -69,23 +68,10 @@ async def run_engine(model_dir: str, workload, device: str, layout: dict) -> tup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 128))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
-    ap.add_argument("--device", default="cpu")
+    ap = workload_parser(__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout; the best is kept")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.model is None:
-        from pyserve.default_model import default_model_path
-
-        args.model = str(default_model_path())
-    from pyserve.model.config import ModelConfig
-
-    vocab = ModelConfig.from_dir(args.model).vocab_size
-    workload = make_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
+    workload = workload_from_args(args)
     out_tokens = sum(n for _, n in workload)
     layouts = dict(LAYOUTS, **(CUDA_LAYOUTS if args.device == "cuda" else {}))
     results = {}
