@@ -93,6 +93,34 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         """Whether text fed now would count as reasoning."""
 
+class ToolCallParser:
+    """Finds tool calls in a stream of text deltas, in a format named as
+    SGLang's --tool-call-parser: "qwen25" / "hermes"
+    (`<tool_call>{"name", "arguments"}</tool_call>`), "llama3"
+    (`<|python_tag|>`, or bare JSON at the start: `{"name", "parameters"}`,
+    more after `;`) or "mistral" (`[TOOL_CALLS]`, or a bare array at the
+    start: `[{"name", "arguments"}, ...]`). Another name is a ValueError.
+
+    A section that holds no valid call (bad JSON, no name) stays text as
+    written; whitespace that only separates text from calls is dropped.
+    The result does not depend on how the text is split.
+    """
+
+    def __init__(self, format: str) -> None: ...
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """Returns (text safe to emit now, calls completed by this delta as
+        (name, arguments as JSON text)). A tail that could still open a
+        call, and an open call, are held back."""
+    def flush(self) -> tuple[str, list[tuple[str, str]]]:
+        """End of stream: an open call is read as it stands (a hermes call
+        may lack its end marker), or else returned as text."""
+
+def tool_call_prefix(format: str, name: str | None = None) -> str:
+    """The start of a call in `format`, up to the name's opening quote, or
+    with `name` up to its arguments: put after the prompt, it makes the
+    model go on with a call, and fed to a ToolCallParser first it reads
+    as output."""
+
 def content_text(content: str | list[dict] | None) -> str:
     """OpenAI message content as one string: a string as is, None as "",
     a list of parts as its text parts joined by newlines (empty ones

@@ -17,6 +17,7 @@ class ServerArgs:
     log_level: str = "info"
     chat_template: str | None = None  # a file, or a name from templates/
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # qwen25/hermes, llama3 or mistral
     api_key: str | None = None
     context_length: int | None = None  # default: the model's max_position_embeddings
     max_total_tokens: int | None = None  # KV cache size in tokens
@@ -58,6 +59,9 @@ class ServerArgs:
                        help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
         p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek-r1"],
                        help="split <think>...</think> into reasoning_content")
+        # SGLang's names; qwen25 and hermes are one format.
+        p.add_argument("--tool-call-parser", default=None, choices=["qwen25", "hermes", "llama3", "mistral"],
+                       help="read tool calls in chat output into message.tool_calls")
         p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
         p.add_argument("--context-length", type=int, default=None)
         p.add_argument("--max-total-tokens", type=int, default=None,

@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyString};
 
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
+use crate::chat::tool_calls::{Format, ToolCall, ToolCallParser as CallParser};
 use crate::detokenizer::DecodeStream as Stream;
 use crate::stop::StopMatcher as Matcher;
 use crate::tokenizer::Tokenizer as Tok;
@@ -162,6 +163,44 @@ impl PyReasoningSplitter {
     }
 }
 
+type Calls = Vec<(String, String)>;
+
+fn name_arguments(calls: Vec<ToolCall>) -> Calls {
+    calls.into_iter().map(|c| (c.name, c.arguments)).collect()
+}
+
+/// Tool calls in a text stream, by format name (see chat/tool_calls.rs).
+#[pyclass(name = "ToolCallParser", module = "pyserve._rust")]
+struct PyToolCallParser {
+    parser: CallParser,
+}
+
+#[pymethods]
+impl PyToolCallParser {
+    #[new]
+    fn new(format: &str) -> PyResult<Self> {
+        Ok(PyToolCallParser { parser: CallParser::new(Format::from_name(format).map_err(value_error)?) })
+    }
+
+    fn feed(&mut self, text: &str) -> (String, Calls) {
+        let (text, calls) = self.parser.feed(text);
+        (text, name_arguments(calls))
+    }
+
+    fn flush(&mut self) -> (String, Calls) {
+        let (text, calls) = self.parser.flush();
+        (text, name_arguments(calls))
+    }
+}
+
+/// The start of a tool call in `format`, to put after the prompt so that
+/// the model goes on with a call (of function `name`, if given).
+#[pyfunction]
+#[pyo3(signature = (format, name = None))]
+fn tool_call_prefix(format: &str, name: Option<&str>) -> PyResult<String> {
+    Ok(Format::from_name(format).map_err(value_error)?.call_prefix(name))
+}
+
 /// OpenAI message content (None, a string, or a list of parts) as one
 /// string (see chat/content.rs).
 #[pyfunction]
@@ -194,6 +233,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDecodeStream>()?;
     m.add_class::<PyStopMatcher>()?;
     m.add_class::<PyReasoningSplitter>()?;
+    m.add_class::<PyToolCallParser>()?;
+    m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     Ok(())
 }

@@ -90,8 +90,9 @@ class ServerProcess:
 def server():
     """The real server on the embedded default model. Requests that set no
     max_tokens (as some seeds do) are capped so a rambling answer from the
-    small model cannot stall the suite."""
-    srv = ServerProcess("--default-max-tokens", str(SERVER_DEFAULT_MAX_TOKENS))
+    small model cannot stall the suite. The tool-call parser only acts on
+    requests that send tools."""
+    srv = ServerProcess("--default-max-tokens", str(SERVER_DEFAULT_MAX_TOKENS), "--tool-call-parser", "qwen25")
     yield srv
     srv.stop()
 

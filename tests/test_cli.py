@@ -36,6 +36,16 @@ def test_impossible_engine_options_fail_clearly(option):
     assert option[0] in out.stderr
 
 
+def test_every_tool_call_parser_choice_is_a_parser():
+    from pyserve._rust import ToolCallParser
+
+    choices = ServerArgs.parser()._option_string_actions["--tool-call-parser"].choices
+    assert set(choices) == {"qwen25", "hermes", "llama3", "mistral"}
+    for name in choices:
+        assert ServerArgs.from_cli(["--tool-call-parser", name]).tool_call_parser == name
+        ToolCallParser(name)
+
+
 def test_missing_model_directory_fails_clearly(tmp_path):
     out = run_cli("--model", str(tmp_path / "nope"), "--port", "0")
     assert out.returncode != 0

@@ -13,12 +13,13 @@ from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import ChatLogprobs, chat_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatStreamChoice, Delta,
+    ChatStreamChoice, Delta, ToolCall, ToolCallDelta,
 )
 from pyserve.api.sampling import build_params, check_context
 from pyserve.api.serving import (
     REASONING_PARSERS, ServingContext, UsageCounter, check_requests, choice_requests, merged_outputs, new_id, now,
 )
+from pyserve.api.tools import ToolCalling, ToolCallStream, check_history_calls, plan
 from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateOutput, TokenLogprob
 
@@ -35,12 +36,18 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
             text = None if m.content is None else content_text(msgspec.to_builtins(m.content))
         except ValueError as e:  # e.g. image parts: this server serves text models
             raise bad_request(str(e), f"messages[{i}].content") from None
+        if text is None and m.tool_calls:
+            # A turn that only calls tools gets "", as SGLang and vLLM pass it:
+            # templates that join content as a string (SmolLM2's, chatml) render
+            # it too, and those that test `if message.content` read both alike.
+            text = ""
         msg = {"role": m.role, "content": text}
         for key in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(m, key)
             if value is not None:
                 msg[key] = value
         if m.tool_calls is not None:
+            check_history_calls(m.tool_calls, f"messages[{i}].tool_calls")
             msg["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
         messages.append(msg)
     return messages
@@ -60,32 +67,33 @@ def _template_tool_call(call: dict) -> dict:
 
 
 def prepare(ctx: ServingContext, req: ChatCompletionRequest):
-    """Validate, render the chat template and tokenize: (prompt ids, SamplingParams)."""
+    """Validate, render the chat template and tokenize: (prompt ids,
+    SamplingParams, how to read tool calls in the output or None)."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
     if req.logprobs is not None and not isinstance(req.logprobs, bool):
         raise bad_request("logprobs must be true or false", "logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if req.tool_choice not in (None, "none", "auto"):
-        # Tools reach the template, but calls are not parsed out of the output yet.
-        raise bad_request("tool_choice other than 'auto' or 'none' is not supported yet", "tool_choice")
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(f"response_format {req.response_format.type!r} is not supported yet", "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if ctx.chat_template is None:
         raise bad_request("this model has no chat template; pass --chat-template or use /v1/completions")
+    tools, calling = plan(req, ctx.tool_call_parser)
     try:
         prompt = ctx.chat_template.render(
             _template_messages(req),
             add_generation_prompt=True,
             continue_final_message=req.continue_final_message,
-            tools=req.tools,
+            tools=tools,
             template_kwargs=req.chat_template_kwargs,
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
+    if calling is not None:
+        prompt += calling.prefix
     prompt_ids = ctx.engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -99,23 +107,48 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest):
         logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0,
     )
     check_context(len(prompt_ids), max_tokens, ctx.engine.context_len)
-    return prompt_ids, params
+    return prompt_ids, params, calling
 
 
-def _splitter(ctx: ServingContext, req: ChatCompletionRequest) -> ReasoningSplitter | None:
-    if ctx.reasoning_parser is None or not req.separate_reasoning:
-        return None
-    start, end, opened = REASONING_PARSERS[ctx.reasoning_parser]
-    return ReasoningSplitter(start, end, opened)
+class _ChoiceOutput:
+    """One choice's output text, split into reasoning, content and tool calls."""
+
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None):
+        self.splitter = None
+        if ctx.reasoning_parser is not None and req.separate_reasoning:
+            start, end, opened = REASONING_PARSERS[ctx.reasoning_parser]
+            self.splitter = ReasoningSplitter(start, end, opened)
+        self.tools = None if calling is None else ToolCallStream(calling)
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, tool calls) that `text` completes."""
+        reasoning, content, calls = "", text, []
+        if self.splitter is not None:
+            reasoning, content = self.splitter.feed(text)
+            if final:
+                r, c = self.splitter.flush()
+                reasoning, content = reasoning + r, content + c
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, final)
+        return reasoning, content, calls
+
+    @property
+    def calls(self) -> int:
+        """Tool calls so far."""
+        return 0 if self.tools is None else self.tools.count
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        # As SGLang: a length cut stays "length" even after a complete call.
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
 
 async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
-    prompt_ids, params = prepare(ctx, req)
+    prompt_ids, params, calling = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
     requests = choice_requests(prompt_ids, params, req.n, rid, priority)
     check_requests(ctx.engine, requests, "messages")
     if req.stream:
-        return _stream(ctx, req, requests, rid)
+        return _stream(ctx, req, requests, rid, calling)
     texts = [""] * req.n
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
     finals: list[GenerateOutput | None] = [None] * req.n
@@ -128,17 +161,20 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
             counter.add(0, out)
     choices = []
     for i, (text, out) in enumerate(zip(texts, finals)):
-        reasoning = None
-        splitter = _splitter(ctx, req)
-        if splitter is not None:
-            r1, c1 = splitter.feed(text)
-            r2, c2 = splitter.flush()
-            reasoning, text = (r1 + r2).strip() or None, (c1 + c2).lstrip()
+        output = _ChoiceOutput(ctx, req, calling)
+        reasoning, content, calls = output.feed(text, final=True)
+        if output.splitter is not None:
+            content = content.lstrip()
+        message = AssistantMessage(
+            content=None if calls and not content.strip() else content,
+            reasoning_content=reasoning.strip() or None,
+            tool_calls=calls or None,
+        )
         choices.append(ChatChoice(
             index=i,
-            message=AssistantMessage(content=text, reasoning_content=reasoning),
+            message=message,
             logprobs=chat_logprobs(ctx.token_texts, logprobs[i]) if req.logprobs else None,
-            finish_reason=out.finish_reason,
+            finish_reason=output.finish_reason(out.finish_reason),
             matched_stop=out.matched_stop,
         ))
     return ChatCompletionResponse(
@@ -146,16 +182,18 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     )
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid: str) -> AsyncIterator:
-    """OpenAI's chunk order: a role chunk per choice, content deltas, a
-    finish chunk per choice, then (if asked) one usage chunk with no choices."""
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid: str,
+                  calling: ToolCalling | None) -> AsyncIterator:
+    """OpenAI's chunk order: a role chunk per choice, content and tool call
+    deltas, a finish chunk per choice, then (if asked) one usage chunk with
+    no choices."""
     created = now()
 
     def chunk(choices: list[ChatStreamChoice], usage=UNSET) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=rid, created=created, model=ctx.served_model_name, choices=choices,
                                    usage=usage)
 
-    splitters = [_splitter(ctx, req) for _ in requests]
+    outputs = [_ChoiceOutput(ctx, req, calling) for _ in requests]
     # Logprobs of tokens whose text is not out yet ride with the next chunk.
     pending: list[list[TokenLogprob]] = [[] for _ in requests]
 
@@ -170,18 +208,16 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid
         yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
     async for i, out in merged_outputs(ctx.engine, requests):
         pending[i] += out.logprobs or []
-        reasoning, content = "", out.text
-        if splitters[i] is not None:
-            reasoning, content = splitters[i].feed(out.text)
-            if out.finished:
-                r, c = splitters[i].flush()
-                reasoning, content = reasoning + r, content + c
-        if reasoning or content:
-            delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET)
+        first_index = outputs[i].calls
+        reasoning, content, calls = outputs[i].feed(out.text, out.finished)
+        if reasoning or content or calls:
+            deltas = [ToolCallDelta(index=first_index + k, id=c.id, function=c.function) for k, c in enumerate(calls)]
+            delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET, tool_calls=deltas or UNSET)
             yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=take_logprobs(i))])
         if out.finished:
             counter.add(0, out)
             yield chunk([ChatStreamChoice(index=i, delta=Delta(), logprobs=take_logprobs(i),
-                                          finish_reason=out.finish_reason, matched_stop=out.matched_stop)])
+                                          finish_reason=outputs[i].finish_reason(out.finish_reason),
+                                          matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], counter.body())

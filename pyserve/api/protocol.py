@@ -78,7 +78,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     continue_final_message: bool = False
@@ -121,11 +122,32 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A streamed tool call. pyserve sends each call whole, in one delta,
+    once the model finished writing it."""
+
+    index: int
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -151,6 +173,7 @@ class Delta(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):

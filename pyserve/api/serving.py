@@ -36,6 +36,7 @@ class ServingContext:
     chat_template: ChatTemplate | None
     reasoning_parser: str | None = None
     default_max_tokens: int | None = None
+    tool_call_parser: str | None = None  # a --tool-call-parser name
     files: "FileStore | None" = None
     batches: "BatchManager | None" = None
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time

@@ -1,0 +1,166 @@
+"""OpenAI function calling: `tools` and `tool_choice` checked with
+OpenAI's error bodies, what a request's prompt and output parsing need,
+and the calls found in the output shaped as OpenAI's `tool_calls`.
+
+The model is never constrained: "required" and a named function are
+honoured by ending the prompt with the start of a call (of that function),
+which the model goes on with.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pyserve._rust import ToolCallParser, tool_call_prefix
+from pyserve.api.errors import bad_request
+from pyserve.api.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CHOICES = ("none", "auto", "required")
+
+
+@dataclass
+class ToolCalling:
+    """How one request's output is read for calls."""
+
+    parser: str
+    prefix: str = ""  # ends the prompt; read as output before the model's text
+    parallel: bool = True  # False: only the first call is kept
+
+
+def _kind(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _missing(param: str):
+    return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+
+
+def _wrong_type(param: str, want: str, value: Any):
+    return bad_request(f"Invalid type for '{param}': expected {want}, but got {_kind(value)} instead.",
+                       param, "invalid_type")
+
+
+def _field(obj: dict, key: str, param: str, want: type, required: bool = True):
+    """obj[key] checked to be a `want`; None when absent and not required."""
+    if key not in obj or obj[key] is None:
+        if required:
+            raise _missing(param)
+        return None
+    value = obj[key]
+    if not isinstance(value, want):
+        raise _wrong_type(param, {str: "a string", dict: "an object", bool: "a boolean"}[want], value)
+    return value
+
+
+def check_tools(tools: list[dict] | None) -> None:
+    if tools is None:
+        return
+    if not tools:
+        raise bad_request("Invalid 'tools': empty array. Expected an array with minimum length 1, "
+                          "but got an empty array instead.", "tools", "empty_array")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = _field(tool, "type", f"{where}.type", str)
+        if kind != "function":
+            raise bad_request(f"Invalid value: '{kind}'. Supported values are: 'function'.", f"{where}.type",
+                              "invalid_value")
+        function = _field(tool, "function", f"{where}.function", dict)
+        name = _field(function, "name", f"{where}.function.name", str)
+        if not _NAME.fullmatch(name):
+            raise bad_request(f"Invalid '{where}.function.name': string does not match pattern. Expected a "
+                              "string that matches the pattern '^[a-zA-Z0-9_-]{1,64}$'.",
+                              f"{where}.function.name", "invalid_value")
+        _field(function, "description", f"{where}.function.description", str, required=False)
+        _field(function, "parameters", f"{where}.function.parameters", dict, required=False)
+        _field(function, "strict", f"{where}.function.strict", bool, required=False)
+
+
+def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
+    """"none", "auto", "required", or the name of the function the model
+    must call; None when neither tools nor a choice are given."""
+    if tool_choice is None:
+        return None if tools is None else "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in _CHOICES:
+            raise bad_request(f"Invalid value: '{tool_choice}'. Supported values are: 'none', 'auto' and "
+                              "'required'.", "tool_choice", "invalid_value")
+        choice = tool_choice
+    elif isinstance(tool_choice, dict):
+        kind = _field(tool_choice, "type", "tool_choice.type", str)
+        if kind != "function":
+            raise bad_request(f"Invalid value: '{kind}'. Supported values are: 'function'.", "tool_choice.type",
+                              "invalid_value")
+        function = _field(tool_choice, "function", "tool_choice.function", dict)
+        choice = _field(function, "name", "tool_choice.function.name", str)
+    else:
+        raise _wrong_type("tool_choice", "a string or an object", tool_choice)
+    if choice in ("none", "auto"):
+        return choice
+    if tools is None:
+        raise bad_request("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
+                          "specified.", "tool_choice", "invalid_value")
+    if choice != "required" and all(t["function"]["name"] != choice for t in tools):
+        raise bad_request(f"Invalid value for 'tool_choice': no function named '{choice}' in 'tools'.",
+                          "tool_choice.function.name", "invalid_value")
+    return choice
+
+
+def check_history_calls(calls: list[dict], where: str) -> None:
+    """The `tool_calls` of an assistant message sent back to us."""
+    for j, call in enumerate(calls):
+        function = _field(call, "function", f"{where}[{j}].function", dict)
+        _field(function, "name", f"{where}[{j}].function.name", str)
+        arguments = function.get("arguments")
+        if arguments is not None and not isinstance(arguments, (str, dict)):
+            raise _wrong_type(f"{where}[{j}].function.arguments", "a string", arguments)
+
+
+def plan(req: ChatCompletionRequest, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
+    """Checks the request's tools and tool_choice: (the tools the chat
+    template sees, how to read calls in the output, if at all)."""
+    check_tools(req.tools)
+    choice = check_tool_choice(req.tool_choice, req.tools)
+    if req.tools is None or choice == "none":
+        return req.tools, None  # the template still sees them, to read earlier calls
+    if parser is None:
+        if choice == "auto":
+            return req.tools, None  # the model's output stays text
+        raise bad_request("tool_choice 'required' or a named function needs a server started with "
+                          "--tool-call-parser", "tool_choice")
+    if req.continue_final_message and choice != "auto":
+        raise bad_request("tool_choice 'required' or a named function cannot continue the final message",
+                          "tool_choice")
+    calling = ToolCalling(parser, parallel=req.parallel_tool_calls is not False)
+    if choice == "auto":
+        return req.tools, calling
+    if choice == "required":
+        calling.prefix = tool_call_prefix(parser)
+        return req.tools, calling
+    calling.prefix = tool_call_prefix(parser, choice)
+    return [t for t in req.tools if t["function"]["name"] == choice], calling
+
+
+class ToolCallStream:
+    """One choice's content in, (content, OpenAI tool calls) out."""
+
+    def __init__(self, calling: ToolCalling):
+        self.parser = ToolCallParser(calling.parser)
+        self.parser.feed(calling.prefix)  # the start of a call: nothing comes out yet
+        self.parallel = calling.parallel
+        self.count = 0  # calls so far, the next one's index
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        content, calls = self.parser.feed(text)
+        if final:
+            rest, more = self.parser.flush()
+            content, calls = content + rest, calls + more
+        if not self.parallel:
+            calls = calls[: max(0, 1 - self.count)]
+        self.count += len(calls)
+        return content, [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=n, arguments=a))
+                         for n, a in calls]

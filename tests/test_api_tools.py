@@ -1,0 +1,332 @@
+"""Function calling through /v1/chat/completions.
+
+The handler tests drive the ASGI app in-process against a scripted engine
+whose "model" writes tool calls, so the exact response and chunk shapes
+are checked without a model that can call tools. The last tests send
+tools to the real server through the official `openai` client.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyserve.api.app import App
+from pyserve.api.serving import ServingContext
+from pyserve.chat_template import ChatTemplate
+from tests.test_api_handlers import ScriptedEngine, call, run, sse_events
+from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
+from tests.test_chat_template import model_dir_with
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, NOW]
+
+HERMES_SCRIPT = ["I will check.", "\n<tool_", 'call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
+                 "\n</tool_call>\n<tool_call>\n", '{"name": "now", "arguments": {}}\n</tool_call>']
+
+# The tool-calling parts of Qwen2.5's template, in its style: tools in the
+# system turn, calls as <tool_call> blocks, results as <tool_response> in a user turn.
+QWEN25_STYLE = """
+{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}
+{{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+{{- tool_call.arguments | tojson + '}\\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+@pytest.fixture(scope="module")
+def qwen25_dir(tmp_path_factory, default_model_dir):
+    return model_dir_with(tmp_path_factory, default_model_dir, QWEN25_STYLE)
+
+
+def tool_app(model_dir, tokenizer, script, parser="qwen25", reasoning_parser=None):
+    engine = ScriptedEngine(tokenizer, script)
+    ctx = ServingContext(engine, "served-model", ChatTemplate.for_model(model_dir), reasoning_parser,
+                         tool_call_parser=parser)
+    return App(ctx), engine
+
+
+def chat(app, **body):
+    status, _, raw = run(call(app, "POST", CHAT, {"messages": MSG, **body}))
+    return status, json.loads(raw)
+
+
+def chat_stream(app, **body) -> list[dict]:
+    status, _, raw = run(call(app, "POST", CHAT, {"messages": MSG, "stream": True, **body}))
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def assemble(events: list[dict]) -> tuple[str, list[dict], str]:
+    """What a client builds from the deltas: (content, calls by index, finish_reason)."""
+    content, calls, finish = "", {}, None
+    for event in events:
+        if not event["choices"]:  # the usage chunk
+            continue
+        choice = event["choices"][0]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for d in delta.get("tool_calls", []):
+            entry = calls.setdefault(d["index"], {"id": None, "type": None, "name": "", "arguments": ""})
+            entry["id"] = d.get("id") or entry["id"]
+            entry["type"] = d.get("type") or entry["type"]
+            entry["name"] += d["function"].get("name") or ""
+            entry["arguments"] += d["function"].get("arguments") or ""
+        finish = choice["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_whole_response_carries_tool_calls(default_model_dir, tokenizer):
+    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT)
+    status, data = chat(app, tools=TOOLS)
+    assert status == 200
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert list(message) == ["role", "content", "reasoning_content", "tool_calls"]
+    assert message["content"] == "I will check."
+    calls = message["tool_calls"]
+    assert [list(c) for c in calls] == [["id", "type", "function"]] * 2
+    assert all(c["id"].startswith("call_") and len(c["id"]) == 29 and c["type"] == "function" for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                                              {"name": "now", "arguments": "{}"}]
+
+
+def test_streamed_tool_call_deltas(default_model_dir, tokenizer):
+    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT)
+    events = chat_stream(app, tools=TOOLS, stream_options={"include_usage": True})
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    with_calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert with_calls == [
+        [{"index": 0, "id": with_calls[0][0]["id"], "type": "function",
+          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        [{"index": 1, "id": with_calls[1][0]["id"], "type": "function",
+          "function": {"name": "now", "arguments": "{}"}}],
+    ]
+    assert not any("tool_call" in (d.get("content") or "") for d in deltas)
+    content, calls, finish = assemble(events)
+    assert content == "I will check." and finish == "tool_calls"
+    assert [c["name"] for c in calls] == ["get_weather", "now"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(HERMES_SCRIPT)
+
+
+def test_only_calls_means_null_content(default_model_dir, tokenizer):
+    script = ['<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>']
+    app, _ = tool_app(default_model_dir, tokenizer, script)
+    message = chat(app, tools=TOOLS)[1]["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "now"
+
+
+@pytest.mark.parametrize("parser, script", [
+    ("llama3", [' {"name": "get_weather", "parameters": {"city": ', '"Paris"}}; {"name": "now", "parameters": {}}']),
+    ("mistral", [" [TOOL_CALLS] [", '{"name": "get_weather", "arguments": {"city": "Paris"}}, ',
+                 '{"name": "now", "arguments": {}}]']),
+    ("mistral", [' [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]']),
+])
+def test_llama3_and_mistral_formats(default_model_dir, tokenizer, parser, script):
+    app, _ = tool_app(default_model_dir, tokenizer, script, parser=parser)
+    choice = chat(app, tools=TOOLS)[1]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Paris"}), ("now", {})]
+    content, calls, finish = assemble(chat_stream(app, tools=TOOLS))
+    assert content == "" and finish == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "now"]
+
+
+def test_malformed_call_is_plain_content(default_model_dir, tokenizer):
+    script = ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}\n', "</tool_call>"]
+    app, _ = tool_app(default_model_dir, tokenizer, script)
+    choice = chat(app, tools=TOOLS)[1]["choices"][0]
+    assert choice["message"]["content"] == "".join(script)
+    assert choice["message"]["tool_calls"] is None and choice["finish_reason"] == "stop"
+    assert assemble(chat_stream(app, tools=TOOLS)) == ("".join(script), [], "stop")
+
+
+def test_a_call_cut_by_max_tokens_finishes_with_length(default_model_dir, tokenizer):
+    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT)
+    choice = chat(app, tools=TOOLS, max_tokens=5)[1]["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_no_tools_or_tool_choice_none_leaves_the_text(default_model_dir, tokenizer):
+    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT)
+    for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        choice = chat(app, **body)[1]["choices"][0]
+        assert choice["message"]["content"] == "".join(HERMES_SCRIPT) and choice["message"]["tool_calls"] is None
+        assert choice["finish_reason"] == "stop"
+
+
+def test_without_a_parser_tools_are_accepted_and_the_output_stays_text(default_model_dir, tokenizer):
+    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT, parser=None)
+    status, data = chat(app, tools=TOOLS, tool_choice="auto")
+    assert status == 200 and data["choices"][0]["message"]["content"] == "".join(HERMES_SCRIPT)
+    status, data = chat(app, tools=TOOLS, tool_choice="required")
+    assert status == 400 and "--tool-call-parser" in data["error"]["message"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(default_model_dir, tokenizer):
+    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT)
+    message = chat(app, tools=TOOLS, parallel_tool_calls=False)[1]["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    _, calls, _ = assemble(chat_stream(app, tools=TOOLS, parallel_tool_calls=False))
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_required_and_named_tool_choice_start_the_call_in_the_prompt(qwen25_dir, tokenizer):
+    app, engine = tool_app(qwen25_dir, tokenizer, ['get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'])
+    choice = chat(app, tools=TOOLS, tool_choice="required")[1]["choices"][0]
+    prompt = tokenizer.decode(engine.requests[-1].input_ids, skip_special_tokens=False)
+    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+    app, engine = tool_app(qwen25_dir, tokenizer, [' {"city": "Paris"}}', "\n</tool_call>"])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        if stream:
+            content, calls, finish = assemble(chat_stream(app, tools=TOOLS, tool_choice=named))
+        else:
+            message = chat(app, tools=TOOLS, tool_choice=named)[1]["choices"][0]["message"]
+            content, calls = message["content"], [c["function"] for c in message["tool_calls"]]
+        assert not content and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+        prompt = tokenizer.decode(engine.requests[-1].input_ids, skip_special_tokens=False)
+        assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments":')
+        assert '"name": "now"' not in prompt  # the template sees only the named tool
+
+
+def test_reasoning_then_tool_calls(default_model_dir, tokenizer):
+    script = ["<think>\nThe user wants", " weather.\n</think>\n\n", *HERMES_SCRIPT[1:]]
+    app, _ = tool_app(default_model_dir, tokenizer, script, reasoning_parser="qwen3")
+    message = chat(app, tools=TOOLS)[1]["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user wants weather."
+    assert message["content"] is None and len(message["tool_calls"]) == 2
+    events = chat_stream(app, tools=TOOLS)
+    assert "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events).strip() \
+        == "The user wants weather."
+    assert assemble(events)[0] == ""
+
+
+TOOL_HISTORY = MSG + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22°C and sunny"},
+]
+
+
+def test_tool_calls_and_results_in_the_history_render(qwen25_dir, default_model_dir, tokenizer):
+    app, engine = tool_app(qwen25_dir, tokenizer, ["It is 22°C."])
+    status, data = chat(app, messages=TOOL_HISTORY, tools=TOOLS)
+    assert status == 200 and data["choices"][0]["message"]["content"] == "It is 22°C."
+    prompt = tokenizer.decode(engine.requests[-1].input_ids, skip_special_tokens=False)
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22°C and sunny\n</tool_response><|im_end|>' \
+           in prompt
+    assert '"name": "now"' in prompt  # the tools, in the system turn
+    # A template that knows nothing of tools (the default model's) still takes the conversation.
+    app, _ = tool_app(default_model_dir, tokenizer, ["ok"])
+    assert chat(app, messages=TOOL_HISTORY, tools=TOOLS)[0] == 200
+
+
+def fn(name="get_weather", **extra):
+    return {"type": "function", "function": {"name": name, **extra}}
+
+
+BAD_TOOL_BODIES = {
+    "tools empty": ({"tools": []}, "tools", "empty_array"),
+    "tools not a list": ({"tools": {"type": "function"}}, "tools", None),
+    "tool not an object": ({"tools": ["get_weather"]}, "tools[0]", None),
+    "tool type missing": ({"tools": [{"function": {"name": "f"}}]}, "tools[0].type", "missing_required_parameter"),
+    "tool type": ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", "invalid_value"),
+    "function missing": ({"tools": [{"type": "function"}]}, "tools[0].function", "missing_required_parameter"),
+    "function not an object": ({"tools": [{"type": "function", "function": "f"}]}, "tools[0].function",
+                               "invalid_type"),
+    "name missing": ({"tools": [WEATHER, {"type": "function", "function": {}}]}, "tools[1].function.name",
+                     "missing_required_parameter"),
+    "name with a space": ({"tools": [fn("get weather")]}, "tools[0].function.name", "invalid_value"),
+    "name too long": ({"tools": [fn("f" * 65)]}, "tools[0].function.name", "invalid_value"),
+    "parameters not an object": ({"tools": [fn(parameters="{}")]}, "tools[0].function.parameters", "invalid_type"),
+    "description not a string": ({"tools": [fn(description=3)]}, "tools[0].function.description", "invalid_type"),
+    "tool_choice unknown string": ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", "invalid_value"),
+    "tool_choice a number": ({"tools": TOOLS, "tool_choice": 1}, "tool_choice", "invalid_type"),
+    "tool_choice type": ({"tools": TOOLS, "tool_choice": {"type": "tool", "function": {"name": "now"}}},
+                         "tool_choice.type", "invalid_value"),
+    "tool_choice without name": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+                                 "tool_choice.function.name", "missing_required_parameter"),
+    "tool_choice unknown function": ({"tools": TOOLS, "tool_choice": fn("nope")}, "tool_choice.function.name",
+                                     "invalid_value"),
+    "tool_choice required without tools": ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    "parallel_tool_calls not a bool": ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", None),
+    "history call without function": ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+                                      "messages[0].tool_calls[0].function", "missing_required_parameter"),
+    "history call arguments a number": ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": 3}}]}]},
+        "messages[0].tool_calls[0].function.arguments", "invalid_type"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TOOL_BODIES))
+def test_bad_tools_are_openai_400s(default_model_dir, tokenizer, case):
+    body, param, code = BAD_TOOL_BODIES[case]
+    app, engine = tool_app(default_model_dir, tokenizer, ["x"])
+    for stream in (False, True):
+        status, data = chat(app, **body, stream=stream)
+        assert status == 400, data
+        assert set(data["error"]) == {"message", "type", "param", "code"}
+        assert data["error"]["param"] == param and data["error"]["code"] == code
+        assert data["error"]["type"] == "invalid_request_error" and data["error"]["message"]
+    assert engine.requests == []
+
+
+# -- the real server, through the official client ----------------------------
+
+
+def test_openai_client_with_tools_gets_well_formed_answers(client, model_name):
+    kwargs = dict(model=model_name, tools=TOOLS, temperature=0, max_tokens=48,
+                  messages=[{"role": "user", "content": "Use get_weather for Paris."}])
+    for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(tool_choice=tool_choice, **kwargs)
+        choice = r.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        calls = choice.message.tool_calls or []
+        assert (choice.finish_reason == "tool_calls") <= bool(calls)
+        assert choice.message.content is not None or calls
+        for c in calls:
+            assert c.id.startswith("call_") and c.type == "function"
+            assert c.function.name in ("get_weather", "now") and isinstance(json.loads(c.function.arguments), dict)
+        # The stream assembles to the same answer (temperature 0).
+        content, streamed, finish = "", {}, None
+        for chunk in client.chat.completions.create(tool_choice=tool_choice, stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                streamed.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == choice.finish_reason and content == (choice.message.content or "")
+        assert [streamed[i] for i in sorted(streamed)] == [[c.function.name, c.function.arguments] for c in calls]
+
+
+def test_openai_client_sends_back_tool_results(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=TOOL_HISTORY, tools=TOOLS, max_tokens=8)
+    assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
