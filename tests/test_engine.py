@@ -399,3 +399,27 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(ti
         assert abs(e.logprob - expected[i - 1, prompt[i]].item()) < 1e-4
         assert [t for t, _ in e.top] == expected[i - 1].topk(2).indices.tolist()
     assert outs[-1].cached_tokens == 0  # computed whole, not taken from the cache
+
+
+def test_concurrent_requests_share_a_prompt_while_it_is_still_running(tiny_llama_dir):
+    """A prompt goes into the prefix cache once computed, not when its
+    request ends: a request arriving meanwhile reuses it."""
+    system = list(range(200, 330))
+
+    async def main():
+        engine = await started_engine(tiny_llama_dir, page_size=4)
+        first = engine.generate(GenerateRequest(system + [5], SamplingParams(max_new_tokens=50, ignore_eos=True)))
+        await first.__anext__()  # its prompt is computed and it keeps decoding
+        second = await collect(engine, system + [6, 7], max_new_tokens=4, temperature=0, ignore_eos=True)
+        engine.check_integrity()
+        await first.aclose()
+        fresh = await started_engine(tiny_llama_dir, page_size=4, disable_radix_cache=True)
+        expected = await collect(fresh, system + [6, 7], max_new_tokens=4, temperature=0, ignore_eos=True)
+        engine.check_integrity()
+        await engine.shutdown()
+        await fresh.shutdown()
+        return second, expected
+
+    second, expected = run(main())
+    assert second[2].cached_tokens == 128  # 130 shared tokens, in whole pages of 4
+    assert second[1] == expected[1]

@@ -253,10 +253,15 @@ class Engine:
             logprobs = _token_logprobs(output, step.sampled, next_ids)
             prompt_logprobs = _prompt_logprobs(output, step)
         except Exception:
-            logger.exception("forward pass failed; aborting its requests")
-            for seq in step.seqs:
-                seq.kv_valid = False  # what it wrote may be garbage: keep it out of the prefix cache
+            # What it wrote may be garbage, and prompts go into the prefix
+            # cache as soon as they are scheduled: end every request holding
+            # KV and drop the cache, rather than let anyone read bad KV.
+            logger.exception("forward pass failed; aborting the running requests and dropping the prefix cache")
+            for seq in step.seqs + self.scheduler.holders():
+                seq.kv_valid = False
                 self.abort(seq.rid)
+            if self.scheduler.cache is not None:
+                self.scheduler.cache.evict(self.scheduler.cache.total_pages)
             return
         for seq, entries in prompt_logprobs:
             if not seq.finished:

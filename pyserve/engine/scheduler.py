@@ -120,6 +120,26 @@ class Scheduler:
         seq.num_shared = 0
         seq.prefix_node = None
 
+    def _share_prompt(self, seq: Sequence) -> None:
+        """Put the prompt computed so far (whole pages) into the cache now,
+        not when the request ends, so requests arriving meanwhile with the
+        same prefix reuse it. Whoever reads it runs in a later step, after
+        this one wrote it. Where the cache already had some of it, the
+        sequence switches to the cache's pages and frees its own copies."""
+        known = min(seq.num_cached, len(seq.prompt_ids))
+        whole = known - known % self.page_size
+        if whole <= seq.num_shared:
+            return
+        ids = seq.prompt_ids[:whole]
+        already = self.cache.insert(ids, seq.slots[:whole])
+        shared, node = self.cache.match_prefix(ids)
+        self.cache.lock(node)
+        if seq.prefix_node is not None:
+            self.cache.unlock(seq.prefix_node)
+        self.pool.free_slots(seq.slots[seq.num_shared : max(already, seq.num_shared)])
+        seq.slots = torch.cat([shared, seq.slots[whole:]])
+        seq.num_shared, seq.prefix_node = whole, node
+
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         """New pages `seq` needs to store `n` more tokens."""
         room = -seq.num_cached % self.page_size  # free slots in its last page
@@ -291,6 +311,9 @@ class Scheduler:
             input_ids, positions, torch.cat(prefill.new_slots + decode.new_slots), extend_lens,
             [s.slots for s in seqs], logits_indices + prompt_rows, is_decode=not prefill.seqs, device="cpu",
         )
+        if self.cache is not None:
+            for seq in prefill.seqs:
+                self._share_prompt(seq)
         return ScheduledStep(
             seqs=seqs, batch=batch, sampled=sampled, num_prefill_seqs=len(prefill.seqs),
             num_prefill_tokens=sum(prefill.lengths), has_placeholders=has_placeholders,
