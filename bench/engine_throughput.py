@@ -27,13 +27,22 @@ def make_workload(vocab: int, n: int, in_range: tuple[int, int], out_range: tupl
     ]
 
 
-async def run_pyserve(model_dir: str, workload, device: str, dtype: str) -> float:
+async def run_engine(model_dir: str, workload, device: str, **server_args) -> tuple[float, int]:
+    """(seconds, forward steps) for the whole workload through pyserve's engine."""
     from pyserve.engine.engine import Engine
     from pyserve.engine.request import GenerateRequest, SamplingParams
     from pyserve.server_args import ServerArgs
 
-    engine = Engine(ServerArgs(model_path=model_dir, device=device, dtype=dtype, max_total_tokens=65536))
+    engine = Engine(ServerArgs(model_path=model_dir, device=device, max_total_tokens=65536, **server_args))
     await engine.start()
+    steps = 0
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        nonlocal steps
+        step = schedule()
+        steps += step is not None
+        return step
 
     async def one(ids, out_len):
         n = 0
@@ -42,13 +51,14 @@ async def run_pyserve(model_dir: str, workload, device: str, dtype: str) -> floa
             n += len(out.token_ids)
         return n
 
-    await one(workload[0][0], 2)  # warm-up
+    await one(workload[0][0], 4)  # warm-up
+    engine.scheduler.schedule = counting_schedule
     start = time.perf_counter()
     produced = sum(await asyncio.gather(*[one(ids, n) for ids, n in workload]))
     elapsed = time.perf_counter() - start
     await engine.shutdown()
     assert produced == sum(n for _, n in workload)
-    return elapsed
+    return elapsed, steps
 
 
 def run_transformers(model_dir: str, workload, device: str, dtype: str, batch_size: int) -> float:
@@ -102,7 +112,7 @@ def main() -> None:
     workload = workload_from_args(args)
     out_tokens = sum(n for _, n in workload)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    ours = asyncio.run(run_pyserve(args.model, workload, args.device, dtype))
+    ours, _ = asyncio.run(run_engine(args.model, workload, args.device, dtype=dtype))
     hf = run_transformers(args.model, workload, args.device, dtype, args.hf_batch_size)
     print(f"machine: {platform.machine()} {torch.get_num_threads()} threads, device {args.device}, {dtype}, "
           f"torch {torch.__version__}")

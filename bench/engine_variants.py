@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import workload_from_args, workload_parser  # noqa: E402
+from engine_throughput import run_engine, workload_from_args, workload_parser  # noqa: E402
 
 LAYOUTS = {
     "overlap, page 1 (default)": {},
@@ -31,40 +30,6 @@ CUDA_LAYOUTS = {
     "no CUDA graph": {"disable_cuda_graph": True},
     "no CUDA graph, no overlap": {"disable_cuda_graph": True, "disable_overlap_schedule": True},
 }
-
-
-async def run_engine(model_dir: str, workload, device: str, layout: dict) -> tuple[float, int]:
-    """(seconds, forward steps) for the whole workload."""
-    from pyserve.engine.engine import Engine
-    from pyserve.engine.request import GenerateRequest, SamplingParams
-    from pyserve.server_args import ServerArgs
-
-    engine = Engine(ServerArgs(model_path=model_dir, device=device, max_total_tokens=65536, **layout))
-    await engine.start()
-    steps = 0
-    schedule = engine.scheduler.schedule
-
-    def counting_schedule():
-        nonlocal steps
-        step = schedule()
-        steps += step is not None
-        return step
-
-    async def one(ids, out_len):
-        n = 0
-        params = SamplingParams(max_new_tokens=out_len, temperature=0, ignore_eos=True)
-        async for out in engine.generate(GenerateRequest(ids, params)):
-            n += len(out.token_ids)
-        return n
-
-    await one(workload[0][0], 4)  # warm-up
-    engine.scheduler.schedule = counting_schedule
-    start = time.perf_counter()
-    produced = sum(await asyncio.gather(*[one(ids, n) for ids, n in workload]))
-    elapsed = time.perf_counter() - start
-    await engine.shutdown()
-    assert produced == sum(n for _, n in workload)
-    return elapsed, steps
 
 
 def main() -> None:
@@ -78,7 +43,7 @@ def main() -> None:
     # Rounds interleave the layouts, so a slow spell of the machine hits all.
     for _ in range(args.rounds):
         for name, layout in layouts.items():
-            elapsed, steps = asyncio.run(run_engine(args.model, workload, args.device, layout))
+            elapsed, steps = asyncio.run(run_engine(args.model, workload, args.device, **layout))
             if name not in results or elapsed < results[name][0]:
                 results[name] = (elapsed, steps)
     print(f"machine: {platform.machine()}, device {args.device}, torch {torch.__version__}")
