@@ -423,3 +423,22 @@ def test_concurrent_requests_share_a_prompt_while_it_is_still_running(tiny_llama
     second, expected = run(main())
     assert second[2].cached_tokens == 128  # 130 shared tokens, in whole pages of 4
     assert second[1] == expected[1]
+
+
+def test_n_choices_compute_their_shared_prompt_once(tiny_llama_dir):
+    """Requests that arrive together with one long prompt: the first
+    computes it, the others wait a step and take it from the cache."""
+    prompt = list(range(200, 330))
+
+    async def main():
+        engine = await started_engine(tiny_llama_dir)
+        results = await asyncio.gather(
+            *[collect(engine, prompt, max_new_tokens=4, temperature=0, ignore_eos=True) for _ in range(4)]
+        )
+        engine.check_integrity()
+        await engine.shutdown()
+        return results
+
+    results = run(main())
+    assert sorted(r[2].cached_tokens for r in results) == [0, 129, 129, 129]
+    assert all(r[1] == results[0][1] for r in results)

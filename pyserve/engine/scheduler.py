@@ -39,6 +39,7 @@ from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger("pyserve.engine")
+_SHARED_HEAD = 32  # prompt tokens two prompts must share before one waits for the other's KV
 
 
 @dataclass
@@ -213,15 +214,26 @@ class Scheduler:
             self._add_row(rows, seq, take)
             budget -= take
             headroom += 1
+        # A prompt that starts like one being computed now waits for it to
+        # land in the cache instead of computing the same prefix again (n
+        # choices of one request, a burst of requests with one system prompt).
+        computing = {self._head(s) for s in self.prefilling} - {None} if self.cache is not None else set()
+        deferred: set[Sequence] = set()
         while budget > 0 and len(self.running) + len(self.prefilling) < self.max_running:
-            seq = self._next_waiting()
+            seq = self._next_waiting(deferred)
             if seq is None:
                 break
             # Leave at least the last token to compute: its logits are needed.
             # Prompt log-probabilities need the logits of every position.
             if self.cache is not None and not seq.params.prompt_logprobs:
+                head = self._head(seq)
+                if head is not None and head in computing:
+                    deferred.add(seq)
+                    continue
                 prefix, node = self.cache.match_prefix(seq.all_ids[:-1])
                 self.cache.lock(node)
+                if head is not None:
+                    computing.add(head)
             else:
                 prefix, node = seq.slots[:0], None
             need = seq.num_tokens - prefix.numel()
@@ -247,12 +259,17 @@ class Scheduler:
         rows.lengths.append(n)
         rows.new_slots.append(self._new_slots(seq, n))
 
-    def _next_waiting(self) -> Sequence | None:
-        """The oldest waiting sequence of the most urgent priority. One just
-        retracted while its last token was still being sampled waits until
-        that token is known."""
-        ready = [s for s in self.waiting if not s.pending]
+    def _next_waiting(self, deferred: set[Sequence]) -> Sequence | None:
+        """The oldest waiting sequence of the most urgent priority, not
+        deferred. One just retracted while its last token was still being
+        sampled waits until that token is known."""
+        ready = [s for s in self.waiting if not s.pending and s not in deferred]
         return min(ready, key=lambda s: s.priority) if ready else None
+
+    @staticmethod
+    def _head(seq: Sequence) -> tuple[int, ...] | None:
+        """The first tokens of a prompt long enough to be worth sharing."""
+        return tuple(seq.prompt_ids[:_SHARED_HEAD]) if len(seq.prompt_ids) > _SHARED_HEAD else None
 
     def retract_one(self) -> bool:
         """Retract the newest sequence of the least urgent priority, unless
