@@ -26,7 +26,9 @@ class ServerArgs:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 128
-    disable_overlap_schedule: bool = False
+    # None: overlap on CUDA only. On CPU the forward pass and the loop's own
+    # work share the same cores, so overlap buys nothing and delays tokens.
+    disable_overlap_schedule: bool | None = None
     tp_size: int = 1  # tensor parallelism: one GPU only
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192  # token budget of one prefill step
@@ -77,8 +79,10 @@ class ServerArgs:
                        help="run decode steps eagerly instead of replaying CUDA graphs")
         p.add_argument("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs,
                        help="largest decode batch captured as a CUDA graph")
-        p.add_argument("--disable-overlap-schedule", action="store_true",
+        p.add_argument("--disable-overlap-schedule", action="store_const", const=True, default=None,
                        help="schedule the next step only after the current one finished")
+        p.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
+                       const=False, help="overlap scheduling on CPU too (by default only on CUDA)")
         p.add_argument("--tp-size", "--tp", type=int, default=ServerArgs.tp_size,
                        help="tensor-parallel size; pyserve runs on one GPU, so only 1")
         p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)

@@ -247,7 +247,7 @@ def test_engine_on_triton_backend_matches_torch_backend(tiny_llama_dir):
 
     async def greedy(backend: str) -> list[list[int]]:
         engine = await started_engine(tiny_llama_dir, attention_backend=backend, page_size=4, device=DEVICE,
-                                      max_total_tokens=512)
+                                      max_total_tokens=512, disable_overlap_schedule=False)
         first = await collect(engine, prompts[0], max_new_tokens=5, temperature=0, ignore_eos=True)
         rest = await asyncio.gather(*[collect(engine, p, max_new_tokens=5, temperature=0, ignore_eos=True)
                                       for p in prompts[1:]])

@@ -20,8 +20,14 @@ def test_help_lists_the_sglang_style_options():
     for option in ("--model", "--model-path", "--served-model-name", "--dtype", "--device", "--port",
                    "--host", "--chat-template", "--api-key", "--log-level", "--page-size", "--mem-fraction-static",
                    "--attention-backend", "--disable-cuda-graph", "--cuda-graph-max-bs",
-                   "--disable-overlap-schedule", "--tp-size", "--chunked-prefill-size"):
+                   "--disable-overlap-schedule", "--enable-overlap-schedule", "--tp-size", "--chunked-prefill-size"):
         assert option in out.stdout
+
+
+def test_overlap_schedule_is_automatic_unless_forced():
+    assert ServerArgs.from_cli([]).disable_overlap_schedule is None  # on CUDA only
+    assert ServerArgs.from_cli(["--disable-overlap-schedule"]).disable_overlap_schedule is True
+    assert ServerArgs.from_cli(["--enable-overlap-schedule"]).disable_overlap_schedule is False
 
 
 def test_model_path_is_an_alias_of_model():

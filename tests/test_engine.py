@@ -43,8 +43,8 @@ PROMPTS = [[5, 17, 99], [42] * 9, list(range(100, 131)), [7], [300, 301, 302, 30
 # Engine layouts the scheduling tests run under: KV page size, and whether
 # step N+1 is scheduled while step N runs.
 LAYOUTS = [
-    pytest.param({}, id="page1-overlap"),
-    pytest.param({"page_size": 4}, id="page4-overlap"),
+    pytest.param({"disable_overlap_schedule": False}, id="page1-overlap"),
+    pytest.param({"page_size": 4, "disable_overlap_schedule": False}, id="page4-overlap"),
     pytest.param({"page_size": 4, "disable_overlap_schedule": True}, id="page4-serial"),
 ]
 

@@ -92,6 +92,8 @@ class Engine:
         self._decode_log_start = time.perf_counter()
         self._last_idle_check = -float("inf")
         self.metrics = EngineMetrics()
+        overlap_off = args.disable_overlap_schedule
+        self.overlap = self.runner.device.type == "cuda" if overlap_off is None else not overlap_off
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -221,7 +223,7 @@ class Engine:
                 if in_flight is not None:
                     await self._complete(*in_flight)
                 in_flight = (step, launched)
-                if self.args.disable_overlap_schedule:
+                if not self.overlap:
                     await self._complete(*in_flight)
                     in_flight = None
         except BaseException:
