@@ -442,3 +442,47 @@ def test_n_choices_compute_their_shared_prompt_once(tiny_llama_dir):
     results = run(main())
     assert sorted(r[2].cached_tokens for r in results) == [0, 129, 129, 129]
     assert all(r[1] == results[0][1] for r in results)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_interactive_prompt_step_leaves_batch_streams_out(tiny_llama_dir, layout):
+    from pyserve.engine.request import BATCH_PRIORITY
+
+    async def main():
+        engine = await started_engine(tiny_llama_dir, **layout)
+        steps = []  # rids in each step, and which of them are prefilled
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            step = schedule()
+            if step is not None:
+                steps.append(({s.rid for s in step.seqs}, {s.rid for s in step.seqs[: step.num_prefill_seqs]}))
+            return step
+
+        engine.scheduler.schedule = recording_schedule
+        batch_req = GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True),
+                                    rid="batch", priority=BATCH_PRIORITY)
+        batch_tokens = []
+
+        async def run_batch():
+            async for out in engine.generate(batch_req):
+                batch_tokens.extend(out.token_ids)
+
+        task = asyncio.create_task(run_batch())
+        while len(batch_tokens) < 3:
+            await asyncio.sleep(0.01)
+        interactive = GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),
+                                      rid="chat")
+        chat_tokens = [t async for out in engine.generate(interactive) for t in out.token_ids]
+        await task
+        engine.check_integrity()
+        await engine.shutdown()
+        fresh = await started_engine(tiny_llama_dir)
+        alone = await collect(fresh, PROMPTS[2], max_new_tokens=30, temperature=0, ignore_eos=True)
+        await fresh.shutdown()
+        return steps, batch_tokens, chat_tokens, alone[1]
+
+    steps, batch_tokens, chat_tokens, alone = run(main())
+    chat_prefill = [rids for rids, prefilled in steps if "chat" in prefilled]
+    assert chat_prefill == [{"chat"}]  # the batch stream waited that one step
+    assert len(chat_tokens) == 3 and batch_tokens == alone  # and lost nothing

@@ -178,6 +178,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         decode = self._decode_rows()
         prefill, cached_tokens = self._prefill_rows(self.token_budget - len(decode.seqs), len(decode.seqs))
+        decode = self._without_less_urgent(decode, prefill)
         if not decode.seqs and not prefill.seqs:
             return None
         step = self._build(prefill, decode)
@@ -199,6 +200,23 @@ class Scheduler:
             rows.lengths.append(1)
             rows.new_slots.append(self._new_slots(seq, 1))
         return rows
+
+    def _without_less_urgent(self, decode: _Rows, prefill: _Rows) -> _Rows:
+        """A step that computes a prompt leaves out the decode rows of less
+        urgent streams (batch jobs behind an interactive request): they
+        wait a step, and the prompt's first token comes sooner."""
+        if not prefill.seqs:
+            return decode
+        urgent = min(s.priority for s in prefill.seqs)
+        kept = _Rows()
+        for seq, n, slots in zip(decode.seqs, decode.lengths, decode.new_slots):
+            if seq.priority <= urgent:
+                kept.seqs.append(seq)
+                kept.lengths.append(n)
+                kept.new_slots.append(slots)
+            elif seq.num_cached % self.page_size == 0:  # its slot opened a new page: give it back
+                self.pool.free_slots(slots)
+        return kept
 
     def _prefill_rows(self, budget: int, num_decode: int) -> tuple[_Rows, int]:
         rows = _Rows()
