@@ -486,3 +486,52 @@ def test_an_interactive_prompt_step_leaves_batch_streams_out(tiny_llama_dir, lay
     chat_prefill = [rids for rids, prefilled in steps if "chat" in prefilled]
     assert chat_prefill == [{"chat"}]  # the batch stream waited that one step
     assert len(chat_tokens) == 3 and batch_tokens == alone  # and lost nothing
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mixed_load_with_aborts_on_a_tiny_pool_leaks_nothing(tiny_llama_dir, layout):
+    """Many requests at once with every kind of setting, some abandoned
+    mid-stream, on a pool that forces retraction: each one ends properly and
+    every page comes back."""
+    import random
+
+    rng = random.Random(7)
+
+    def params() -> SamplingParams:
+        kind = rng.randrange(5)
+        return SamplingParams(
+            max_new_tokens=rng.randint(1, 24), ignore_eos=True,
+            temperature=0 if kind < 2 else 0.8, seed=rng.randrange(100) if kind == 2 else None,
+            frequency_penalty=0.5 if kind == 3 else 0.0, logprobs=kind == 4, top_logprobs=2 if kind == 4 else 0,
+            prompt_logprobs=kind == 4 and rng.random() < 0.5,
+        )
+
+    shared = list(range(300, 340))
+    prompts = [(shared if rng.random() < 0.5 else []) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
+               for _ in range(40)]
+
+    async def main():
+        engine = await started_engine(tiny_llama_dir, max_total_tokens=160, chunked_prefill_size=32, **layout)
+
+        async def one(i, ids):
+            p = params()
+            gen = engine.generate(GenerateRequest(ids, p, rid=f"r{i}"))
+            quit_after = rng.randint(1, 6) if rng.random() < 0.3 else None
+            n, last = 0, None
+            async for out in gen:
+                n += len(out.token_ids)
+                last = out
+                if quit_after is not None and n >= quit_after and not out.finished:
+                    await gen.aclose()  # the client went away
+                    return "gone", n, p
+            assert last.finished and last.finish_reason == "length" and n == p.max_new_tokens
+            return "done", n, p
+
+        results = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(prompts)])
+        engine.check_integrity()
+        settled = idle(engine)
+        await engine.shutdown()
+        return results, settled
+
+    results, settled = run(main())
+    assert settled and {r[0] for r in results} == {"done", "gone"}
