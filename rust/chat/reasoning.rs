@@ -8,6 +8,8 @@
 //! the chat template already opened the block (`in_reasoning`), the output
 //! starts inside it, and a repeated start marker there is dropped.
 
+use super::partial_marker_len;
+
 pub struct ReasoningSplitter {
     start: String,
     end: String,
@@ -94,16 +96,6 @@ impl ReasoningSplitter {
     }
 }
 
-/// Length in bytes of the longest tail of `text` that is a proper prefix of
-/// `marker`.
-fn partial_marker_len(text: &str, marker: &str) -> usize {
-    let shortest_start = text.len().saturating_sub(marker.len() - 1);
-    (shortest_start..text.len())
-        .filter(|&start| text.is_char_boundary(start))
-        .map(|start| &text[start..])
-        .find(|tail| marker.starts_with(tail))
-        .map_or(0, str::len)
-}
 
 #[cfg(test)]
 mod tests {

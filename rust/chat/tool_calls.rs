@@ -19,6 +19,8 @@ use std::collections::HashMap;
 
 use serde_json::value::RawValue;
 
+use super::partial_marker_len;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     Hermes,
@@ -407,16 +409,6 @@ fn trim_ws_end(text: &str) -> &str {
     text.trim_end_matches([' ', '\t', '\n', '\r'])
 }
 
-/// Length in bytes of the longest tail of `text` that is a proper prefix of
-/// `marker`.
-fn partial_marker_len(text: &str, marker: &str) -> usize {
-    let shortest_start = text.len().saturating_sub(marker.len() - 1);
-    (shortest_start..text.len())
-        .filter(|&start| text.is_char_boundary(start))
-        .map(|start| &text[start..])
-        .find(|tail| marker.starts_with(tail))
-        .map_or(0, str::len)
-}
 
 #[cfg(test)]
 mod tests {
