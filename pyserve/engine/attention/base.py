@@ -15,6 +15,12 @@ from pyserve.model.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
+    """Implementations set `kv_pool` (per-layer `k_buffer` / `v_buffer` of
+    token slots) and remember the batch `prepare` saw in `_batch`."""
+
+    kv_pool: object
+    _batch: ForwardBatch | None = None
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
         """Build the per-batch metadata every layer's `forward` reuses."""
@@ -35,3 +41,15 @@ class AttentionBackend(ABC):
         causally: the new token at absolute position p sees positions <= p.
         Query head h reads kv head h // (heads // kv_heads). Returns
         [T, heads, head_dim] in q's dtype."""
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' k/v at `batch.out_cache_loc`; returns the
+        layer's (k_cache, v_cache) for the attention that follows."""
+        if batch is not self._batch:
+            raise RuntimeError(f"{type(self).__name__}.prepare(batch) must be called before forward")
+        k_cache = self.kv_pool.k_buffer[layer_id]
+        v_cache = self.kv_pool.v_buffer[layer_id]
+        k_cache[batch.out_cache_loc] = k
+        v_cache[batch.out_cache_loc] = v
+        return k_cache, v_cache

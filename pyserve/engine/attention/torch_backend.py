@@ -76,12 +76,7 @@ class TorchAttention(AttentionBackend):
                                             mask)
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        if batch is not self._batch:
-            raise RuntimeError("TorchAttention.prepare(batch) must be called before forward")
-        k_cache = self.kv_pool.k_buffer[layer_id]
-        v_cache = self.kv_pool.v_buffer[layer_id]
-        k_cache[batch.out_cache_loc] = k
-        v_cache[batch.out_cache_loc] = v
+        k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
         single = self._single
         if single is not None and single.rows is None:
             return self._single_tokens(q, k_cache, v_cache, single, scale)

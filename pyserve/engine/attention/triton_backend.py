@@ -78,12 +78,7 @@ class TritonAttention(AttentionBackend):
         self._max_new = max(batch.extend_lens)
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        if batch is not self._batch:
-            raise RuntimeError("TritonAttention.prepare(batch) must be called before forward")
-        k_cache = self.kv_pool.k_buffer[layer_id]
-        v_cache = self.kv_pool.v_buffer[layer_id]
-        k_cache[batch.out_cache_loc] = k
-        v_cache[batch.out_cache_loc] = v
+        k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if batch.is_decode:
             mid_o, mid_lse = self._mid
