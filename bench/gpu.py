@@ -36,6 +36,7 @@ from pyserve.engine.kv_pool import PagePool  # noqa: E402
 from pyserve.model.config import ModelConfig  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
 from pyserve.model.llama import LlamaForCausalLM  # noqa: E402
+from tests.test_attention_torch import reference_attention  # noqa: E402  the float64 reference the tests use
 
 # Llama 3.2 1B and Llama 3.1 8B dimensions.
 SHAPES = {
@@ -187,18 +188,6 @@ def logits_agreement(decoder: Decoder, pool: PagePool, rows: int) -> dict:
         "max_abs_diff_triton_vs_torch": (eager - reference).abs().max().item(),
         "max_abs_logit": reference.abs().max().item(),
     }
-
-
-def reference_attention(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
-    """Float64 causal attention of q [n, H, D] at positions first_pos.. over
-    k/v [L, KVH, D], grouped heads."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
-    q_pos = torch.arange(first_pos, first_pos + q.shape[0])
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos[:, None], float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
 def kernel_errors(config: ModelConfig, device: str = "cuda", seed: int = 0) -> dict:
