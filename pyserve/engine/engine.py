@@ -24,7 +24,7 @@ from pyserve.engine.model_runner import ModelRunner, StepOutput
 from pyserve.engine.output_processor import OutputProcessor
 from pyserve.engine.radix_cache import RadixCache
 from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
-from pyserve.engine.sampler import reads_history
+from pyserve.engine.sampler import reads_history, wants_logprobs
 from pyserve.engine.scheduler import ScheduledStep, Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.server_args import ServerArgs
@@ -33,32 +33,31 @@ logger = logging.getLogger("pyserve.engine")
 _IDLE_CHECK_INTERVAL = 1.0  # seconds
 
 
+def _entries(parts: tuple[torch.Tensor, ...], token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """TokenLogprob per row of token_logprobs' (chosen, top values, top ids),
+    row i keeping its first ks[i] alternatives."""
+    chosen, top_vals, top_ids = (t.tolist() for t in parts)
+    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+            for i, (t, k) in enumerate(zip(token_ids, ks))]
+
+
 def _token_logprobs(output: StepOutput, seqs: list[Sequence], ids: list[int]) -> list[TokenLogprob | None]:
     """Per sampled sequence, its token's logprob entry if it asked for one."""
     if output.logprobs is None:
         return [None] * len(ids)
-    chosen, top_vals, top_ids = (t.tolist() for t in output.logprobs)
-    entries = []
-    for i, (seq, token_id) in enumerate(zip(seqs, ids)):
-        k = seq.params.top_logprobs
-        wanted = seq.params.logprobs or k
-        entries.append(TokenLogprob(token_id, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
-                       if wanted else None)
-    return entries
+    entries = _entries(output.logprobs, ids, [s.params.top_logprobs for s in seqs])
+    return [e if wants_logprobs(s.params) else None for s, e in zip(seqs, entries)]
 
 
 def _prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Sequence, list[TokenLogprob]]]:
     """The step's prompt log-probabilities, split by sequence."""
     if output.prompt_logprobs is None:
         return []
-    chosen, top_vals, top_ids = (t.tolist() for t in output.prompt_logprobs)
+    ks = [seq.params.top_logprobs for seq, count in step.prompt_spans for _ in range(count)]
+    entries = _entries(output.prompt_logprobs, step.prompt_targets, ks)
     out, row = [], 0
     for seq, count in step.prompt_spans:
-        k = seq.params.top_logprobs
-        out.append((seq, [
-            TokenLogprob(step.prompt_targets[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
-            for i in range(row, row + count)
-        ]))
+        out.append((seq, entries[row : row + count]))
         row += count
     return out
 

@@ -81,7 +81,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 class StepOutput:
     """A step's results on the host, once `ready` has fired: one sampled id
     per sampled sequence, and when any asked, their log-probabilities
-    (Sampler.logprobs: chosen [B], top values [B, K], top ids [B, K])."""
+    (sampler.token_logprobs: chosen [B], top values [B, K], top ids [B, K])."""
 
     ids: torch.Tensor  # int64
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -89,11 +89,10 @@ class StepOutput:
     # Prompt log-probabilities, in the same three parts, one row per target.
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def wait(self) -> "StepOutput":
+    def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -204,7 +203,8 @@ class ModelRunner:
                 next_ids = self.sampler.sample(logits, seqs)
                 logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):
-                    logprobs = self.sampler.logprobs(logits, next_ids, seqs)
+                    logprobs = token_logprobs(logits, next_ids.to(logits.device),
+                                              max(s.params.top_logprobs for s in seqs))
                 if prompt_targets:
                     targets = torch.tensor(prompt_targets, device=self.device)
                     prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, prompt_top)

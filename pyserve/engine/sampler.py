@@ -67,13 +67,6 @@ class Sampler:
             ids[drawn] = self._draw(probs, [seqs[i] for i in drawn])
         return ids
 
-    @staticmethod
-    def logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        """token_logprobs for the sampled ids, K the largest top_logprobs
-        asked for. Rows that asked for nothing are computed too: one batched
-        op is cheaper than picking rows."""
-        return token_logprobs(logits, ids.to(logits.device), max(s.params.top_logprobs for s in seqs))
-
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, found in the
         row's cumulative sum (torch.multinomial is ~40x slower on CPU at

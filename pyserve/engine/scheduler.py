@@ -325,11 +325,11 @@ class Scheduler:
                 new = [-(seq.pending_row + 1)]
                 has_placeholders = True
             if seq.params.prompt_logprobs:
-                rows = self._prompt_logprob_rows(seq, start, n, len(input_ids))
-                if rows:
-                    prompt_rows += rows
-                    prompt_targets += [seq.prompt_ids[r - len(input_ids) + start + 1] for r in rows]
-                    prompt_spans.append((seq, len(rows)))
+                scored = self._unscored_prompt_positions(seq, start, n)
+                if scored:
+                    prompt_rows += [len(input_ids) + p - start for p in scored]
+                    prompt_targets += [seq.prompt_ids[p + 1] for p in scored]
+                    prompt_spans.append((seq, len(scored)))
             input_ids.extend(new)
             positions.extend(range(start, start + n))
             seq.slots = torch.cat([seq.slots, slots])
@@ -356,15 +356,14 @@ class Scheduler:
         )
 
     @staticmethod
-    def _prompt_logprob_rows(seq: Sequence, start: int, n: int, first_row: int) -> list[int]:
-        """Rows of this step whose logits score a prompt token not scored
-        yet: the row at position p scores prompt token p + 1."""
+    def _unscored_prompt_positions(seq: Sequence, start: int, n: int) -> range:
+        """Positions among this step's start..start+n whose logits score a
+        prompt token not scored yet: position p scores prompt token p + 1."""
         first = max(start, seq.next_prompt_logprob - 1)
         last = min(start + n, len(seq.prompt_ids) - 1)  # exclusive
-        if first >= last:
-            return []
-        seq.next_prompt_logprob = last + 1
-        return [first_row + p - start for p in range(first, last)]
+        if first < last:
+            seq.next_prompt_logprob = last + 1
+        return range(first, max(first, last))
 
     # -- accounting ----------------------------------------------------------
 
