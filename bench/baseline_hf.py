@@ -15,7 +15,6 @@ to the batch's longest output, but only its own output length is counted.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -150,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     report = run(args)
     print(format_report(report))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+    serving.save_json(report, args.output_json)
     return report
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import sys
 import tempfile
@@ -95,10 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("ratio = pyserve / transformers: higher is better for tok/s and req/s, lower for E2E")
     for error in ours["errors"]:
         print(f"pyserve error: {error}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"pyserve": ours, "transformers": hf, "table": table}, f, indent=2)
-    return {"pyserve": ours, "transformers": hf, "table": table}
+    result = {"pyserve": ours, "transformers": hf, "table": table}
+    serving.save_json(result, args.output_json)
+    return result
 
 
 if __name__ == "__main__":

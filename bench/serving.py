@@ -365,13 +365,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def save_json(report: dict, path: str | None) -> None:
+    """Write the report to --output-json, when one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     report = asyncio.run(benchmark(args))
     print(format_report(report))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(report, args.output_json)
     return report
 
 
