@@ -43,7 +43,7 @@ async def serve(args: ServerArgs) -> None:
     engine = Engine(args)
     template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
     name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
-    ctx = ServingContext(engine, name, template, args.reasoning_parser, args.default_max_tokens,
+    ctx = ServingContext(engine, name, template, args.reasoning_parser,
                          tool_call_parser=args.tool_call_parser)
     ctx.files = FileStore(args.file_storage_path, args.max_upload_size)
     ctx.batches = BatchManager(ctx, ctx.files, BatchStore(args.file_storage_path), args.batch_concurrency)

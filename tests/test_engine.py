@@ -170,8 +170,11 @@ def test_prompt_that_cannot_fit_is_refused(tiny_llama_dir):
             engine.validate(GenerateRequest(list(range(3, 40))))
         with pytest.raises(ValueError, match="vocabulary"):
             engine.validate(GenerateRequest([engine.vocab_size + 5]))
-        # max_new_tokens is clipped to the context: it ends with "length"
-        _, tokens, last = await collect(engine, list(range(3, 13)), max_new_tokens=100, ignore_eos=True)
+        # asking for more tokens than the context holds is refused...
+        with pytest.raises(ValueError, match="maximum context length is 16 tokens"):
+            engine.validate(GenerateRequest(list(range(3, 13)), SamplingParams(max_new_tokens=100)))
+        # ...while no limit means up to the context: it ends with "length"
+        _, tokens, last = await collect(engine, list(range(3, 13)), max_new_tokens=None, ignore_eos=True)
         await engine.shutdown()
         return tokens, last
 

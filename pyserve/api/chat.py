@@ -103,7 +103,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest):
         logit_bias=req.logit_bias, seed=req.seed, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        vocab_size=ctx.engine.vocab_size, default_max_tokens=ctx.default_max_tokens, max_tokens_param=param,
+        vocab_size=ctx.engine.vocab_size, max_tokens_param=param,
         logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0,
     )
     check_context(len(prompt_ids), max_tokens, ctx.engine.context_len)

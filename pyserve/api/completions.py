@@ -55,7 +55,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
         logit_bias=req.logit_bias, seed=req.seed, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        vocab_size=ctx.engine.vocab_size, default_max_tokens=ctx.default_max_tokens,
+        vocab_size=ctx.engine.vocab_size,
         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, top_logprobs_param="logprobs",
     )
     params.prompt_logprobs = req.echo and req.logprobs is not None

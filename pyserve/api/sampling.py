@@ -43,13 +43,12 @@ def build_params(
     skip_special_tokens: bool,
     vocab_size: int,
     max_tokens_param: str = "max_tokens",
-    default_max_tokens: int | None = None,
     logprobs: bool = False,
     top_logprobs: int = 0,
     top_logprobs_param: str = "top_logprobs",
 ) -> SamplingParams:
-    """max_tokens None means default_max_tokens, or else up to the context
-    length (the engine clips to it)."""
+    """max_tokens None leaves the limit to the engine: the server's
+    --default-max-tokens, or else up to the context length."""
     _check(max_tokens is None or max_tokens >= 1, f"{max_tokens_param} must be at least 1", max_tokens_param)
     temperature = 1.0 if temperature is None else temperature
     _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
@@ -77,7 +76,7 @@ def build_params(
     stop_ids = list(stop_token_ids or [])
     _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids must be in the vocabulary", "stop_token_ids")
     return SamplingParams(
-        max_new_tokens=max_tokens or default_max_tokens or 1 << 30,
+        max_new_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,

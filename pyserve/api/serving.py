@@ -35,7 +35,6 @@ class ServingContext:
     served_model_name: str
     chat_template: ChatTemplate | None
     reasoning_parser: str | None = None
-    default_max_tokens: int | None = None
     tool_call_parser: str | None = None  # a --tool-call-parser name
     files: "FileStore | None" = None
     batches: "BatchManager | None" = None

@@ -23,7 +23,7 @@ from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.model_runner import ModelRunner, StepOutput
 from pyserve.engine.output_processor import OutputProcessor
 from pyserve.engine.radix_cache import RadixCache
-from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
+from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from pyserve.engine.sampler import reads_history, wants_logprobs
 from pyserve.engine.scheduler import ScheduledStep, Scheduler
 from pyserve.engine.sequence import Sequence
@@ -124,22 +124,35 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def validate(self, req: GenerateRequest) -> None:
-        """Raise ValueError for a request the engine cannot run."""
+        """Raise RequestError for a request the engine cannot run. The one
+        place these checks live: the API asks here before it answers."""
         n = len(req.input_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         bad = next((i for i in req.input_ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
-        if n >= self.context_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but the context length is {self.context_len}"
+            raise RequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        max_new = req.params.max_new_tokens
+        if max_new is not None and max_new < 1:
+            raise RequestError("max_new_tokens must be at least 1", "max_new_tokens")
+        if n >= self.context_len or (max_new is not None and n + max_new > self.context_len):
+            # vLLM's wording, which clients already know how to read.
+            asked = max_new or 0
+            raise RequestError(
+                f"This model's maximum context length is {self.context_len} tokens. However, you requested "
+                f"{n + asked} tokens ({n} in the prompt, {asked} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "prompt" if n >= self.context_len else "max_new_tokens", "context_length_exceeded",
             )
         capacity = self.runner.kv_pool.capacity_tokens
         if n + 1 > capacity:
-            raise ValueError(f"the prompt has {n} tokens, but the KV cache holds {capacity}")
-        if req.params.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
+            raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {capacity}", "prompt")
+
+    def _max_new_tokens(self, req: GenerateRequest) -> int:
+        """What the request may generate: its own limit, or the server's
+        default, never past the context."""
+        wanted = req.params.max_new_tokens or self.args.default_max_tokens or self.context_len
+        return min(wanted, self.context_len - len(req.input_ids))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Yields output deltas; the last one has finished=True."""
@@ -147,11 +160,8 @@ class Engine:
         if self._loop_task is None:
             raise RuntimeError("the engine is not started")
         if req.rid in self._processors:
-            raise ValueError(f"request id {req.rid} is already running")
-        params = replace(
-            req.params,
-            max_new_tokens=min(req.params.max_new_tokens, self.context_len - len(req.input_ids)),
-        )
+            raise RequestError(f"request id {req.rid} is already running", "rid")
+        params = replace(req.params, max_new_tokens=self._max_new_tokens(req))
         seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority,
                        arrival=time.monotonic())
         if params.seed is not None:

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request generation settings, already validated by the caller."""
 
-    max_new_tokens: int = 128
+    # None: the server's --default-max-tokens, else up to the context length.
+    # A number is what the client asked for: the engine refuses a prompt +
+    # max_new_tokens beyond the context instead of cutting it short.
+    max_new_tokens: int | None = 128
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 means no top-k cut
@@ -41,6 +44,18 @@ class GenerateRequest:
 
 
 BATCH_PRIORITY = 1
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run, and why. `field` names what is
+    wrong in engine terms ("prompt" or "max_new_tokens"), for the API to
+    translate into its own parameter name; `code` is OpenAI's error code."""
+
+    def __init__(self, message: str, field: str, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.code = code
 
 
 @dataclass
