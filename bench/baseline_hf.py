@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_dir(args) -> Path:
     if args.model_dir:
         return Path(args.model_dir)
-    from pyserve.default_model import default_model_path
+    from pyserve.model.default_model import default_model_path
 
     return default_model_path()
 

@@ -95,7 +95,7 @@ def workload_parser(description: str) -> argparse.ArgumentParser:
 def workload_from_args(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     """Fills in args.model when it was not given; returns the workload."""
     if args.model is None:
-        from pyserve.default_model import default_model_path
+        from pyserve.model.default_model import default_model_path
 
         args.model = str(default_model_path())
     from pyserve.model.config import ModelConfig

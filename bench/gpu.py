@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyserve.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from pyserve.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
-from pyserve.engine.kv_pool import PagePool  # noqa: E402
+from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
+from pyserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.model.config import ModelConfig  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
+from pyserve.model.kv_buffer import KVBuffer  # noqa: E402
 from pyserve.model.llama import LlamaForCausalLM  # noqa: E402
 from tests.test_attention_torch import reference_attention  # noqa: E402  the float64 reference the tests use
 
@@ -173,7 +173,7 @@ class Decoder:
         return (time.perf_counter() - start) / steps
 
 
-def logits_agreement(decoder: Decoder, pool: PagePool, rows: int) -> dict:
+def logits_agreement(decoder: Decoder, pool: KVBuffer, rows: int) -> dict:
     """One decode batch of `rows` sequences through the graph, eager Triton
     and eager torch attention; how far Triton's logits are from torch's."""
     decoder.lens, decoder.slots, decoder.last = decoder.lens[:rows], decoder.slots[:rows], decoder.last[:rows]
@@ -199,7 +199,7 @@ def kernel_errors(config: ModelConfig, device: str = "cuda", seed: int = 0) -> d
     torch.manual_seed(seed)
     cached, added = [512, 0, 1500, 3], [64, 300, 200, 1]  # per sequence, before the decode token
     total = [c + a + 1 for c, a in zip(cached, added)]
-    pool = PagePool(1, sum(total) + 1, kv_heads, dim, DTYPE, device)
+    pool = KVBuffer(1, sum(total) + 1, kv_heads, dim, DTYPE, device)
     slots = (torch.randperm(sum(total)) + 1).split(total)  # scattered, as a busy pool hands them out
     keys = [torch.randn(n, kv_heads, dim).to(DTYPE) for n in total]
     values = [torch.randn(n, kv_heads, dim).to(DTYPE) for n in total]
@@ -236,7 +236,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     config = llama_config(name, args.context_len)
     model = random_model(config)
     max_len = args.prompt_len + args.warmup + max(args.steps_bs1, args.steps_bs64) + 8
-    pool = PagePool(config.num_hidden_layers, args.batch * max_len + 1, config.num_key_value_heads,
+    pool = KVBuffer(config.num_hidden_layers, args.batch * max_len + 1, config.num_key_value_heads,
                   config.head_dim, DTYPE, "cuda")
     attention = TritonAttention(pool, config.num_attention_heads, args.context_len)
     start = time.perf_counter()
@@ -245,7 +245,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     decoder = Decoder(model, attention, graphs, config.vocab_size)
 
     weight_bytes = weight_bytes_per_step(model, config)
-    kv_bytes_per_token = PagePool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
+    kv_bytes_per_token = KVBuffer.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
                                                config.head_dim, DTYPE)
     # Mean context while timing: the prompt, the warm-up steps, half the timed steps.
     ctx_bs1 = args.prompt_len + args.warmup + args.steps_bs1 // 2

@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     args = ap.parse_args()
     from pyserve._rust import Tokenizer
-    from pyserve.default_model import default_model_path
+    from pyserve.model.default_model import default_model_path
 
     model_dir = args.model or str(default_model_path())
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")

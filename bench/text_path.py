@@ -103,7 +103,7 @@ def main() -> None:
     path = args.tokenizer
     if path is None:
         try:
-            from pyserve.default_model import default_model_path
+            from pyserve.model.default_model import default_model_path
 
             path = str(default_model_path() / "tokenizer.json")
         except Exception as e:  # no default model: a small tokenizer trained here

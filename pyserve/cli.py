@@ -31,7 +31,7 @@ async def serve(args: ServerArgs) -> None:
     from pyserve.api.batch_runner import BatchManager
     from pyserve.api.serving import ServingContext
     from pyserve.chat_template import ChatTemplate
-    from pyserve.default_model import DEFAULT_MODEL_NAME
+    from pyserve.model.default_model import DEFAULT_MODEL_NAME
     from pyserve.engine.engine import Engine
     from pyserve.storage.batches import BatchStore
     from pyserve.storage.files import FileStore

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from pyserve.default_model import default_model_path
+    from pyserve.model.default_model import default_model_path
 
     return default_model_path()
 

@@ -1,4 +1,4 @@
-"""TorchAttention against a naive float64 attention, and the KV slot pool.
+"""TorchAttention against a naive float64 attention, and the KV memory.
 
 Sequences get scattered, non-contiguous slots (as a long-running pool hands
 out), ragged lengths, cached prefixes and grouped kv heads.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.engine.attention.torch_backend import TorchAttention
-from pyserve.engine.kv_pool import PagePool
+from pyserve.model.attention.torch_backend import TorchAttention
+from pyserve.engine.page_allocator import PageAllocator
+from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 
 LAYERS, SLOTS, DIM = 2, 512, 16
@@ -32,11 +33,12 @@ class Harness:
 
     def __init__(self, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
         self.heads, self.kv_heads, self.dtype = heads, kv_heads, dtype
-        self.pool = PagePool(LAYERS, SLOTS, kv_heads, DIM, dtype, "cpu")
+        self.pool = KVBuffer(LAYERS, SLOTS, kv_heads, DIM, dtype, "cpu")
+        self.pages = PageAllocator(SLOTS)
         # Scatter the slots: take them all, give them back shuffled.
         g = torch.Generator().manual_seed(seed)
-        everything = self.pool.alloc(self.pool.capacity)
-        self.pool.free(everything[torch.randperm(everything.numel(), generator=g)])
+        everything = self.pages.alloc(self.pages.capacity)
+        self.pages.free(everything[torch.randperm(everything.numel(), generator=g)])
         self.attn = TorchAttention(self.pool)
         self.gen = g
         self.slots: list[torch.Tensor] = []
@@ -58,7 +60,7 @@ class Harness:
         fresh, first_pos = [], []
         for i, n in enumerate(new_lens):
             first_pos.append(self.slots[i].numel())
-            fresh.append(self.pool.alloc(n))
+            fresh.append(self.pages.alloc(n))
             self.slots[i] = torch.cat([self.slots[i], fresh[-1]])
         starts = [sum(new_lens[:i]) for i in range(len(new_lens))]
         for i, (s, n) in enumerate(zip(starts, new_lens)):
@@ -149,8 +151,8 @@ def test_bfloat16_close_to_reference():
 
 
 def test_forward_without_prepare_is_an_error():
-    pool = PagePool(1, 8, 4, DIM, torch.float32, "cpu")
-    slots = pool.alloc(2)
+    pool = KVBuffer(1, 8, 4, DIM, torch.float32, "cpu")
+    slots = PageAllocator(8).alloc(2)
     batch = ForwardBatch.build(
         input_ids=[0, 0], positions=[0, 1], out_cache_loc=slots,
         extend_lens=[2], slots=[slots], logits_indices=[1], is_decode=False, device="cpu",
@@ -160,57 +162,25 @@ def test_forward_without_prepare_is_an_error():
         TorchAttention(pool).forward(qkv, qkv, qkv, 0, batch, 1.0)
 
 
-# The KV page pool
+# The KV memory
 
 
-def test_pool_never_hands_out_slot_0_and_runs_dry():
-    pool = PagePool(1, 8, 2, DIM, torch.float32, "cpu")
-    assert pool.num_pages == 8 and pool.capacity == 7 and pool.num_free == 7
-    assert pool.alloc(8) is None
-    a = pool.alloc(4)
-    b = pool.alloc(3)
-    assert pool.num_free == 0 and pool.alloc(1) is None
-    assert sorted(torch.cat([a, b]).tolist()) == list(range(1, 8))
-    assert pool.alloc(0).numel() == 0
-    pool.free(a)
-    assert pool.num_free == 4
-    c = pool.alloc(4)
-    assert sorted(c.tolist()) == sorted(a.tolist())
-
-
-def test_pool_rejects_double_free_and_slot_0():
-    pool = PagePool(1, 8, 2, DIM, torch.float32, "cpu")
-    a = pool.alloc(3)
-    pool.free(a)
-    with pytest.raises(RuntimeError, match="double free"):
-        pool.free(a)
-    with pytest.raises(RuntimeError):
-        pool.free(torch.tensor([0]))
-    b = pool.alloc(2)
-    with pytest.raises(RuntimeError):
-        pool.free(torch.cat([b, b[:1]]))
-    assert pool.num_free == 5
-
-
-def test_pool_buffers_and_budget():
-    pool = PagePool(3, 10, 2, DIM, torch.bfloat16, "cpu")
-    assert len(pool.k_buffer) == len(pool.v_buffer) == 3
-    assert pool.k_buffer[2].shape == (10, 2, DIM) and pool.k_buffer[2].dtype == torch.bfloat16
-    per_token = PagePool.bytes_per_token(3, 2, DIM, torch.bfloat16)
-    assert per_token == 2 * 3 * 2 * DIM * 2
-    assert PagePool.pages_for_budget(per_token * 100 + 5, 3, 2, DIM, torch.bfloat16) == 100
-    assert PagePool.pages_for_budget(per_token * 100 + 5, 3, 2, DIM, torch.bfloat16, page_size=16) == 6
-    assert PagePool.pages_for_budget(0, 3, 2, DIM, torch.bfloat16) == 2
+def test_kv_buffer_layout_and_size():
+    kv = KVBuffer(3, 10, 2, DIM, torch.bfloat16, "cpu")
+    assert len(kv.k_buffer) == len(kv.v_buffer) == 3
+    assert kv.k_buffer[2].shape == (10, 2, DIM) and kv.k_buffer[2].dtype == torch.bfloat16
+    assert KVBuffer.bytes_per_token(3, 2, DIM, torch.bfloat16) == 2 * 3 * 2 * DIM * 2
 
 
 def test_pages_are_addressed_as_token_slots():
-    pool = PagePool(2, 5, 2, DIM, torch.float32, "cpu", page_size=4)
-    assert pool.k_pages[1].shape == (5, 4, 2, DIM) and pool.k_buffer[1].shape == (20, 2, DIM)
-    assert pool.capacity == 4 and pool.capacity_tokens == 16
-    page = int(pool.alloc(1)[0])
-    pool.k_buffer[1][page * 4 + 3] = 7.0  # slot = page * page_size + offset
-    assert bool((pool.k_pages[1][page, 3] == 7.0).all())
+    kv = KVBuffer(2, 5, 2, DIM, torch.float32, "cpu", page_size=4)
+    pages = PageAllocator(5, page_size=4)
+    assert kv.k_pages[1].shape == (5, 4, 2, DIM) and kv.k_buffer[1].shape == (20, 2, DIM)
+    assert pages.capacity == 4 and pages.capacity_tokens == 16
+    page = int(pages.alloc(1)[0])
+    kv.k_buffer[1][page * 4 + 3] = 7.0  # slot = page * page_size + offset
+    assert bool((kv.k_pages[1][page, 3] == 7.0).all())
     slots = torch.arange(page * 4, page * 4 + 3)  # a partly filled page
-    assert pool.pages_of(slots).tolist() == [page]
-    pool.free_slots(slots)
-    assert pool.num_free == 4
+    assert pages.pages_of(slots).tolist() == [page]
+    pages.free_slots(slots)
+    assert pages.num_free == 4

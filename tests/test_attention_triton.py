@@ -23,9 +23,9 @@ if DEVICE == "cpu":
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from pyserve.engine.attention import triton_decode  # noqa: E402
-from pyserve.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from pyserve.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from pyserve.model.attention import triton_decode  # noqa: E402
+from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
+from pyserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
 from tests.test_attention_torch import reference_attention  # noqa: E402
 

@@ -102,10 +102,10 @@ def test_replayed_logits_equal_eager_logits(runner):
             rows = torch.randperm(20, generator=g)[:bs].tolist()
             batch = seqs.decode(rows, torch.randint(3, 500, (bs,), generator=g).tolist())
             assert runner.cuda_graphs.can_run(batch) == (bs <= MAX_BS)
-            k_before = runner.kv_pool.k_buffer[0].clone()
+            k_before = runner.kv_buffer.k_buffer[0].clone()
             replayed = runner.forward(batch)
             # A replay writes the batch's own slots and the padding slot 0, no others.
-            changed = (runner.kv_pool.k_buffer[0] != k_before).flatten(1).any(1).nonzero().flatten()
+            changed = (runner.kv_buffer.k_buffer[0] != k_before).flatten(1).any(1).nonzero().flatten()
             allowed = set(batch.out_cache_loc.tolist()) | {0}
             assert set(changed.tolist()) <= allowed
             eager = runner.model(batch, runner.attention)

@@ -327,8 +327,8 @@ def test_idle_check_reports_a_leaked_page(tiny_llama_dir, caplog):
         await collect(engine, PROMPTS[0], max_new_tokens=3, ignore_eos=True)
         await asyncio.sleep(0.05)  # the loop goes idle: the check passes
         healthy = engine.integrity_problem()
-        engine.runner.kv_pool.alloc(1)  # a page nobody owns: a leak
-        engine._last_idle_check = -float("inf")
+        engine.kv.allocator.alloc(1)  # a page nobody owns: a leak
+        engine.kv._last_idle_check = -float("inf")
         await collect(engine, PROMPTS[1], max_new_tokens=3, ignore_eos=True)
         await asyncio.sleep(0.05)
         await engine.shutdown()

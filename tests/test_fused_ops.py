@@ -161,12 +161,12 @@ def small_model(dtype, hidden, heads, kv_heads, head_dim, qk_norm):
 @pytest.mark.parametrize("shape", [(576, 9, 3, 64, False), (640, 8, 2, 80, True)], ids=["576", "80dim-qknorm"])
 def test_model_logits_fused_vs_torch(monkeypatch, dtype, shape):
     """A prefill of two sequences then a decode step, fused and unfused."""
-    from pyserve.engine.attention.torch_backend import TorchAttention
-    from pyserve.engine.kv_pool import PagePool
+    from pyserve.model.attention.torch_backend import TorchAttention
+    from pyserve.model.kv_buffer import KVBuffer
     from pyserve.model.forward_batch import ForwardBatch
 
     model, config = small_model(dtype, *shape)
-    pool = PagePool(config.num_hidden_layers, 256, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
+    pool = KVBuffer(config.num_hidden_layers, 256, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
     attn = TorchAttention(pool)
     ids = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     lens = [27, 13]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.engine.attention.torch_backend import TorchAttention
-from pyserve.engine.kv_pool import PagePool
+from pyserve.model.attention.torch_backend import TorchAttention
+from pyserve.engine.page_allocator import PageAllocator
+from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.loader import load_model
 from tests.tiny_models import build_tiny_model
@@ -22,13 +23,14 @@ PROMPT_LENGTHS = [1, 2, 5, 9, 17, 3, 31, 8, 12, 24]
 
 
 class CachedSequences:
-    """Sequences whose KV lives in a PagePool; `forward` runs one step."""
+    """Sequences whose KV lives in a KVBuffer; `forward` runs one step."""
 
     def __init__(self, model, config, num_slots: int = 2048):
         self.model = model
-        self.pool = PagePool(
+        self.pool = KVBuffer(
             config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
         )
+        self.pages = PageAllocator(num_slots)
         self.attn = TorchAttention(self.pool)
         self.slots: dict[int, torch.Tensor] = {}
 
@@ -39,7 +41,7 @@ class CachedSequences:
         ids, positions, new_slots, logits_indices = [], [], [], []
         for seq, tokens in chunks.items():
             cached = self.slots.get(seq, torch.empty(0, dtype=torch.long))
-            fresh = self.pool.alloc(len(tokens))
+            fresh = self.pages.alloc(len(tokens))
             self.slots[seq] = torch.cat([cached, fresh])
             ids += tokens
             positions += range(cached.numel(), cached.numel() + len(tokens))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.engine.kv_pool import PagePool
+from pyserve.engine.page_allocator import PageAllocator
 from pyserve.engine.radix_cache import RadixCache
 
 
-def make(slots: int = 64) -> tuple[PagePool, RadixCache]:
-    pool = PagePool(1, slots + 1, 1, 2, torch.float32, "cpu")
+def make(slots: int = 64) -> tuple[PageAllocator, RadixCache]:
+    pool = PageAllocator(slots + 1)
     return pool, RadixCache(pool)
 
 
@@ -51,12 +51,12 @@ def test_evicting_a_leaf_can_free_its_parent():
     assert pool.num_free == pool.capacity
 
 
-def make_paged(pages: int = 16, page_size: int = 4) -> tuple[PagePool, RadixCache]:
-    pool = PagePool(1, pages + 1, 1, 2, torch.float32, "cpu", page_size=page_size)
+def make_paged(pages: int = 16, page_size: int = 4) -> tuple[PageAllocator, RadixCache]:
+    pool = PageAllocator(pages + 1, page_size=page_size)
     return pool, RadixCache(pool)
 
 
-def page_slots(pool: PagePool, n_pages: int) -> torch.Tensor:
+def page_slots(pool: PageAllocator, n_pages: int) -> torch.Tensor:
     pages = pool.alloc(n_pages)
     return (pages[:, None] * pool.page_size + torch.arange(pool.page_size)).flatten()
 

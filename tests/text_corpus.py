@@ -111,7 +111,7 @@ def tokenizer_file(kind: str, tmp_path_factory) -> Path:
     """Path of the tokenizer.json of `kind` (built once per test session)."""
     if kind == "default":
         try:
-            from pyserve.default_model import default_model_path
+            from pyserve.model.default_model import default_model_path
 
             return default_model_path() / "tokenizer.json"
         except Exception as e:  # the default model is optional here

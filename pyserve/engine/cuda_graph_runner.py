@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pyserve.engine.attention.triton_backend import TritonAttention
+from pyserve.model.attention.triton_backend import TritonAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.llama import LlamaForCausalLM
 

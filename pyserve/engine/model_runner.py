@@ -1,12 +1,14 @@
-"""Owns the model, the KV pool and the one thread that runs forward passes.
+"""Owns the model, the KV memory and the one thread that runs forward passes.
 
 The asyncio loop must never wait on a forward pass, so every call into
 torch for a step (forward + sampling) goes to a dedicated worker thread;
-torch releases the GIL inside its kernels.
+torch releases the GIL inside its kernels. `launch` queues a step there and
+returns at once; `wait` gives its results once they are on the host.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -15,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from pyserve.engine.attention.base import AttentionBackend
-from pyserve.engine.attention.torch_backend import TorchAttention
-from pyserve.engine.kv_pool import PagePool
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
-from pyserve.engine.sequence import Sequence
+from pyserve.engine.step import ScheduledStep
+from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
 
@@ -112,7 +114,7 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
-        self.kv_pool = PagePool(
+        self.kv_buffer = KVBuffer(
             self.config.num_hidden_layers,
             self._num_pages(args),
             self.config.num_key_value_heads,
@@ -125,8 +127,8 @@ class ModelRunner:
         self.cuda_graphs = None  # replays decode steps when set
         graph_max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         if self.device.type == "cuda" and not args.disable_cuda_graph and graph_max_bs > 0:
-            from pyserve.engine.attention.triton_backend import TritonAttention
             from pyserve.engine.cuda_graph_runner import CudaGraphRunner
+            from pyserve.model.attention.triton_backend import TritonAttention
 
             # The graphs read the Triton backend's static kv tables.
             if isinstance(self.attention, TritonAttention):
@@ -134,20 +136,18 @@ class ModelRunner:
         self.sampler = Sampler(args.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        capacity = (self.kv_buffer.num_pages - 1) * args.page_size  # page 0 is never handed out
         logger.info(
             "KV cache: %d tokens in pages of %d (%.2f GiB), context length %d",
-            self.kv_pool.capacity_tokens,
-            self.kv_pool.page_size,
-            self.kv_pool.capacity_tokens * self._bytes_per_token() / (1 << 30),
-            self.context_len,
+            capacity, args.page_size, capacity * self._bytes_per_token() / (1 << 30), self.context_len,
         )
 
     def _bytes_per_token(self) -> int:
         c = self.config
-        return PagePool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        return KVBuffer.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
 
     def _num_pages(self, args: ServerArgs) -> int:
-        """Pages in the pool, the reserved padding page included."""
+        """Pages in the KV buffer, the reserved padding page included."""
         return max(-(-self._kv_tokens(args) // args.page_size) + 1, 2)
 
     def _kv_tokens(self, args: ServerArgs) -> int:
@@ -170,10 +170,10 @@ class ModelRunner:
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         if name == "triton":
-            from pyserve.engine.attention.triton_backend import TritonAttention
+            from pyserve.model.attention.triton_backend import TritonAttention
 
-            return TritonAttention(self.kv_pool, self.config.num_attention_heads, self.context_len)
-        return TorchAttention(self.kv_pool)
+            return TritonAttention(self.kv_buffer, self.config.num_attention_heads, self.context_len)
+        return TorchAttention(self.kv_buffer)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
@@ -181,22 +181,33 @@ class ModelRunner:
             return self.cuda_graphs.replay(batch)
         return self.model(batch, self.attention)
 
-    def step(self, batch: ForwardBatch, seqs: list[Sequence], has_placeholders: bool,
-             prompt_targets: list[int] | None = None, prompt_top: int = 0) -> "StepOutput":
+    def launch(self, step: ScheduledStep) -> asyncio.Future:
+        """Queue `step` on the worker thread; call from the event loop."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.step, step)
+
+    @staticmethod
+    async def wait(launched: asyncio.Future) -> StepOutput:
+        """A launched step's results, once they are on the host."""
+        output = await launched
+        if output.ready is not None:
+            await asyncio.to_thread(output.wait)
+        return output
+
+    def step(self, step: ScheduledStep) -> StepOutput:
         """Forward + sampling for one scheduled step; runs on the worker thread.
 
         Returns as soon as the work is queued on the device: on CUDA the ids
         come back through a non-blocking copy and an event, so this thread
         can launch the next step while this one computes. Decode rows whose
-        input is a placeholder (-(row + 1), see scheduler.py) read row `row`
-        of the previous step's ids, which are still on the device. Logits
-        rows past the sampled ones score `prompt_targets`, with `prompt_top`
-        alternatives each.
+        input is a placeholder (-(row + 1), see step.py) read row `row` of
+        the previous step's ids, which are still on the device. Logits rows
+        past the sampled ones score the step's prompt targets.
         """
+        seqs = step.sampled
         try:
             with torch.inference_mode():
-                batch = batch.to(self.device)
-                if has_placeholders:
+                batch = step.batch.to(self.device)
+                if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
                 all_logits = self.forward(batch)
                 logits = all_logits[: len(seqs)]
@@ -205,9 +216,9 @@ class ModelRunner:
                 if any(wants_logprobs(s.params) for s in seqs):
                     logprobs = token_logprobs(logits, next_ids.to(logits.device),
                                               max(s.params.top_logprobs for s in seqs))
-                if prompt_targets:
-                    targets = torch.tensor(prompt_targets, device=self.device)
-                    prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, prompt_top)
+                if step.prompt_targets:
+                    targets = torch.tensor(step.prompt_targets, device=self.device)
+                    prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, step.prompt_top_logprobs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
                     return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs)

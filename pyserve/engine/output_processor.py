@@ -1,18 +1,58 @@
 """Turns each new token of a request into text and decides when it ends.
 
 Per request: a Rust DecodeStream (whole UTF-8 characters only) and a Rust
-StopMatcher (stop strings across token boundaries, never emitted).
+StopMatcher (stop strings across token boundaries, never emitted). The
+log-probabilities a step computed are unpacked here too, into one
+TokenLogprob per sampled token or scored prompt position.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+
 from pyserve._rust import DecodeStream, StopMatcher, Tokenizer
 from pyserve.engine.request import GenerateOutput, TokenLogprob
+from pyserve.engine.sampler import wants_logprobs
 from pyserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pyserve.engine.model_runner import StepOutput
+    from pyserve.engine.step import ScheduledStep
 
 # Prompt ids decoded as left context of the first generated token, so that
 # tokenizers which drop a leading space decode it as it reads in the text.
 _PROMPT_CONTEXT = 4
+
+
+def _entries(parts: tuple[torch.Tensor, ...], token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """TokenLogprob per row of token_logprobs' (chosen, top values, top ids),
+    row i keeping its first ks[i] alternatives."""
+    chosen, top_vals, top_ids = (t.tolist() for t in parts)
+    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+            for i, (t, k) in enumerate(zip(token_ids, ks))]
+
+
+def sampled_logprobs(output: StepOutput, seqs: list[Sequence], ids: list[int]) -> list[TokenLogprob | None]:
+    """Per sampled sequence, its token's logprob entry if it asked for one."""
+    if output.logprobs is None:
+        return [None] * len(ids)
+    entries = _entries(output.logprobs, ids, [s.params.top_logprobs for s in seqs])
+    return [e if wants_logprobs(s.params) else None for s, e in zip(seqs, entries)]
+
+
+def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Sequence, list[TokenLogprob]]]:
+    """The step's prompt log-probabilities, split by sequence."""
+    if output.prompt_logprobs is None:
+        return []
+    ks = [seq.params.top_logprobs for seq, count in step.prompt_spans for _ in range(count)]
+    entries = _entries(output.prompt_logprobs, step.prompt_targets, ks)
+    out, row = [], 0
+    for seq, count in step.prompt_spans:
+        out.append((seq, entries[row : row + count]))
+        row += count
+    return out
 
 
 class OutputProcessor:
@@ -43,7 +83,7 @@ class OutputProcessor:
             token_ids=new_ids,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.cached_tokens or 0,
+            cached_tokens=seq.cache_hit or 0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             **finish,

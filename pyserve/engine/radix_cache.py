@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pyserve.engine.kv_pool import PagePool
+from pyserve.engine.page_allocator import PageAllocator
 
 
 class RadixNode:
@@ -43,9 +43,9 @@ def _common_length(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, pool: PagePool):
-        self.pool = pool
-        self.page_size = pool.page_size
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
         self.root = RadixNode(None, [], torch.empty(0, dtype=torch.long))
         self.root.ref = 1  # never evicted
         self.total_pages = 0  # pages the tree owns
@@ -133,7 +133,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
-            self.pool.free_slots(leaf.slots)
+            self.allocator.free_slots(leaf.slots)
             pages = len(leaf.key) // self.page_size
             self.total_pages -= pages
             freed += pages

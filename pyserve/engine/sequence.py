@@ -1,14 +1,25 @@
-"""The engine's state for one request."""
+"""The engine's record of one request: its tokens, its KV, its output.
+
+One object per request from `Engine.generate` to its last output. Who
+writes what: the scheduler moves it between queues and counts its tokens in
+flight; the KV manager alone sets its KV fields (`slots`, `shared_len`,
+`prefix_node`, `cache_hit`); the output processor appends the sampled
+tokens and turns them into text; the caller reads `channel`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pyserve.engine.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from pyserve.engine.output_processor import OutputProcessor
 
 
 @dataclass(eq=False)
@@ -18,18 +29,21 @@ class Sequence:
     params: SamplingParams
     priority: int = 0
     output_ids: list[int] = field(default_factory=list)
-    # KV slots of the tokens already in the cache, in order; they fill whole
-    # pages except the last.
+    # KV slots of the tokens whose KV is in the cache, in order; they fill
+    # whole pages except the last.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    # The leading slots that belong to the radix cache, and the cache node
-    # this sequence locks so they are not evicted under it.
-    num_shared: int = 0
+    # How many leading slots belong to the radix cache (shared with other
+    # requests), and the cache node locked so they are not evicted.
+    shared_len: int = 0
     prefix_node: RadixNode | None = None
-    cached_tokens: int | None = None  # prompt tokens found in the cache at admission
+    # Prompt tokens found in the prefix cache at the first admission: the
+    # usage's `cached_tokens`. None until admitted.
+    cache_hit: int | None = None
     generator: torch.Generator | None = None  # set for requests with a seed
-    outputs: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)
+    # Tokens to text, stop conditions, logprobs; set by the engine.
+    output: OutputProcessor | None = None
+    channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
     finished: bool = False
-    aborted: bool = False
     # Overlap scheduling: tokens sampled by launched steps whose ids have not
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0
@@ -49,6 +63,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known so far: the prompt and the sampled tokens that came back."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -57,14 +72,15 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
-    def num_cached(self) -> int:
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the cache (own and shared slots)."""
         return self.slots.numel()
 
     @property
     def uncached_ids(self) -> list[int]:
         """Tokens the next forward must process (their KV is not cached yet).
         Built without copying the whole prompt: decode asks every step."""
-        start = self.num_cached
+        start = self.kv_len
         prompt_len = len(self.prompt_ids)
         if start >= prompt_len:
             return self.output_ids[start - prompt_len :]

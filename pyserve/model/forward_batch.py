@@ -1,6 +1,6 @@
 """The description of one forward pass that the model and attention read.
 
-The KV cache is a pool of pages per layer (see kv_pool.py); attention sees
+The KV cache is a pool of pages per layer (see kv_buffer.py); attention sees
 it as token slots (page * page_size + offset). Every sequence in a batch
 owns a list of slots, one per token it has seen; the new tokens of this step
 are written to `out_cache_loc` before attention reads the whole sequence

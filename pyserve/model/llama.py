@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyserve.engine.attention.base import AttentionBackend
+from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig
 from pyserve.model.forward_batch import ForwardBatch
 

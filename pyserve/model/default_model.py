@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyserve.gguf import GGUFFile
+from pyserve.model.gguf import GGUFFile
 
 logger = logging.getLogger(__name__)
 

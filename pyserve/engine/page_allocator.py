@@ -1,14 +1,8 @@
-"""The KV cache memory: per layer, K and V pages of `page_size` tokens.
+"""Which KV pages are free: a free list over the pages of the KV buffer.
 
-Each layer's K (and V) is one tensor [num_pages, page_size, kv_heads,
-head_dim]. Attention addresses it by token slot, `page * page_size +
-offset`, through the flat views `k_buffer[layer]` / `v_buffer[layer]`
-[num_pages * page_size, kv_heads, head_dim]. A request owns whole pages; the
-radix cache shares whole pages between requests.
-
-Page 0 is never handed out: its slots are the harmless target of padded
-entries (decode batches and CUDA-graph batches pad with slot 0), so they
-stay finite forever.
+A request owns whole pages; the radix cache shares whole pages between
+requests. Page 0 is never handed out: its slots are the target of padded
+rows (decode batches and CUDA-graph batches pad with slot 0).
 
 The free list is a CPU tensor used as a stack: alloc and free never touch
 the device, so they never wait on a running forward pass.
@@ -19,46 +13,17 @@ from __future__ import annotations
 import torch
 
 
-class PagePool:
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        page_size: int = 1,
-    ):
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int = 1):
         if num_pages < 2:
-            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
+            raise ValueError("the KV cache needs at least 2 pages (page 0 is reserved)")
         if page_size < 1:
             raise ValueError("the page size must be at least 1")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.dtype = dtype
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
-        self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
         self._free = torch.arange(1, num_pages, dtype=torch.long)  # [: _num_free] are free
         self._num_free = num_pages - 1
         self._in_use = torch.zeros(num_pages, dtype=torch.bool)  # catches double frees
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-
-    @classmethod
-    def pages_for_budget(
-        cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-        page_size: int = 1,
-    ) -> int:
-        """How many pages (the reserved page 0 included) fit in `budget_bytes`."""
-        per_page = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * page_size
-        return max(budget_bytes // per_page, 2)
 
     @property
     def capacity(self) -> int:

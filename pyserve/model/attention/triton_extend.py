@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyserve.engine.attention.triton_decode import dot_precision
+from pyserve.model.attention.triton_decode import dot_precision
 
 
 @triton.jit

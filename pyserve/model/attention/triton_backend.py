@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from pyserve.engine.attention.base import AttentionBackend
-from pyserve.engine.attention.triton_decode import decode_attention, decode_scratch
-from pyserve.engine.attention.triton_extend import extend_attention
+from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention.triton_decode import decode_attention, decode_scratch
+from pyserve.model.attention.triton_extend import extend_attention
 from pyserve.model.forward_batch import ForwardBatch
 
 # Decode programs to aim for, per streaming multiprocessor: enough that a
@@ -30,11 +30,11 @@ _PROGRAMS_PER_SM = 4
 
 
 class TritonAttention(AttentionBackend):
-    def __init__(self, kv_pool, num_heads: int, context_len: int, max_kv_splits: int = 16):
-        """kv_pool: anything with per-layer `k_buffer` / `v_buffer` lists of
+    def __init__(self, kv_buffer, num_heads: int, context_len: int, max_kv_splits: int = 16):
+        """kv_buffer: anything with per-layer `k_buffer` / `v_buffer` lists of
         [num_slots, kv_heads, head_dim] tensors."""
-        self.kv_pool = kv_pool
-        k0 = kv_pool.k_buffer[0]
+        self.kv_buffer = kv_buffer
+        k0 = kv_buffer.k_buffer[0]
         self.device = k0.device
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention backend needs CUDA (on CPU use --attention-backend torch)")

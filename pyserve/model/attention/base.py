@@ -12,13 +12,14 @@ from abc import ABC, abstractmethod
 import torch
 
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import KVBuffer
 
 
 class AttentionBackend(ABC):
-    """Implementations set `kv_pool` (per-layer `k_buffer` / `v_buffer` of
-    token slots) and remember the batch `prepare` saw in `_batch`."""
+    """Implementations set `kv_buffer` (per-layer `k_buffer` / `v_buffer`
+    views by token slot) and remember the batch `prepare` saw in `_batch`."""
 
-    kv_pool: object
+    kv_buffer: KVBuffer
     _batch: ForwardBatch | None = None
 
     @abstractmethod
@@ -48,8 +49,8 @@ class AttentionBackend(ABC):
         layer's (k_cache, v_cache) for the attention that follows."""
         if batch is not self._batch:
             raise RuntimeError(f"{type(self).__name__}.prepare(batch) must be called before forward")
-        k_cache = self.kv_pool.k_buffer[layer_id]
-        v_cache = self.kv_pool.v_buffer[layer_id]
+        k_cache = self.kv_buffer.k_buffer[layer_id]
+        v_cache = self.kv_buffer.v_buffer[layer_id]
         k_cache[batch.out_cache_loc] = k
         v_cache[batch.out_cache_loc] = v
         return k_cache, v_cache

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from pyserve.engine.attention.base import AttentionBackend
-from pyserve.engine.kv_pool import PagePool
+from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 
 
@@ -38,8 +38,8 @@ class _SingleTokenRows:
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, kv_pool: PagePool):
-        self.kv_pool = kv_pool
+    def __init__(self, kv_buffer: KVBuffer):
+        self.kv_buffer = kv_buffer
         self._batch: ForwardBatch | None = None
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None

@@ -1,0 +1,120 @@
+"""One scheduled step: the rows the scheduler picked, as a forward batch.
+
+A row is a sequence and how many of its tokens this step computes: its
+next token (decode), or a chunk of its prompt (prefill). `build_step`
+turns the rows into the ForwardBatch the model reads and notes which
+sequences get a token sampled and which prompt positions are scored.
+
+Overlap: when step N+1 is built while step N still runs, a sequence's
+newest token may not be known yet. Its decode row then carries a
+placeholder, -(row + 1), that the model runner replaces with row `row` of
+step N's sampled ids before the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pyserve.engine.kv_manager import KVManager
+from pyserve.engine.sequence import Sequence
+from pyserve.model.forward_batch import ForwardBatch
+
+
+@dataclass
+class Rows:
+    """The rows of a step being assembled, with the KV slots for their new tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    new_slots: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int, slots: torch.Tensor) -> None:
+        self.seqs.append(seq)
+        self.lengths.append(n)
+        self.new_slots.append(slots)
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    batch: ForwardBatch
+    # The sequences whose next token this step samples, in the order of the
+    # sampled ids; a sequence in the middle of a chunked prefill is
+    # computed but not sampled.
+    sampled: list[Sequence]
+    num_prefill_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens newly admitted requests took from the radix cache
+    # Decode rows whose input is a placeholder for the previous step's output.
+    has_placeholders: bool = False
+    # Prompt log-probabilities: the token each extra logits row (after the
+    # sampled ones) is scored on, and how many rows each sequence has.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_prefill_seqs > 0
+
+    @property
+    def prompt_top_logprobs(self) -> int:
+        """Alternatives to report per scored prompt position."""
+        return max((seq.params.top_logprobs for seq, _ in self.prompt_spans), default=0)
+
+
+def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -> ScheduledStep:
+    """The step computing `prefill` then `decode` rows; hands each sequence
+    its new slots and shares the prompts computed so far."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    logits_indices: list[int] = []
+    sampled: list[Sequence] = []
+    has_placeholders = False
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_spans: list[tuple[Sequence, int]] = []
+    seqs = prefill.seqs + decode.seqs
+    lengths = prefill.lengths + decode.lengths
+    new_slots = prefill.new_slots + decode.new_slots
+    for seq, n, slots in zip(seqs, lengths, new_slots):
+        start = seq.kv_len
+        if start < seq.num_tokens:
+            new = seq.uncached_ids[:n]
+        else:  # a decode row whose input is still being sampled
+            new = [-(seq.pending_row + 1)]
+            has_placeholders = True
+        if seq.params.prompt_logprobs:
+            scored = _unscored_prompt_positions(seq, start, n)
+            if scored:
+                prompt_rows += [len(input_ids) + p - start for p in scored]
+                prompt_targets += [seq.prompt_ids[p + 1] for p in scored]
+                prompt_spans.append((seq, len(scored)))
+        input_ids.extend(new)
+        positions.extend(range(start, start + n))
+        kv.append_slots(seq, slots)
+        if seq.kv_len == seq.num_total:  # the whole sequence is in: sample
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(seq)
+    batch = ForwardBatch.build(
+        input_ids, positions, torch.cat(new_slots), lengths, [s.slots for s in seqs],
+        logits_indices + prompt_rows, is_decode=not prefill.seqs, device="cpu",
+    )
+    for seq in prefill.seqs:
+        kv.share_prompt(seq)
+    return ScheduledStep(
+        seqs=seqs, batch=batch, sampled=sampled, num_prefill_seqs=len(prefill.seqs),
+        num_prefill_tokens=sum(prefill.lengths), num_cached_tokens=cached_tokens,
+        has_placeholders=has_placeholders, prompt_targets=prompt_targets, prompt_spans=prompt_spans,
+    )
+
+
+def _unscored_prompt_positions(seq: Sequence, start: int, n: int) -> range:
+    """Positions among this step's start..start+n whose logits score a
+    prompt token not scored yet: position p scores prompt token p + 1."""
+    first = max(start, seq.next_prompt_logprob - 1)
+    last = min(start + n, len(seq.prompt_ids) - 1)  # exclusive
+    if first < last:
+        seq.next_prompt_logprob = last + 1
+    return range(first, max(first, last))
