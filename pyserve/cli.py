@@ -38,6 +38,7 @@ async def serve(args: ServerArgs) -> None:
 
     log = logging.getLogger("pyserve")
     started = time.perf_counter()
+    args = args.resolved()
     log.info("server_args=%s", args)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     engine = Engine(args)
