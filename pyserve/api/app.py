@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, files, native
+from pyserve.api import batches, chat, completions, files, generate, operations
 from pyserve.api.errors import APIError, from_msgspec
 from pyserve.api.http import (
     FileResponse, Request, Response, error_response, json_response, preflight_response, with_cors,
@@ -44,8 +44,8 @@ class Route:
 ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
     ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
-    ("GET", "/v1/models"): Route(native.models),
-    ("GET", "/v1/models/{model:path}"): Route(native.retrieve_model),
+    ("GET", "/v1/models"): Route(operations.models),
+    ("GET", "/v1/models/{model:path}"): Route(operations.retrieve_model),
     ("POST", "/v1/files"): Route(files.upload, raw=True),
     ("GET", "/v1/files"): Route(files.list_files, raw=True),
     ("GET", "/v1/files/{file_id}"): Route(files.retrieve),
@@ -55,14 +55,14 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/batches"): Route(batches.list_batches, raw=True),
     ("GET", "/v1/batches/{batch_id}"): Route(batches.retrieve),
     ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel),
-    ("POST", "/generate"): Route(native.generate, NativeGenerateRequest),
-    ("GET", "/get_model_info"): Route(native.model_info),
-    ("GET", "/get_server_info"): Route(native.server_info),
-    ("GET", "/metrics"): Route(native.metrics),
-    ("POST", "/flush_cache"): Route(native.flush_cache),
-    ("GET", "/version"): Route(lambda ctx: native.version()),
-    ("GET", "/health"): Route(lambda ctx: None, public=True),
-    ("GET", "/health_generate"): Route(native.health_generate, public=True),
+    ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
+    ("GET", "/get_model_info"): Route(operations.model_info),
+    ("GET", "/get_server_info"): Route(operations.server_info),
+    ("GET", "/metrics"): Route(operations.metrics),
+    ("POST", "/flush_cache"): Route(operations.flush_cache),
+    ("GET", "/version"): Route(operations.version),
+    ("GET", "/health"): Route(operations.health, public=True),
+    ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 
 
