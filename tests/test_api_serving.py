@@ -1,5 +1,5 @@
 """The request builder every generation route shares (api/serving.py,
-api/sampling.py), without a model."""
+api/sampling.py, api/http.py's page), without a model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from pyserve.api.errors import APIError
+from pyserve.api.http import page
 from pyserve.api.protocol import CompletionRequest, NativeSamplingParams
 from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import fan_out, prompt_id_lists, usage
@@ -91,3 +92,21 @@ def test_one_sampling_function_reads_openai_and_sglang_fields():
     with pytest.raises(APIError) as caught:
         sampling_params(sglang, 8, 100, top_logprobs=21, top_logprobs_param="top_logprobs_num")
     assert caught.value.param == "top_logprobs_num"
+
+
+class Item(msgspec.Struct):
+    id: str
+
+
+def test_page_walks_a_list_by_cursor():
+    items = [Item(f"i{k}") for k in range(5)]
+    first = page(items, {"limit": "2"}, default_limit=20, max_limit=100)
+    assert [i.id for i in first["data"]] == ["i0", "i1"] and first["has_more"]
+    assert (first["first_id"], first["last_id"]) == ("i0", "i1")
+    rest = page(items, {"after": "i1"}, default_limit=20, max_limit=100)
+    assert [i.id for i in rest["data"]] == ["i2", "i3", "i4"] and not rest["has_more"]
+    empty = page([], {}, default_limit=20, max_limit=100)
+    assert empty["data"] == [] and empty["first_id"] is None
+    for query in ({"limit": "x"}, {"limit": "0"}, {"limit": "101"}, {"after": "nope"}):
+        with pytest.raises(APIError):
+            page(items, query, default_limit=20, max_limit=100)

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from msgspec import UNSET, UnsetType
 
@@ -27,23 +26,17 @@ from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob
 
-if TYPE_CHECKING:
-    from pyserve.api.batch_runner import BatchManager
-    from pyserve.storage.files import FileStore
 
-
-@dataclass
+@dataclass(frozen=True)
 class ServingContext:
-    """The engine and how the API presents it, and the stores of the Files
-    and Batches APIs."""
+    """The engine and how the API presents it: what the generation and
+    model routes need, and batches run their requests with."""
 
     engine: Engine
     served_model_name: str
     chat_template: ChatTemplate | None
     reasoning_parser: str | None = None  # a --reasoning-parser name
     tool_call_parser: str | None = None  # a --tool-call-parser name
-    files: "FileStore | None" = None
-    batches: "BatchManager | None" = None
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
 
     @cached_property
