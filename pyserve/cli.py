@@ -38,19 +38,19 @@ async def serve(args: ServerArgs) -> None:
 
     log = logging.getLogger("pyserve")
     started = time.perf_counter()
+    args = args.resolved()
     log.info("server_args=%s", args)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     engine = Engine(args)
     template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
     name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
-    ctx = ServingContext(engine, name, template, args.reasoning_parser,
-                         tool_call_parser=args.tool_call_parser)
-    ctx.files = FileStore(args.file_storage_path, args.max_upload_size)
-    ctx.batches = BatchManager(ctx, ctx.files, BatchStore(args.file_storage_path), args.batch_concurrency)
+    ctx = ServingContext(engine, name, template, args.reasoning_parser, args.tool_call_parser)
+    files = FileStore(args.file_storage_path, args.max_upload_size)
+    batches = BatchManager(ctx, files, BatchStore(args.file_storage_path), args.batch_concurrency)
     await engine.start()
-    ctx.batches.start()
+    batches.start()
     server = Server(
-        App(ctx, args.api_key),
+        App(ctx, args.api_key, files, batches),
         address=args.host,
         port=args.port,
         interface=Interfaces.ASGINL,
@@ -65,7 +65,7 @@ async def serve(args: ServerArgs) -> None:
     try:
         await server.serve()
     finally:
-        await ctx.batches.shutdown()
+        await batches.shutdown()
         await engine.shutdown()
         log.info("pyserve stopped")
 

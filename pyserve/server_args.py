@@ -1,111 +1,103 @@
-"""Command-line options, named as SGLang names them."""
+"""Command-line options, named as SGLang names them.
+
+Each option is declared once, as a ServerArgs field: its default, and in
+the field's metadata its flags, help and choices. The argparse parser is
+built from the fields, so a new option is one line here. `resolved()`
+turns "auto" into what this machine runs, in one place, at start-up.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+def option(default: Any, *flags: str, help: str, choices: list[str] | None = None,
+           inverse: tuple[str, str] | None = None) -> Any:
+    """A ServerArgs field with its command line. `flags` default to the
+    field's name (`--max-total-tokens`). A bool field is a switch that sets
+    True; `inverse` is (flag, help) of a second switch that sets False."""
+    return field(default=default, metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse})
+
+
+def _value_type(hint: Any) -> type:
+    """int for `int` and `int | None`: what argparse converts a value to."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = (t for t in typing.get_args(hint) if t is not type(None))
+    return hint
 
 
 @dataclass
 class ServerArgs:
-    model_path: str | None = None  # None: the embedded default model
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda when available, else cpu
-    log_level: str = "info"
-    chat_template: str | None = None  # a file, or a name from templates/
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None  # qwen25/hermes, llama3 or mistral
-    api_key: str | None = None
-    context_length: int | None = None  # default: the model's max_position_embeddings
-    max_total_tokens: int | None = None  # KV cache size in tokens
-    mem_fraction_static: float | None = None  # share of device memory for weights + KV (GPU)
-    page_size: int = 1  # tokens per KV page
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 128
+    model_path: str | None = option(None, "--model", "--model-path",
+                                    help="Hugging Face model directory (default: the embedded model)")
+    served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(30000, help="port to listen on")
+    dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: float32 on CPU, bfloat16 on CUDA")
+    device: str = option("auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available, else cpu")
+    log_level: str = option("info", choices=["debug", "info", "warning", "error"], help="log level")
+    chat_template: str | None = option(
+        None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
+    reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1"],
+                                          help="split <think>...</think> into reasoning_content")
+    # SGLang's names; qwen25 and hermes are one format.
+    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral"],
+                                          help="read tool calls in chat output into message.tool_calls")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY'")
+    context_length: int | None = option(None, help="longest prompt + completion (default: the model's)")
+    max_total_tokens: int | None = option(None, help="KV cache capacity in tokens")
+    mem_fraction_static: float | None = option(
+        None, help="share of GPU memory for weights and KV cache (default 0.85)")
+    page_size: int = option(1, help="tokens per KV cache page; the prefix cache shares whole pages")
+    attention_backend: str = option("auto", choices=["auto", "torch", "triton"],
+                                    help="auto: triton on CUDA, torch on CPU")
+    disable_cuda_graph: bool = option(False, help="run decode steps eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = option(128, help="largest decode batch captured as a CUDA graph")
     # None: overlap on CUDA only. On CPU the forward pass and the loop's own
     # work share the same cores, so overlap buys nothing and delays tokens.
-    disable_overlap_schedule: bool | None = None
-    tp_size: int = 1  # tensor parallelism: one GPU only
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 8192  # token budget of one prefill step
-    chunked_prefill_size: int = 2048  # longer prompts are computed in chunks; -1: never
-    disable_radix_cache: bool = False
-    default_max_tokens: int | None = None  # when a request sets none: up to the context length
-    random_seed: int = 0
-    decode_log_interval: int = 40  # decode steps between "Decode batch." log lines
-    file_storage_path: str = "pyserve_storage"
-    max_upload_size: int = 512 << 20  # bytes
-    batch_concurrency: int = 8  # requests of all batches in flight at once
+    disable_overlap_schedule: bool | None = option(
+        None, help="schedule the next step only after the current one finished",
+        inverse=("--enable-overlap-schedule", "overlap scheduling on CPU too (by default only on CUDA)"))
+    tp_size: int = option(1, "--tp-size", "--tp", help="tensor-parallel size; pyserve runs on one GPU, so only 1")
+    max_running_requests: int = option(64, help="running batch cap")
+    max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
+    chunked_prefill_size: int = option(
+        2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
+    disable_radix_cache: bool = option(False, help="do not reuse the KV of shared prompt prefixes")
+    default_max_tokens: int | None = option(
+        None, help="max_tokens for requests that set none (default: up to the context length)")
+    random_seed: int = option(0, help="seed of sampling for requests that set none")
+    decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
+    file_storage_path: str = option("pyserve_storage", help="where /v1/files and /v1/batches keep their data")
+    max_upload_size: int = option(512 << 20, help="largest accepted upload, in bytes")
+    batch_concurrency: int = option(
+        8, help="batch requests in flight at once (they run below interactive ones)")
 
-    @staticmethod
-    def parser() -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(
-            prog="pyserve", description="OpenAI-compatible LLM inference server"
-        )
-        p.add_argument("--model", "--model-path", dest="model_path", default=None,
-                       help="Hugging Face model directory (default: the embedded model)")
-        p.add_argument("--served-model-name", default=None,
-                       help="model name reported by the API (default: the model path)")
-        p.add_argument("--host", default=ServerArgs.host)
-        p.add_argument("--port", type=int, default=ServerArgs.port)
-        p.add_argument("--dtype", default=ServerArgs.dtype,
-                       choices=["auto", "float32", "bfloat16", "float16"])
-        p.add_argument("--device", default=ServerArgs.device, choices=["auto", "cpu", "cuda"])
-        p.add_argument("--log-level", default=ServerArgs.log_level,
-                       choices=["debug", "info", "warning", "error"])
-        p.add_argument("--chat-template", default=None,
-                       help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
-        p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek-r1"],
-                       help="split <think>...</think> into reasoning_content")
-        # SGLang's names; qwen25 and hermes are one format.
-        p.add_argument("--tool-call-parser", default=None, choices=["qwen25", "hermes", "llama3", "mistral"],
-                       help="read tool calls in chat output into message.tool_calls")
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-        p.add_argument("--context-length", type=int, default=None)
-        p.add_argument("--max-total-tokens", type=int, default=None,
-                       help="KV cache capacity in tokens")
-        p.add_argument("--mem-fraction-static", type=float, default=None,
-                       help="share of GPU memory for weights and KV cache (default 0.85)")
-        p.add_argument("--page-size", type=int, default=ServerArgs.page_size,
-                       help="tokens per KV cache page; the prefix cache shares whole pages")
-        p.add_argument("--attention-backend", default=ServerArgs.attention_backend,
-                       choices=["auto", "torch", "triton"],
-                       help="auto: triton on CUDA, torch on CPU")
-        p.add_argument("--disable-cuda-graph", action="store_true",
-                       help="run decode steps eagerly instead of replaying CUDA graphs")
-        p.add_argument("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs,
-                       help="largest decode batch captured as a CUDA graph")
-        p.add_argument("--disable-overlap-schedule", action="store_const", const=True, default=None,
-                       help="schedule the next step only after the current one finished")
-        p.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const",
-                       const=False, help="overlap scheduling on CPU too (by default only on CUDA)")
-        p.add_argument("--tp-size", "--tp", type=int, default=ServerArgs.tp_size,
-                       help="tensor-parallel size; pyserve runs on one GPU, so only 1")
-        p.add_argument("--max-running-requests", type=int, default=ServerArgs.max_running_requests)
-        p.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
-        p.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size,
-                       help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
-        p.add_argument("--disable-radix-cache", action="store_true",
-                       help="do not reuse the KV of shared prompt prefixes")
-        p.add_argument("--default-max-tokens", type=int, default=None,
-                       help="max_tokens for requests that set none (default: up to the context length)")
-        p.add_argument("--decode-log-interval", type=int, default=ServerArgs.decode_log_interval,
-                       help="decode steps between 'Decode batch.' log lines")
-        p.add_argument("--random-seed", type=int, default=ServerArgs.random_seed)
-        p.add_argument("--file-storage-path", default=ServerArgs.file_storage_path,
-                       help="where /v1/files and /v1/batches keep their data")
-        p.add_argument("--max-upload-size", type=int, default=ServerArgs.max_upload_size,
-                       help="largest accepted upload, in bytes")
-        p.add_argument("--batch-concurrency", type=int, default=ServerArgs.batch_concurrency,
-                       help="batch requests in flight at once (they run below interactive ones)")
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog="pyserve", description="OpenAI-compatible LLM inference server")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            meta = f.metadata
+            flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+            if _value_type(hints[f.name]) is bool:
+                p.add_argument(*flags, dest=f.name, action="store_const", const=True, default=f.default,
+                               help=meta["help"])
+                if meta["inverse"] is not None:
+                    flag, help = meta["inverse"]
+                    p.add_argument(flag, dest=f.name, action="store_const", const=False, help=help)
+            else:
+                p.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
+                               choices=meta["choices"], help=meta["help"])
         return p
 
     @classmethod
-    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
         parser = cls.parser()
         ns = parser.parse_args(argv)
         if ns.tp_size != 1:
@@ -114,4 +106,27 @@ class ServerArgs:
             parser.error("--page-size must be at least 1")
         if ns.mem_fraction_static is not None and not 0 < ns.mem_fraction_static <= 1:
             parser.error("--mem-fraction-static must be in (0, 1]")
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+        return cls(**vars(ns))
+
+    def resolved(self) -> ServerArgs:
+        """A copy with every "auto" made concrete for this machine: device
+        ("cpu" or "cuda"), dtype, attention backend and overlap scheduling
+        (a bool). Resolving a resolved copy changes nothing."""
+        import torch  # here, so that `pyserve --help` answers without loading torch
+
+        cuda_available = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda_available:
+            raise ValueError("--device cuda was asked for, but CUDA is not available")
+        device = self.device
+        if device == "auto":
+            device = "cuda" if cuda_available else "cpu"
+        on_cuda = device == "cuda"
+        return replace(
+            self,
+            device=device,
+            dtype=("bfloat16" if on_cuda else "float32") if self.dtype == "auto" else self.dtype,
+            attention_backend=(("triton" if on_cuda else "torch") if self.attention_backend == "auto"
+                               else self.attention_backend),
+            disable_overlap_schedule=(not on_cuda if self.disable_overlap_schedule is None
+                                      else self.disable_overlap_schedule),
+        )

@@ -19,7 +19,7 @@ from pyserve._rust import Tokenizer
 from pyserve.api.app import App
 from pyserve.api.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
-from pyserve.engine.request import GenerateOutput, GenerateRequest
+from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -38,7 +38,7 @@ class ScriptedEngine:
 
     def validate(self, req: GenerateRequest) -> None:
         if not req.input_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         self.requests.append(req)

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, files, native
+from pyserve.api import batches, chat, completions, files, generate, operations
+from pyserve.api.batch_runner import BatchManager
 from pyserve.api.errors import APIError, from_msgspec
 from pyserve.api.http import (
     FileResponse, Request, Response, error_response, json_response, preflight_response, with_cors,
@@ -26,6 +27,7 @@ from pyserve.api.http import (
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
 from pyserve.api.serving import ServingContext
 from pyserve.api.sse import DisconnectableStream
+from pyserve.storage.files import FileStore
 
 logger = logging.getLogger("pyserve.http")
 
@@ -36,6 +38,7 @@ class Route:
     body_type: type | None = None  # msgspec Struct to decode the body into
     raw: bool = False  # the handler reads the Request itself (uploads, query strings)
     public: bool = False  # answered without an API key
+    service: str = "ctx"  # what the handler gets first: the App's ctx, files (FileStore) or batches (BatchManager)
 
 
 # Path segments in braces are handed to the handler as keyword arguments;
@@ -44,25 +47,25 @@ class Route:
 ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
     ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
-    ("GET", "/v1/models"): Route(native.models),
-    ("GET", "/v1/models/{model:path}"): Route(native.retrieve_model),
-    ("POST", "/v1/files"): Route(files.upload, raw=True),
-    ("GET", "/v1/files"): Route(files.list_files, raw=True),
-    ("GET", "/v1/files/{file_id}"): Route(files.retrieve),
-    ("DELETE", "/v1/files/{file_id}"): Route(files.delete),
-    ("GET", "/v1/files/{file_id}/content"): Route(files.content),
-    ("POST", "/v1/batches"): Route(batches.create, batches.CreateBatchRequest),
-    ("GET", "/v1/batches"): Route(batches.list_batches, raw=True),
-    ("GET", "/v1/batches/{batch_id}"): Route(batches.retrieve),
-    ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel),
-    ("POST", "/generate"): Route(native.generate, NativeGenerateRequest),
-    ("GET", "/get_model_info"): Route(native.model_info),
-    ("GET", "/get_server_info"): Route(native.server_info),
-    ("GET", "/metrics"): Route(native.metrics),
-    ("POST", "/flush_cache"): Route(native.flush_cache),
-    ("GET", "/version"): Route(lambda ctx: native.version()),
-    ("GET", "/health"): Route(lambda ctx: None, public=True),
-    ("GET", "/health_generate"): Route(native.health_generate, public=True),
+    ("GET", "/v1/models"): Route(operations.models),
+    ("GET", "/v1/models/{model:path}"): Route(operations.retrieve_model),
+    ("POST", "/v1/files"): Route(files.upload, raw=True, service="files"),
+    ("GET", "/v1/files"): Route(files.list_files, raw=True, service="files"),
+    ("GET", "/v1/files/{file_id}"): Route(files.retrieve, service="files"),
+    ("DELETE", "/v1/files/{file_id}"): Route(files.delete, service="files"),
+    ("GET", "/v1/files/{file_id}/content"): Route(files.content, service="files"),
+    ("POST", "/v1/batches"): Route(batches.create, batches.CreateBatchRequest, service="batches"),
+    ("GET", "/v1/batches"): Route(batches.list_batches, raw=True, service="batches"),
+    ("GET", "/v1/batches/{batch_id}"): Route(batches.retrieve, service="batches"),
+    ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel, service="batches"),
+    ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
+    ("GET", "/get_model_info"): Route(operations.model_info),
+    ("GET", "/get_server_info"): Route(operations.server_info),
+    ("GET", "/metrics"): Route(operations.metrics),
+    ("POST", "/flush_cache"): Route(operations.flush_cache),
+    ("GET", "/version"): Route(operations.version),
+    ("GET", "/health"): Route(operations.health, public=True),
+    ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 
 
@@ -85,8 +88,14 @@ def match_path(pattern: str, path: str) -> dict[str, str] | None:
 
 
 class App:
-    def __init__(self, ctx: ServingContext, api_key: str | None = None):
+    """The ASGI app over the model (`ctx`) and, when served, the stores of
+    the Files and Batches APIs."""
+
+    def __init__(self, ctx: ServingContext, api_key: str | None = None, files: FileStore | None = None,
+                 batches: BatchManager | None = None):
         self.ctx = ctx
+        self.files = files
+        self.batches = batches
         self.api_key = api_key
         self.decoders = {r.body_type: msgspec.json.Decoder(r.body_type) for r in ROUTES.values() if r.body_type}
 
@@ -127,7 +136,9 @@ class App:
             raise APIError(f"no route {request.method} {request.path}", 404, code="not_found")
         if self.api_key and not route.public:
             self._authorize(request)
-        args: list = [request] if route.raw else []
+        args: list = [getattr(self, route.service)]
+        if route.raw:
+            args.append(request)
         if route.body_type is not None:
             body = await request.body()
             try:
@@ -138,8 +149,8 @@ class App:
         if route.raw:
             # The handler reads the body itself, so nothing else may
             # receive() meanwhile; an upload ends when its body does.
-            return to_response(await _call(route.handler, self.ctx, *args, **params))
-        work = asyncio.ensure_future(_call(route.handler, self.ctx, *args, **params))
+            return to_response(await _call(route.handler, *args, **params))
+        work = asyncio.ensure_future(_call(route.handler, *args, **params))
         watcher = asyncio.ensure_future(request.wait_disconnect())
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)

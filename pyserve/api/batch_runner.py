@@ -1,11 +1,12 @@
 """Runs OpenAI batches as asyncio tasks.
 
 A batch goes validating -> in_progress -> finalizing -> completed, or
-failed (invalid input), cancelling -> cancelled, or expired. Its requests
-go through the same handlers as online requests, at batch priority and at
-most `concurrency` at a time, so interactive traffic keeps its latency.
-Result lines are appended as requests finish and the record is saved as it
-changes, so a restart resumes a batch where it stopped.
+failed (invalid input), cancelling -> cancelled, or expired (BatchStatus).
+Its requests go through the same handlers as online requests, at batch
+priority and at most `concurrency` at a time, so interactive traffic keeps
+its latency. Result lines are appended as requests finish and the record
+is saved as it changes, both through the BatchStore, so a restart resumes
+a batch where it stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import re
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -23,7 +25,9 @@ from pyserve.api.errors import APIError, bad_request, from_msgspec
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.serving import ServingContext, new_id
 from pyserve.engine.request import BATCH_PRIORITY
-from pyserve.storage.batches import BatchStore, new_batch_id
+from pyserve.storage.batches import (
+    BatchError, BatchErrors, BatchRecord, BatchResponse, BatchResult, BatchStatus, BatchStore, new_batch_id,
+)
 from pyserve.storage.files import FileNotFound, FileStore
 
 logger = logging.getLogger("pyserve.batches")
@@ -32,9 +36,7 @@ ENDPOINTS = {
     "/v1/chat/completions": (ChatCompletionRequest, chat.create),
     "/v1/completions": (CompletionRequest, completions.create),
 }
-ACTIVE = {"validating", "in_progress", "finalizing", "cancelling"}
 _WINDOW = re.compile(r"^(\d+)([hm])$")
-_SAVE_INTERVAL = 0.5  # seconds between saves of a running batch's counts
 
 
 class BatchManager:
@@ -46,60 +48,50 @@ class BatchManager:
         self.records = store.load_all()
         self.tasks: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(concurrency)  # shared by all batches
-        self._last_save: dict[str, float] = {}
 
     # -- API -----------------------------------------------------------------
 
-    async def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata) -> dict:
+    async def create(self, input_file_id: str, endpoint: str, completion_window: str,
+                     metadata: dict[str, str] | None) -> BatchRecord:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint must be one of {sorted(ENDPOINTS)}", "endpoint")
         match = _WINDOW.match(completion_window or "")
         if not match or int(match.group(1)) == 0:
             raise bad_request("completion_window must look like '24h'", "completion_window")
         window = int(match.group(1)) * (3600 if match.group(2) == "h" else 60)
-        if metadata is not None and (
-            not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
-        ):
-            raise bad_request("metadata must be an object of strings", "metadata")
         try:
             await self.files.get(input_file_id)
         except FileNotFound:
             raise APIError(f"no file with id {input_file_id!r}", 404, param="input_file_id",
                            code="file_not_found") from None
         now = int(time.time())
-        record = {
-            "id": new_batch_id(), "object": "batch", "endpoint": endpoint, "errors": None,
-            "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
-            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-            "expires_at": now + window, "finalizing_at": None, "completed_at": None, "failed_at": None,
-            "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-        }
-        self._save(record, force=True)
-        self.records[record["id"]] = record
-        self._spawn(record["id"])
+        record = BatchRecord(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
+                             completion_window=completion_window, created_at=now, expires_at=now + window,
+                             metadata=metadata)
+        self.store.save(record)
+        self.records[record.id] = record
+        self._spawn(record.id)
         return record
 
-    def get(self, batch_id: str) -> dict:
+    def get(self, batch_id: str) -> BatchRecord:
         try:
             return self.records[batch_id]
         except KeyError:
             raise APIError(f"no batch with id {batch_id!r}", 404, code="batch_not_found") from None
 
-    def list(self) -> list[dict]:
-        return sorted(self.records.values(), key=lambda r: r["id"], reverse=True)  # newest first
+    def list(self) -> list[BatchRecord]:
+        return sorted(self.records.values(), key=lambda r: r.id, reverse=True)  # newest first
 
-    async def cancel(self, batch_id: str) -> dict:
+    async def cancel(self, batch_id: str) -> BatchRecord:
         record = self.get(batch_id)
-        if record["status"] in ("validating", "in_progress"):
-            record["status"] = "cancelling"
-            record["cancelling_at"] = int(time.time())
-            self._save(record, force=True)
+        if record.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+            record.enter(BatchStatus.CANCELLING)
+            self.store.save(record)
             task = self.tasks.get(batch_id)
             if task is not None:
                 task.cancel()
-        elif record["status"] != "cancelling":
-            raise APIError(f"cannot cancel a batch that is {record['status']}", 409, code="invalid_state")
+        elif record.status is not BatchStatus.CANCELLING:
+            raise APIError(f"cannot cancel a batch that is {record.status.value}", 409, code="invalid_state")
         return record
 
     # -- lifecycle -----------------------------------------------------------
@@ -107,8 +99,8 @@ class BatchManager:
     def start(self) -> None:
         """Resume the batches a previous run left active."""
         for batch_id, record in self.records.items():
-            if record["status"] in ACTIVE:
-                logger.info("Resuming batch %s (%s)", batch_id, record["status"])
+            if record.status.active:
+                logger.info("Resuming batch %s (%s)", batch_id, record.status.value)
                 self._spawn(batch_id)
 
     async def shutdown(self) -> None:
@@ -123,59 +115,52 @@ class BatchManager:
         self.tasks[batch_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(batch_id, None))
 
-    def _save(self, record: dict, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last_save.get(record["id"], 0.0) >= _SAVE_INTERVAL:
-            self.store.save(record)
-            self._last_save[record["id"]] = now
-
     # -- running -------------------------------------------------------------
 
     async def _run(self, batch_id: str) -> None:
         record = self.records[batch_id]
         try:
-            if record["status"] in ("validating", "in_progress"):
+            if record.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
                 lines = await self._read_input(record)
                 if lines is None:
                     return
-                if record["status"] == "validating":
-                    record["status"] = "in_progress"
-                    record["in_progress_at"] = int(time.time())
-                    self._save(record, force=True)
+                if record.status is BatchStatus.VALIDATING:
+                    record.enter(BatchStatus.IN_PROGRESS)
+                    self.store.save(record)
                 expired = await self._run_lines(record, lines)
-                await self._finalize(record, "expired" if expired else "completed")
-            elif record["status"] == "cancelling":
-                await self._finalize(record, "cancelled")
-            elif record["status"] == "finalizing":
-                await self._finalize(record, "completed")
+                await self._finalize(record, BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED)
+            elif record.status is BatchStatus.CANCELLING:
+                await self._finalize(record, BatchStatus.CANCELLED)
+            elif record.status is BatchStatus.FINALIZING:
+                await self._finalize(record, BatchStatus.COMPLETED)
         except asyncio.CancelledError:
-            if record["status"] == "cancelling":
-                await self._finalize(record, "cancelled")
+            if record.status is BatchStatus.CANCELLING:
+                await self._finalize(record, BatchStatus.CANCELLED)
             else:
                 raise  # server shutdown: keep the status for a resume
         except Exception as e:
             logger.exception("batch %s failed", batch_id)
-            self._fail(record, [{"code": "internal_error", "line": None, "message": str(e), "param": None}])
+            self._fail(record, [BatchError(code="internal_error", line=None, message=str(e))])
 
-    def _fail(self, record: dict, errors: list[dict]) -> None:
-        record["status"] = "failed"
-        record["failed_at"] = int(time.time())
-        record["errors"] = {"object": "list", "data": errors}
-        self._save(record, force=True)
+    def _fail(self, record: BatchRecord, errors: list[BatchError]) -> None:
+        record.errors = BatchErrors(data=errors)
+        record.enter(BatchStatus.FAILED)
+        self.store.save(record)
 
-    async def _read_input(self, record: dict) -> list[dict] | None:
+    async def _read_input(self, record: BatchRecord) -> list[dict] | None:
         """Parse and check every input line; on any problem the batch fails
         with one error per bad line, as OpenAI reports them."""
-        model_class, _ = ENDPOINTS[record["endpoint"]]
-        errors, lines, seen = [], [], set()
-        short = record["endpoint"].removeprefix("/v1")
+        model_class, _ = ENDPOINTS[record.endpoint]
+        errors: list[BatchError] = []
+        lines, seen = [], set()
+        short = record.endpoint.removeprefix("/v1")
 
-        def error(code: str, line: int, message: str, param: str | None = None):
-            errors.append({"code": code, "line": line, "message": message, "param": param})
+        def error(code: str, line: int | None, message: str, param: str | None = None):
+            errors.append(BatchError(code=code, line=line, message=message, param=param))
 
         try:
             number = 0
-            async for raw in self.files.read_lines(record["input_file_id"]):
+            async for raw in self.files.read_lines(record.input_file_id):
                 number += 1
                 if not raw.strip():
                     continue
@@ -198,8 +183,8 @@ class BatchManager:
                 if item.get("method") != "POST":
                     error("invalid_method", number, "method must be POST", "method")
                     continue
-                if item.get("url") not in (record["endpoint"], short):
-                    error("invalid_url", number, f"url must be {record['endpoint']}, as the batch's endpoint", "url")
+                if item.get("url") not in (record.endpoint, short):
+                    error("invalid_url", number, f"url must be {record.endpoint}, as the batch's endpoint", "url")
                     continue
                 body = item.get("body")
                 if not isinstance(body, dict):
@@ -216,22 +201,21 @@ class BatchManager:
                     continue
                 lines.append({"custom_id": custom_id, "body": body})
         except FileNotFound:
-            error("file_not_found", None, f"the input file {record['input_file_id']} no longer exists")
+            error("file_not_found", None, f"the input file {record.input_file_id} no longer exists")
         if not errors and not lines:
             error("empty_file", None, "the input file has no requests")
         if errors:
             self._fail(record, errors)
             return None
-        record["request_counts"]["total"] = len(lines)
+        record.request_counts.total = len(lines)
         return lines
 
-    async def _run_lines(self, record: dict, lines: list[dict]) -> bool:
+    async def _run_lines(self, record: BatchRecord, lines: list[dict]) -> bool:
         """Run what is not done yet; True if the batch expired first."""
-        batch_id = record["id"]
-        done = self.store.finished_lines(batch_id)
-        counts = record["request_counts"]
-        counts["completed"] = sum(done.values())
-        counts["failed"] = len(done) - counts["completed"]
+        done = self.store.finished_lines(record.id)
+        counts = record.request_counts
+        counts.completed = sum(done.values())
+        counts.failed = len(done) - counts.completed
         todo = [line for line in lines if line["custom_id"] not in done]
         queue: asyncio.Queue = asyncio.Queue()
         for line in todo:
@@ -241,7 +225,7 @@ class BatchManager:
         async def worker():
             nonlocal expired
             while not queue.empty():
-                if time.time() > record["expires_at"]:
+                if time.time() > record.expires_at:
                     expired = True
                     return
                 line = queue.get_nowait()
@@ -257,36 +241,42 @@ class BatchManager:
             await asyncio.gather(*workers, return_exceptions=True)
         return expired
 
-    async def _run_one(self, record: dict, line: dict) -> None:
-        model_class, handler = ENDPOINTS[record["endpoint"]]
+    async def _run_one(self, record: BatchRecord, line: dict) -> None:
+        model_class, handler = ENDPOINTS[record.endpoint]
         request_id = new_id("batch_req_")
         try:
             body = await handler(self.ctx, msgspec.convert(line["body"], model_class), priority=BATCH_PRIORITY)
-            response, ok = {"status_code": 200, "request_id": request_id, "body": body}, True
+            response, ok = BatchResponse(status_code=200, request_id=request_id, body=body), True
         except APIError as e:
-            response, ok = {"status_code": e.status, "request_id": request_id, "body": e.body()}, False
-        result = {"id": request_id, "custom_id": line["custom_id"], "response": response, "error": None}
-        path = self.store.output_path(record["id"]) if ok else self.store.errors_path(record["id"])
-        # One whole line per write: a crash leaves at most one cut line.
-        with open(path, "ab") as f:
-            f.write(msgspec.json.encode(result) + b"\n")
-        record["request_counts"]["completed" if ok else "failed"] += 1
-        self._save(record)
+            response, ok = BatchResponse(status_code=e.status, request_id=request_id, body=e.body()), False
+        result = BatchResult(id=request_id, custom_id=line["custom_id"], response=response)
+        self.store.append_result(record.id, result, ok)
+        if ok:
+            record.request_counts.completed += 1
+        else:
+            record.request_counts.failed += 1
+        self.store.save_progress(record)
 
-    async def _finalize(self, record: dict, final_status: str) -> None:
-        batch_id = record["id"]
-        record["status"] = "finalizing" if final_status != "cancelled" else "cancelling"
-        record["finalizing_at"] = record["finalizing_at"] or int(time.time())
-        self._save(record, force=True)
-        for path, key, purpose, suffix in (
-            (self.store.output_path(batch_id), "output_file_id", "batch_output", "output"),
-            (self.store.errors_path(batch_id), "error_file_id", "batch_output", "errors"),
-        ):
-            if path.exists() and record[key] is None:
-                meta = await self.files.adopt(path, f"{batch_id}_{suffix}.jsonl", purpose)
-                record[key] = meta["id"]
-                self._save(record, force=True)
-        record["status"] = final_status
-        record[f"{final_status}_at"] = int(time.time())
-        self._save(record, force=True)
-        logger.info("Batch %s %s: %s", batch_id, final_status, record["request_counts"])
+    async def _finalize(self, record: BatchRecord, final: BatchStatus) -> None:
+        """Hand the result files to the Files API, then end in `final`. A
+        cancelled batch stays `cancelling` meanwhile, as OpenAI shows it."""
+        if final is not BatchStatus.CANCELLED:
+            record.status = BatchStatus.FINALIZING
+        record.finalizing_at = record.finalizing_at or int(time.time())  # kept when a restart finalizes again
+        self.store.save(record)
+        if record.output_file_id is None:
+            record.output_file_id = await self._publish(record, self.store.output_path(record.id), "output")
+            self.store.save(record)
+        if record.error_file_id is None:
+            record.error_file_id = await self._publish(record, self.store.errors_path(record.id), "errors")
+            self.store.save(record)
+        record.enter(final)
+        self.store.save(record)
+        logger.info("Batch %s %s: %s", record.id, final.value, msgspec.to_builtins(record.request_counts))
+
+    async def _publish(self, record: BatchRecord, path: Path, name: str) -> str | None:
+        """The result file at `path` moved into the Files API: its file id
+        (None when the batch wrote no such lines)."""
+        if not path.exists():
+            return None
+        return (await self.files.adopt(path, f"{record.id}_{name}.jsonl", "batch_output")).id

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pyserve.api.files import page, query
-from pyserve.api.http import Request
-from pyserve.api.serving import ServingContext
+from pyserve.api.batch_runner import BatchManager
+from pyserve.api.http import Request, page
+from pyserve.storage.batches import BatchRecord
 
 
 class CreateBatchRequest(msgspec.Struct, kw_only=True):
@@ -16,17 +16,17 @@ class CreateBatchRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
 
 
-async def create(ctx: ServingContext, req: CreateBatchRequest) -> dict:
-    return await ctx.batches.create(req.input_file_id, req.endpoint, req.completion_window, req.metadata)
+async def create(batches: BatchManager, req: CreateBatchRequest) -> BatchRecord:
+    return await batches.create(req.input_file_id, req.endpoint, req.completion_window, req.metadata)
 
 
-async def retrieve(ctx: ServingContext, batch_id: str) -> dict:
-    return ctx.batches.get(batch_id)
+async def retrieve(batches: BatchManager, batch_id: str) -> BatchRecord:
+    return batches.get(batch_id)
 
 
-async def cancel(ctx: ServingContext, batch_id: str) -> dict:
-    return await ctx.batches.cancel(batch_id)
+async def cancel(batches: BatchManager, batch_id: str) -> BatchRecord:
+    return await batches.cancel(batch_id)
 
 
-async def list_batches(ctx: ServingContext, request: Request) -> dict:
-    return page(ctx.batches.list(), query(request), default_limit=20, max_limit=100)
+async def list_batches(batches: BatchManager, request: Request) -> dict:
+    return page(batches.list(), request.query(), default_limit=20, max_limit=100)

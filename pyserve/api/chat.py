@@ -10,19 +10,24 @@ from msgspec import UNSET
 
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.errors import bad_request
-from pyserve.api.logprobs import ChatLogprobs, chat_logprobs
+from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatStreamChoice, Delta, ToolCall, ToolCallDelta,
 )
-from pyserve.api.sampling import build_params, check_context
+from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import (
-    REASONING_PARSERS, ServingContext, UsageCounter, check_requests, choice_requests, merged_outputs, new_id, now,
+    ChoiceResult, ChunkFactory, ServingContext, collect, fan_out, merged_outputs, new_id, now, usage,
 )
 from pyserve.api.tools import ToolCalling, ToolCallStream, check_history_calls, plan
 from pyserve.chat_template import ChatTemplateError
-from pyserve.engine.request import GenerateOutput, TokenLogprob
+from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
 
+# Reasoning parsers: (start marker, end marker, does the template open it?)
+REASONING_PARSERS = {
+    "qwen3": ("<think>", "</think>", False),
+    "deepseek-r1": ("<think>", "</think>", True),
+}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -66,8 +71,8 @@ def _template_tool_call(call: dict) -> dict:
     return call
 
 
-def prepare(ctx: ServingContext, req: ChatCompletionRequest):
-    """Validate, render the chat template and tokenize: (prompt ids,
+def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalling | None]:
+    """Check, render the chat template and tokenize: (prompt ids,
     SamplingParams, how to read tool calls in the output or None)."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
@@ -96,17 +101,8 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest):
         prompt += calling.prefix
     prompt_ids = ctx.engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = build_params(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n, stop=req.stop,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=req.logit_bias, seed=req.seed, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        vocab_size=ctx.engine.vocab_size, max_tokens_param=param,
-        logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0,
-    )
-    check_context(len(prompt_ids), max_tokens, ctx.engine.context_len)
+    params = sampling_params(req, max_tokens, ctx.engine.vocab_size,
+                             top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     return prompt_ids, params, calling
 
 
@@ -145,69 +141,55 @@ class _ChoiceOutput:
 async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
     prompt_ids, params, calling = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
-    requests = choice_requests(prompt_ids, params, req.n, rid, priority)
-    check_requests(ctx.engine, requests, "messages")
+    limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requests = fan_out(ctx.engine, [prompt_ids], params, req.n, rid,
+                       {"prompt": "messages", "max_new_tokens": limit}, priority)
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)
-    texts = [""] * req.n
-    logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
-    finals: list[GenerateOutput | None] = [None] * req.n
-    counter = UsageCounter()
-    async for i, out in merged_outputs(ctx.engine, requests):
-        texts[i] += out.text
-        logprobs[i] += out.logprobs or []
-        if out.finished:
-            finals[i] = out
-            counter.add(0, out)
-    choices = []
-    for i, (text, out) in enumerate(zip(texts, finals)):
-        output = _ChoiceOutput(ctx, req, calling)
-        reasoning, content, calls = output.feed(text, final=True)
-        if output.splitter is not None:
-            content = content.lstrip()
-        message = AssistantMessage(
-            content=None if calls and not content.strip() else content,
-            reasoning_content=reasoning.strip() or None,
-            tool_calls=calls or None,
-        )
-        choices.append(ChatChoice(
-            index=i,
-            message=message,
-            logprobs=chat_logprobs(ctx.token_texts, logprobs[i]) if req.logprobs else None,
-            finish_reason=output.finish_reason(out.finish_reason),
-            matched_stop=out.matched_stop,
-        ))
-    return ChatCompletionResponse(
-        id=rid, created=now(), model=ctx.served_model_name, choices=choices, usage=counter.body()
+    results = await collect(ctx.engine, requests)
+    choices = [_choice(ctx, req, calling, i, result) for i, result in enumerate(results)]
+    return ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
+                                  usage=usage([r.final for r in results], req.n))
+
+
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None, index: int,
+            result: ChoiceResult) -> ChatChoice:
+    output = _ChoiceOutput(ctx, req, calling)
+    reasoning, content, calls = output.feed(result.text, final=True)
+    if output.splitter is not None:
+        content = content.lstrip()
+    message = AssistantMessage(
+        content=None if calls and not content.strip() else content,
+        reasoning_content=reasoning.strip() or None,
+        tool_calls=calls or None,
+    )
+    return ChatChoice(
+        index=index,
+        message=message,
+        logprobs=chat_logprobs(ctx.token_texts, result.logprobs) if req.logprobs else None,
+        finish_reason=output.finish_reason(result.final.finish_reason),
+        matched_stop=result.final.matched_stop,
     )
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid: str,
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: list[GenerateRequest], rid: str,
                   calling: ToolCalling | None) -> AsyncIterator:
     """OpenAI's chunk order: a role chunk per choice, content and tool call
     deltas, a finish chunk per choice, then (if asked) one usage chunk with
     no choices."""
-    created = now()
-
-    def chunk(choices: list[ChatStreamChoice], usage=UNSET) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, created=created, model=ctx.served_model_name, choices=choices,
-                                   usage=usage)
-
+    chunk = ChunkFactory(ChatCompletionChunk, rid, ctx.served_model_name)
     outputs = [_ChoiceOutput(ctx, req, calling) for _ in requests]
-    # Logprobs of tokens whose text is not out yet ride with the next chunk.
-    pending: list[list[TokenLogprob]] = [[] for _ in requests]
+    pending = PendingLogprobs(len(requests))
+    finals: list[GenerateOutput | None] = [None] * len(requests)
 
     def take_logprobs(i: int) -> ChatLogprobs | None:
-        if not req.logprobs or not pending[i]:
-            return None
-        entries, pending[i] = pending[i], []
-        return chat_logprobs(ctx.token_texts, entries)
+        entries = pending.take(i)
+        return chat_logprobs(ctx.token_texts, entries) if req.logprobs and entries else None
 
-    counter = UsageCounter()
     for i in range(len(requests)):
         yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
     async for i, out in merged_outputs(ctx.engine, requests):
-        pending[i] += out.logprobs or []
+        pending.add(i, out.logprobs or [])
         first_index = outputs[i].calls
         reasoning, content, calls = outputs[i].feed(out.text, out.finished)
         if reasoning or content or calls:
@@ -215,9 +197,9 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests, rid
             delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET, tool_calls=deltas or UNSET)
             yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=take_logprobs(i))])
         if out.finished:
-            counter.add(0, out)
+            finals[i] = out
             yield chunk([ChatStreamChoice(index=i, delta=Delta(), logprobs=take_logprobs(i),
                                           finish_reason=outputs[i].finish_reason(out.finish_reason),
                                           matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield chunk([], counter.body())
+        yield chunk([], usage(finals, req.n))

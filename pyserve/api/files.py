@@ -3,45 +3,17 @@ content (streamed), delete."""
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs
-
 import python_multipart
 
 from pyserve.api.errors import APIError, bad_request
-from pyserve.api.http import FileResponse, Request
-from pyserve.api.serving import ServingContext
-from pyserve.storage.files import FileNotFound, FileStore, FileTooLarge
+from pyserve.api.http import FileResponse, Request, page
+from pyserve.storage.files import FileNotFound, FileObject, FileStore, FileTooLarge
 
 PURPOSES = {"batch", "batch_output", "fine-tune", "assistants", "user_data", "evals", "vision"}
 
 
 def not_found(file_id: str) -> APIError:
     return APIError(f"no file with id {file_id!r}", 404, param="file_id", code="file_not_found")
-
-
-def query(request: Request) -> dict[str, str]:
-    return {k: v[-1] for k, v in parse_qs(request.scope.get("query_string", b"").decode()).items()}
-
-
-def page(items: list[dict], q: dict[str, str], default_limit: int, max_limit: int) -> dict:
-    """OpenAI's cursor pagination: `after` an id, `limit` items."""
-    try:
-        limit = int(q.get("limit", default_limit))
-    except ValueError:
-        raise bad_request("limit must be an integer", "limit") from None
-    if not 1 <= limit <= max_limit:
-        raise bad_request(f"limit must be between 1 and {max_limit}", "limit")
-    after = q.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise bad_request(f"after: no item with id {after!r}", "after")
-        items = items[ids.index(after) + 1 :]
-    data = items[:limit]
-    return {
-        "object": "list", "data": data, "has_more": len(items) > limit,
-        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-    }
 
 
 class _Upload:
@@ -95,7 +67,7 @@ class _Upload:
                 raise bad_request(f"form field {self._name!r} is too long")
 
 
-async def upload(ctx: ServingContext, request: Request) -> dict:
+async def upload(store: FileStore, request: Request) -> FileObject:
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data") or "boundary=" not in content_type:
         raise bad_request("upload a file as multipart/form-data with fields 'file' and 'purpose'")
@@ -112,7 +84,6 @@ async def upload(ctx: ServingContext, request: Request) -> dict:
                 yield form.pending.pop(0)
         form.parser.finalize()
 
-    store: FileStore = ctx.files
     try:
         file_id, size = await store.write_data(file_bytes())
     except FileTooLarge as e:
@@ -127,9 +98,9 @@ async def upload(ctx: ServingContext, request: Request) -> dict:
     return await store.write_meta(file_id, form.filename, purpose, size)
 
 
-async def list_files(ctx: ServingContext, request: Request) -> dict:
-    q = query(request)
-    items = await ctx.files.list(q.get("purpose"))
+async def list_files(store: FileStore, request: Request) -> dict:
+    q = request.query()
+    items = await store.list(q.get("purpose"))
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order must be asc or desc", "order")
@@ -138,23 +109,23 @@ async def list_files(ctx: ServingContext, request: Request) -> dict:
     return page(items, q, default_limit=10000, max_limit=10000)
 
 
-async def retrieve(ctx: ServingContext, file_id: str) -> dict:
+async def retrieve(store: FileStore, file_id: str) -> FileObject:
     try:
-        return await ctx.files.get(file_id)
+        return await store.get(file_id)
     except FileNotFound:
         raise not_found(file_id) from None
 
 
-async def content(ctx: ServingContext, file_id: str) -> FileResponse:
+async def content(store: FileStore, file_id: str) -> FileResponse:
     try:
-        await ctx.files.get(file_id)
-        return FileResponse(ctx.files.read_chunks(file_id))
+        await store.get(file_id)
+        return FileResponse(store.read_chunks(file_id))
     except FileNotFound:
         raise not_found(file_id) from None
 
 
-async def delete(ctx: ServingContext, file_id: str) -> dict:
+async def delete(store: FileStore, file_id: str) -> dict:
     try:
-        return await ctx.files.delete(file_id)
+        return await store.delete(file_id)
     except FileNotFound:
         raise not_found(file_id) from None

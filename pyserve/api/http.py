@@ -1,13 +1,16 @@
-"""Minimal ASGI plumbing: bodies, JSON and file responses, CORS, disconnects."""
+"""Minimal ASGI plumbing: bodies, query strings, JSON and file responses,
+list pages, CORS, disconnects."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol
+from urllib.parse import parse_qs
 
 import msgspec
 
-from pyserve.api.errors import APIError
+from pyserve.api.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 64 << 20
 
@@ -50,6 +53,10 @@ class Request:
         while (await self.receive())["type"] != "http.disconnect":
             pass
 
+    def query(self) -> dict[str, str]:
+        """The query string's parameters (the last value of a repeated one)."""
+        return {k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode()).items()}
+
 
 class Response:
     def __init__(self, status: int, body: bytes, content_type: str = "application/json"):
@@ -83,6 +90,31 @@ class FileResponse:
         async for chunk in self.chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
+
+
+class Listed(Protocol):
+    id: str
+
+
+def page(items: Sequence[Listed], query: dict[str, str], default_limit: int, max_limit: int) -> dict:
+    """OpenAI's cursor pagination: `limit` items `after` an id."""
+    try:
+        limit = int(query.get("limit", default_limit))
+    except ValueError:
+        raise bad_request("limit must be an integer", "limit") from None
+    if not 1 <= limit <= max_limit:
+        raise bad_request(f"limit must be between 1 and {max_limit}", "limit")
+    after = query.get("after")
+    if after is not None:
+        ids = [item.id for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no item with id {after!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    data = list(items[:limit])
+    return {
+        "object": "list", "data": data, "has_more": len(items) > limit,
+        "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None,
+    }
 
 
 def json_response(obj, status: int = 200) -> Response:

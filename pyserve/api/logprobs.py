@@ -80,3 +80,18 @@ def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob | None], o
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+class PendingLogprobs:
+    """A stream's logprob entries of tokens whose text is not out yet, per
+    choice: they ride with the choice's next chunk."""
+
+    def __init__(self, choices: int):
+        self._entries: list[list[TokenLogprob | None]] = [[] for _ in range(choices)]
+
+    def add(self, choice: int, entries: list[TokenLogprob | None]) -> None:
+        self._entries[choice] += entries
+
+    def take(self, choice: int) -> list[TokenLogprob | None]:
+        entries, self._entries[choice] = self._entries[choice], []
+        return entries

@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI and native routes, as msgspec Structs.
 
-Requests: unknown fields are ignored, as OpenAI-compatible servers do.
-Fields whose JSON shape varies (a completion prompt, SGLang's
-sampling_params) are decoded loosely and checked in code, with a clear
-message.
+Requests: unknown fields are ignored, as OpenAI-compatible servers do,
+except in SGLang's sampling_params, where an unknown name is a setting
+this server does not honour (regex, json_schema...). Fields whose JSON
+shape varies (a prompt as text or token ids) are decoded loosely and
+checked in code, with a clear message.
 
 Responses mirror SGLang's shapes field for field, nulls included (the
 openai client reads `logprobs: null`, `matched_stop: null`...). A field
@@ -93,10 +94,30 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
+class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's sampling_params, with its names and defaults."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
 class NativeGenerateRequest(msgspec.Struct, kw_only=True):
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] | list[list[int]]
-    sampling_params: dict[str, Any] | None = None
+    sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None
     # SGLang's logprob options: output tokens' logprobs, and the prompt's

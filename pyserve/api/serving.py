@@ -1,43 +1,42 @@
-"""What every generation route shares: the engine, fan-out of n choices,
-usage accounting and ids."""
+"""What every generation route shares: its context, the prompt shapes,
+fan-out of prompts x n into engine requests (validated once, by the
+engine), merged outputs, the collector of whole responses, usage, and the
+factory of streamed chunks.
+
+Chat, completions and /generate only translate their own request and
+response shapes around these.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
+from msgspec import UNSET, UnsetType
+
+from pyserve._rust import Tokenizer
 from pyserve.api.errors import APIError, bad_request
 from pyserve.api.logprobs import TokenTexts
 from pyserve.api.protocol import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
-from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
-
-if TYPE_CHECKING:
-    from pyserve.api.batch_runner import BatchManager
-    from pyserve.storage.files import FileStore
-
-# Reasoning parsers: (start marker, end marker, does the template open it?)
-REASONING_PARSERS = {
-    "qwen3": ("<think>", "</think>", False),
-    "deepseek-r1": ("<think>", "</think>", True),
-}
+from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServingContext:
+    """The engine and how the API presents it: what the generation and
+    model routes need, and batches run their requests with."""
+
     engine: Engine
     served_model_name: str
     chat_template: ChatTemplate | None
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = None  # a --reasoning-parser name
     tool_call_parser: str | None = None  # a --tool-call-parser name
-    files: "FileStore | None" = None
-    batches: "BatchManager | None" = None
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
 
     @cached_property
@@ -53,37 +52,58 @@ def now() -> int:
     return int(time.time())
 
 
-def check_prompt_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
-    vocab = ctx.engine.vocab_size
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise bad_request("token ids must be integers", param)
-    bad = next((i for i in ids if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})", param)
-    if not ids:
-        raise bad_request("the prompt is empty", param)
+# -- requests ----------------------------------------------------------------
 
 
-def choice_requests(
-    prompt_ids: list[int], params: SamplingParams, n: int, rid: str, priority: int = 0
-) -> list[GenerateRequest]:
-    """n independent requests; with a seed, choice i uses seed + i so the
-    choices differ yet stay reproducible."""
-    out = []
-    for i in range(n):
-        p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-        out.append(GenerateRequest(prompt_ids, p, f"{rid}-{i}" if n > 1 else rid, priority))
-    return out
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
-def check_requests(engine: Engine, requests: list[GenerateRequest], param: str) -> None:
-    """What only the engine knows (its KV capacity...), asked before a
-    streamed response starts so that a refusal is still a plain 400."""
-    for r in requests:
+def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True) -> tuple[list[list[int]], bool]:
+    """The prompt shapes OpenAI and SGLang accept: a text, a list of texts
+    (unless `text` is False), token ids, or a list of token id lists.
+    Returns (token id lists, whether it was a single prompt).
+
+    Text gets the tokenizer's special tokens (a Llama BOS), as SGLang and
+    vLLM encode completion prompts; token ids are taken as they are (their
+    range is the engine's to check)."""
+    if text and isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=True)], True
+    if isinstance(prompt, list) and prompt:
+        if text and all(isinstance(p, str) for p in prompt):
+            return tokenizer.encode_batch(prompt, add_special_tokens=True), False
+        if _is_token_ids(prompt):
+            return [prompt], True
+        if all(isinstance(p, list) for p in prompt):
+            if not all(_is_token_ids(p) for p in prompt):
+                raise bad_request("token ids must be integers", param)
+            return prompt, False
+    shapes = "a string, a list of strings, a list of token ids or a list of those lists" if text else \
+        "a list of token ids or a list of such lists"
+    raise bad_request(f"{param} must be {shapes}", param)
+
+
+def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
+            param_names: Mapping[str, str], priority: int = 0) -> list[GenerateRequest]:
+    """n requests per prompt: request p * n + i is prompt p's choice i, as
+    OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
+    n > 1). With a seed, choice i uses seed + i, so the choices differ yet
+    stay reproducible.
+
+    The engine validates each prompt once, here, before anything streams,
+    so a refusal is still a plain 400; `param_names` maps the engine's
+    field ("prompt", "max_new_tokens") to the route's parameter name."""
+    requests = []
+    for p, ids in enumerate(prompts):
+        base = f"{rid}-{p}" if len(prompts) > 1 else rid
+        for i in range(n):
+            choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, priority))
         try:
-            engine.validate(r)
-        except ValueError as e:
-            raise bad_request(str(e), param) from None
+            engine.validate(requests[p * n])
+        except RequestError as e:
+            raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
+    return requests
 
 
 async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
@@ -99,10 +119,10 @@ async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> Asy
             async for out in engine.generate(req):
                 started = True
                 await queue.put((i, out))
-        except ValueError as e:
-            # Before the first output a ValueError is the engine refusing the
-            # request (e.g. a client-chosen rid already running): the client's fault.
-            await queue.put((i, e if started else bad_request(str(e), "rid")))
+        except RequestError as e:
+            # Before the first output this is the engine refusing the request
+            # (e.g. a client-chosen rid already running): the client's fault.
+            await queue.put((i, e if started else bad_request(e.message, e.field, e.code)))
         except Exception as e:  # surfaced to the consumer below
             await queue.put((i, e))
 
@@ -124,27 +144,54 @@ async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> Asy
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+# -- responses ---------------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's whole output, for a response that is not streamed."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    final: GenerateOutput | None = None  # the last output: finish reason, matched stop, token counts
+
+
+async def collect(engine: Engine, requests: list[GenerateRequest]) -> list[ChoiceResult]:
+    """Every request run to its end, its outputs gathered."""
+    results = [ChoiceResult() for _ in requests]
+    async for i, out in merged_outputs(engine, requests):
+        result = results[i]
+        result.text += out.text
+        result.logprobs += out.logprobs or []
+        result.prompt_logprobs += out.prompt_logprobs or []
+        if out.finished:
+            result.final = out
+    return results
+
+
+def usage(finals: list[GenerateOutput], n: int) -> Usage:
+    """Usage of the requests `fan_out` made: a prompt counts once, not once
+    per choice."""
+    prompt = sum(out.prompt_tokens for out in finals[::n])
+    completion = sum(out.completion_tokens for out in finals)
     return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(out.cached_tokens for out in finals)),
     )
 
 
-class UsageCounter:
-    """Sums usage over choices: the prompt counts once per distinct prompt."""
+class ChunkFactory:
+    """The chunks of one streamed response, which all repeat its id,
+    creation time and model."""
 
-    def __init__(self):
-        self.prompt: dict[int, int] = {}
-        self.completion = 0
-        self.cached = 0
+    def __init__(self, chunk_type: type, rid: str, model: str):
+        self.chunk_type = chunk_type
+        self.rid = rid
+        self.model = model
+        self.created = now()
 
-    def add(self, prompt_index: int, out: GenerateOutput) -> None:
-        self.prompt[prompt_index] = out.prompt_tokens
-        self.completion += out.completion_tokens
-        self.cached += out.cached_tokens
-
-    def body(self) -> Usage:
-        return usage(sum(self.prompt.values()), self.completion, self.cached)
+    def __call__(self, choices: list, usage: Usage | UnsetType = UNSET):
+        return self.chunk_type(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)

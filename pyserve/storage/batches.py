@@ -1,21 +1,113 @@
-"""Batch records and their partial result files, kept on disk.
+"""Batch records and their result files, kept on disk.
 
-`<root>/batches/<id>.json` is the Batch object as the API returns it;
-`<id>.output.jsonl` and `<id>.errors.jsonl` collect result lines while the
-batch runs, and become files of the Files API when it ends. Everything a
+`<root>/batches/<id>.json` is the BatchRecord, which is the Batch object
+as the API returns it; `<id>.output.jsonl` and `<id>.errors.jsonl` collect
+result lines while the batch runs, and become files of the Files API when
+it ends. Every write of either goes through BatchStore, and everything a
 restart needs to resume is here.
 """
 
 from __future__ import annotations
 
-import json
+import enum
 import os
 import re
+import time
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from pyserve.storage.files import time_ordered_hex
 
 BATCH_ID = re.compile(r"^batch_[0-9a-f]{24}$")
+_SAVE_INTERVAL = 0.5  # seconds between saves of a running batch's counts
+
+
+class BatchStatus(str, enum.Enum):
+    """OpenAI's batch statuses: validating -> in_progress -> finalizing ->
+    completed; or failed (invalid input), cancelling -> cancelled, expired."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def active(self) -> bool:
+        """Not ended yet: a restart resumes it."""
+        return self in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
+                        BatchStatus.CANCELLING)
+
+
+class RequestCounts(msgspec.Struct, kw_only=True):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchError(msgspec.Struct, kw_only=True):
+    """Why a batch failed, one per bad input line (line None: not a line's fault)."""
+
+    code: str
+    line: int | None
+    message: str
+    param: str | None = None
+
+
+class BatchErrors(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[BatchError]
+
+
+class BatchRecord(msgspec.Struct, kw_only=True):
+    """A batch: the API's Batch object, field for field. Each status has its
+    `<status>_at` time (validating has created_at)."""
+
+    id: str
+    object: str = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus = BatchStatus.VALIDATING
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = msgspec.field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+
+    def enter(self, status: BatchStatus) -> None:
+        """Move to `status`, stamping its `<status>_at` time."""
+        self.status = status
+        setattr(self, f"{status.value}_at", int(time.time()))
+
+
+class BatchResponse(msgspec.Struct, kw_only=True):
+    status_code: int
+    request_id: str
+    body: Any  # the route's response object, or its error body
+
+
+class BatchResult(msgspec.Struct, kw_only=True):
+    """One line of a batch's output or error file."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse
+    error: None = None
 
 
 class BatchNotFound(KeyError):
@@ -26,31 +118,43 @@ def new_batch_id() -> str:
     return f"batch_{time_ordered_hex()}"
 
 
+_decode_record = msgspec.json.Decoder(BatchRecord).decode
+
+
 class BatchStore:
     def __init__(self, root: str | Path):
         self.dir = Path(root) / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._last_save: dict[str, float] = {}
 
     def _path(self, batch_id: str, suffix: str) -> Path:
         if not BATCH_ID.match(batch_id):
             raise BatchNotFound(batch_id)
         return self.dir / f"{batch_id}{suffix}"
 
-    def save(self, record: dict) -> None:
+    def save(self, record: BatchRecord) -> None:
         # Small and frequent: a synchronous write-then-rename keeps it atomic.
-        path = self._path(record["id"], ".json")
+        path = self._path(record.id, ".json")
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record))
+        tmp.write_bytes(msgspec.json.encode(record))
         os.replace(tmp, path)
+        self._last_save[record.id] = time.monotonic()
 
-    def load_all(self) -> dict[str, dict]:
+    def save_progress(self, record: BatchRecord) -> None:
+        """Save a running batch's counts, at most every _SAVE_INTERVAL: a
+        crash loses none of the results (they are in the result files), only
+        counts that the resume recounts from them."""
+        if time.monotonic() - self._last_save.get(record.id, 0.0) >= _SAVE_INTERVAL:
+            self.save(record)
+
+    def load_all(self) -> dict[str, BatchRecord]:
         records = {}
         for path in self.dir.glob("batch_*.json"):
             try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
+                record = _decode_record(path.read_bytes())
+            except (OSError, msgspec.DecodeError):
                 continue
-            records[record["id"]] = record
+            records[record.id] = record
         return records
 
     def output_path(self, batch_id: str) -> Path:
@@ -58,6 +162,12 @@ class BatchStore:
 
     def errors_path(self, batch_id: str) -> Path:
         return self._path(batch_id, ".errors.jsonl")
+
+    def append_result(self, batch_id: str, result: BatchResult, ok: bool) -> None:
+        """A result line to the output file (ok) or the error file. One
+        whole line per write: a crash leaves at most one cut line."""
+        with open(self.output_path(batch_id) if ok else self.errors_path(batch_id), "ab") as f:
+            f.write(msgspec.json.encode(result) + b"\n")
 
     def finished_lines(self, batch_id: str) -> dict[str, bool]:
         """custom_id -> succeeded, for result lines already written. A line
@@ -71,5 +181,5 @@ class BatchStore:
             if len(whole) != len(data):
                 path.write_bytes(whole)
             for line in whole.splitlines():
-                done[json.loads(line)["custom_id"]] = ok
+                done[msgspec.json.decode(line)["custom_id"]] = ok
         return done

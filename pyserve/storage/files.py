@@ -8,7 +8,6 @@ Writes go to a temporary name first and are renamed into place.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -18,9 +17,26 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
+import msgspec
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 CHUNK = 1 << 16
+
+
+class FileObject(msgspec.Struct, kw_only=True):
+    """A file's record: `<id>.json` on disk, and the Files API's body."""
+
+    id: str
+    object: str = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    status_details: str | None = None
+
+
+_decode_file = msgspec.json.Decoder(FileObject).decode
 
 
 class FileNotFound(KeyError):
@@ -71,22 +87,17 @@ class FileStore:
                 tmp.unlink()
         return file_id, size
 
-    async def write_meta(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
+    async def write_meta(self, file_id: str, filename: str, purpose: str, size: int) -> FileObject:
         _, meta_path = self._paths(file_id)
-        meta = {
-            "id": file_id,
-            "object": "file",
-            "bytes": size,
-            "created_at": int(time.time()),
-            "filename": os.path.basename(filename) or "upload",
-            "purpose": purpose,
-            "status": "processed",
-            "status_details": None,
-        }
-        await self._write_meta(meta_path, meta)
+        meta = FileObject(id=file_id, bytes=size, created_at=int(time.time()),
+                          filename=os.path.basename(filename) or "upload", purpose=purpose)
+        tmp = meta_path.with_suffix(".json.tmp")
+        async with aiofiles.open(tmp, "wb") as f:
+            await f.write(msgspec.json.encode(meta))
+        await aiofiles.os.replace(tmp, meta_path)
         return meta
 
-    async def adopt(self, path: Path, filename: str, purpose: str) -> dict:
+    async def adopt(self, path: Path, filename: str, purpose: str) -> FileObject:
         """Move a file written elsewhere by pyserve (a batch's output) into the store."""
         file_id = new_file_id()
         data_path, _ = self._paths(file_id)
@@ -94,21 +105,15 @@ class FileStore:
         await aiofiles.os.replace(path, data_path)
         return await self.write_meta(file_id, filename, purpose, size)
 
-    async def _write_meta(self, path: Path, meta: dict) -> None:
-        tmp = path.with_suffix(".json.tmp")
-        async with aiofiles.open(tmp, "w") as f:
-            await f.write(json.dumps(meta))
-        await aiofiles.os.replace(tmp, path)
-
-    async def get(self, file_id: str) -> dict:
+    async def get(self, file_id: str) -> FileObject:
         _, meta_path = self._paths(file_id)
         try:
-            async with aiofiles.open(meta_path) as f:
-                return json.loads(await f.read())
+            async with aiofiles.open(meta_path, "rb") as f:
+                return _decode_file(await f.read())
         except FileNotFoundError:
             raise FileNotFound(file_id) from None
 
-    async def list(self, purpose: str | None = None) -> list[dict]:
+    async def list(self, purpose: str | None = None) -> list[FileObject]:
         """All files, newest first."""
         out = []
         for meta_path in self.dir.glob("file-*.json"):
@@ -116,9 +121,9 @@ class FileStore:
                 meta = await self.get(meta_path.stem)
             except FileNotFound:
                 continue
-            if purpose is None or meta["purpose"] == purpose:
+            if purpose is None or meta.purpose == purpose:
                 out.append(meta)
-        out.sort(key=lambda m: m["id"], reverse=True)  # ids sort by creation time
+        out.sort(key=lambda m: m.id, reverse=True)  # ids sort by creation time
         return out
 
     def data_path(self, file_id: str) -> Path:
