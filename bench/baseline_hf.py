@@ -66,14 +66,15 @@ def run(args) -> dict:
     request under "requests". A request's latency is the time of the
     `generate` call of its batch."""
     import transformers
-    from pyserve.engine.model_runner import pick_device, pick_dtype, usable_cpus
+    from pyserve.engine.model_runner import usable_cpus
+    from pyserve.server_args import ServerArgs
 
     # text prompts, as serving.py sends them to /v1/completions (no chat template)
     requests = serving.build_dataset(argparse.Namespace(**vars(args) | {"backend": "completions"}))
     directory = model_dir(args)
     ids = prompt_ids(directory, requests)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    resolved = ServerArgs(device=args.device, dtype=args.dtype).resolved()  # "auto" as the server reads it
+    device, dtype = torch.device(resolved.device), getattr(torch, resolved.dtype)
     if device.type == "cpu":
         torch.set_num_threads(usable_cpus())  # the thread count pyserve's server uses
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device)

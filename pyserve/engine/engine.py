@@ -42,7 +42,7 @@ class Engine:
             from pyserve.model.default_model import default_model_path
 
             self.model_dir = default_model_path()
-        self.args = args
+        self.args = args = args.resolved()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.runner = ModelRunner(args, self.model_dir)
         self.model_config = self.runner.config
@@ -60,8 +60,7 @@ class Engine:
         self._step_log = StepLog(self.scheduler, self.kv, args.decode_log_interval)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        overlap_off = args.disable_overlap_schedule
-        self.overlap = self.runner.device.type == "cuda" if overlap_off is None else not overlap_off
+        self.overlap = not args.disable_overlap_schedule
 
     # -- lifecycle -----------------------------------------------------------
 

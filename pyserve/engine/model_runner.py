@@ -28,7 +28,6 @@ from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache size when --max-total-tokens is not given. On CPU: room for a
 # few full-length sequences, capped in slots and by the memory available.
 _CPU_KV_CONTEXTS = 4
@@ -65,20 +64,6 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but CUDA is not available")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 @dataclass
 class StepOutput:
     """A step's results on the host, once `ready` has fired: one sampled id
@@ -107,8 +92,9 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: Path):
-        self.device = pick_device(args.device)
-        self.dtype = pick_dtype(args.dtype, self.device)
+        """`args` resolved (ServerArgs.resolved): no "auto" left."""
+        self.device = torch.device(args.device)
+        self.dtype = getattr(torch, args.dtype)
         if self.device.type == "cpu":
             torch.set_num_threads(usable_cpus())
         torch.manual_seed(args.random_seed)
@@ -167,8 +153,6 @@ class ModelRunner:
         return min(wanted, affordable)
 
     def _make_attention(self, name: str) -> AttentionBackend:
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
         if name == "triton":
             from pyserve.model.attention.triton_backend import TritonAttention
 
