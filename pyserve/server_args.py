@@ -69,6 +69,12 @@ class ServerArgs:
     chunked_prefill_size: int = option(
         2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
     disable_radix_cache: bool = option(False, help="do not reuse the KV of shared prompt prefixes")
+    # Structured outputs (engine/grammar): JSON schema, regex, EBNF and required tool calls.
+    grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
+                                  help="constrained decoding backend; none refuses constrained requests")
+    # CPU speed: quantized weights and a compiled decode step.
+    torchao_config: str = option("", help="weight-only quantization, e.g. int8wo or int4wo-128 (default: none)")
+    enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
     random_seed: int = option(0, help="seed of sampling for requests that set none")

@@ -183,4 +183,6 @@ def test_usage_counts_owned_cached_and_free_pages():
     assert usage == {"total": 64, "free": 64 - 8, "in_use": 4, "cached": 4, "cached_evictable": 0,
                      "page_size": 4}
     assert kv.owned_tokens([s]) == 3
-    assert kv.token_usage() == pytest.approx(2 / 16)
+    assert kv.token_usage() == pytest.approx(2 / 16)  # its own page and the prefix it locks
+    kv.release(s)
+    assert kv.token_usage() == 0  # cached, but nobody needs it

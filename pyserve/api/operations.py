@@ -68,11 +68,11 @@ def metrics(ctx: ServingContext) -> Response:
     engine's state now."""
     engine = ctx.engine
     m = engine.metrics
-    kv = engine.kv_usage()
     gauges = {
         "num_running_reqs": (engine.num_running, "Requests in the running batch."),
         "num_queue_reqs": (engine.num_waiting, "Requests waiting to be scheduled."),
-        "token_usage": (round(1.0 - kv["free"] / kv["total"], 4), "Share of the KV cache in use."),
+        "token_usage": (round(engine.token_usage(), 4),
+                        "Share of the KV cache running requests need (cached prefixes nobody uses excluded)."),
         "cache_hit_rate": (round(m.cached_tokens / m.prompt_tokens, 4) if m.prompt_tokens else 0.0,
                            "Share of prompt tokens served from the prefix cache."),
     }

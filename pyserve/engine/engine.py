@@ -272,6 +272,10 @@ class Engine:
         cached and cached_evictable (prefix cache), page_size."""
         return self.kv.usage(self.scheduler.holders())
 
+    def token_usage(self) -> float:
+        """Share of the KV cache that running requests need (0 when idle)."""
+        return self.kv.token_usage()
+
     def integrity_problem(self) -> str | None:
         """None when every KV page is free, cached, or held by exactly one
         running request; else what is wrong."""

@@ -185,8 +185,11 @@ class KVManager:
         }
 
     def token_usage(self) -> float:
-        """Share of the pages that are not free (cached prefixes included)."""
-        return 1.0 - self.allocator.num_free / self.allocator.capacity
+        """Share of the KV cache that running requests need, as SGLang counts
+        it: pages neither free nor evictable (their own pages and the cached
+        prefixes they lock). An idle server reads 0 however much it caches."""
+        evictable = self.cache.evictable_pages() if self.cache is not None else 0
+        return 1.0 - (self.allocator.num_free + evictable) / self.allocator.capacity
 
     @staticmethod
     def owned_tokens(holders: Iterable[Sequence]) -> int:
