@@ -2,11 +2,11 @@
 the same requests unconstrained, and grammar compile times.
 
 One engine in this process serves both sides. A constrained round runs
-its requests to the grammar's end; the unconstrained round then runs the
-same prompts for exactly as many tokens each (EOS ignored), so both sides
-decode the same number of tokens in batches of the same sizes. Rounds
-alternate, and the ratio is the median over rounds, so it holds on a noisy
-machine. Compile times: each test schema compiled on a fresh backend
+its requests to the grammar's end; an unconstrained round runs the same
+prompts for as many tokens each as the last constrained round gave them
+(EOS ignored), so both sides decode the same tokens in batches of the
+same sizes. Rounds alternate (ABBA), and the ratio of throughputs is the
+median over rounds, so it holds on a noisy machine. Compile times: each test schema compiled on a fresh backend
 (cold) and again (cached).
 
     python bench/structured.py                  # embedded model, CPU
@@ -64,25 +64,36 @@ async def timed_round(engine, prompts: list[list[int]], concurrency: int, params
 
 
 async def decode_ratio(engine, prompts, concurrency: int, temperature: float, rounds: int) -> dict:
+    """Constrained and free rounds alternate, ABBA, so a drift in the
+    machine's speed weighs on both sides alike."""
     from pyserve.engine.request import Constraint, SamplingParams
 
     constraint = Constraint("json_schema", json.dumps(PEOPLE))
-    ratios, tok_s = [], []
-    for r in range(rounds):
-        def constrained(i):
-            return SamplingParams(max_new_tokens=400, temperature=temperature, seed=r * 1000 + i,
-                                  constraint=constraint)
-        c_time, lengths = await timed_round(engine, prompts, concurrency, constrained)
+    lengths: list[int] = []
 
-        def free(i):
-            return SamplingParams(max_new_tokens=lengths[i], temperature=temperature, seed=r * 1000 + i,
-                                  ignore_eos=True)
-        u_time, _ = await timed_round(engine, prompts, concurrency, free)
-        ratios.append(u_time / c_time)  # constrained throughput / unconstrained, same tokens
-        tok_s.append((sum(lengths) / c_time, sum(lengths) / u_time))
+    async def constrained() -> float:
+        nonlocal lengths
+        seconds, lengths = await timed_round(engine, prompts, concurrency, lambda i: SamplingParams(
+            max_new_tokens=400, temperature=temperature, seed=i, constraint=constraint))
+        return sum(lengths) / seconds
+
+    async def free() -> float:
+        seconds, tokens = await timed_round(engine, prompts, concurrency, lambda i: SamplingParams(
+            max_new_tokens=lengths[i], temperature=temperature, seed=i, ignore_eos=True))
+        return sum(tokens) / seconds
+
+    pairs = []
+    for r in range(rounds):
+        if r % 2 == 0 or not lengths:
+            c = await constrained()
+            pairs.append((c, await free()))
+        else:
+            f = await free()
+            pairs.append((await constrained(), f))
+    ratios = [c / f for c, f in pairs]
     return {"ratio": statistics.median(ratios), "ratios": ratios,
-            "constrained_tok_s": statistics.median(t[0] for t in tok_s),
-            "unconstrained_tok_s": statistics.median(t[1] for t in tok_s),
+            "constrained_tok_s": statistics.median(c for c, _ in pairs),
+            "unconstrained_tok_s": statistics.median(f for _, f in pairs),
             "tokens_per_round": sum(lengths)}
 
 
@@ -121,7 +132,7 @@ async def run(args) -> dict:
     result = {"compile_ms": await compile_times(engine)}
     await timed_round(engine, prompts[:2], 2, lambda i: SamplingParams(max_new_tokens=8))  # warm-up
     for concurrency in args.concurrency:
-        batch = (prompts * 4)[: max(concurrency * 2, 2)]
+        batch = (prompts * 4)[: max(concurrency, 2)]
         for temperature in args.temperatures:
             key = f"c{concurrency}-t{temperature:g}"
             result[key] = await decode_ratio(engine, batch, concurrency, temperature, args.rounds)
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap scheduling (default: the server's, on for CUDA only)")
     ap.add_argument("--output-json", default=None)

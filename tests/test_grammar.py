@@ -16,7 +16,10 @@ import jsonschema
 import pytest
 import torch
 
+import xgrammar as xgr
+
 from pyserve._rust import Tokenizer
+from pyserve.api.tool_grammar import forced_calls, strict_calls, with_strict_calls
 from pyserve.engine.engine import Engine
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.request import Constraint, GenerateRequest, RequestError, SamplingParams
@@ -86,6 +89,34 @@ def test_a_slow_compilation_is_refused_within_the_budget_and_cached_once_done(in
         while backend.cached(slow) is None:
             await asyncio.sleep(0.05)
         assert await backend.compile(slow) is backend.cached(slow)
+        backend.shutdown()
+
+    run(main())
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+CALLS = {
+    "qwen25": 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}',
+    "mistral": '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {"a": 1}}]',
+}
+
+
+@pytest.mark.parametrize("parser", list(CALLS))
+def test_tool_call_grammars_accept_valid_calls_only(info, parser):
+    async def main():
+        backend = GrammarBackend(info)
+        strict = await backend.compile(with_strict_calls(strict_calls([WEATHER, NOW], parser, True), None, None))
+        assert xgr.GrammarMatcher(strict).accept_string(CALLS[parser])
+        assert not xgr.GrammarMatcher(strict).accept_string(CALLS[parser].replace('"city"', '"town"'))
+        key = "parameters" if parser == "llama3" else "arguments"
+        forced = await backend.compile(forced_calls([WEATHER, NOW], key, single=False))
+        good = f'[{{"name": "now", "{key}": {{}}}}, {{"name": "get_weather", "{key}": {{"city": "Rome"}}}}]'
+        assert xgr.GrammarMatcher(forced).accept_string(good)
+        for bad in (f'[{{"name": "later", "{key}": {{}}}}]', "[]", f'[{{"name": "get_weather", "{key}": {{}}}}]'):
+            assert not xgr.GrammarMatcher(forced).accept_string(bad)
         backend.shutdown()
 
     run(main())

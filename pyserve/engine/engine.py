@@ -37,6 +37,7 @@ from pyserve.engine.step_log import StepLog
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
+_GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-backend none"
 
 
 class Engine:
@@ -127,8 +128,7 @@ class Engine:
         if n + 1 > capacity:
             raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {capacity}", "prompt")
         if req.params.constraint is not None and self.grammars is None:
-            raise RequestError("constrained decoding is off: this server runs with --grammar-backend none",
-                               "constraint")
+            raise RequestError(_GRAMMARS_OFF, "constraint")
 
     async def compile_grammar(self, constraint: Constraint) -> None:
         """Compile (or find cached) a constraint's grammar; RequestError
@@ -136,8 +136,7 @@ class Engine:
         Callers that must answer before streaming call this first; generate
         does it too."""
         if self.grammars is None:
-            raise RequestError("constrained decoding is off: this server runs with --grammar-backend none",
-                               "constraint")
+            raise RequestError(_GRAMMARS_OFF, "constraint")
         await self.grammars.compile(constraint)
 
     def _max_new_tokens(self, req: GenerateRequest) -> int:

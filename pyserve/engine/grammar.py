@@ -65,7 +65,8 @@ class GrammarBackend:
         # Compilations under way: a second request for the same text waits
         # for the first instead of starting another.
         self._compiling: dict[tuple[str, str], asyncio.Future] = {}
-        self._decoded_vocab: list[bytes] | None = None
+        # Each token's bytes, to find where a constraint starts (GrammarState).
+        self._decoded_vocab: list[bytes] = info.decoded_vocab
 
     def cached(self, constraint: Constraint) -> xgr.CompiledGrammar | None:
         compiled = self._cache.get(constraint.key)
@@ -121,8 +122,6 @@ class GrammarBackend:
             self._cache_bytes -= old.memory_size_bytes
 
     def new_state(self, compiled: xgr.CompiledGrammar, after: str | None) -> GrammarState:
-        if after is not None and self._decoded_vocab is None:
-            self._decoded_vocab = self.info.decoded_vocab
         return GrammarState(compiled, after, self._decoded_vocab)
 
     def shutdown(self) -> None:
@@ -135,7 +134,7 @@ class GrammarState:
     forward worker thread only. It outlives retraction (what was accepted
     stays accepted) and is dropped when the request ends."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, after: str | None, decoded_vocab: list[bytes] | None):
+    def __init__(self, compiled: xgr.CompiledGrammar, after: str | None, decoded_vocab: list[bytes]):
         self.matcher = xgr.GrammarMatcher(compiled)
         # Until the output contains `after` (a reasoning block's end), it is
         # not constrained; the vocabulary's bytes find it across tokens.
@@ -172,11 +171,12 @@ class GrammarState:
             self._tail = seen[-(len(self._after) - 1):] if len(self._after) > 1 else b""
             return
         rest = seen[at + len(self._after):]
-        self._after = None
         # Whitespace that shares a token with the marker is left out of the
         # grammar (chat answers strip it); anything else must fit it.
         if rest.strip() and not self.matcher.accept_string(rest):
+            logger.error("the grammar refused %r, written right after %r", rest, self._after)
             self.failed = True
+        self._after = None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write this request's allowed tokens into bitmask[row]; False when
@@ -236,8 +236,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 def note_sampled(states: list[GrammarState | None], ids: torch.Tensor) -> None:
     """Each constrained row's token is accepted at its next step."""
-    sampled = None
+    sampled = SampledIds(ids)
     for row, state in enumerate(states):
         if state is not None:
-            sampled = sampled or SampledIds(ids)
             state.unaccepted = (sampled, row)
