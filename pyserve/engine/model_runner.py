@@ -24,6 +24,7 @@ from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
+from pyserve.model.quant import resolve_quant
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
@@ -98,7 +99,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(usable_cpus())
         torch.manual_seed(args.random_seed)
-        self.model, self.config = load_model(model_dir, self.dtype, self.device)
+        self.quant = resolve_quant(args.torchao_config, model_dir, self.device)
+        self.model, self.config = load_model(model_dir, self.dtype, self.device, self.quant)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.kv_buffer = KVBuffer(
             self.config.num_hidden_layers,

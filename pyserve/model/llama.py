@@ -257,7 +257,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Tied checkpoints reuse the embedding matrix as the output projection.
+        # Tied checkpoints reuse the embedding matrix as the output projection
+        # (quantize_model may give them a quantized copy of it).
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -276,5 +277,6 @@ class LlamaForCausalLM(nn.Module):
         # expensive matmul for small models.
         rows = batch.logits_indices
         x, _ = self.norm(x[rows], residual[rows])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is None:
+            return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head(x).float()
