@@ -264,11 +264,24 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
+    def compile_decode(self) -> None:
+        """Run decode steps' layers through torch.compile (inductor): on a
+        CPU a small model's step is mostly per-op overhead, which fusing the
+        elementwise work removes. Batch sizes are dynamic; the attention
+        metadata and cos/sin stay eager (they loop over sequences)."""
+        self._compiled_layers = torch.compile(self._layers, dynamic=True)
+
+    _compiled_layers = None
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
         attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
+        layers = self._compiled_layers if batch.is_decode and self._compiled_layers is not None else self._layers
+        return layers(x, cos, sin, batch, attn)
+
+    def _layers(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, attn)
