@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import make_workload, run_engine, workload_from_args, workload_parser  # noqa: E402
+from engine_throughput import (  # noqa: E402
+    StepCounter, make_workload, run_engine, workload_from_args, workload_parser,
+)
 
 LAYOUTS = {
     "overlap, page 1": {"disable_overlap_schedule": False},
@@ -46,19 +48,6 @@ CUDA_LAYOUTS = {
 }
 
 
-def best_of(rounds: int, model: str, workloads: dict, layouts: dict, device: str) -> dict:
-    """(layout, workload) -> (seconds, steps), the best of `rounds`; rounds
-    interleave the layouts, so a slow spell of the machine hits all."""
-    results = {}
-    for _ in range(rounds):
-        for name, layout in layouts.items():
-            for label, workload in workloads.items():
-                elapsed, steps = asyncio.run(run_engine(model, workload, device, **layout))
-                if (name, label) not in results or elapsed < results[name, label][0]:
-                    results[name, label] = (elapsed, steps)
-    return results
-
-
 def main() -> None:
     ap = workload_parser(__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout; the best is kept")
@@ -71,8 +60,13 @@ def main() -> None:
         return
     out_tokens = sum(n for _, n in workload)
     layouts = dict(LAYOUTS, **(CUDA_LAYOUTS if args.device == "cuda" else {}))
-    results = {name: r for (name, _), r in best_of(args.rounds, args.model, {"": workload}, layouts,
-                                                   args.device).items()}
+    results = {}
+    # Rounds interleave the layouts, so a slow spell of the machine hits all.
+    for _ in range(args.rounds):
+        for name, layout in layouts.items():
+            elapsed, steps = asyncio.run(run_engine(args.model, workload, args.device, **layout))
+            if name not in results or elapsed < results[name][0]:
+                results[name] = (elapsed, steps)
     print(f"workload: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
           f"{out_tokens} output tokens, EOS ignored; best of {args.rounds}")
     base = results[next(iter(layouts))][0]
@@ -100,26 +94,17 @@ async def cpu_speed(args) -> None:
 
     async def timed(engine, workload) -> float:
         """Seconds per forward step of the workload, EOS ignored."""
-        steps = 0
-        schedule = engine.scheduler.schedule
-
-        def counting_schedule():
-            nonlocal steps
-            step = schedule()
-            steps += step is not None
-            return step
 
         async def one(ids, n):
             params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
             async for _ in engine.generate(GenerateRequest(ids, params)):
                 pass
 
-        engine.scheduler.schedule = counting_schedule
+        counter = StepCounter(engine)
         start = time.perf_counter()
         await asyncio.gather(*[one(ids, n) for ids, n in workload])
         elapsed = time.perf_counter() - start
-        engine.scheduler.schedule = schedule
-        return elapsed / steps
+        return elapsed / counter.stop()
 
     for engine in engines.values():  # warm-up
         await timed(engine, workloads[1][:1])
