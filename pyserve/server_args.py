@@ -73,7 +73,8 @@ class ServerArgs:
     grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
                                   help="constrained decoding backend; none refuses constrained requests")
     # CPU speed: quantized weights and a compiled decode step.
-    torchao_config: str = option("", help="weight-only quantization, e.g. int8wo or int4wo-128 (default: none)")
+    torchao_config: str = option("auto", help="CPU weight-only quantization: none, int8wo, int4wo-<group> "
+                                 "(32/64/128/256), or auto: the 4-bit weights the model ships (the embedded model's)")
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
