@@ -19,6 +19,15 @@ def output_ids(output: bytes) -> list[str]:
     return sorted(json.loads(x)["custom_id"] for x in output.splitlines())
 
 
+def two_replicas(tmp_path, tokenizer, default_model_dir, script_a=SLOW):
+    """(app, files, batches, engine) of replicas A and B on one storage path."""
+    replicas = []
+    for script in (script_a, SLOW):
+        engine = ScriptedEngine(tokenizer, script)
+        replicas.append((*services(tmp_path, engine, default_model_dir), engine))
+    return replicas
+
+
 async def create(app, files) -> str:
     input_id = await put_file(files, [line(i) for i in range(LINES)])
     _, _, body = await call(app, "POST", "/v1/batches", {"input_file_id": input_id, "endpoint": "/v1/chat/completions"})
@@ -27,9 +36,8 @@ async def create(app, files) -> str:
 
 def test_a_batch_runs_in_one_replica_only(tmp_path, default_model_dir, tokenizer):  # noqa: F811
     async def scenario():
-        engine_a, engine_b = ScriptedEngine(tokenizer, SLOW), ScriptedEngine(tokenizer, SLOW)
-        app_a, files, batches_a = services(tmp_path, engine_a, default_model_dir)
-        app_b, _, batches_b = services(tmp_path, engine_b, default_model_dir)
+        (app_a, files, batches_a, engine_a), (app_b, _, batches_b, engine_b) = two_replicas(
+            tmp_path, tokenizer, default_model_dir)
         batches_a.start()
         batches_b.start()
         batch_id = await create(app_a, files)
@@ -49,9 +57,8 @@ def test_a_batch_runs_in_one_replica_only(tmp_path, default_model_dir, tokenizer
 
 def test_the_other_replica_takes_up_a_batch_when_the_first_stops(tmp_path, default_model_dir, tokenizer):  # noqa: F811
     async def scenario():
-        engine_a, engine_b = ScriptedEngine(tokenizer, SLOW), ScriptedEngine(tokenizer, SLOW)
-        app_a, files, batches_a = services(tmp_path, engine_a, default_model_dir)
-        app_b, _, batches_b = services(tmp_path, engine_b, default_model_dir)
+        (app_a, files, batches_a, engine_a), (app_b, _, batches_b, engine_b) = two_replicas(
+            tmp_path, tokenizer, default_model_dir)
         batches_a.start()
         batch_id = await create(app_a, files)
         while len(engine_a.requests) < 4:
@@ -71,9 +78,8 @@ def test_the_other_replica_takes_up_a_batch_when_the_first_stops(tmp_path, defau
 
 def test_a_cancel_sent_to_the_other_replica_reaches_the_runner(tmp_path, default_model_dir, tokenizer):  # noqa: F811
     async def scenario():
-        engine_a, engine_b = ScriptedEngine(tokenizer, SLOW * 5), ScriptedEngine(tokenizer, SLOW)
-        app_a, files, batches_a = services(tmp_path, engine_a, default_model_dir)
-        app_b, _, batches_b = services(tmp_path, engine_b, default_model_dir)
+        (app_a, files, batches_a, engine_a), (app_b, _, batches_b, engine_b) = two_replicas(
+            tmp_path, tokenizer, default_model_dir, script_a=SLOW * 5)
         batches_a.start()
         batches_b.start()
         batch_id = await create(app_a, files)

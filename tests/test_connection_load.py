@@ -29,7 +29,6 @@ def flooded_server(tiny_llama_dir):
     srv.stop()
 
 
-@pytest.mark.slow
 def test_a_thousand_concurrent_streams_all_complete(flooded_server):
     report = asyncio.run(run_load(flooded_server.base_url, streams=1000, idle_sockets=0,
                                   server_pid=flooded_server.proc.pid))
@@ -38,7 +37,6 @@ def test_a_thousand_concurrent_streams_all_complete(flooded_server):
     assert flooded_server.log().count('"POST /v1/chat/completions HTTP/1.1" 200') >= 1000
 
 
-@pytest.mark.slow
 def test_two_hundred_streams_while_two_thousand_connections_are_held(flooded_server):
     report = asyncio.run(run_load(flooded_server.base_url, streams=200, idle_sockets=2000, idle_wait=0))
     assert (report.completed, report.dropped, report.errors) == (200, 0, 0), report.failures

@@ -43,31 +43,32 @@ def stream_and_sigterm(srv: ServerProcess, max_tokens: int) -> tuple[list[str], 
     return lines, served_new
 
 
-def test_sigterm_lets_a_stream_in_flight_finish(tiny_llama_dir):
-    srv = tiny_server(tiny_llama_dir, "--drain-timeout", "120")
+def drained_stream(tiny_llama_dir, drain_timeout: str, max_tokens: int) -> tuple[list[str], bool, str]:
+    """stream_and_sigterm on a server with --drain-timeout, which must then
+    exit with 0: the stream's data lines, whether a new connection was
+    served meanwhile, and the server's log."""
+    srv = tiny_server(tiny_llama_dir, "--drain-timeout", drain_timeout)
     try:
-        lines, served_new = stream_and_sigterm(srv, max_tokens=300)
+        lines, served_new = stream_and_sigterm(srv, max_tokens)
         assert srv.proc.wait(timeout=120) == 0
     finally:
         srv.stop()
+    return lines, served_new, srv.log_path.read_text()
+
+
+def test_sigterm_lets_a_stream_in_flight_finish(tiny_llama_dir):
+    lines, served_new, log = drained_stream(tiny_llama_dir, "120", max_tokens=300)
     assert not served_new  # no new connection is accepted once draining
     assert lines[-1] == "[DONE]"
-    usage = json.loads(lines[-2])["usage"]
-    assert usage["completion_tokens"] == 300  # the whole answer, not cut
-    log = srv.log_path.read_text()
+    assert json.loads(lines[-2])["usage"]["completion_tokens"] == 300  # the whole answer, not cut
     assert "Draining: 1 requests in flight" in log and "pyserve stopped" in log
 
 
 def test_sigterm_ends_a_stream_with_an_error_event_after_the_drain_time(tiny_llama_dir):
-    srv = tiny_server(tiny_llama_dir, "--drain-timeout", "0")
-    try:
-        lines, _ = stream_and_sigterm(srv, max_tokens=2000)
-        assert srv.proc.wait(timeout=60) == 0
-    finally:
-        srv.stop()
+    lines, _, log = drained_stream(tiny_llama_dir, "0", max_tokens=2000)
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[-2])["error"]["message"] == "the server is shutting down"
-    assert "pyserve stopped" in srv.log_path.read_text()
+    assert "pyserve stopped" in log
 
 
 def test_sigterm_saves_a_running_batch_and_the_next_start_finishes_it(tiny_llama_dir, tmp_path):

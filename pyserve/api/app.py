@@ -31,7 +31,7 @@ from pyserve.api.http import FileResponse, Request, Response, decode_json, error
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
 from pyserve.api.proxy import CORS, TrustedProxies
 from pyserve.api.serving import ServingContext
-from pyserve.api.sse import SHUTTING_DOWN, DisconnectableStream
+from pyserve.api.sse import DisconnectableStream, shutting_down
 from pyserve.storage.files import FileStore
 
 logger = logging.getLogger("pyserve.http")
@@ -123,7 +123,7 @@ class App:
                 await self._respond(request, CORS.preflight(request.headers), send)
                 return
         if self.drain.draining:
-            await self._respond(request, error_response(SHUTTING_DOWN), send)
+            await self._respond(request, error_response(shutting_down()), send)
             return
         with self.drain.track():
             try:
@@ -176,7 +176,7 @@ class App:
             watcher.cancel()
             shutdown.cancel()
             if shutdown in done:
-                raise SHUTTING_DOWN
+                raise shutting_down()
             raise asyncio.CancelledError
         result = work.result()
         if isinstance(result, AsyncIterator):

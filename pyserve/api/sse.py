@@ -90,7 +90,7 @@ class DisconnectableStream(EventStream):
         await asyncio.gather(streaming, return_exceptions=True)
         if self.disconnect in done:
             raise asyncio.CancelledError
-        await self.end_with(send, SHUTTING_DOWN)
+        await self.end_with(send, shutting_down())
 
     async def close(self) -> None:
         self.disconnect.cancel()
@@ -98,4 +98,6 @@ class DisconnectableStream(EventStream):
         await self.events.aclose()
 
 
-SHUTTING_DOWN = APIError("the server is shutting down", 503, "server_error")
+def shutting_down() -> APIError:
+    """What a request still running when the drain time ends gets."""
+    return APIError("the server is shutting down", 503, "server_error")
