@@ -79,7 +79,7 @@ def test_a_stream_arrives_event_by_event_through_the_proxy(proxy):
     arrivals = [time.perf_counter() - start for _ in client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=120,
         stream=True, extra_body={"ignore_eos": True})]
-    assert len(arrivals) >= 120
+    assert len(arrivals) >= 60  # about one event a token
     first, last = arrivals[0], arrivals[-1]
     assert first < last / 4  # the first event long before the last
     # A buffering proxy hands events on a buffer (4-8 KiB, 20+ events) at a
