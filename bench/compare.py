@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     serving.add_load_args(p)
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="prompts per generate call (default: --max-concurrency, else all prompts)")
+    p.add_argument("--torchao-config", default="auto",
+                   help="pyserve's CPU weight quantization (auto: the embedded model's own 4-bit weights; "
+                        "none: float32 like transformers)")
     p.add_argument("--output-json", help="write both reports and the table here")
     return p.parse_args(argv)
 
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     directory = baseline_hf.model_dir(args)  # resolved once, so both load the same files
     with tempfile.TemporaryDirectory() as storage:  # the server's files/batches, thrown away
         server = ServerProcess("--model", str(directory), "--device", args.device, "--dtype", args.dtype,
-                               "--file-storage-path", storage)
+                               "--file-storage-path", storage,
+                               "--torchao-config", args.torchao_config)
         try:
             # serving.py's options on top of ours: completions with text
             # prompts, the model name from /v1/models, no API key
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_table(ours, hf)
     print(f"model {directory.name}, device {hf['device']}, dtype {hf['dtype']}, "
           f"{platform.machine()} with {torch.get_num_threads()} torch threads; pyserve max concurrency "
-          f"{args.max_concurrency or 'unlimited'}, transformers batch size {hf['batch_size']}")
+          f"{args.max_concurrency or 'unlimited'}, transformers batch size {hf['batch_size']}; "
+          f"pyserve --torchao-config {args.torchao_config}")
     print(table)
     print("ratio = pyserve / transformers: higher is better for tok/s and req/s, lower for E2E")
     for error in ours["errors"]:

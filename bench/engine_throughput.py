@@ -27,6 +27,25 @@ def make_workload(vocab: int, n: int, in_range: tuple[int, int], out_range: tupl
     ]
 
 
+class StepCounter:
+    """Counts the forward steps an engine's scheduler hands out until `stop`."""
+
+    def __init__(self, engine):
+        self.steps = 0
+        self._scheduler = engine.scheduler
+        self._schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self._counting
+
+    def _counting(self):
+        step = self._schedule()
+        self.steps += step is not None
+        return step
+
+    def stop(self) -> int:
+        self._scheduler.schedule = self._schedule
+        return self.steps
+
+
 async def run_engine(model_dir: str, workload, device: str, **server_args) -> tuple[float, int]:
     """(seconds, forward steps) for the whole workload through pyserve's engine."""
     from pyserve.engine.engine import Engine
@@ -35,14 +54,6 @@ async def run_engine(model_dir: str, workload, device: str, **server_args) -> tu
 
     engine = Engine(ServerArgs(model_path=model_dir, device=device, max_total_tokens=65536, **server_args))
     await engine.start()
-    steps = 0
-    schedule = engine.scheduler.schedule
-
-    def counting_schedule():
-        nonlocal steps
-        step = schedule()
-        steps += step is not None
-        return step
 
     async def one(ids, out_len):
         n = 0
@@ -52,10 +63,11 @@ async def run_engine(model_dir: str, workload, device: str, **server_args) -> tu
         return n
 
     await one(workload[0][0], 4)  # warm-up
-    engine.scheduler.schedule = counting_schedule
+    counter = StepCounter(engine)
     start = time.perf_counter()
     produced = sum(await asyncio.gather(*[one(ids, n) for ids, n in workload]))
     elapsed = time.perf_counter() - start
+    steps = counter.stop()
     await engine.shutdown()
     assert produced == sum(n for _, n in workload)
     return elapsed, steps

@@ -179,8 +179,11 @@ async def send(client: httpx.AsyncClient, args, model: str, req: Request, index:
         result.error = f"{type(e).__name__}: {e}"
         return result
     if usage is None:
-        result.error = "stream ended without usage (stream_options.include_usage unsupported?)"
-        return result
+        if not getattr(args, "chunks_as_tokens", False):
+            result.error = "stream ended without usage (stream_options.include_usage unsupported?)"
+            return result
+        # Servers that stream one token per chunk and send no usage (llama.cpp's).
+        usage = {"completion_tokens": len(result.itl) + (result.ttft > 0)}
     result.prompt_tokens = usage.get("prompt_tokens", 0)
     result.output_tokens = usage.get("completion_tokens", 0)
     result.success = True

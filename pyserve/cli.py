@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 import socket
 import sys
-import time
 
 from pyserve.server_args import ServerArgs
 
@@ -23,51 +23,73 @@ def setup_logging(level: str) -> None:
 
 
 async def serve(args: ServerArgs) -> None:
+    """The app of pyserve.asgi.create_app under Granian's embedded server.
+
+    The model loads before the port is bound, so a bad model fails before
+    anything listens. SIGTERM or Ctrl-C stops accepting connections and
+    drains the requests in flight (--drain-timeout); a second one ends
+    them at once."""
     # Imported here so that `pyserve --help` answers without loading torch.
-    from granian.constants import Interfaces
+    from granian.constants import HTTPModes, Interfaces
+    from granian.http import HTTP1Settings
     from granian.server.embed import Server
 
-    from pyserve.api.app import App
-    from pyserve.api.batch_runner import BatchManager
-    from pyserve.api.serving import ServingContext
-    from pyserve.chat_template import ChatTemplate
-    from pyserve.model.default_model import DEFAULT_MODEL_NAME
-    from pyserve.engine.engine import Engine
-    from pyserve.storage.batches import BatchStore
-    from pyserve.storage.files import FileStore
+    from pyserve.asgi import create_app
 
     log = logging.getLogger("pyserve")
-    started = time.perf_counter()
-    args = args.resolved()
-    log.info("server_args=%s", args)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
-    engine = Engine(args)
-    template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
-    name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
-    ctx = ServingContext(engine, name, template, args.reasoning_parser, args.tool_call_parser)
-    files = FileStore(args.file_storage_path, args.max_upload_size)
-    batches = BatchManager(ctx, files, BatchStore(args.file_storage_path), args.batch_concurrency)
-    await engine.start()
-    batches.start()
+    raise_open_files_limit(args.max_connections)
+    app = create_app(args)
+    await app.startup()
     server = Server(
-        App(ctx, args.api_key, files, batches),
+        app,
         address=args.host,
         port=args.port,
-        interface=Interfaces.ASGINL,
+        interface=Interfaces.ASGINL,  # the lifespan is run here, around the server
+        # HTTP/1.1 only: hyper's HTTP/2 detection holds a silent connection
+        # with no timeout, and clients and proxies speak HTTP/1.1 to us.
+        http=HTTPModes.http1,
+        backlog=args.backlog,
+        backpressure=args.max_connections,  # Granian's cap of open connections
+        http1_settings=HTTP1Settings(header_read_timeout=int(args.header_read_timeout * 1000), keep_alive=True),
         log_enabled=False,
     )
+
+    stopping = False
+
+    def on_signal() -> None:
+        nonlocal stopping
+        if stopping:
+            app.end_drain_now()
+            return
+        stopping = True
+        app.begin_drain()
+        server.stop()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.stop)
-    log.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
+        loop.add_signal_handler(sig, on_signal)
     # Granian calls its startup hooks once the listening socket is bound.
-    server.on_startup(lambda: log.info("pyserve is ready on http://%s:%d", args.host, args.port))
+    server.on_startup(lambda: log.info("pyserve is ready on http://%s:%d%s", args.host, args.port, args.root_path))
     try:
-        await server.serve()
+        await server.serve()  # returns once every connection has ended
     finally:
-        await batches.shutdown()
-        await engine.shutdown()
-        log.info("pyserve stopped")
+        await app.shutdown()
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Each connection is a file descriptor: raise the soft limit (often
+    1,024) toward the hard one, so --max-connections can be reached."""
+    want = max_connections + 1024  # model files, storage, the engine's own
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < want:
+        logging.getLogger("pyserve").warning(
+            "open files are limited to %d (ulimit -Hn): fewer than --max-connections %d plus files",
+            target, max_connections)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -9,6 +9,8 @@ turns "auto" into what this machine runs, in one place, at start-up.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -28,6 +30,11 @@ def _value_type(hint: Any) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = (t for t in typing.get_args(hint) if t is not type(None))
     return hint
+
+
+def comma_list(value: str) -> list[str]:
+    """The items of a comma-separated option, blanks dropped."""
+    return [item.strip() for item in value.split(",") if item.strip()]
 
 
 @dataclass
@@ -73,7 +80,8 @@ class ServerArgs:
     grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
                                   help="constrained decoding backend; none refuses constrained requests")
     # CPU speed: quantized weights and a compiled decode step.
-    torchao_config: str = option("", help="weight-only quantization, e.g. int8wo or int4wo-128 (default: none)")
+    torchao_config: str = option("auto", help="CPU weight-only quantization: none, int8wo, int4wo-<group> "
+                                 "(32/64/128/256), or auto: the 4-bit weights the model ships (the embedded model's)")
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
@@ -83,6 +91,25 @@ class ServerArgs:
     max_upload_size: int = option(512 << 20, help="largest accepted upload, in bytes")
     batch_concurrency: int = option(
         8, help="batch requests in flight at once (they run below interactive ones)")
+    # The HTTP server (Granian, when `pyserve` serves): see README "HTTP server".
+    backlog: int = option(2048, help="connections the kernel queues before pyserve accepts them "
+                                     "(capped by net.core.somaxconn)")
+    max_connections: int = option(
+        4096, help="connections open at once; requests beyond what the engine runs wait in its queue, "
+                   "so this only bounds memory and file descriptors")
+    header_read_timeout: float = option(
+        10.0, help="seconds a connection may take to send a request's headers, counted from when it "
+                   "opens or its previous response ends: closes slow and idle keep-alive connections")
+    drain_timeout: float = option(
+        20.0, help="seconds that requests in flight get to finish at shutdown (SIGTERM) before they are stopped")
+    root_path: str = option("", help="path prefix the app is served under when a proxy passes it on "
+                                     "(e.g. /llm); requests are routed without it")
+    forwarded_allow_ips: str = option(
+        "", help="comma-separated proxy addresses or networks (or *) whose X-Forwarded-For names the client "
+                 "in the access log")
+    allowed_origins: str = option(
+        "", help="comma-separated origins allowed by CORS (or * for any, without credentials); "
+                 "default: none, CORS is off")
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -105,14 +132,40 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
         parser = cls.parser()
-        ns = parser.parse_args(argv)
-        if ns.tp_size != 1:
-            parser.error(f"--tp-size {ns.tp_size}: pyserve runs a model on one GPU (tensor parallelism is not built)")
-        if ns.page_size < 1:
-            parser.error("--page-size must be at least 1")
-        if ns.mem_fraction_static is not None and not 0 < ns.mem_fraction_static <= 1:
-            parser.error("--mem-fraction-static must be in (0, 1]")
-        return cls(**vars(ns))
+        args = cls(**vars(parser.parse_args(argv)))
+        try:
+            args.validate()
+        except ValueError as e:
+            parser.error(str(e))
+        return args
+
+    def validate(self) -> None:
+        """Raise ValueError, naming the option, for a value pyserve cannot run with."""
+        if self.tp_size != 1:
+            raise ValueError(f"--tp-size {self.tp_size}: pyserve runs a model on one GPU "
+                             "(tensor parallelism is not built)")
+        if self.page_size < 1:
+            raise ValueError("--page-size must be at least 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1]")
+        for name in ("backlog", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.header_read_timeout <= 0:
+            raise ValueError("--header-read-timeout must be positive")
+        if self.drain_timeout < 0:
+            raise ValueError("--drain-timeout must not be negative")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError("--root-path must start with / and not end with one, e.g. /llm")
+        for item in comma_list(self.forwarded_allow_ips):
+            try:
+                if item != "*":
+                    ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"--forwarded-allow-ips: {item!r} is not an address or network") from None
+        for origin in comma_list(self.allowed_origins):
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin such as https://app.example")
 
     def resolved(self) -> ServerArgs:
         """A copy with every "auto" made concrete for this machine: device

@@ -17,6 +17,7 @@ import pytest
 
 from pyserve._rust import Tokenizer
 from pyserve.api.app import App
+from pyserve.api.proxy import CORS
 from pyserve.api.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError
@@ -70,10 +71,11 @@ def tokenizer(default_model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
 
 
-def make_app(default_model_dir, tokenizer, script, reasoning_parser=None, api_key=None, fail_after=None):
+def make_app(default_model_dir, tokenizer, script, reasoning_parser=None, api_key=None, fail_after=None,
+             **options):
     engine = ScriptedEngine(tokenizer, script, fail_after)
     ctx = ServingContext(engine, "served-model", ChatTemplate.for_model(default_model_dir), reasoning_parser)
-    return App(ctx, api_key), engine
+    return App(ctx, api_key, **options), engine
 
 
 async def call(app, method: str, path: str, body=None, headers: dict | None = None,
@@ -247,7 +249,7 @@ def test_decode_errors_name_the_field(default_model_dir, tokenizer):
 
 
 def test_api_key_cors_and_access_log(default_model_dir, tokenizer, caplog):
-    app, _ = make_app(default_model_dir, tokenizer, ["a"], api_key="sekrit")
+    app, _ = make_app(default_model_dir, tokenizer, ["a"], api_key="sekrit", cors=CORS(["http://ui.example"]))
     assert run(call(app, "GET", "/v1/models"))[0] == 401
     assert run(call(app, "GET", "/v1/models", headers={"Authorization": "Bearer sekrït"}))[0] == 401
     assert run(call(app, "GET", "/health"))[0] == 200
@@ -259,7 +261,7 @@ def test_api_key_cors_and_access_log(default_model_dir, tokenizer, caplog):
     assert 'INFO:     127.0.0.1:5555 - "GET /v1/models HTTP/1.1" 200 OK' in caplog.text
     status, headers, _ = run(call(app, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}))
-    assert status == 200 and b"POST" in headers[b"access-control-allow-methods"]
+    assert status == 204 and b"POST" in headers[b"access-control-allow-methods"]
 
 
 def test_model_routes(default_model_dir, tokenizer):

@@ -35,8 +35,12 @@ def test_model_path_is_an_alias_of_model():
     assert ServerArgs.from_cli(["--model", "/m", "--port", "1234"]).port == 1234
 
 
-@pytest.mark.parametrize("option", [["--tp-size", "2"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"]])
-def test_impossible_engine_options_fail_clearly(option):
+@pytest.mark.parametrize("option", [
+    ["--tp-size", "2"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"], ["--max-connections", "0"],
+    ["--header-read-timeout", "0"], ["--root-path", "llm/"], ["--forwarded-allow-ips", "proxy.example"],
+    ["--allowed-origins", "app.example"],
+])
+def test_impossible_options_fail_clearly(option):
     out = run_cli(*option)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert option[0] in out.stderr

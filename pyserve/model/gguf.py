@@ -109,6 +109,21 @@ class GGUFFile:
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return _dequantize(raw, t.type_name).reshape(t.shape)
 
+    def q4_1_groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A Q4_1 matrix as stored, without dequantizing: codes uint8 [rows,
+        cols] (0..15), and per group of 32 columns the scale d and minimum m
+        as float32 [rows, cols / 32]; the weight is d * code + m."""
+        t = self.tensors[name]
+        if t.type_name != "Q4_1":
+            raise ValueError(f"tensor {name} is {t.type_name}, not Q4_1")
+        rows, cols = t.shape
+        blocks = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset).reshape(-1, 20)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+        qs = blocks[:, 4:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, cols)
+        return codes, d, m
+
 
 def _dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
     if type_name == "F32":

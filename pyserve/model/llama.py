@@ -198,7 +198,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the new tokens, q and k rotated."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -206,8 +207,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
-        out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
+
+    def attend(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        return attn.forward(q, k, v, self.layer_id, batch, self.scale)
 
 
 class MLP(nn.Module):
@@ -233,16 +236,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, cos, sin, batch: ForwardBatch, attn: AttentionBackend):
+    # A layer runs as before_attention, the attention backend, after_attention:
+    # the two halves hold no layer index or cache, so one compiled version of
+    # each serves every layer (LlamaForCausalLM.compile_decode).
+
+    def before_attention(self, x, residual, cos, sin):
         """x: the previous layer's MLP output, or the embeddings (residual
-        None) for the first layer. Returns (this layer's MLP output, the
-        residual stream before it): each residual add is left to the next
-        norm, which fuses it on CUDA."""
+        None) for the first layer. Returns q, k, v and the residual stream:
+        each residual add is left to the next norm, which fuses it on CUDA."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, batch, attn)
+        return (*self.self_attn.project(h, cos, sin), residual)
+
+    def after_attention(self, out, residual):
+        """(this layer's MLP output, the residual stream before it)."""
+        h = self.self_attn.o_proj(out.reshape(-1, self.self_attn.q_size))
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -257,24 +267,41 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Tied checkpoints reuse the embedding matrix as the output projection.
+        # Tied checkpoints reuse the embedding matrix as the output projection
+        # (quantize_model may give them a quantized copy of it).
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+
+    def compile_decode(self) -> None:
+        """Run decode steps' layers through torch.compile (inductor): on a
+        CPU a small model's step is mostly per-op overhead, which fusing the
+        elementwise work removes. The halves of a layer around attention
+        are compiled once for all layers, with dynamic batch sizes; the
+        attention backend and its per-batch metadata stay eager."""
+        self._compiled_halves = (torch.compile(DecoderLayer.before_attention, dynamic=True),
+                                 torch.compile(DecoderLayer.after_attention, dynamic=True))
+
+    _compiled_halves = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
         attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
+        before, after = DecoderLayer.before_attention, DecoderLayer.after_attention
+        if batch.is_decode and self._compiled_halves is not None:
+            before, after = self._compiled_halves
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch, attn)
+            q, k, v, residual = before(layer, x, residual, cos, sin)
+            x, residual = after(layer, layer.self_attn.attend(q, k, v, batch, attn), residual)
         # Only the rows whose next token is wanted go through the last
         # residual add, the norm and the vocabulary projection, the most
         # expensive matmul for small models.
         rows = batch.logits_indices
         x, _ = self.norm(x[rows], residual[rows])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is None:
+            return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head(x).float()

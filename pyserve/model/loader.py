@@ -6,6 +6,10 @@ on the target device in the target dtype, so no throwaway random weights
 read one at a time from the checkpoint (one file or an index of shards) and
 copied into place; q/k/v and gate/up land in row ranges of the fused
 parameters. Every parameter row range must be filled exactly once.
+
+With a weight quantization (quant.py) the linear layers are then replaced
+by quantized ones; where the directory ships weights already quantized
+that way (model.int4wo-32.safetensors), those are used as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tqdm import tqdm
 
 from pyserve.model.config import ModelConfig
 from pyserve.model.llama import LlamaForCausalLM
+from pyserve.model.quant import Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +88,33 @@ def _expected_pieces(params: dict, config: ModelConfig) -> set[tuple[str, int | 
     return pieces
 
 
+def _shipped_int4(path: Path, config: ModelConfig, group_size: int) -> dict[str, Int4Linear]:
+    """Module name -> Int4Linear from a file of `<projection>.codes/.scales/.zeros`,
+    the parts of a fused projection concatenated in row order."""
+    parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            if not key.endswith(".codes"):
+                continue
+            projection = key.removesuffix(".codes")
+            name, first, _ = _destination(projection + ".weight", config)
+            parts.setdefault(name.removesuffix(".weight"), []).append((
+                first or 0, unpack_nibbles(f.get_tensor(key)),
+                f.get_tensor(projection + ".scales"), f.get_tensor(projection + ".zeros"),
+            ))
+    layers = {}
+    for module, pieces in parts.items():
+        pieces.sort(key=lambda piece: piece[0])
+        codes, scales, zeros = (torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
+        layers[module] = Int4Linear(codes, scales, zeros, group_size, None)
+    return layers
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model in eval mode with every weight loaded, and its config."""
+    """The model in eval mode with every weight loaded, and its config;
+    its linear layers quantized as `quant` when given (CPU only)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
@@ -127,10 +155,14 @@ def load_model(
     if missing:
         names = sorted(n if first is None else f"{n} (rows from {first})" for n, first in missing)
         raise ValueError(f"{model_dir}: {len(names)} weights missing from the checkpoint, e.g. {names[:5]}")
+    if quant is not None:
+        shipped = prequantized_file(model_dir, quant)
+        quantize_model(model, quant, _shipped_int4(shipped, config, quant.group_size) if shipped.is_file() else None)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "Loaded %s (%s, %.1fM parameters) as %s on %s",
+        "Loaded %s (%s, %.1fM dense parameters) as %s on %s%s",
         model_dir, config.architecture, n_params / 1e6, str(dtype).removeprefix("torch."), device,
+        f", linear layers {quant.name}" if quant else "",
     )
     return model, config

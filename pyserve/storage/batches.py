@@ -5,11 +5,16 @@ as the API returns it; `<id>.output.jsonl` and `<id>.errors.jsonl` collect
 result lines while the batch runs, and become files of the Files API when
 it ends. Every write of either goes through BatchStore, and everything a
 restart needs to resume is here.
+
+Several processes (replicas) may share the directory: the one holding a
+batch's lock (`<id>.lock`) runs it and alone writes its record and
+results; another asks it to cancel through `<id>.cancel`.
 """
 
 from __future__ import annotations
 
 import enum
+import fcntl
 import os
 import re
 import time
@@ -42,6 +47,10 @@ class BatchStatus(str, enum.Enum):
         """Not ended yet: a restart resumes it."""
         return self in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
                         BatchStatus.CANCELLING)
+
+    @property
+    def cancellable(self) -> bool:
+        return self in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
 
 class RequestCounts(msgspec.Struct, kw_only=True):
@@ -114,6 +123,20 @@ class BatchNotFound(KeyError):
     pass
 
 
+class BatchLock:
+    """An exclusive flock on `<id>.lock`, held while a process runs the
+    batch. The kernel drops it when the process dies, however it dies, so
+    another replica can resume the batch."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = -1
+
+
 def new_batch_id() -> str:
     return f"batch_{time_ordered_hex()}"
 
@@ -147,15 +170,47 @@ class BatchStore:
         if time.monotonic() - self._last_save.get(record.id, 0.0) >= _SAVE_INTERVAL:
             self.save(record)
 
+    def load(self, batch_id: str) -> BatchRecord | None:
+        """The record on disk; None if there is none (or it is unreadable)."""
+        try:
+            return _decode_record(self._path(batch_id, ".json").read_bytes())
+        except (BatchNotFound, OSError, msgspec.DecodeError):
+            return None
+
+    def ids(self) -> list[str]:
+        return [path.stem for path in self.dir.glob("batch_*.json")]
+
     def load_all(self) -> dict[str, BatchRecord]:
         records = {}
-        for path in self.dir.glob("batch_*.json"):
-            try:
-                record = _decode_record(path.read_bytes())
-            except (OSError, msgspec.DecodeError):
-                continue
-            records[record.id] = record
+        for batch_id in self.ids():
+            record = self.load(batch_id)
+            if record is not None:
+                records[record.id] = record
         return records
+
+    def try_lock(self, batch_id: str) -> BatchLock | None:
+        """The batch's lock, or None when another process (or task) holds it."""
+        fd = os.open(self._path(batch_id, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return BatchLock(fd)
+
+    def request_cancel(self, batch_id: str) -> None:
+        """Ask the process running the batch to cancel it."""
+        self._path(batch_id, ".cancel").touch()
+
+    def cancel_requested(self, batch_id: str) -> bool:
+        return self._path(batch_id, ".cancel").exists()
+
+    def remove_markers(self, batch_id: str) -> None:
+        """Drop the lock and cancel files of a batch that has ended. Whoever
+        takes a lock checks the record afterwards, so a lock file that
+        disappears under a late claimer does no harm."""
+        for suffix in (".lock", ".cancel"):
+            self._path(batch_id, suffix).unlink(missing_ok=True)
 
     def output_path(self, batch_id: str) -> Path:
         return self._path(batch_id, ".output.jsonl")

@@ -1,0 +1,146 @@
+"""What each CPU weight quantization costs in quality, against float32 on the same weights.
+
+For every `--torchao-config` mode the model (the embedded one by default)
+is loaded as the server loads it, and compared with its float32 self:
+
+- perplexity on bench/data/quality_corpus.txt (about 1,000 words of
+  prose, code, a letter and arithmetic written for this benchmark), in
+  windows of --window tokens;
+- greedy agreement over 50 prompts: float32 writes --new-tokens greedy
+  tokens per prompt; each mode reads the same prompt + continuation and
+  its argmax is compared with float32's token at every position. "same
+  output" counts the prompts where all positions agree: there the mode's
+  own greedy output is identical to float32's.
+
+    python bench/quality.py                       # none, int8wo, int4wo-32 (shipped), int4wo-64
+    python bench/quality.py --model DIR --modes int8wo int4wo-128
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
+from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
+from pyserve.model.kv_buffer import KVBuffer  # noqa: E402
+from pyserve.model.loader import load_model  # noqa: E402
+from pyserve.model.quant import parse_quant  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parent / "data" / "quality_corpus.txt"
+_SUBJECTS = ["the moon", "a rainforest", "the printing press", "volcanoes", "honey bees",
+             "the Roman empire", "electric cars", "the human heart", "chess", "the ocean tides"]
+_FRAMES = ["Write one sentence about {}.", "Here is a short fact about {}:", "Explain {} to a child.",
+           "Three things to know about {}: 1.", "Q: Why is {} interesting?\nA:"]
+PROMPTS = [frame.format(subject) for subject in _SUBJECTS for frame in _FRAMES]  # 50
+
+
+class Sequences:
+    """Sequences with their KV in one buffer; `logits` feeds each its next tokens."""
+
+    def __init__(self, model, config, lengths: int):
+        self.model = model
+        kv = KVBuffer(config.num_hidden_layers, lengths + 1, config.num_key_value_heads, config.head_dim,
+                      torch.float32, "cpu")
+        self.attn = TorchAttention(kv)
+        self.next_slot = 1  # slot 0 is the padding target
+        self.slots: list[torch.Tensor] = []
+
+    def logits(self, chunks: list[list[int]], every_position: bool = False) -> torch.Tensor:
+        """Logits at each chunk's last token (or at all of them), in order."""
+        if not self.slots:
+            self.slots = [torch.empty(0, dtype=torch.long) for _ in chunks]
+        ids, positions, fresh, wanted = [], [], [], []
+        for i, tokens in enumerate(chunks):
+            new = torch.arange(self.next_slot, self.next_slot + len(tokens))
+            self.next_slot += len(tokens)
+            positions += range(self.slots[i].numel(), self.slots[i].numel() + len(tokens))
+            self.slots[i] = torch.cat([self.slots[i], new])
+            fresh.append(new)
+            first = len(ids)
+            ids += tokens
+            wanted += range(first, len(ids)) if every_position else [len(ids) - 1]
+        batch = ForwardBatch.build(ids, positions, torch.cat(fresh), [len(t) for t in chunks], self.slots,
+                                   wanted, all(len(t) == 1 for t in chunks), "cpu")
+        with torch.inference_mode():
+            return self.model(batch, self.attn)
+
+
+def greedy(model, config, prompts: list[list[int]], n: int) -> list[list[int]]:
+    seqs = Sequences(model, config, sum(map(len, prompts)) + n * len(prompts))
+    outputs = [[t] for t in seqs.logits(prompts).argmax(-1).tolist()]
+    for _ in range(n - 1):
+        for out, t in zip(outputs, seqs.logits([[o[-1]] for o in outputs]).argmax(-1).tolist()):
+            out.append(t)
+    return outputs
+
+
+def perplexity(model, config, tokens: list[int], window: int) -> float:
+    nll, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, window):
+        piece = tokens[start : start + window + 1]
+        logits = Sequences(model, config, len(piece)).logits([piece[:-1]], every_position=True)
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(piece[1:]), reduction="sum").item()
+        count += len(piece) - 1
+    return math.exp(nll / count)
+
+
+def agreement(model, config, prompts, continuations) -> tuple[int, int, int]:
+    """(positions whose argmax is float32's token, positions, prompts that agree everywhere)."""
+    seqs = Sequences(model, config, sum(len(p) + len(c) for p, c in zip(prompts, continuations)))
+    logits = seqs.logits([p + c[:-1] for p, c in zip(prompts, continuations)], every_position=True)
+    same = total = whole = start = 0
+    for p, c in zip(prompts, continuations):
+        # The logits at the prompt's last token predict c[0], and so on.
+        predicted = logits[start + len(p) - 1 : start + len(p) - 1 + len(c)].argmax(-1).tolist()
+        start += len(p) + len(c) - 1
+        hits = sum(a == b for a, b in zip(predicted, c))
+        same, total, whole = same + hits, total + len(c), whole + (hits == len(c))
+    return same, total, whole
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    ap.add_argument("--modes", nargs="+", default=["int8wo", "int4wo-32", "int4wo-64"])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--window", type=int, default=512)
+    args = ap.parse_args()
+    if args.model is None:
+        from pyserve.model.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    from pyserve._rust import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    corpus = tok.encode(CORPUS.read_text())
+    prompts = [tok.encode(p) for p in PROMPTS]
+
+    reference, config = load_model(args.model, torch.float32, "cpu")
+    continuations = greedy(reference, config, prompts, args.new_tokens)
+    rows = [("none (float32)", perplexity(reference, config, corpus, args.window), None)]
+    del reference
+    for mode in args.modes:
+        start = time.perf_counter()
+        model, config = load_model(args.model, torch.float32, "cpu", parse_quant(mode))
+        rows.append((mode, perplexity(model, config, corpus, args.window),
+                     agreement(model, config, prompts, continuations)))
+        print(f"{mode}: measured in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"model {Path(args.model).name}; corpus {len(corpus)} tokens; {len(prompts)} prompts x "
+          f"{args.new_tokens} greedy tokens of float32 as the reference; torch {torch.__version__}")
+    print(f"{'mode':<18}{'perplexity':>11}{'vs float32':>12}{'greedy tokens agree':>21}{'same output':>13}")
+    base = rows[0][1]
+    for mode, ppl, agree in rows:
+        agree_text = "-" if agree is None else f"{100 * agree[0] / agree[1]:.1f}%"
+        whole = "-" if agree is None else f"{agree[2]}/{len(prompts)}"
+        print(f"{mode:<18}{ppl:>11.3f}{ppl / base:>11.3f}x{agree_text:>21}{whole:>13}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""pyserve as an ASGI application, for any ASGI server or parent app.
+
+    from pyserve import create_app
+    app = create_app(model_path="/models/qwen2.5-0.5b-instruct", api_key="sekrit")
+
+`create_app` takes the command line's options (a ServerArgs, or its field
+names as keywords) and returns an ASGI 3 app. Its lifespan owns what the
+app serves: on startup the model loads and the engine and the batch runner
+start; on shutdown the requests in flight get --drain-timeout seconds, the
+batches stop with their state saved, and the engine stops. A parent app
+that does not pass the lifespan on to mounted apps (Starlette's `Mount`
+does not) enters `app.lifespan()` in its own. `pyserve` the command runs
+this same app under Granian.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+from pyserve.server_args import ServerArgs, comma_list
+
+logger = logging.getLogger("pyserve")
+
+
+def create_app(args: ServerArgs | None = None, **options) -> PyserveApp:
+    """The ASGI app serving `args` (default: every option's default), with
+    `options` (ServerArgs field names: model_path=..., api_key=...) applied
+    over it. Nothing loads until the lifespan starts. TypeError for an
+    unknown option, ValueError for an impossible value."""
+    args = replace(args or ServerArgs(), **options)
+    args.validate()
+    return PyserveApp(args)
+
+
+class PyserveApp:
+    """The ASGI app: its lifespan builds and stops the engine, the stores
+    and the HTTP app (pyserve.api.app.App), which serves every request."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.http = None  # the App, while started
+        self._engine = None
+        self._batches = None
+        self._drain_deadline: float | None = None  # loop time at which the drain ends
+
+    @property
+    def started(self) -> bool:
+        return self.http is not None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if self.args.root_path and not scope.get("root_path"):
+            scope = {**scope, "root_path": self.args.root_path}
+        if self.http is None:
+            if scope["type"] == "http":
+                await _not_started(send)
+            return
+        await self.http(scope, receive, send)
+
+    # -- lifespan --------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Load the model and start the engine and the batch runner."""
+        if self.started:
+            return
+        # Imported here so that `pyserve --help` answers without loading torch.
+        from pyserve.api.app import App
+        from pyserve.api.batch_runner import BatchManager
+        from pyserve.api.proxy import CORS, TrustedProxies
+        from pyserve.api.serving import ServingContext
+        from pyserve.chat_template import ChatTemplate
+        from pyserve.engine.engine import Engine
+        from pyserve.model.default_model import DEFAULT_MODEL_NAME
+        from pyserve.storage.batches import BatchStore
+        from pyserve.storage.files import FileStore
+
+        started = time.perf_counter()
+        args = self.args.resolved()
+        logger.info("server_args=%s", args)
+        engine = Engine(args)
+        template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
+        name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
+        ctx = ServingContext(engine, name, template, args.reasoning_parser, args.tool_call_parser)
+        files = FileStore(args.file_storage_path, args.max_upload_size)
+        batches = BatchManager(ctx, files, BatchStore(args.file_storage_path), args.batch_concurrency)
+        await engine.start()
+        batches.start()
+        self._engine, self._batches = engine, batches
+        self.http = App(ctx, args.api_key, files, batches, cors=CORS(comma_list(args.allowed_origins)),
+                        proxies=TrustedProxies(comma_list(args.forwarded_allow_ips)))
+        logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
+
+    def begin_drain(self) -> None:
+        """Stop taking work: new requests get a 503, batches take no new
+        lines, and what is in flight has --drain-timeout seconds."""
+        if self.http is None or self._drain_deadline is not None:
+            return
+        self._drain_deadline = asyncio.get_running_loop().time() + self.args.drain_timeout
+        self.http.drain.begin(self.args.drain_timeout)
+        self._batches.drain()
+
+    def end_drain_now(self) -> None:
+        """Stop what is still in flight now (a second SIGTERM or Ctrl-C)."""
+        if self.http is not None:
+            self.begin_drain()
+            self._drain_deadline = asyncio.get_running_loop().time()
+            self.http.drain.expire()
+
+    async def shutdown(self) -> None:
+        """Drain, then stop the batches (their state saved) and the engine."""
+        if self.http is None:
+            return
+        self.begin_drain()
+        await self.http.drain.wait_idle()
+        left = max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
+        await self._batches.shutdown(left)
+        await self._engine.shutdown()
+        self.http = self._engine = self._batches = None
+        self._drain_deadline = None
+        logger.info("pyserve stopped")
+
+    @asynccontextmanager
+    async def lifespan(self):
+        """Started inside, drained and stopped on the way out."""
+        await self.startup()
+        try:
+            yield self
+        finally:
+            await self.shutdown()
+
+    async def _lifespan(self, receive, send) -> None:
+        """The ASGI lifespan protocol, over startup() and shutdown()."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:  # a bad model or option: the server reports it and exits
+                    logger.error("pyserve failed to start: %s", e)
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _not_started(send) -> None:
+    from pyserve.api.errors import APIError
+    from pyserve.api.http import error_response
+
+    await error_response(APIError(
+        "pyserve has not started: serve it with an ASGI server that runs the lifespan, "
+        "or enter `app.lifespan()` in the parent app's lifespan", 503, "server_error")).send(send)

@@ -1,0 +1,184 @@
+"""Weight-only quantized linear layers for the CPU (`--torchao-config`).
+
+On a CPU a small model's decode step reads every weight once per token,
+so it is bound by memory bandwidth: 4-bit weights read an eighth of what
+float32 does. The matmuls are torch's own packed CPU ops,
+`_weight_int8pack_mm` (int8, one scale per output row) and
+`_weight_int4pack_mm_for_cpu` (int4 in groups along the input dimension,
+a scale and a zero per group). torchao's int8/int4 weight-only CPU
+layouts call these same ops; using them directly avoids its tensor
+subclasses (see README, "CPU speed"). Both ops are fast only with
+bfloat16 activations (float32 ones take a slow generic path), so each
+quantized layer casts its input to bfloat16 and its output back: the
+rest of the model keeps its dtype.
+
+Modes: `int8wo`, `int4wo-<group>` (group 32, 64, 128 or 256), `none`, and
+`auto`: on the CPU, the 4-bit weights a model directory ships already in
+this format (the embedded model's, converted once from its GGUF file,
+default_model.py), else none. The vocabulary projection (lm_head, or the
+tied embedding matrix) is int8 in both modes: it is the largest matmul
+and the most sensitive to rounding; the embedding lookup stays dense.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_ACT_DTYPE = torch.bfloat16  # the activations the packed CPU kernels are fast with
+_INT4_ROW_MULTIPLE = 16  # the int4 packing needs output rows in multiples of this
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    bits: int  # 8 or 4
+    group_size: int | None = None  # int4: input columns sharing a scale and zero
+
+    @property
+    def name(self) -> str:
+        return "int8wo" if self.bits == 8 else f"int4wo-{self.group_size}"
+
+
+def parse_quant(text: str) -> WeightQuant | None | str:
+    """`--torchao-config` as a WeightQuant, None for none, or "auto"."""
+    text = (text or "none").strip().lower()
+    if text in ("none", "auto"):
+        return None if text == "none" else "auto"
+    if text == "int8wo":
+        return WeightQuant(8)
+    match = re.fullmatch(r"int4wo-(\d+)", text)
+    if match and int(match.group(1)) in INT4_GROUP_SIZES:
+        return WeightQuant(4, int(match.group(1)))
+    raise ValueError(
+        f"--torchao-config {text!r}: expected none, auto, int8wo or int4wo-<group> "
+        f"with group in {INT4_GROUP_SIZES}"
+    )
+
+
+def prequantized_file(model_dir: Path, quant: WeightQuant) -> Path:
+    """Where a model directory keeps weights already quantized as `quant`."""
+    return Path(model_dir) / f"model.{quant.name}.safetensors"
+
+
+def resolve_quant(text: str, model_dir: Path, device: torch.device) -> WeightQuant | None:
+    """The quantization to load with: `auto` made concrete, CPU only."""
+    quant = parse_quant(text)
+    if quant == "auto":
+        shipped = WeightQuant(4, 32)
+        return shipped if device.type == "cpu" and prequantized_file(model_dir, shipped).is_file() else None
+    if quant is not None and device.type != "cpu":
+        raise ValueError(f"--torchao-config {quant.name} runs on the CPU only (the GPU path keeps its kernels)")
+    return quant
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (w_int8 * scale).T + bias, with one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)  # int8 [out, in]
+        self.register_buffer("scales", scales.to(_ACT_DTYPE))  # [out]
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = (w / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        return cls(q, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(_ACT_DTYPE), self.weight, self.scales)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w.T + bias with w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]
+    for the group g = k // group_size; q in 0..15, packed by torch."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None):
+        """codes: uint8 [out, in] (0..15); scales, zeros: [out, in / group_size]."""
+        super().__init__()
+        self.group_size = group_size
+        self.out_features = codes.shape[0]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.register_buffer("weight", packed)
+        # The kernel's layout: [in / group_size, out, (scale, zero)].
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(_ACT_DTYPE))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Asymmetric min/max quantization of each group of `group_size` inputs."""
+        out, cols = weight.shape
+        w = weight.float().reshape(out, cols // group_size, group_size)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return cls(codes.reshape(out, cols), scales, low + 8 * scales, group_size, bias)
+
+    @staticmethod
+    def fits(weight: torch.Tensor, group_size: int) -> bool:
+        out, cols = weight.shape
+        return out % _INT4_ROW_MULTIPLE == 0 and cols % group_size == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, x.shape[-1]).to(_ACT_DTYPE), self.weight, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 [out, in] -> [out, in / 2], even columns in the low nibbles."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
+    weight, bias = linear.weight.data, None if linear.bias is None else linear.bias.data
+    if quant.bits == 8:
+        return Int8Linear.quantize(weight, bias)
+    if Int4Linear.fits(weight, quant.group_size):
+        return Int4Linear.quantize(weight, quant.group_size, bias)
+    return None
+
+
+def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4Linear] | None = None) -> None:
+    """Replace the decoder layers' linear layers by `quant` ones, in place,
+    taking those in `shipped` (module name -> layer) as they are, and give
+    the model an int8 vocabulary projection."""
+    shipped = shipped or {}
+    kept_dense = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name == "lm_head":
+            continue
+        replacement = shipped.get(name) or _quantized(module, quant)
+        if name in shipped and module.bias is not None:
+            replacement.bias = module.bias.data
+        if replacement is None:
+            kept_dense.append(name)
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, replacement)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int8Linear.quantize(head.data)
+    if kept_dense:
+        logger.warning("%s: %d linear layers stay dense (their shape does not fit the kernel), e.g. %s",
+                       quant.name, len(kept_dense), kept_dense[0])
+    logger.info("Weights quantized as %s (%d from the checkpoint's own 4-bit weights), lm_head int8",
+                quant.name, len(shipped))

@@ -1,0 +1,141 @@
+"""CPU weight-only quantization (--torchao-config): the layers compute what
+their quantized weights say, the embedded model runs its own Q4_1 groups,
+and a quantized model still answers as its float32 self does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import GenerateRequest, SamplingParams
+from pyserve.model.gguf import GGUFFile
+from pyserve.model.loader import load_model
+from pyserve.model.quant import (
+    Int4Linear, Int8Linear, WeightQuant, pack_nibbles, parse_quant, resolve_quant, unpack_nibbles,
+)
+from pyserve.server_args import ServerArgs
+from tests.test_model_vs_hf import CachedSequences
+from tests.tiny_models import build_tiny_model
+
+# bf16 activations and outputs: about 3 significant digits.
+BF16_RTOL = 2e-2
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def test_parse_quant_names_and_refusals():
+    assert parse_quant("int8wo") == WeightQuant(8)
+    assert parse_quant("int4wo-64") == WeightQuant(4, 64)
+    assert parse_quant("none") is None and parse_quant("") is None
+    assert parse_quant("auto") == "auto"
+    for bad in ("int4wo-48", "int4wo", "fp8", "int8"):
+        with pytest.raises(ValueError, match="--torchao-config"):
+            parse_quant(bad)
+
+
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_linear_is_its_dequantized_weight(rows):
+    g = torch.Generator().manual_seed(0)
+    weight, bias, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(rows, 64, generator=g)
+    layer = Int8Linear.quantize(weight, bias)
+    dequantized = layer.weight.float() * layer.scales.float()[:, None]
+    assert relative_error(dequantized, weight) < 0.01  # 8 bits per row
+    assert relative_error(layer(x), F.linear(x, dequantized, bias)) < BF16_RTOL
+    assert layer(x).dtype == x.dtype
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_linear_is_its_dequantized_weight(group):
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(48, 128, generator=g), torch.randn(3, 128, generator=g)
+    layer = Int4Linear.quantize(weight, group)
+    # Rebuild the weight from the same codes/scales the kernel got.
+    codes = ((weight.reshape(48, -1, group) - weight.reshape(48, -1, group).amin(-1, keepdim=True))
+             / ((weight.reshape(48, -1, group).amax(-1) - weight.reshape(48, -1, group).amin(-1)) / 15)[..., None])
+    codes = codes.round().clamp(0, 15)
+    scales_zeros = layer.scales_and_zeros.float()  # [groups, out, 2]
+    dequantized = ((codes - 8) * scales_zeros[..., 0].t()[..., None] + scales_zeros[..., 1].t()[..., None])
+    dequantized = dequantized.reshape(48, 128)
+    assert relative_error(dequantized, weight) < 0.1  # 4 bits: coarse, but close
+    assert relative_error(layer(x), F.linear(x, dequantized)) < BF16_RTOL
+
+
+def test_embedded_model_runs_its_own_q4_1_groups(default_model_dir):
+    """The shipped int4 layer of the embedded model is the GGUF's d * q + m,
+    not a re-quantization of the dense copy."""
+    from pyserve.model.default_model import _gguf_path, _unpermute_rotary
+
+    model, config = load_model(default_model_dir, torch.float32, "cpu", WeightQuant(4, 32))
+    gguf = GGUFFile(_gguf_path())
+    for kind, rows in (("attn_q", slice(0, 576)), ("ffn_down", slice(None))):
+        expected = torch.from_numpy(gguf.tensor(f"blk.3.{kind}.weight").copy())
+        if kind == "attn_q":
+            expected = torch.from_numpy(_unpermute_rotary(expected.numpy(), config.num_attention_heads).copy())
+        layer = model.layers[3].self_attn.qkv_proj if kind == "attn_q" else model.layers[3].mlp.down_proj
+        assert isinstance(layer, Int4Linear)
+        identity = torch.eye(expected.shape[1])
+        got = layer(identity).t()[rows]  # column j of the weight is the output for unit input j
+        assert relative_error(got, expected) < 0.005  # only bf16 rounding of scales and outputs
+
+
+def test_auto_uses_shipped_weights_on_cpu_only(default_model_dir, tmp_path):
+    tiny = build_tiny_model(tmp_path, "llama")
+    assert resolve_quant("auto", default_model_dir, torch.device("cpu")) == WeightQuant(4, 32)
+    assert resolve_quant("auto", tiny, torch.device("cpu")) is None  # ships no quantized weights
+    assert resolve_quant("auto", default_model_dir, torch.device("cuda")) is None
+    assert resolve_quant("none", default_model_dir, torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quant("int8wo", tiny, torch.device("cuda"))
+
+
+def greedy(model, config, prompts: list[list[int]], n: int) -> list[list[int]]:
+    seqs = CachedSequences(model, config)
+    outputs = [[t] for t in seqs.forward(dict(enumerate(prompts))).argmax(-1).tolist()]
+    for _ in range(n - 1):
+        for out, t in zip(outputs, seqs.forward({i: [o[-1]] for i, o in enumerate(outputs)}).argmax(-1).tolist()):
+            out.append(t)
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32"])
+def test_quantized_embedded_model_answers_like_float32(default_model_dir, mode):
+    """Greedy answers to plain questions: the quantized model's first tokens
+    are float32's (the whole answer may drift later, as bench/quality.py measures)."""
+    from pyserve._rust import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):", "Q: What is 2+2?\nA:"]]
+    reference = greedy(*load_model(default_model_dir, torch.float32, "cpu"), prompts, 4)
+    quantized = greedy(*load_model(default_model_dir, torch.float32, "cpu", parse_quant(mode)), prompts, 4)
+    agree = sum(a == b for ref, got in zip(reference, quantized) for a, b in zip(ref, got))
+    assert agree >= 10, (reference, quantized)  # of 12
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32"])
+def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, default_model_dir):
+    """A bf16/fp32 checkpoint quantized at load: the engine runs it to the end."""
+    model_dir = build_tiny_model(tmp_path, "llama", tokenizer_dir=default_model_dir)
+    engine = Engine(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config=mode))
+
+    async def run():
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+            return [t async for out in engine.generate(GenerateRequest([5, 6, 7], params)) for t in out.token_ids]
+        finally:
+            await engine.shutdown()
+
+    assert len(asyncio.run(run())) == 6
+    head = engine.runner.model.lm_head
+    assert isinstance(head, Int8Linear)
