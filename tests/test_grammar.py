@@ -211,7 +211,7 @@ def test_constrained_and_free_requests_in_one_batch(default_model_dir, overlap):
         schema = Constraint("json_schema", json.dumps(PERSON))
         results = await asyncio.gather(
             generate(engine, free_ids, max_new_tokens=40, temperature=0, ignore_eos=True),
-            *[generate(engine, person_ids, max_new_tokens=200, temperature=0.9, seed=i, constraint=schema)
+            *[generate(engine, person_ids, max_new_tokens=300, temperature=0.9, seed=i, constraint=schema)
               for i in range(4)])
         assert results[0] == alone
         for text, tokens, reason in results[1:]:
