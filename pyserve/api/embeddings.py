@@ -48,10 +48,15 @@ class EmbeddingResponse(msgspec.Struct, kw_only=True):
     object: str = "list"
 
 
+def serves_embeddings(ctx: ServingContext) -> bool:
+    """Whether the server was started with --is-embedding."""
+    # getattr: stand-in engines in the API tests only generate.
+    return getattr(ctx.engine, "pooling", None) is not None
+
+
 def refuse_generation(ctx: ServingContext) -> None:
     """A generation route on an --is-embedding server: 400 naming the flag."""
-    # getattr: stand-in engines in the API tests only generate.
-    if getattr(ctx.engine, "pooling", None) is not None:
+    if serves_embeddings(ctx):
         raise bad_request(embedding_mismatch(False))
 
 
