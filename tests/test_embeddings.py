@@ -164,6 +164,22 @@ def test_pooling_from_the_first_token_computes_the_prompt_whole(model_dirs, pool
     torch.testing.assert_close(again, first, atol=TOL, rtol=0)
 
 
+def test_a_caller_that_leaves_frees_everything(model_dirs):
+    """Cancelled in the middle of its chunked prompt, an embedding request
+    gives back every KV page (run_engine checks) and leaves the engine."""
+
+    async def work(engine):
+        task = asyncio.create_task(embed(engine, [list(range(10, 1010))]))
+        while engine.num_running == 0:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return engine.scheduler.requests, (await embed(engine, [[5, 6, 7]]))[0][0]
+
+    left, after = run_engine(model_dirs["mean"], work, chunked_prefill_size=16)
+    assert left == {} and after.shape == (64,)
+
+
 def test_unsupported_sentence_transformers_modules_are_refused_at_start(tmp_path, default_model_dir):
     model_dir = build_tiny_embedding_model(tmp_path, default_model_dir)
     modules = json.loads((model_dir / "modules.json").read_text())
