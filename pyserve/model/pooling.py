@@ -65,11 +65,6 @@ class PoolingConfig:
         matryoshka = tuple(int(d) for d in dims) if dims else (() if config.get("is_matryoshka") else None)
         return cls(mode, normalize, hidden_size, matryoshka)
 
-    @property
-    def pools_from_start(self) -> bool:
-        """Whether the first positions are pooled: no cached prefix then."""
-        return self.mode != "last"
-
     def check_dimensions(self, dimensions: int) -> str | None:
         """None when vectors may be cut to `dimensions`; else why not."""
         if dimensions == self.hidden_size:
