@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from pyserve.api.errors import APIError, bad_request
+from pyserve.api.errors import bad_request
 from pyserve.api.serving import ServingContext, merged_outputs, new_id, prompt_id_lists
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.engine.request import GenerateRequest, RequestError, SamplingParams
@@ -62,7 +62,7 @@ def refuse_generation(ctx: ServingContext) -> None:
 
 async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingResponse:
     engine = ctx.engine
-    if engine.pooling is None:
+    if not serves_embeddings(ctx):
         raise bad_request(embedding_mismatch(True))
     if req.dimensions is not None:
         problem = engine.pooling.check_dimensions(req.dimensions)
@@ -78,9 +78,7 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
     except RequestError as e:
         raise bad_request(e.message, "input", e.code) from None
     data: list[Embedding | None] = [None] * len(requests)
-    async for i, out in merged_outputs(engine, requests):
-        if out.embedding is None:
-            raise APIError("the embedding could not be computed", 500, "server_error")
+    async for i, out in merged_outputs(engine, requests):  # an aborted request raises there
         vector = out.embedding if req.dimensions is None else engine.pooling.truncate(out.embedding, req.dimensions)
         data[i] = Embedding(index=i, embedding=_encode(vector.numpy(), req.encoding_format))
     tokens = sum(len(ids) for ids in prompts)
