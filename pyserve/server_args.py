@@ -42,6 +42,8 @@ class ServerArgs:
     model_path: str | None = option(None, "--model", "--model-path",
                                     help="Hugging Face model directory (default: the embedded model)")
     served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
+    is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
+                                "sentence-transformers files) instead of generating text")
     host: str = option("127.0.0.1", help="address to listen on")
     port: int = option(30000, help="port to listen on")
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -163,9 +165,21 @@ class ServerArgs:
                     ipaddress.ip_network(item, strict=False)
             except ValueError:
                 raise ValueError(f"--forwarded-allow-ips: {item!r} is not an address or network") from None
+        if self.is_embedding:
+            self._validate_embedding()
         for origin in comma_list(self.allowed_origins):
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin such as https://app.example")
+
+    # Options about generated text, which an embedding server never makes.
+    _GENERATION_ONLY = ("chat_template", "reasoning_parser", "tool_call_parser", "default_max_tokens",
+                        "enable_torch_compile")
+
+    def _validate_embedding(self) -> None:
+        given = [name for name in self._GENERATION_ONLY if getattr(self, name) not in (None, False)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"{flags}: generation options make no sense with --is-embedding")
 
     def resolved(self) -> ServerArgs:
         """A copy with every "auto" made concrete for this machine: device

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, files, generate, operations
+from pyserve.api import batches, chat, completions, embeddings, files, generate, operations
 from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
@@ -52,6 +52,7 @@ class Route:
 ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
     ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
+    ("POST", "/v1/embeddings"): Route(embeddings.create, embeddings.EmbeddingRequest),
     ("GET", "/v1/models"): Route(operations.models),
     ("GET", "/v1/models/{model:path}"): Route(operations.retrieve_model),
     ("POST", "/v1/files"): Route(files.upload, raw=True, service="files"),
@@ -75,6 +76,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health"): Route(operations.health, public=True),
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
+# Routes that generate text: an --is-embedding server answers them 400.
+GENERATION_HANDLERS = (chat.create, completions.create, generate.generate)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:
@@ -153,6 +156,8 @@ class App:
             raise APIError(f"no route {request.method} {request.path}", 404, code="not_found")
         if self.api_key and not route.public:
             self._authorize(request)
+        if route.handler in GENERATION_HANDLERS:
+            embeddings.refuse_generation(self.ctx)
         args: list = [getattr(self, route.service)]
         if route.raw:
             args.append(request)

@@ -25,6 +25,7 @@ from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
+from pyserve.model.pooling import sum_spans
 from pyserve.model.quant import resolve_quant
 from pyserve.server_args import ServerArgs
 
@@ -77,6 +78,9 @@ class StepOutput:
     ready: "torch.cuda.Event | None"  # None: already complete
     # Prompt log-probabilities, in the same three parts, one row per target.
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Embedding requests: per step.embed_spans entry, the float32 sum of its
+    # pooled rows' final-norm hidden states [spans, hidden].
+    pooled: torch.Tensor | None = None
 
     def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
@@ -219,7 +223,8 @@ class ModelRunner:
                 batch = step.batch.to(self.device)
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
-                all_logits = self.forward(batch)
+                all_logits, pooled = self._forward_pooling(batch, step) if step.embed_rows \
+                    else (self.forward(batch), None)
                 logits = all_logits[: len(seqs)]
                 next_ids = self.sampler.sample(logits, seqs)
                 logprobs = prompt_logprobs = None
@@ -231,18 +236,27 @@ class ModelRunner:
                     prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, step.prompt_top_logprobs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
-                                    to_host(prompt_logprobs))
+                                    to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None)
                 output.ready.record()
                 return output
         except Exception:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise
+
+    def _forward_pooling(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with embedding rows, in one pass through the layers: the
+        logits of the batch's logits rows, and StepOutput.pooled."""
+        wanted = len(batch.logits_indices)
+        rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
+        hidden = self.model.hidden_states(batch, self.attention, rows)
+        pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
+        return self.model.logits(hidden[:wanted]), pooled
 
     def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
         last = self._last_ids

@@ -287,6 +287,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
+        return self.logits(self.hidden_states(batch, attn, batch.logits_indices))
+
+    def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend, rows: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [len(rows), hidden] of the token rows
+        `rows` (indices into the batch's new tokens): what the vocabulary
+        projection reads, and what embedding models pool."""
         attn.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
@@ -297,11 +303,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             q, k, v, residual = before(layer, x, residual, cos, sin)
             x, residual = after(layer, layer.self_attn.attend(q, k, v, batch, attn), residual)
-        # Only the rows whose next token is wanted go through the last
-        # residual add, the norm and the vocabulary projection, the most
-        # expensive matmul for small models.
-        rows = batch.logits_indices
+        # Only the rows whose next token (or hidden state) is wanted go
+        # through the last residual add, the norm and the vocabulary
+        # projection, the most expensive matmul for small models.
         x, _ = self.norm(x[rows], residual[rows])
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-norm hidden states."""
         if self.lm_head is None:
             return F.linear(x, self.embed_tokens.weight).float()
         return self.lm_head(x).float()
