@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from pyserve.api.constraints import request_constraint
 from pyserve.api.errors import bad_request
-from pyserve.api.protocol import NativeGenerateRequest, NativeSamplingParams
+from pyserve.api.generate_protocol import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import ServingContext, collect, fan_out, merged_outputs, new_id, prompt_id_lists
 from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
@@ -31,9 +31,10 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         prompt_logprobs=req.return_logprob and req.logprob_start_len >= 0,
         constraint=constrained and constrained.constraint,
     )
-    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens",
+    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "constraint": constrained and constrained.param}
     requests = await fan_out(ctx.engine, prompts, params, fields.n, req.rid or new_id(""), names)
+    _check_logprob_options(req, prompts)  # after the engine refused an empty prompt
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
     if req.stream:
@@ -46,6 +47,22 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
                         "meta_info": _meta(requests[i].rid, result.final, started, logprobs and logprobs[i])})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
     return results[0] if single and fields.n == 1 else results
+
+
+def _check_logprob_options(req: NativeGenerateRequest, prompts: list[list[int]]) -> None:
+    """SGLang's logprob options, refused where they cannot mean anything
+    rather than ignored."""
+    shortest = min(len(ids) for ids in prompts)
+    if not -1 <= req.logprob_start_len < shortest:
+        raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({shortest} tokens"
+                          f"{' in the shortest' if len(prompts) > 1 else ''}): give -1 for no prompt logprobs, "
+                          f"or a position from 0 to {shortest - 1}", "logprob_start_len")
+    if not req.return_logprob:
+        for name in ("top_logprobs_num", "return_text_in_logprobs"):
+            if getattr(req, name):
+                raise bad_request(f"{name} needs return_logprob set to true", name)
+        if req.logprob_start_len != -1:
+            raise bad_request("logprob_start_len needs return_logprob set to true", "logprob_start_len")
 
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
