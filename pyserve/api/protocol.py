@@ -30,11 +30,24 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class HistoryFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None | UnsetType = UNSET  # JSON text (some clients send the object)
+
+
+class HistoryToolCall(msgspec.Struct, kw_only=True):
+    """A call of an earlier assistant turn, sent back in `messages`."""
+
+    id: str | UnsetType = UNSET
+    type: str = "function"
+    function: HistoryFunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
