@@ -117,16 +117,6 @@ def check_tool_choice(tool_choice: str | ToolChoice | None, tools: list[dict] | 
     return choice
 
 
-def check_history_calls(calls: list[dict], where: str) -> None:
-    """The `tool_calls` of an assistant message sent back to us."""
-    for j, call in enumerate(calls):
-        function = _field(call, "function", f"{where}[{j}].function", dict)
-        _field(function, "name", f"{where}[{j}].function.name", str)
-        arguments = function.get("arguments")
-        if arguments is not None and not isinstance(arguments, (str, dict)):
-            raise _wrong_type(f"{where}[{j}].function.arguments", "a string", arguments)
-
-
 def plan(req: ChatCompletionRequest, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
     """Checks the request's tools and tool_choice: (the tools the chat
     template sees, how to read calls in the output, if at all)."""
