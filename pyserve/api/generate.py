@@ -54,9 +54,9 @@ def _check_logprob_options(req: NativeGenerateRequest, prompts: list[list[int]])
     rather than ignored."""
     shortest = min(len(ids) for ids in prompts)
     if not -1 <= req.logprob_start_len < shortest:
-        raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({shortest} tokens"
-                          f"{' in the shortest' if len(prompts) > 1 else ''}): give -1 for no prompt logprobs, "
-                          f"or a position from 0 to {shortest - 1}", "logprob_start_len")
+        length = f"{shortest} token{'s' if shortest != 1 else ''}" + (" in the shortest" if len(prompts) > 1 else "")
+        raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({length}): give -1 "
+                          f"for no prompt logprobs, or a position from 0 to {shortest - 1}", "logprob_start_len")
     if not req.return_logprob:
         for name in ("top_logprobs_num", "return_text_in_logprobs"):
             if getattr(req, name):
