@@ -1,11 +1,12 @@
 """Request and response bodies of the OpenAI and native routes, as msgspec Structs.
 
 Requests: unknown fields are ignored, as OpenAI-compatible servers do
-(/generate's body, in generate_protocol.py, is stricter). Every field has
-its type, so a wrongly typed value is a 400 naming it; only what is free
-JSON by nature stays `Any` (a JSON schema, a structural tag's format,
-chat_template_kwargs). api/constraints.py reads the structured-output
-fields and names what is wrong in them.
+(/generate's body, in generate_protocol.py, is stricter). Fields are
+typed, so a wrongly typed value is a 400 naming it. Objects stay free
+where their content is free JSON (a JSON schema, a structural tag's
+format, chat_template_kwargs) or is checked in code with OpenAI's own
+messages: `tools` (api/tools.py) and vLLM's structured_outputs
+(api/constraints.py).
 
 Responses mirror SGLang's shapes field for field, nulls included (the
 openai client reads `logprobs: null`, `matched_stop: null`...). A field
