@@ -166,8 +166,6 @@ BAD_GENERATE_BODIES = {
     "logprob_start_len at the prompt's length": ({"return_logprob": True, "logprob_start_len": 5},
                                                  "logprob_start_len", None),
     "logprob_start_len below -1": ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len", None),
-    "logprob_start_len without return_logprob": ({"logprob_start_len": 0}, "logprob_start_len", None),
-    "top_logprobs_num without return_logprob": ({"top_logprobs_num": 3}, "top_logprobs_num", None),
 }
 
 

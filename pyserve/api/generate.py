@@ -34,7 +34,7 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "constraint": constrained and constrained.param}
     requests = await fan_out(ctx.engine, prompts, params, fields.n, req.rid or new_id(""), names)
-    _check_logprob_options(req, prompts)  # after the engine refused an empty prompt
+    _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
     if req.stream:
@@ -49,20 +49,14 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     return results[0] if single and fields.n == 1 else results
 
 
-def _check_logprob_options(req: NativeGenerateRequest, prompts: list[list[int]]) -> None:
-    """SGLang's logprob options, refused where they cannot mean anything
-    rather than ignored."""
+def _check_logprob_start(req: NativeGenerateRequest, prompts: list[list[int]]) -> None:
+    """With return_logprob, the prompt's logprobs start inside the prompt
+    (-1: none of it), as SGLang checks; without it the options are unused."""
     shortest = min(len(ids) for ids in prompts)
-    if not -1 <= req.logprob_start_len < shortest:
+    if req.return_logprob and not -1 <= req.logprob_start_len < shortest:
         length = f"{shortest} token{'s' if shortest != 1 else ''}" + (" in the shortest" if len(prompts) > 1 else "")
         raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({length}): give -1 "
                           f"for no prompt logprobs, or a position from 0 to {shortest - 1}", "logprob_start_len")
-    if not req.return_logprob:
-        for name in ("top_logprobs_num", "return_text_in_logprobs"):
-            if getattr(req, name):
-                raise bad_request(f"{name} needs return_logprob set to true", name)
-        if req.logprob_start_len != -1:
-            raise bad_request("logprob_start_len needs return_logprob set to true", "logprob_start_len")
 
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
