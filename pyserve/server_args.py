@@ -74,6 +74,9 @@ class ServerArgs:
         inverse=("--enable-overlap-schedule", "overlap scheduling on CPU too (by default only on CUDA)"))
     tp_size: int = option(1, "--tp-size", "--tp", help="tensor-parallel size; pyserve runs on one GPU, so only 1")
     max_running_requests: int = option(64, help="running batch cap")
+    # Per request, unlike the engine-wide cap above: one request's prompts x n.
+    max_sequences_per_request: int = option(
+        256, help="most sequences (prompts x n) one request may ask for; more is a 400")
     max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
     chunked_prefill_size: int = option(
         2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
@@ -150,7 +153,7 @@ class ServerArgs:
             raise ValueError("--page-size must be at least 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
-        for name in ("backlog", "max_connections"):
+        for name in ("backlog", "max_connections", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.header_read_timeout <= 0:

@@ -28,7 +28,8 @@ from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
 from pyserve.api.http import FileResponse, Request, Response, decode_json, error_response, json_response
-from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
+from pyserve.api.generate_protocol import NativeGenerateRequest
+from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.proxy import CORS, TrustedProxies
 from pyserve.api.serving import ServingContext
 from pyserve.api.sse import DisconnectableStream, shutting_down
