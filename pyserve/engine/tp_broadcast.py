@@ -1,10 +1,14 @@
 """Rank 0 sends each step's forward batch to the other tensor-parallel ranks.
 
-A ForwardBatch travels as one int64 tensor: a fixed header of sizes, then
-every field back to back, so a step costs two broadcasts (header, then the
-payload) whatever the batch holds. The other ranks rebuild the same batch
-and run the same forward, joining the model's collectives. A header of
-all -1 tells them to stop.
+A step costs two broadcasts whatever the batch holds: a fixed header of
+sizes on the CPU group (tp_group.py), then every field of the ForwardBatch
+back to back as one int64 tensor on the model's device and group (NCCL on
+CUDA: no copy through the host, and the ids rank 0 resolved from the
+previous step on the device travel as they are). The other ranks rebuild
+the same batch and run the same forward, joining the model's collectives.
+A header of all -1 tells them to stop. Before the first step, rank 0
+tells them the KV cache's size (it decides it; every rank holds as many
+pages), and every rank says it is ready.
 """
 
 from __future__ import annotations
@@ -12,56 +16,89 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pyserve.engine.tp_group import Membership
 from pyserve.model.forward_batch import ForwardBatch
-from pyserve.model.parallel import TensorParallel
 
 # tokens, sequences, is_decode, logits rows, kv slots
 _HEADER = 5
-_STOP = torch.full((_HEADER,), -1, dtype=torch.long)
+_STOP = -1
 
 
-def pack(batch: ForwardBatch) -> torch.Tensor:
-    """The batch as one int64 tensor on its device: header, then fields."""
+def header(batch: ForwardBatch) -> torch.Tensor:
+    """The batch's sizes, on the CPU."""
+    return torch.tensor([batch.input_ids.numel(), batch.batch_size, int(batch.is_decode),
+                         batch.logits_indices.numel(), batch.kv_indices.numel()], dtype=torch.long)
+
+
+def payload(batch: ForwardBatch) -> torch.Tensor:
+    """Every field of the batch as one int64 tensor on its device."""
     device = batch.input_ids.device
-    header = torch.tensor(
-        [batch.input_ids.numel(), batch.batch_size, int(batch.is_decode), batch.logits_indices.numel(),
-         batch.kv_indices.numel()], dtype=torch.long, device=device)
-    lists = torch.tensor(batch.extend_lens + batch.seq_lens, dtype=torch.long, device=device)
-    return torch.cat([header, batch.input_ids, batch.positions, batch.out_cache_loc, lists, batch.kv_indptr,
+    lists = torch.tensor(batch.extend_lens + batch.seq_lens, dtype=torch.long)
+    if device.type == "cuda":
+        lists = lists.pin_memory().to(device, non_blocking=True)
+    return torch.cat([batch.input_ids, batch.positions, batch.out_cache_loc, lists, batch.kv_indptr,
                       batch.kv_indices, batch.logits_indices])
 
 
-def unpack(data: torch.Tensor) -> ForwardBatch:
-    tokens, seqs, is_decode, logits_rows, kv_slots = data[:_HEADER].tolist()
-    sizes = [tokens, tokens, tokens, seqs, seqs, seqs + 1, kv_slots, logits_rows]
-    (input_ids, positions, out_cache_loc, extend_lens, seq_lens, kv_indptr, kv_indices,
-     logits_indices) = data[_HEADER:].split(sizes)
+def payload_size(sizes: list[int]) -> int:
+    tokens, seqs, _, logits_rows, kv_slots = sizes
+    return 3 * tokens + 3 * seqs + 1 + kv_slots + logits_rows
+
+
+def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
+    """The batch whose header is `sizes` from its payload; tensors are views of it."""
+    tokens, seqs, is_decode, logits_rows, kv_slots = sizes
+    split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows]
+    input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices = data.split(split)
+    lists = lists.tolist()
     return ForwardBatch(
-        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-        extend_lens=extend_lens.tolist(), seq_lens=seq_lens.tolist(), kv_indptr=kv_indptr,
-        kv_indices=kv_indices, logits_indices=logits_indices, is_decode=bool(is_decode),
+        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=lists[:seqs],
+        seq_lens=lists[seqs:], kv_indptr=kv_indptr, kv_indices=kv_indices, logits_indices=logits_indices,
+        is_decode=bool(is_decode),
     )
 
 
-def send_batch(batch: ForwardBatch, tp: TensorParallel) -> None:
-    """On rank 0: hand the step to the other ranks."""
-    data = pack(batch)
-    dist.broadcast(data[:_HEADER].clone(), src=0, group=tp.group)
-    dist.broadcast(data, src=0, group=tp.group)
+class StepChannel:
+    """Rank 0's side sends; the other ranks' side receives, in the same order."""
 
+    def __init__(self, member: Membership):
+        self.member = member
 
-def send_stop(tp: TensorParallel, device: torch.device) -> None:
-    dist.broadcast(_STOP.to(device), src=0, group=tp.group)
+    def _broadcast_header(self, values: torch.Tensor) -> None:
+        dist.broadcast(values, src=0, group=self.member.control)
 
+    # rank 0
 
-def receive_batch(tp: TensorParallel, device: torch.device) -> ForwardBatch | None:
-    """On the other ranks: the next step's batch, or None when rank 0 stops."""
-    header = torch.empty(_HEADER, dtype=torch.long, device=device)
-    dist.broadcast(header, src=0, group=tp.group)
-    if bool((header == -1).all()):
-        return None
-    tokens, seqs, _, logits_rows, kv_slots = header.tolist()
-    data = torch.empty(_HEADER + 3 * tokens + 3 * seqs + 1 + kv_slots + logits_rows, dtype=torch.long,
-                       device=device)
-    dist.broadcast(data, src=0, group=tp.group)
-    return unpack(data)
+    def send(self, batch: ForwardBatch) -> None:
+        """Hand the step (on rank 0's device, ids resolved) to the other ranks."""
+        self._broadcast_header(header(batch))
+        dist.broadcast(payload(batch), src=0, group=self.member.tp.group)
+
+    def send_stop(self) -> None:
+        self._broadcast_header(torch.full((_HEADER,), _STOP, dtype=torch.long))
+
+    def send_value(self, value: int) -> None:
+        self._broadcast_header(torch.tensor([value] * _HEADER, dtype=torch.long))
+
+    # ranks 1..N-1
+
+    def receive(self) -> ForwardBatch | None:
+        """The next step's batch on this rank's device, or None when rank 0 stops."""
+        sizes = torch.empty(_HEADER, dtype=torch.long)
+        self._broadcast_header(sizes)
+        sizes = sizes.tolist()
+        if sizes[0] == _STOP:
+            return None
+        data = torch.empty(payload_size(sizes), dtype=torch.long, device=self.member.device)
+        dist.broadcast(data, src=0, group=self.member.tp.group)
+        return unpack(sizes, data)
+
+    def receive_value(self) -> int:
+        values = torch.empty(_HEADER, dtype=torch.long)
+        self._broadcast_header(values)
+        return int(values[0])
+
+    # every rank
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.member.control)
