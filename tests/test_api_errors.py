@@ -82,7 +82,7 @@ BAD_CHAT_BODIES = {
     "tool_choice required": ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
     "too long for the context": ({"messages": MSG, "max_tokens": 10**6}, "max_tokens"),
     "stream_options without stream": ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
-    "response_format json": ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    "response_format type": ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
     "continue without text": ({"messages": [{"role": "assistant"}], "continue_final_message": True}, "messages"),
 }
 
@@ -146,7 +146,9 @@ def test_unknown_route_and_wrong_method(http):
 def test_native_generate_bad_input(http):
     assert_error(http.post("/generate", json={"text": "hi", "sampling_params": {"temperature": "hot"}}), 400)
     assert_error(http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 0}}), 400)
-    assert_error(http.post("/generate", json={"text": "hi", "sampling_params": {"regex": "a+"}}), 400)
+    assert_error(http.post("/generate", json={"text": "hi", "sampling_params": {"regex": "(a|"}}), 400,
+                 "sampling_params.regex")
+    assert_error(http.post("/generate", json={"text": "hi", "sampling_params": {"outlines": "a+"}}), 400)
     assert_error(http.post("/generate", json={"input_ids": [10**9]}), 400, "input_ids")
     assert_error(http.post("/generate", json={"sampling_params": {}}), 400)
     assert_error(http.post("/generate", json={"text": "hi", "input_ids": [1]}), 400)

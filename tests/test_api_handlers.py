@@ -41,6 +41,9 @@ class ScriptedEngine:
         if not req.input_ids:
             raise RequestError("the prompt is empty", "prompt")
 
+    async def compile_grammar(self, constraint) -> None:
+        """Every constraint compiles; the script is what the model "writes"."""
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         self.requests.append(req)
         done = False

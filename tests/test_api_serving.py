@@ -3,6 +3,8 @@ api/sampling.py, api/http.py's page), without a model."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
@@ -11,45 +13,65 @@ from pyserve.api.http import page
 from pyserve.api.protocol import CompletionRequest, NativeSamplingParams
 from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import fan_out, prompt_id_lists, usage
-from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 
 
 class RefusingEngine:
-    """Engine.validate's contract: refuses with the engine's field names."""
+    """Engine.validate's and compile_grammar's contract: refuses with the
+    engine's field names."""
 
     def __init__(self, refusal: RequestError | None = None):
         self.refusal = refusal
         self.validated: list[GenerateRequest] = []
+        self.compiled: list[Constraint] = []
 
     def validate(self, req: GenerateRequest) -> None:
         self.validated.append(req)
+        if self.refusal is not None and self.refusal.field != "constraint":
+            raise self.refusal
+
+    async def compile_grammar(self, constraint: Constraint) -> None:
+        self.compiled.append(constraint)
         if self.refusal is not None:
             raise self.refusal
 
 
-NAMES = {"prompt": "messages", "max_new_tokens": "max_completion_tokens"}
+NAMES = {"prompt": "messages", "max_new_tokens": "max_completion_tokens", "constraint": "response_format"}
+
+
+def fan_out_now(*args, **kwargs) -> list[GenerateRequest]:
+    return asyncio.run(fan_out(*args, **kwargs))
 
 
 def test_fan_out_numbers_choices_as_openai_and_validates_each_prompt_once():
     engine = RefusingEngine()
-    requests = fan_out(engine, [[1, 2], [3]], SamplingParams(seed=7), 3, "cmpl-x", NAMES, priority=1)
+    requests = fan_out_now(engine, [[1, 2], [3]], SamplingParams(seed=7), 3, "cmpl-x", NAMES, priority=1)
     assert [r.rid for r in requests] == ["cmpl-x-0-0", "cmpl-x-0-1", "cmpl-x-0-2",
                                          "cmpl-x-1-0", "cmpl-x-1-1", "cmpl-x-1-2"]
     assert [r.input_ids for r in requests] == [[1, 2]] * 3 + [[3]] * 3
     assert [r.params.seed for r in requests] == [7, 8, 9] * 2
     assert all(r.priority == 1 for r in requests)
     assert [r.rid for r in engine.validated] == ["cmpl-x-0-0", "cmpl-x-1-0"]
-    single = fan_out(engine, [[1]], SamplingParams(), 1, "chatcmpl-y", NAMES)
+    single = fan_out_now(engine, [[1]], SamplingParams(), 1, "chatcmpl-y", NAMES)
     assert [r.rid for r in single] == ["chatcmpl-y"]
+    assert engine.compiled == []
+
+
+def test_fan_out_compiles_a_constraint_once():
+    engine = RefusingEngine()
+    constraint = Constraint("regex", "a+")
+    requests = fan_out_now(engine, [[1], [2]], SamplingParams(constraint=constraint), 3, "r", NAMES)
+    assert len(requests) == 6 and all(r.params.constraint == constraint for r in requests)
+    assert engine.compiled == [constraint]
 
 
 @pytest.mark.parametrize("field, param", [("prompt", "messages"), ("max_new_tokens", "max_completion_tokens"),
-                                          ("rid", "rid")])
+                                          ("rid", "rid"), ("constraint", "response_format")])
 def test_engine_refusals_name_the_route_parameter(field, param):
     engine = RefusingEngine(RequestError("too long", field, "context_length_exceeded"))
     with pytest.raises(APIError) as caught:
-        fan_out(engine, [[1]], SamplingParams(), 2, "r", NAMES)
+        fan_out_now(engine, [[1]], SamplingParams(constraint=Constraint("regex", "a")), 2, "r", NAMES)
     err = caught.value
     assert (err.status, err.message, err.param, err.code) == (400, "too long", param, "context_length_exceeded")
 

@@ -178,12 +178,11 @@ def test_no_tools_or_tool_choice_none_leaves_the_text(default_model_dir, tokeniz
         assert choice["finish_reason"] == "stop"
 
 
-def test_without_a_parser_tools_are_accepted_and_the_output_stays_text(default_model_dir, tokenizer):
-    app, _ = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT, parser=None)
+def test_without_a_parser_auto_tools_leave_the_text(default_model_dir, tokenizer):
+    app, engine = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT, parser=None)
     status, data = chat(app, tools=TOOLS, tool_choice="auto")
     assert status == 200 and data["choices"][0]["message"]["content"] == "".join(HERMES_SCRIPT)
-    status, data = chat(app, tools=TOOLS, tool_choice="required")
-    assert status == 400 and "--tool-call-parser" in data["error"]["message"]
+    assert engine.requests[-1].params.constraint is None
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(default_model_dir, tokenizer):
@@ -194,26 +193,104 @@ def test_parallel_tool_calls_false_keeps_the_first_call(default_model_dir, token
     assert [c["name"] for c in calls] == ["get_weather"]
 
 
-def test_required_and_named_tool_choice_start_the_call_in_the_prompt(qwen25_dir, tokenizer):
-    app, engine = tool_app(qwen25_dir, tokenizer, ['get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'])
-    choice = chat(app, tools=TOOLS, tool_choice="required")[1]["choices"][0]
-    prompt = tokenizer.decode(engine.requests[-1].input_ids, skip_special_tokens=False)
-    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+FORCED_SCRIPT = ['[{"name": "get_weather", "arguments": {"city": "Paris"}}', ', {"name": "now", ',
+                 '"arguments": {}}]']
 
-    app, engine = tool_app(qwen25_dir, tokenizer, [' {"city": "Paris"}}', "\n</tool_call>"])
+
+@pytest.mark.parametrize("parser", ["qwen25", None])
+def test_required_tool_choice_is_a_grammar_over_the_offered_tools(qwen25_dir, tokenizer, parser):
+    app, engine = tool_app(qwen25_dir, tokenizer, FORCED_SCRIPT, parser=parser)
+    choice = chat(app, tools=TOOLS, tool_choice="required")[1]["choices"][0]
+    constraint = engine.requests[-1].params.constraint
+    assert constraint.kind == "json_schema"
+    schema = json.loads(constraint.text)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [item["properties"]["name"] for item in schema["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                               {"const": "now"}]
+    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    prompt = tokenizer.decode(engine.requests[-1].input_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\n")  # nothing of a call in the prompt
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "now", "arguments": "{}"}]
+    events = chat_stream(app, tools=TOOLS, tool_choice="required")
+    # Each call is sent as soon as its object closes: the first with the first step's text.
+    deltas = [e["choices"][0]["delta"].get("tool_calls") for e in events[1:-1]]
+    assert [[c["function"]["name"] for c in d] for d in deltas] == [["get_weather"], ["now"]]
+    content, calls, finish = assemble(events)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+
+
+def test_named_tool_choice_is_one_call_of_that_function(qwen25_dir, tokenizer):
+    app, engine = tool_app(qwen25_dir, tokenizer, ['[{"name": "get_weather", "arguments": {"city": "Paris"}}]'],
+                           parser=None)
     named = {"type": "function", "function": {"name": "get_weather"}}
     for stream in (False, True):
         if stream:
             content, calls, finish = assemble(chat_stream(app, tools=TOOLS, tool_choice=named))
         else:
-            message = chat(app, tools=TOOLS, tool_choice=named)[1]["choices"][0]["message"]
-            content, calls = message["content"], [c["function"] for c in message["tool_calls"]]
-        assert not content and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+            choice = chat(app, tools=TOOLS, tool_choice=named)[1]["choices"][0]
+            content, finish = choice["message"]["content"], choice["finish_reason"]
+            calls = [c["function"] for c in choice["message"]["tool_calls"]]
+        assert not content and finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+        schema = json.loads(engine.requests[-1].params.constraint.text)
+        assert schema["minItems"] == schema["maxItems"] == 1
+        assert schema["items"]["properties"]["name"] == {"const": "get_weather"}
         prompt = tokenizer.decode(engine.requests[-1].input_ids, skip_special_tokens=False)
-        assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments":')
         assert '"name": "now"' not in prompt  # the template sees only the named tool
+
+
+def test_forced_calls_use_the_parsers_arguments_key_and_one_call_without_parallel(qwen25_dir, tokenizer):
+    app, engine = tool_app(qwen25_dir, tokenizer, ['[{"name": "now", "parameters": {}}]'], parser="llama3")
+    choice = chat(app, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)[1]["choices"][0]
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    schema = json.loads(engine.requests[-1].params.constraint.text)
+    assert schema["maxItems"] == 1 and "parameters" in schema["items"]["anyOf"][1]["properties"]
+
+
+def test_forced_calls_cut_by_max_tokens_keep_the_complete_ones(qwen25_dir, tokenizer):
+    app, _ = tool_app(qwen25_dir, tokenizer, FORCED_SCRIPT, parser=None)
+    choice = chat(app, tools=TOOLS, tool_choice="required", max_tokens=2)[1]["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["message"]["content"] == '{"name": "now", '
+
+
+def test_a_forced_tool_choice_and_a_response_format_are_refused_together(qwen25_dir, tokenizer):
+    app, engine = tool_app(qwen25_dir, tokenizer, ["x"])
+    status, data = chat(app, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert status == 400 and data["error"]["param"] == "response_format"
+    assert "tool_choice" in data["error"]["message"] and engine.requests == []
+
+
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
+def test_strict_tools_under_auto_constrain_calls_in_the_parsers_format(qwen25_dir, tokenizer):
+    app, engine = tool_app(qwen25_dir, tokenizer, HERMES_SCRIPT)
+    choice = chat(app, tools=[STRICT_WEATHER, NOW])[1]["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "now"]
+    constraint = engine.requests[-1].params.constraint
+    fmt = json.loads(constraint.text)["format"]
+    assert constraint.kind == "structural_tag" and fmt["type"] == "triggered_tags"
+    assert fmt["triggers"] == ["<tool_call>"]
+    weather, now = fmt["tags"]
+    assert weather["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert weather["end"] == "}\n</tool_call>"
+    assert weather["content"]["json_schema"] == WEATHER["function"]["parameters"]
+    assert now["content"]["json_schema"] == {"type": "object"}  # not strict: any object
+    # Without strict tools nothing is constrained.
+    chat(app, tools=TOOLS)
+    assert engine.requests[-1].params.constraint is None
+    # With a JSON response_format: the answer, or text with calls.
+    chat(app, tools=[STRICT_WEATHER], response_format={"type": "json_object"})
+    fmt = json.loads(engine.requests[-1].params.constraint.text)["format"]
+    assert fmt["type"] == "or" and fmt["elements"][0] == {"type": "json_schema", "json_schema": {"type": "object"}}
+    assert fmt["elements"][1]["at_least_one"] is True
+    status, data = chat(app, tools=[STRICT_WEATHER], regex="a+")
+    assert status == 400 and data["error"]["param"] == "regex"
 
 
 def test_reasoning_then_tool_calls(default_model_dir, tokenizer):
@@ -309,6 +386,8 @@ def test_openai_client_with_tools_gets_well_formed_answers(client, model_name):
         r = client.chat.completions.create(tool_choice=tool_choice, **kwargs)
         choice = r.choices[0]
         assert choice.finish_reason in ("stop", "length", "tool_calls")
+        if tool_choice != "auto":  # a grammar guarantees the calls
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
         calls = choice.message.tool_calls or []
         assert (choice.finish_reason == "tool_calls") <= bool(calls)
         assert choice.message.content is not None or calls

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import msgspec
 from msgspec import UNSET
 
 from pyserve._rust import ReasoningSplitter, content_text
+from pyserve.api.constraints import RequestConstraint, only_one, request_constraint
 from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs
 from pyserve.api.protocol import (
@@ -19,7 +21,8 @@ from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import (
     ChoiceResult, ChunkFactory, ServingContext, collect, fan_out, merged_outputs, new_id, now, usage,
 )
-from pyserve.api.tools import ToolCalling, ToolCallStream, check_history_calls, plan
+from pyserve.api.tool_grammar import with_strict_calls
+from pyserve.api.tools import ToolCalling, check_history_calls, plan
 from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -71,22 +74,44 @@ def _template_tool_call(call: dict) -> dict:
     return call
 
 
-def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalling | None]:
+def _constraint(ctx: ServingContext, req: ChatCompletionRequest,
+                calling: ToolCalling | None) -> RequestConstraint | None:
+    """The request's constraint: its own structured-output fields, or the
+    grammar of its forced tool calls, or of its strict tools (alone or as
+    the alternative to a JSON answer). With a reasoning parser, it starts
+    after the reasoning block, unless the template was told not to think."""
+    asked = request_constraint(req)
+    if calling is not None and calling.forced is not None:
+        asked = only_one([RequestConstraint(calling.forced, "tool_choice"), *([asked] if asked else [])])
+    elif calling is not None and calling.strict is not None:
+        asked = RequestConstraint(with_strict_calls(calling.strict, asked and asked.constraint,
+                                                    asked and asked.param), "tools")
+    if asked is None or ctx.reasoning_parser is None:
+        return asked
+    kwargs = req.chat_template_kwargs or {}
+    if kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False:
+        return asked
+    _, end, _ = REASONING_PARSERS[ctx.reasoning_parser]
+    return replace(asked, constraint=replace(asked.constraint, after=end))
+
+
+def prepare(ctx: ServingContext, req: ChatCompletionRequest
+            ) -> tuple[list[int], SamplingParams, ToolCalling | None, str | None]:
     """Check, render the chat template and tokenize: (prompt ids,
-    SamplingParams, how to read tool calls in the output or None)."""
+    SamplingParams, how to read tool calls in the output or None, the
+    parameter that a constraint came from)."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
     if req.logprobs is not None and not isinstance(req.logprobs, bool):
         raise bad_request("logprobs must be true or false", "logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported yet", "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if ctx.chat_template is None:
         raise bad_request("this model has no chat template; pass --chat-template or use /v1/completions")
     tools, calling = plan(req, ctx.tool_call_parser)
+    constrained = _constraint(ctx, req, calling)
     try:
         prompt = ctx.chat_template.render(
             _template_messages(req),
@@ -97,13 +122,12 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int],
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    if calling is not None:
-        prompt += calling.prefix
     prompt_ids = ctx.engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, ctx.engine.vocab_size,
-                             top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    return prompt_ids, params, calling
+                             top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             constraint=constrained and constrained.constraint)
+    return prompt_ids, params, calling, constrained and constrained.param
 
 
 class _ChoiceOutput:
@@ -114,7 +138,7 @@ class _ChoiceOutput:
         if ctx.reasoning_parser is not None and req.separate_reasoning:
             start, end, opened = REASONING_PARSERS[ctx.reasoning_parser]
             self.splitter = ReasoningSplitter(start, end, opened)
-        self.tools = None if calling is None else ToolCallStream(calling)
+        self.tools = None if calling is None else calling.reader()
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         """(reasoning, content, tool calls) that `text` completes."""
@@ -139,11 +163,11 @@ class _ChoiceOutput:
 
 
 async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
-    prompt_ids, params, calling = prepare(ctx, req)
+    prompt_ids, params, calling, constraint_param = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requests = fan_out(ctx.engine, [prompt_ids], params, req.n, rid,
-                       {"prompt": "messages", "max_new_tokens": limit}, priority)
+    requests = await fan_out(ctx.engine, [prompt_ids], params, req.n, rid,
+                             {"prompt": "messages", "max_new_tokens": limit, "constraint": constraint_param}, priority)
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)
     results = await collect(ctx.engine, requests)

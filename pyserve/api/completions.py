@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pyserve.api.constraints import request_constraint
 from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, completion_logprobs
 from pyserve.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -25,11 +26,13 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     prompts, _ = prompt_id_lists(ctx.engine.tokenizer, req.prompt, "prompt")
+    constrained = request_constraint(req)
     params = sampling_params(req, req.max_tokens, ctx.engine.vocab_size, top_logprobs=req.logprobs,
-                             top_logprobs_param="logprobs", prompt_logprobs=req.echo and req.logprobs is not None)
+                             top_logprobs_param="logprobs", prompt_logprobs=req.echo and req.logprobs is not None,
+                             constraint=constrained and constrained.constraint)
     rid = req.rid or new_id("cmpl-")
-    requests = fan_out(ctx.engine, prompts, params, req.n, rid, {"prompt": "prompt", "max_new_tokens": "max_tokens"},
-                       priority)
+    names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
+    requests = await fan_out(ctx.engine, prompts, params, req.n, rid, names, priority)
     echoes = _echoes(ctx, req.prompt, prompts) if req.echo else [""] * len(prompts)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)

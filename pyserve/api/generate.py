@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from pyserve.api.constraints import request_constraint
 from pyserve.api.errors import bad_request
 from pyserve.api.protocol import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.sampling import sampling_params
@@ -23,13 +24,16 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     else:
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.input_ids, "input_ids", text=False)
     fields = req.sampling_params or NativeSamplingParams()
+    constrained = request_constraint(fields, "sampling_params.")
     params = sampling_params(
         fields, fields.max_new_tokens, ctx.engine.vocab_size,
         top_logprobs=req.top_logprobs_num if req.return_logprob else None, top_logprobs_param="top_logprobs_num",
         prompt_logprobs=req.return_logprob and req.logprob_start_len >= 0,
+        constraint=constrained and constrained.constraint,
     )
-    requests = fan_out(ctx.engine, prompts, params, fields.n, req.rid or new_id(""),
-                       {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens"})
+    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens",
+             "constraint": constrained and constrained.param}
+    requests = await fan_out(ctx.engine, prompts, params, fields.n, req.rid or new_id(""), names)
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
     if req.stream:

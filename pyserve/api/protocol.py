@@ -2,7 +2,8 @@
 
 Requests: unknown fields are ignored, as OpenAI-compatible servers do,
 except in SGLang's sampling_params, where an unknown name is a setting
-this server does not honour (regex, json_schema...). Fields whose JSON
+this server does not honour. Structured-output fields are typed loosely
+and read by api/constraints.py, which names what is wrong. Fields whose JSON
 shape varies (a prompt as text or token ids) are decoded loosely and
 checked in code, with a clear message.
 
@@ -44,6 +45,11 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
+    json_schema: Any = None  # {"name", "schema", "strict"}
+    # SGLang's structural tag: xgrammar's `format`, or the legacy `structures` + `triggers`
+    format: Any = None
+    structures: Any = None
+    triggers: Any = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -72,12 +78,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: str | None = None
+    # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
+    # grammar) and vLLM's object; see api/constraints.py.
+    response_format: ResponseFormat | None = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structured_outputs: Any = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None
@@ -112,6 +124,11 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     n: int = 1
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured outputs, as SGLang takes them: JSON texts, a regex, a GBNF grammar.
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
 
 
 class NativeGenerateRequest(msgspec.Struct, kw_only=True):

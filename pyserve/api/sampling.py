@@ -14,7 +14,7 @@ from __future__ import annotations
 from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol import NativeSamplingParams, SamplingFields
-from pyserve.engine.request import SamplingParams
+from pyserve.engine.request import Constraint, SamplingParams
 
 MAX_N = 128
 
@@ -51,11 +51,13 @@ def sampling_params(
     top_logprobs: int | None = None,
     top_logprobs_param: str = "top_logprobs",
     prompt_logprobs: bool = False,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """`max_new_tokens`: the route's own limit field (None leaves it to the
     engine: --default-max-tokens, else up to the context). `top_logprobs`:
     None for no logprobs, else how many alternatives per token, named
-    `top_logprobs_param` in errors; `prompt_logprobs` scores the prompt too."""
+    `top_logprobs_param` in errors; `prompt_logprobs` scores the prompt too.
+    `constraint`: what the output must match (api/constraints.py)."""
     f = fields
     temperature = 1.0 if f.temperature is None else f.temperature
     _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
@@ -93,4 +95,5 @@ def sampling_params(
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        constraint=constraint,
     )

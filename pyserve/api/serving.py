@@ -83,26 +83,29 @@ def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True)
     raise bad_request(f"{param} must be {shapes}", param)
 
 
-def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
-            param_names: Mapping[str, str], priority: int = 0) -> list[GenerateRequest]:
+async def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
+                  param_names: Mapping[str, str], priority: int = 0) -> list[GenerateRequest]:
     """n requests per prompt: request p * n + i is prompt p's choice i, as
     OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
     n > 1). With a seed, choice i uses seed + i, so the choices differ yet
     stay reproducible.
 
-    The engine validates each prompt once, here, before anything streams,
-    so a refusal is still a plain 400; `param_names` maps the engine's
-    field ("prompt", "max_new_tokens") to the route's parameter name."""
+    The engine validates each prompt once, and compiles the constraint
+    once, here, before anything streams, so a refusal is still a plain
+    400; `param_names` maps the engine's field ("prompt", "max_new_tokens",
+    "constraint") to the route's parameter name."""
     requests = []
-    for p, ids in enumerate(prompts):
-        base = f"{rid}-{p}" if len(prompts) > 1 else rid
-        for i in range(n):
-            choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-            requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, priority))
-        try:
+    try:
+        for p, ids in enumerate(prompts):
+            base = f"{rid}-{p}" if len(prompts) > 1 else rid
+            for i in range(n):
+                choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+                requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, priority))
             engine.validate(requests[p * n])
-        except RequestError as e:
-            raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
+        if params.constraint is not None:
+            await engine.compile_grammar(params.constraint)
+    except RequestError as e:
+        raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
     return requests
 
 

@@ -1,22 +1,25 @@
 """OpenAI function calling: `tools` and `tool_choice` checked with
-OpenAI's error bodies, what a request's prompt and output parsing need,
-and the calls found in the output shaped as OpenAI's `tool_calls`.
+OpenAI's error bodies, how a request's output is read for calls (and the
+grammar that guarantees them), and the calls found in the output shaped as
+OpenAI's `tool_calls`.
 
-The model is never constrained: "required" and a named function are
-honoured by ending the prompt with the start of a call (of that function),
-which the model goes on with.
+"required" and a named function are enforced by a grammar: the output is
+a JSON array of calls (api/tool_grammar.py), read without any
+--tool-call-parser. With a parser and "auto", the model writes calls in
+its own format, which the parser finds; strict functions constrain them.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pyserve._rust import ToolCallParser, tool_call_prefix
+from pyserve._rust import ToolCallParser
 from pyserve.api.errors import bad_request
-from pyserve.api.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from pyserve.api.protocol import ChatCompletionRequest, ToolCall
+from pyserve.api.tool_grammar import ForcedCalls, arguments_key, forced_calls, new_call, strict_calls
+from pyserve.engine.request import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
@@ -26,9 +29,17 @@ _CHOICES = ("none", "auto", "required")
 class ToolCalling:
     """How one request's output is read for calls."""
 
-    parser: str
-    prefix: str = ""  # ends the prompt; read as output before the model's text
+    # The --tool-call-parser reading calls in the model's own format; None
+    # for a forced tool choice, whose output is a JSON array of calls.
+    parser: str | None
     parallel: bool = True  # False: only the first call is kept
+    forced: Constraint | None = None  # the grammar of a forced choice's calls
+    arguments_key: str = "arguments"  # forced calls carry their arguments under it
+    # Auto choice with strict tools: the structural-tag format calls must follow.
+    strict: dict | None = None
+
+    def reader(self) -> ToolCallStream | ForcedCalls:
+        return ForcedCalls(self.arguments_key) if self.parser is None else ToolCallStream(self)
 
 
 def _kind(value: Any) -> str:
@@ -127,22 +138,18 @@ def plan(req: ChatCompletionRequest, parser: str | None) -> tuple[list[dict] | N
     choice = check_tool_choice(req.tool_choice, req.tools)
     if req.tools is None or choice == "none":
         return req.tools, None  # the template still sees them, to read earlier calls
-    if parser is None:
-        if choice == "auto":
+    parallel = req.parallel_tool_calls is not False
+    if choice == "auto":
+        if parser is None:
             return req.tools, None  # the model's output stays text
-        raise bad_request("tool_choice 'required' or a named function needs a server started with "
-                          "--tool-call-parser", "tool_choice")
-    if req.continue_final_message and choice != "auto":
+        return req.tools, ToolCalling(parser, parallel, strict=strict_calls(req.tools, parser, parallel))
+    if req.continue_final_message:
         raise bad_request("tool_choice 'required' or a named function cannot continue the final message",
                           "tool_choice")
-    calling = ToolCalling(parser, parallel=req.parallel_tool_calls is not False)
-    if choice == "auto":
-        return req.tools, calling
-    if choice == "required":
-        calling.prefix = tool_call_prefix(parser)
-        return req.tools, calling
-    calling.prefix = tool_call_prefix(parser, choice)
-    return [t for t in req.tools if t["function"]["name"] == choice], calling
+    offered = req.tools if choice == "required" else [t for t in req.tools if t["function"]["name"] == choice]
+    key = arguments_key(parser)
+    grammar = forced_calls(offered, key, single=choice != "required" or not parallel)
+    return offered, ToolCalling(None, parallel, forced=grammar, arguments_key=key)
 
 
 class ToolCallStream:
@@ -150,7 +157,6 @@ class ToolCallStream:
 
     def __init__(self, calling: ToolCalling):
         self.parser = ToolCallParser(calling.parser)
-        self.parser.feed(calling.prefix)  # the start of a call: nothing comes out yet
         self.parallel = calling.parallel
         self.count = 0  # calls so far, the next one's index
 
@@ -162,5 +168,4 @@ class ToolCallStream:
         if not self.parallel:
             calls = calls[: max(0, 1 - self.count)]
         self.count += len(calls)
-        return content, [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=n, arguments=a))
-                         for n, a in calls]
+        return content, [new_call(n, a) for n, a in calls]

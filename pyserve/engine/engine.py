@@ -5,6 +5,10 @@ produces them. The step loop is one asyncio task: schedule (CPU) -> forward
 and sample on the worker thread -> turn tokens into text -> hand outputs to
 each request's channel. A caller that stops listening aborts its request,
 which gives back every KV slot at once.
+
+A constrained request (SamplingParams.constraint) has its grammar compiled
+off the loop (engine/grammar.py) before it is queued, and carries a
+matcher from then until it ends.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from pathlib import Path
 import torch
 
 from pyserve._rust import Tokenizer
+from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.kv_manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
 from pyserve.engine.page_allocator import PageAllocator
-from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
+from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
@@ -32,6 +37,7 @@ from pyserve.engine.step_log import StepLog
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
+_GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-backend none"
 
 
 class Engine:
@@ -50,6 +56,11 @@ class Engine:
         self.eos_token_ids = self.model_config.eos_token_ids
         # Ids the model can produce or read: the embedding rows.
         self.vocab_size = self.model_config.vocab_size
+        self.grammars = None  # --grammar-backend none: constrained requests are refused
+        if args.grammar_backend == "xgrammar":
+            info = tokenizer_info(self.tokenizer, (self.model_dir / "tokenizer.json").read_text(),
+                                  self.vocab_size, self.eos_token_ids)
+            self.grammars = GrammarBackend(info)
         self.kv = KVManager(PageAllocator(self.runner.kv_buffer.num_pages, args.page_size),
                             use_radix_cache=not args.disable_radix_cache)
         self.scheduler = Scheduler(
@@ -79,6 +90,8 @@ class Engine:
             self._loop_task = None
         self._abort_all()
         self.runner.shutdown()
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     # -- requests ------------------------------------------------------------
 
@@ -114,6 +127,17 @@ class Engine:
         capacity = self.kv.allocator.capacity_tokens
         if n + 1 > capacity:
             raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {capacity}", "prompt")
+        if req.params.constraint is not None and self.grammars is None:
+            raise RequestError(_GRAMMARS_OFF, "constraint")
+
+    async def compile_grammar(self, constraint: Constraint) -> None:
+        """Compile (or find cached) a constraint's grammar; RequestError
+        (field "constraint") with the compiler's message when it cannot be.
+        Callers that must answer before streaming call this first; generate
+        does it too."""
+        if self.grammars is None:
+            raise RequestError(_GRAMMARS_OFF, "constraint")
+        await self.grammars.compile(constraint)
 
     def _max_new_tokens(self, req: GenerateRequest) -> int:
         """What the request may generate: its own limit, or the server's
@@ -133,6 +157,10 @@ class Engine:
                        arrival=time.monotonic())
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
+        constraint = params.constraint
+        if constraint is not None:
+            compiled = self.grammars.cached(constraint) or await self.grammars.compile(constraint)
+            seq.grammar = self.grammars.new_state(compiled, constraint.after)
         seq.output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -244,6 +272,9 @@ class Engine:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             self.metrics.on_first_token(seq.first_token_at - seq.arrival)
+        if seq.grammar is not None and seq.grammar.failed:
+            self._finish(seq, seq.output.abort())
+            return
         out = seq.output.append(token_id, logprob)
         if out.finished:
             self._finish(seq, out)
@@ -252,6 +283,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, last: GenerateOutput) -> None:
         seq.finished = True
+        seq.grammar = None
         self.scheduler.remove(seq)
         ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
         self.metrics.on_finish(last.finish_reason, len(seq.prompt_ids), seq.cache_hit or 0,

@@ -62,7 +62,8 @@ class OutputProcessor:
         self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
         self.stops = StopMatcher(p.stop)
         self.stop_ids = set(p.stop_token_ids)
-        if not p.ignore_eos:
+        # A grammar allows EOS only at its end: there the request stops.
+        if not p.ignore_eos or p.constraint is not None:
             self.stop_ids.update(eos_token_ids)
         self.context_len = context_len
         self.sent_tokens = 0

@@ -6,6 +6,25 @@ import uuid
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (engine/grammar.py compiles it).
+
+    `kind` is "json_schema" (`text` a JSON schema), "regex", "ebnf" (GBNF
+    with a `root` rule), "lark" or "structural_tag" (xgrammar's structural
+    tag JSON). With `after` set, the output is free until it contains that
+    text (the end of a reasoning block) and constrained from there on."""
+
+    kind: str
+    text: str
+    after: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What its compiled grammar is cached by."""
+        return self.kind, self.text
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings, already validated by the caller."""
@@ -32,6 +51,9 @@ class SamplingParams:
     # Also the log-probability of every prompt token after the first (the
     # prompt is then computed whole: its cached prefix is not reused).
     prompt_logprobs: bool = False
+    # The output must match this grammar; the request then ends with "stop"
+    # when the grammar does (at its EOS), whatever ignore_eos says.
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -48,8 +70,9 @@ BATCH_PRIORITY = 1
 
 class RequestError(ValueError):
     """A request the engine cannot run, and why. `field` names what is
-    wrong in engine terms ("prompt" or "max_new_tokens"), for the API to
-    translate into its own parameter name; `code` is OpenAI's error code."""
+    wrong in engine terms ("prompt", "max_new_tokens" or "constraint"), for
+    the API to translate into its own parameter name; `code` is OpenAI's
+    error code."""
 
     def __init__(self, message: str, field: str, code: str | None = None):
         super().__init__(message)

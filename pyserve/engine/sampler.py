@@ -1,6 +1,7 @@
 """Next-token selection for a batch, each row with its own settings.
 
-Order, as in the OpenAI/vLLM semantics: repetition penalty (prompt and
+Order, as in the OpenAI/vLLM semantics: the grammar's token mask of a
+constrained request (engine/grammar.py), repetition penalty (prompt and
 output tokens), frequency and presence penalties (output tokens), logit
 bias, then greedy argmax at temperature 0, else temperature, top-k, top-p
 and min-p before drawing. The filters run on the whole batch at once with
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pyserve.engine.grammar import apply_bitmask, note_sampled, token_bitmask
 from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
 
@@ -46,13 +48,30 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: float32 [B, vocab] on any device; returns one int64 id per
         row, on the logits' device when every row is greedy (no wait for the
-        device), on the CPU otherwise."""
+        device), on the CPU otherwise. The caller's logits are left as they
+        are (log-probabilities are reported from them)."""
+        # Read once: the event loop drops the state of a request that ended.
+        grammars = [s.grammar for s in seqs]
+        if all(g is None for g in grammars):
+            return self._sample(logits, seqs, None)
+        ids = self._sample(logits, seqs, token_bitmask(grammars, logits.shape[-1]))
+        note_sampled(grammars, ids)
+        return ids
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                mask: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
         params = [s.params for s in seqs]
         if all(p.temperature == 0 and not _adjusts_logits(p) for p in params):
+            if mask is None:
+                return logits.argmax(dim=-1)
+            logits = logits.clone()
+            apply_bitmask(logits, *mask)
             return logits.argmax(dim=-1)
         # Generators live on the CPU; one [B, vocab] copy is cheap next to a
         # forward pass. The copy also leaves the caller's tensor untouched.
         logits = logits.to("cpu", torch.float32, copy=True)
+        if mask is not None:
+            apply_bitmask(logits, *mask)
         for row, seq in zip(logits, seqs):
             if _adjusts_logits(seq.params):
                 apply_penalties(row, seq)

@@ -4,7 +4,8 @@ One object per request from `Engine.generate` to its last output. Who
 writes what: the scheduler moves it between queues and counts its tokens in
 flight; the KV manager alone sets its KV fields (`slots`, `shared_len`,
 `prefix_node`, `cache_hit`); the output processor appends the sampled
-tokens and turns them into text; the caller reads `channel`.
+tokens and turns them into text; the sampler, on the forward thread,
+advances `grammar`; the caller reads `channel`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pyserve.engine.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:
+    from pyserve.engine.grammar import GrammarState
     from pyserve.engine.output_processor import OutputProcessor
 
 
@@ -43,6 +45,9 @@ class Sequence:
     # Tokens to text, stop conditions, logprobs; set by the engine.
     output: OutputProcessor | None = None
     channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
+    # A constrained request's place in its grammar; set by the engine when it
+    # takes the request, dropped when the request ends.
+    grammar: GrammarState | None = None
     finished: bool = False
     # Overlap scheduling: tokens sampled by launched steps whose ids have not
     # come back yet, and where the newest one sits in its step's output.

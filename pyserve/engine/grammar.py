@@ -1,0 +1,242 @@
+"""Constrained decoding on xgrammar: compiled grammars and each request's
+place in its grammar.
+
+`GrammarBackend` (one per engine) builds xgrammar's TokenizerInfo once for
+the model and compiles constraints on a thread of its own, never on the
+event loop, within a time budget; compiled grammars are cached by their
+text, so a repeated schema costs a dictionary lookup.
+
+`GrammarState` (one per constrained request, on its Sequence) holds the
+xgrammar matcher. Only the forward worker thread touches it, in the
+sampler: a step accepts the tokens its sequences sampled in their previous
+step (the worker runs steps in order, so with overlap scheduling too the
+mask of step N+1 is filled after step N's token was accepted), then fills
+the token bitmask of this step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from pyserve._rust import Tokenizer
+from pyserve.engine.request import Constraint, RequestError
+
+logger = logging.getLogger("pyserve.engine")
+
+COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer is refused (its compilation finishes in the background)
+_CACHE_BYTES = 512 << 20  # compiled grammars kept, by xgrammar's own size estimate
+_COMPILE_THREADS = 2
+# xgrammar's messages start with where in its C++ sources they were raised.
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def tokenizer_info(tokenizer: Tokenizer, tokenizer_json: str, vocab_size: int, stop_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the model's vocabulary: every id's token as the
+    tokenizer stores it (ids past the tokenizer's vocabulary, padding of
+    the embedding, are empty and never allowed), decoded the way
+    tokenizer.json says (byte-level, byte-fallback or raw)."""
+    vocab = [tokenizer.id_to_token(i) or "" for i in range(vocab_size)]
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+    return xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stop_ids,
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+def _message(exc: Exception) -> str:
+    return _SOURCE_PREFIX.sub("", str(exc).strip())
+
+
+class GrammarBackend:
+    """Compiles constraints for one model and caches what it compiled."""
+
+    def __init__(self, info: xgr.TokenizerInfo):
+        self.info = info
+        self.compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS, cache_enabled=False)
+        self.timeout_s = COMPILE_TIMEOUT_S
+        self._executor = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="pyserve-grammar")
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
+        # Compilations under way: a second request for the same text waits
+        # for the first instead of starting another.
+        self._compiling: dict[tuple[str, str], asyncio.Future] = {}
+        # Each token's bytes, to find where a constraint starts (GrammarState).
+        self._decoded_vocab: list[bytes] = info.decoded_vocab
+
+    def cached(self, constraint: Constraint) -> xgr.CompiledGrammar | None:
+        compiled = self._cache.get(constraint.key)
+        if compiled is not None:
+            self._cache.move_to_end(constraint.key)
+        return compiled
+
+    async def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The compiled grammar, or RequestError (field "constraint") with
+        xgrammar's message when it cannot be compiled in time."""
+        compiled = self.cached(constraint)
+        if compiled is not None:
+            return compiled
+        key = constraint.key
+        future = self._compiling.get(key)
+        if future is None:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, self._compile, constraint)
+            future.add_done_callback(lambda f: self._on_compiled(key, f))
+            self._compiling[key] = future
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the {constraint.kind} took longer than {self.timeout_s:g} s to compile",
+                               "constraint") from None
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's and pydantic's errors about the input
+            raise RequestError(f"invalid {constraint.kind}: {_message(e)}", "constraint") from None
+
+    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
+        if c.kind == "json_schema":
+            # Strict: no properties beyond the schema's, as OpenAI's strict mode.
+            return self.compiler.compile_json_schema(c.text, any_whitespace=False, strict_mode=True)
+        if c.kind == "regex":
+            return self.compiler.compile_regex(c.text)
+        if c.kind == "ebnf":
+            return self.compiler.compile_grammar(c.text)
+        if c.kind == "lark":
+            return self.compiler.compile_lark(c.text)
+        if c.kind == "structural_tag":
+            return self.compiler.compile_structural_tag(c.text)
+        raise ValueError(f"unknown constraint kind {c.kind!r}")
+
+    def _on_compiled(self, key: tuple[str, str], future: asyncio.Future) -> None:
+        """Runs on the event loop: cache a success (even one that came after
+        its requests gave up waiting), forget the attempt either way."""
+        del self._compiling[key]
+        if future.cancelled() or future.exception() is not None:
+            return
+        compiled = future.result()
+        self._cache[key] = compiled
+        self._cache_bytes += compiled.memory_size_bytes
+        while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= old.memory_size_bytes
+
+    def new_state(self, compiled: xgr.CompiledGrammar, after: str | None) -> GrammarState:
+        return GrammarState(compiled, after, self._decoded_vocab)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One request's position in its grammar. Created on the event loop
+    before the request is scheduled; from then on read and written by the
+    forward worker thread only. It outlives retraction (what was accepted
+    stays accepted) and is dropped when the request ends."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, after: str | None, decoded_vocab: list[bytes]):
+        self.matcher = xgr.GrammarMatcher(compiled)
+        # Until the output contains `after` (a reasoning block's end), it is
+        # not constrained; the vocabulary's bytes find it across tokens.
+        self._after = after.encode() if after is not None else None
+        self._vocab = decoded_vocab
+        self._tail = b""
+        # The token this request's last step sampled, not accepted yet: the
+        # step's ids and this request's row in them.
+        self.unaccepted: tuple[SampledIds, int] | None = None
+        self.failed = False  # a sampled token the grammar refused: a bug, the request is ended
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained."""
+        return self._after is None and not self.matcher.is_terminated()
+
+    def accept_unaccepted(self) -> None:
+        if self.unaccepted is not None:
+            ids, row = self.unaccepted
+            self.unaccepted = None
+            self.accept(ids.values()[row])
+
+    def accept(self, token_id: int) -> None:
+        if self._after is not None:
+            self._watch_for_start(token_id)
+        elif not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
+            logger.error("the grammar refused token %d that was sampled under its mask", token_id)
+            self.failed = True
+
+    def _watch_for_start(self, token_id: int) -> None:
+        seen = self._tail + self._vocab[token_id]
+        at = seen.find(self._after)
+        if at < 0:
+            self._tail = seen[-(len(self._after) - 1):] if len(self._after) > 1 else b""
+            return
+        rest = seen[at + len(self._after):]
+        # Whitespace that shares a token with the marker is left out of the
+        # grammar (chat answers strip it); anything else must fit it.
+        if rest.strip() and not self.matcher.accept_string(rest):
+            logger.error("the grammar refused %r, written right after %r", rest, self._after)
+            self.failed = True
+        self._after = None
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write this request's allowed tokens into bitmask[row]; False when
+        nothing is to be masked (free text before the constraint starts, or
+        the grammar ended: that token is never used)."""
+        return self.active and not self.failed and self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class SampledIds:
+    """A step's sampled ids, readable on the host by a later step. On CUDA
+    they are copied without waiting, and read once the copy has landed,
+    which does not wait for the steps launched after them."""
+
+    def __init__(self, ids: torch.Tensor):
+        self._list: list[int] | None = None
+        self._ready = None
+        if ids.device.type == "cuda":
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = ids
+
+    def values(self) -> list[int]:
+        if self._list is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._list = self._host.tolist()
+        return self._list
+
+
+def token_bitmask(states: list[GrammarState | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+    """For a batch's rows (None where unconstrained): accept each
+    constrained row's previous token, then build the bitmask of this step.
+    Returns (bitmask [rows, vocab_size / 32] int32 on the CPU, the rows it
+    masks), or None when no row is masked."""
+    for state in states:
+        if state is not None:
+            state.accept_unaccepted()
+    bitmask = None
+    rows = []
+    for row, state in enumerate(states):
+        if state is None or not state.active:
+            continue
+        if bitmask is None:
+            bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+        if state.fill(bitmask, row):
+            rows.append(row)
+    return (bitmask, rows) if rows else None
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Disallowed tokens of the masked rows get -inf, in place, on the logits' device."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+def note_sampled(states: list[GrammarState | None], ids: torch.Tensor) -> None:
+    """Each constrained row's token is accepted at its next step."""
+    sampled = SampledIds(ids)
+    for row, state in enumerate(states):
+        if state is not None:
+            state.unaccepted = (sampled, row)

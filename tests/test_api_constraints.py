@@ -1,0 +1,119 @@
+"""Structured-output fields read into constraints (api/constraints.py) and
+the reader of forced tool calls (api/tool_grammar.py), without a model."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from pyserve.api.constraints import request_constraint
+from pyserve.api.errors import APIError
+from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeSamplingParams
+from pyserve.api.tool_grammar import ForcedCalls
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat_constraint(**body):
+    found = request_constraint(msgspec.convert({"messages": MSG, **body}, ChatCompletionRequest))
+    return None if found is None else (found.constraint.kind, found.constraint.text, found.param)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("json_schema", '{"type": "object"}', "response_format")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     ("json_schema", json.dumps(SCHEMA), "response_format.json_schema.schema")),
+    ({"json_schema": json.dumps(SCHEMA)}, ("json_schema", json.dumps(SCHEMA), "json_schema")),
+    ({"regex": "(Paris|London)"}, ("regex", "(Paris|London)", "regex")),
+    ({"ebnf": 'root ::= "a"'}, ("ebnf", 'root ::= "a"', "ebnf")),
+    ({"structured_outputs": {"json": SCHEMA}}, ("json_schema", json.dumps(SCHEMA), "structured_outputs.json")),
+    ({"structured_outputs": {"regex": "a+"}}, ("regex", "a+", "structured_outputs.regex")),
+    ({"structured_outputs": {"choice": ["yes", 'say "no"']}},
+     ("ebnf", 'root ::= "yes" | "say \\"no\\""', "structured_outputs.choice")),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, ("ebnf", 'root ::= "a"', "structured_outputs.grammar")),
+    ({"structured_outputs": {"grammar": 'start: "a"'}}, ("lark", 'start: "a"', "structured_outputs.grammar")),
+    ({"structured_outputs": {"json_object": True}},
+     ("json_schema", '{"type": "object"}', "structured_outputs.json_object")),
+])
+def test_each_field_becomes_its_constraint(body, expected):
+    assert chat_constraint(**body) == expected
+
+
+def test_completions_and_generate_read_the_same_fields():
+    req = msgspec.convert({"prompt": "x", "regex": "a+"}, CompletionRequest)
+    assert request_constraint(req).constraint.kind == "regex"
+    native = NativeSamplingParams(json_schema=json.dumps(SCHEMA))
+    found = request_constraint(native, "sampling_params.")
+    assert (found.constraint.kind, found.param) == ("json_schema", "sampling_params.json_schema")
+    assert request_constraint(NativeSamplingParams(ebnf='root ::= "a"'), "sampling_params.").constraint.kind == "ebnf"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def test_structural_tags_in_both_of_sglangs_forms_become_xgrammars_format():
+    legacy = {"type": "structural_tag", "triggers": ["<function="],
+              "structures": [{"begin": "<function=w>", "schema": WEATHER, "end": "</function>"}]}
+    kind, text, param = chat_constraint(response_format=legacy)
+    assert (kind, param) == ("structural_tag", "response_format")
+    expected = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"type": "tag", "begin": "<function=w>", "end": "</function>",
+         "content": {"type": "json_schema", "json_schema": WEATHER}}]}}
+    assert json.loads(text) == expected
+    # The new form, with a bare schema as content (as SGLang's docs write it), is the same grammar.
+    new = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"begin": "<function=w>", "content": WEATHER, "end": "</function>"}]}}
+    fmt = json.loads(chat_constraint(response_format=new)[1])["format"]
+    assert fmt["tags"][0]["content"] == {"type": "json_schema", "json_schema": WEATHER}
+    # /generate takes it as JSON text.
+    native = request_constraint(NativeSamplingParams(structural_tag=json.dumps(legacy)), "sampling_params.")
+    assert json.loads(native.constraint.text) == expected
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", ["regex", "ebnf"]),
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex", ["response_format", "regex"]),
+    ({"structured_outputs": {"json": SCHEMA, "choice": ["a"]}}, "structured_outputs.choice",
+     ["structured_outputs.json", "structured_outputs.choice"]),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", ["yaml"]),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", ["schema"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+     "response_format.json_schema.schema", ["JSON schema"]),
+    ({"json_schema": "{not json"}, "json_schema", ["not valid JSON"]),
+    ({"regex": ""}, "regex", ["non-empty"]),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["non-empty list"]),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
+     ["not supported"]),
+    ({"structured_outputs": "json"}, "structured_outputs", ["object"]),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"]}}, "response_format", ["structures"]),
+])
+def test_bad_or_doubled_constraints_are_400s_naming_the_field(body, param, words):
+    with pytest.raises(APIError) as caught:
+        chat_constraint(**body)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert all(w in caught.value.message for w in words)
+
+
+def test_forced_calls_come_out_as_each_object_closes():
+    text = '[{"name": "a", "arguments": {"x": "q\\"}]{"}}, {"name": "b", "arguments": {}}]'
+    reader = ForcedCalls("arguments")
+    seen = []
+    for i in range(0, len(text), 5):
+        content, calls = reader.feed(text[i : i + 5])
+        assert content == ""
+        seen += [(c.function.name, c.function.arguments) for c in calls]
+    assert reader.feed("", final=True) == ("", [])
+    assert seen == [("a", '{"x": "q\\"}]{"}'), ("b", "{}")] and reader.count == 2
+
+
+def test_forced_calls_cut_short_leave_the_rest_as_content():
+    reader = ForcedCalls("parameters")
+    content, calls = reader.feed('[{"name": "a", "parameters": {"x": 1}}, {"name": "b', final=True)
+    assert [c.function.arguments for c in calls] == ['{"x": 1}'] and content == '{"name": "b'
+    content, calls = ForcedCalls("arguments").feed('[{"name": "a", "argu', final=True)
+    assert calls == [] and content == '[{"name": "a", "argu'
