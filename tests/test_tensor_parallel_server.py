@@ -1,7 +1,8 @@
 """Slow: the embedded model at --tp-size 2 against --tp-size 1, as an engine
 (float32 and the default 4-bit path) and through the whole API of a real
 `pyserve --tp-size 2` server (streaming, n > 1, logprobs, a batch job),
-compared with the shared one-rank float32 server.
+compared with the shared one-rank float32 server; two "nodes" on this
+machine (--nnodes 2), one serving and one running only its rank.
 
     PYSERVE_SLOW_TESTS=1 python -m pytest -m slow tests/test_tensor_parallel_server.py
 """
@@ -10,14 +11,18 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
 
 import openai
 import pytest
 
-from tests.conftest import SERVER_DEFAULT_MAX_TOKENS, ServerProcess
+from tests.conftest import SERVER_DEFAULT_MAX_TOKENS, ServerProcess, free_port
 from tests.slow import slow
 from tests.test_batches import wait_for
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
+from tests.test_tensor_parallel_process import answer
 
 pytestmark = slow
 
@@ -104,3 +109,29 @@ def test_a_batch_job_finishes(tp_client, model_name):
     direct = tp_client.chat.completions.create(model=model_name, max_tokens=16, temperature=0,
                                                messages=lines[0]["body"]["messages"])
     assert results["r0"]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+
+
+def test_two_nodes_on_one_machine_serve_from_node_0(tiny_llama_dir, tmp_path):
+    """--nnodes 2: node 1 runs only its rank (no HTTP), node 0 serves with
+    both; stopping node 0 stops node 1 with status 0."""
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--tp-size", "2", "--nnodes", "2",
+              "--dist-init-addr", addr]
+    node1_log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen([sys.executable, "-m", "pyserve", *common, "--node-rank", "1"], stdout=node1_log,
+                             stderr=subprocess.STDOUT)
+    try:
+        srv = ServerProcess(*common, "--node-rank", "0", timeout=300)
+        try:
+            assert answer(srv)
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(timeout=120) == 0
+        finally:
+            srv.stop()
+        assert node1.wait(timeout=120) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        node1_log.close()
+    log = (tmp_path / "node1.log").read_text()
+    assert "Node 1 of 2: tensor-parallel ranks [1] of 2" in log and "tensor-parallel rank 1 ready" in log
