@@ -135,6 +135,18 @@ def test_a_batch_of_mixed_lengths_equals_each_alone(model_dirs, pooling):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 
 
+def test_two_tensor_parallel_ranks_embed_what_one_does(model_dirs):
+    """--tp-size 2 (gloo): rank 0 pools while rank 1 runs the same forward."""
+    model_dir = model_dirs["mean"]
+
+    async def work(engine):
+        return await embed(engine, [engine.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS])
+
+    one = torch.stack([v for v, _ in run_engine(model_dir, work, chunked_prefill_size=16)])
+    two = torch.stack([v for v, _ in run_engine(model_dir, work, chunked_prefill_size=16, tp_size=2)])
+    torch.testing.assert_close(two, one, atol=TOL, rtol=0)
+
+
 def test_last_token_pooling_reuses_a_cached_prefix(model_dirs):
     prefix, tail = list(range(100, 160)), [7, 8, 9]
 
