@@ -108,6 +108,9 @@ class ToolCallParser:
       `{"name", "parameters"}`, more after `;`.
     - "mistral": `[TOOL_CALLS]`, or a bare array at the start:
       `[{"name", "arguments"}, ...]`.
+    - "deepseekv3": `<｜tool▁calls▁begin｜>`, then per call
+      `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
+      then `<｜tool▁calls▁end｜>`.
 
     Arguments are JSON object text: the model's own text of the object.
     The streamed pieces of a call concatenate to exactly what

@@ -14,7 +14,9 @@ import pytest
 from pyserve._rust import ToolCallParser, tool_call_prefix
 
 WS = " \t\n\r"
-FORMATS = ["hermes", "llama3", "mistral"]
+FORMATS = ["hermes", "llama3", "mistral", "deepseekv3"]
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
 def stream(fmt: str, deltas: list[str]) -> tuple[str, list[tuple[str, str]]]:
@@ -73,6 +75,13 @@ FIXTURES = {
         f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, '
         '{"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}]',
         "",
+        [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
+    ),
+    "deepseekv3": (  # DeepSeek-V3 / V3-0324
+        f"Let me check both.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n{WEATHER}\n```"
+        f"{DS_CALL_END}\n{DS_CALL_BEGIN}function{DS_SEP}get_time\n```json\n"
+        f'{{"tz": "Asia/Tokyo"}}\n```{DS_CALL_END}{DS_CALLS_END}',
+        "Let me check both.",
         [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
     ),
 }
@@ -137,6 +146,7 @@ INVALID = {
                "a <tool_call> never closed", '<tool_call>{"name": NaN}</tool_call>'],
     "llama3": ['{"answer": 4}', "The call is {\"name\": \"a\", \"parameters\": {}}", "<|python_tag|>print(1)"],
     "mistral": ["[1] is a footnote", '[TOOL_CALLS] [{"x": 1}]', "[" * 5000 + "]" * 5000],
+    "deepseekv3": [f"{DS_CALLS_BEGIN}oops", f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n{{"a": 1}}'],
 }
 
 
@@ -152,6 +162,7 @@ BROKEN_OFF = {
     "hermes": ('<tool_call>{"name": "f", "arguments": {"q": "Par', '{"q": "Par"}'),
     "llama3": ('{"name": "f", "parameters": {"a": [1, 2.', '{"a": [1, 2]}'),
     "mistral": ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b', '{"a": 1}'),
+    "deepseekv3": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": {{"b": tr', '{"a": {}}'),
 }
 
 
@@ -180,6 +191,8 @@ CONTINUATIONS = {  # what a model writes after the prefix: (after the bare prefi
     "qwen25": ('now", "arguments": {"tz": "UTC"}}\n</tool_call>', ' {"tz": "UTC"}}\n</tool_call>'),
     "llama3": ('now", "parameters": {"tz": "UTC"}}', ' {"tz": "UTC"}}'),
     "mistral": ('now", "arguments": {"tz": "UTC"}}]', ' {"tz": "UTC"}}]'),
+    "deepseekv3": ('now\n```json\n{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END,
+                   '{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END),
 }
 
 
@@ -216,7 +229,10 @@ def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
         return "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {args(a)}}}\n</tool_call>' for n, a in calls)
     if fmt == "llama3":
         return "<|python_tag|>" + "; ".join(f'{{"name": "{n}", "parameters": {args(a)}}}' for n, a in calls)
-    return "[TOOL_CALLS] [" + ", ".join(f'{{"name": "{n}", "arguments": {args(a)}}}' for n, a in calls) + "]"
+    if fmt == "mistral":
+        return "[TOOL_CALLS] [" + ", ".join(f'{{"name": "{n}", "arguments": {args(a)}}}' for n, a in calls) + "]"
+    return DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n{args(a)}\n```{DS_CALL_END}"
+                                      for n, a in calls) + DS_CALLS_END
 
 
 def random_split(rng: random.Random, text: str) -> list[str]:

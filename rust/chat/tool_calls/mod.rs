@@ -10,6 +10,9 @@
 //! - `llama3`: `<|python_tag|>` then `{"name", "parameters"}`, more calls
 //!   after `;`.
 //! - `mistral`: `[TOOL_CALLS]` then `[{"name", "arguments"}, ...]`.
+//! - `deepseekv3`: `<｜tool▁calls▁begin｜>`, then per call
+//!   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
+//!   then `<｜tool▁calls▁end｜>`.
 //!
 //! The llama3 and mistral markers are special tokens, which detokenizing
 //! skips by default, so for them bare JSON at the very start of the output
@@ -30,6 +33,7 @@
 //! section that fails before it starts ends the section where it begins.
 //! Whitespace that only separates text from calls is dropped.
 
+mod deepseek;
 mod events;
 mod json_calls;
 mod json_scan;
@@ -45,6 +49,7 @@ pub enum Format {
     Hermes,
     Llama3,
     Mistral,
+    DeepSeekV3,
 }
 
 impl Format {
@@ -53,7 +58,10 @@ impl Format {
             "qwen25" | "hermes" => Ok(Format::Hermes),
             "llama3" => Ok(Format::Llama3),
             "mistral" => Ok(Format::Mistral),
-            _ => Err(format!("unknown tool call parser {name:?}: expected qwen25, hermes, llama3 or mistral")),
+            "deepseekv3" => Ok(Format::DeepSeekV3),
+            _ => Err(format!(
+                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral or deepseekv3"
+            )),
         }
     }
 
@@ -62,6 +70,7 @@ impl Format {
             Format::Hermes => "<tool_call>",
             Format::Llama3 => "<|python_tag|>",
             Format::Mistral => "[TOOL_CALLS]",
+            Format::DeepSeekV3 => deepseek::CALLS_BEGIN,
         }
     }
 
@@ -77,6 +86,7 @@ impl Format {
             Format::Hermes => json_call("<tool_call>\n{", "arguments"),
             Format::Llama3 => json_call("{", "parameters"),
             Format::Mistral => json_call("[TOOL_CALLS] [{", "arguments"),
+            Format::DeepSeekV3 => deepseek::call_prefix(name),
         }
     }
 
@@ -112,6 +122,7 @@ impl Format {
             Format::Hermes => Box::new(json_calls::Hermes::new(skip)),
             Format::Llama3 => Box::new(json_calls::Llama3::new(skip)),
             Format::Mistral => Box::new(json_calls::Mistral::new(skip)),
+            Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip)),
         }
     }
 }

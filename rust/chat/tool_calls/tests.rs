@@ -203,6 +203,35 @@ fn mistral_marked_and_bare_arrays() {
     every_split(Format::Mistral, text, &out("{\"x\": 1}]", &[call("a", "{}")]));
 }
 
+const DEEPSEEK_CALLS: &str = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"location\": \"Tokyo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"location\": \"Paris\", \"note\": \"é 🎉\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+
+#[test]
+fn deepseek_text_then_calls() {
+    let calls = [
+        call("get_weather", "{\"location\": \"Tokyo\"}"),
+        call("get_weather", "{\"location\": \"Paris\", \"note\": \"é 🎉\"}"),
+    ];
+    every_split(Format::DeepSeekV3, &format!("Let me look.\n\n{DEEPSEEK_CALLS}"), &out("Let me look.", &calls));
+    every_split(Format::DeepSeekV3, &format!("{DEEPSEEK_CALLS}\nMore text"), &out("More text", &calls));
+    assert!(argument_pieces(Format::DeepSeekV3, DEEPSEEK_CALLS) >= 3);
+}
+
+#[test]
+fn deepseek_sections_that_are_not_calls() {
+    for text in [
+        "<｜tool▁calls▁begin｜>oops",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n{\"a\": 1}",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[1]",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f",
+    ] {
+        every_split(Format::DeepSeekV3, text, &out(text, &[]));
+    }
+    let cut = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": \"b";
+    every_split(Format::DeepSeekV3, cut, &out("", &[call("f", "{\"a\": \"b\"}")]));
+    let no_fence = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1\n<｜tool▁call▁end｜> ok";
+    every_split(Format::DeepSeekV3, no_fence, &out("ok", &[call("f", "{\"a\": 1}")]));
+}
+
 #[test]
 fn plain_text_passes_through_with_only_the_tail_held() {
     let mut parser = ToolCallParser::new(Format::Hermes);
@@ -217,12 +246,13 @@ fn plain_text_passes_through_with_only_the_tail_held() {
 
 #[test]
 fn call_prefixes_start_no_call_and_parse_as_output() {
-    let formats = [Format::Hermes, Format::Llama3, Format::Mistral];
+    let formats = [Format::Hermes, Format::Llama3, Format::Mistral, Format::DeepSeekV3];
     for format in formats {
         let (arguments, end) = match format {
             Format::Hermes => (" {\"a\": 1}", "}\n</tool_call>"),
             Format::Llama3 => (" {\"a\": 1}", "}"),
             Format::Mistral => (" {\"a\": 1}", "}]"),
+            Format::DeepSeekV3 => ("{\"a\": 1}", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
         };
         let a = "{\"a\": 1}";
         let mut parser = ToolCallParser::new(format);
@@ -231,6 +261,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
         let named = match format {
             Format::Hermes | Format::Mistral => "now\", \"arguments\":",
             Format::Llama3 => "now\", \"parameters\":",
+            Format::DeepSeekV3 => "now\n```json\n",
         };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(None)), (String::new(), vec![]), "{format:?}");
@@ -249,6 +280,7 @@ fn names_and_unknown_names() {
         ("hermes", Format::Hermes),
         ("llama3", Format::Llama3),
         ("mistral", Format::Mistral),
+        ("deepseekv3", Format::DeepSeekV3),
     ] {
         assert_eq!(Format::from_name(name), Ok(format));
     }
