@@ -111,11 +111,16 @@ class ToolCallParser:
     - "deepseekv3": `<｜tool▁calls▁begin｜>`, then per call
       `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
       then `<｜tool▁calls▁end｜>`.
+    - "pythonic" (Llama 3.2 / 4): `[f(a="x", b=2), g()]` anywhere, maybe
+      inside `<|python_start|>` ... `<|python_end|>`; keyword arguments
+      whose values are Python literals (str, int, float, True/False/None,
+      lists, dicts).
 
-    Arguments are JSON object text: the model's own text of the object.
-    The streamed pieces of a call concatenate to exactly what
-    `feed`/`flush` report for it, and the result does not depend on how
-    the text is split.
+    Arguments are JSON object text: the model's own text of the object in
+    the JSON formats; built as `{"key": value, ...}` (", " and ": ") from
+    pythonic literals. The streamed pieces of a call
+    concatenate to exactly what `feed`/`flush` report for it, and the
+    result does not depend on how the text is split.
 
     What cannot be taken back is never sent early. A call starts (its first
     delta) once its name is complete and its arguments have begun in the

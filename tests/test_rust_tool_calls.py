@@ -14,7 +14,7 @@ import pytest
 from pyserve._rust import ToolCallParser, tool_call_prefix
 
 WS = " \t\n\r"
-FORMATS = ["hermes", "llama3", "mistral", "deepseekv3"]
+FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "pythonic"]
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
@@ -84,6 +84,11 @@ FIXTURES = {
         "Let me check both.",
         [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
     ),
+    "pythonic": (  # Llama 3.2 / Llama 4
+        "[get_weather(location='東京', unit=\"celsius\"), get_time(tz=\"Asia/Tokyo\")]",
+        "",
+        [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
+    ),
 }
 
 
@@ -147,6 +152,7 @@ INVALID = {
     "llama3": ['{"answer": 4}', "The call is {\"name\": \"a\", \"parameters\": {}}", "<|python_tag|>print(1)"],
     "mistral": ["[1] is a footnote", '[TOOL_CALLS] [{"x": 1}]', "[" * 5000 + "]" * 5000],
     "deepseekv3": [f"{DS_CALLS_BEGIN}oops", f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n{{"a": 1}}'],
+    "pythonic": ["see [1] and [link](url)", "[f(x)]", "[f(1, 2)] and [g]", "[print('hi') for x in y]"],
 }
 
 
@@ -163,6 +169,7 @@ BROKEN_OFF = {
     "llama3": ('{"name": "f", "parameters": {"a": [1, 2.', '{"a": [1, 2]}'),
     "mistral": ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b', '{"a": 1}'),
     "deepseekv3": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": {{"b": tr', '{"a": {}}'),
+    "pythonic": ("[f(a='x', b=[1, 2", '{"a": "x", "b": [1, 2]}'),
 }
 
 
@@ -193,6 +200,7 @@ CONTINUATIONS = {  # what a model writes after the prefix: (after the bare prefi
     "mistral": ('now", "arguments": {"tz": "UTC"}}]', ' {"tz": "UTC"}}]'),
     "deepseekv3": ('now\n```json\n{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END,
                    '{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END),
+    "pythonic": ("now(tz='UTC')]", "tz='UTC')]"),
 }
 
 
@@ -221,6 +229,14 @@ def random_value(rng: random.Random, depth: int = 0):
             "dict": lambda: {f"k{i}": random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}}[kind]()
 
 
+def python_literal(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(python_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {python_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
     def args(a):
         return json.dumps(a, ensure_ascii=False)
@@ -231,8 +247,11 @@ def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
         return "<|python_tag|>" + "; ".join(f'{{"name": "{n}", "parameters": {args(a)}}}' for n, a in calls)
     if fmt == "mistral":
         return "[TOOL_CALLS] [" + ", ".join(f'{{"name": "{n}", "arguments": {args(a)}}}' for n, a in calls) + "]"
-    return DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n{args(a)}\n```{DS_CALL_END}"
-                                      for n, a in calls) + DS_CALLS_END
+    if fmt == "deepseekv3":
+        return DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n{args(a)}\n```{DS_CALL_END}"
+                                          for n, a in calls) + DS_CALLS_END
+    inner = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in calls)
+    return f"<|python_start|>[{inner}]<|python_end|>" if rng.random() < 0.3 else f"[{inner}]"
 
 
 def random_split(rng: random.Random, text: str) -> list[str]:

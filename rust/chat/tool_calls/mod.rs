@@ -13,12 +13,17 @@
 //! - `deepseekv3`: `<｜tool▁calls▁begin｜>`, then per call
 //!   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
 //!   then `<｜tool▁calls▁end｜>`.
+//! - `pythonic` (Llama 3.2 / 4): `[f(a="x", b=2), g()]` anywhere, Python
+//!   literals as arguments, converted to JSON; `<|python_start|>` and
+//!   `<|python_end|>` around it are dropped.
 //!
 //! The llama3 and mistral markers are special tokens, which detokenizing
 //! skips by default, so for them bare JSON at the very start of the output
 //! opens calls too.
 //!
-//! Arguments are the model's own JSON text (the object, as written). Their
+//! Arguments are the model's own JSON text (the object, as written) in the
+//! JSON formats, and JSON built as Python's `json.dumps` writes it
+//! (`{"a": 1, "b": "x"}`) from the pythonic format. Their
 //! streamed pieces concatenate to exactly what the whole call reports.
 //!
 //! What cannot be taken back is never sent early: a call starts only once
@@ -37,6 +42,7 @@ mod deepseek;
 mod events;
 mod json_calls;
 mod json_scan;
+mod pythonic;
 
 pub use events::{deltas, CallAssembler, CallDelta, CallEvent, ToolCall};
 
@@ -50,6 +56,7 @@ pub enum Format {
     Llama3,
     Mistral,
     DeepSeekV3,
+    Pythonic,
 }
 
 impl Format {
@@ -59,8 +66,9 @@ impl Format {
             "llama3" => Ok(Format::Llama3),
             "mistral" => Ok(Format::Mistral),
             "deepseekv3" => Ok(Format::DeepSeekV3),
+            "pythonic" => Ok(Format::Pythonic),
             _ => Err(format!(
-                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral or deepseekv3"
+                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3 or pythonic"
             )),
         }
     }
@@ -71,6 +79,7 @@ impl Format {
             Format::Llama3 => "<|python_tag|>",
             Format::Mistral => "[TOOL_CALLS]",
             Format::DeepSeekV3 => deepseek::CALLS_BEGIN,
+            Format::Pythonic => pythonic::START,
         }
     }
 
@@ -87,6 +96,7 @@ impl Format {
             Format::Llama3 => json_call("{", "parameters"),
             Format::Mistral => json_call("[TOOL_CALLS] [{", "arguments"),
             Format::DeepSeekV3 => deepseek::call_prefix(name),
+            Format::Pythonic => format!("[{}", name.map(|name| format!("{name}(")).unwrap_or_default()),
         }
     }
 
@@ -123,6 +133,7 @@ impl Format {
             Format::Llama3 => Box::new(json_calls::Llama3::new(skip)),
             Format::Mistral => Box::new(json_calls::Mistral::new(skip)),
             Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip)),
+            Format::Pythonic => Box::new(pythonic::Pythonic::new(skip)),
         }
     }
 }
@@ -228,11 +239,25 @@ impl ToolCallParser {
             }
         }
         let marker = self.format.marker();
-        if let Some(at) = self.held.find(marker) {
+        let marked = self.held.find(marker);
+        let (bare, partial_bare) = match self.format {
+            Format::Pythonic => match pythonic::find_call_list(&self.held) {
+                pythonic::Search::Found(at) => (Some(at), None),
+                pythonic::Search::Partial(at) => (None, Some(at)),
+                pythonic::Search::None => (None, None),
+            },
+            _ => (None, None),
+        };
+        let found = match (marked, bare) {
+            (Some(m), Some(b)) if b < m => Some((b, false)),
+            (Some(m), _) => Some((m, true)),
+            (None, b) => b.map(|b| (b, false)),
+        };
+        if let Some((at, marked)) = found {
             let text_end = trim_ws_end(&self.held[..at]).len();
             out.push_str(&self.held[..text_end]);
             self.held.drain(..text_end);
-            self.open_section(at - text_end, true);
+            self.open_section(at - text_end, marked);
             return false;
         }
         // Hold back what could still open a section, with the whitespace
@@ -240,8 +265,9 @@ impl ToolCallParser {
         let keep = if eof {
             0
         } else {
-            let partial = partial_marker_len(&self.held, marker);
-            self.held.len() - trim_ws_end(&self.held[..self.held.len() - partial]).len()
+            let hold_from =
+                (self.held.len() - partial_marker_len(&self.held, marker)).min(partial_bare.unwrap_or(usize::MAX));
+            self.held.len() - trim_ws_end(&self.held[..hold_from]).len()
         };
         out.extend(self.held.drain(..self.held.len() - keep));
         self.mode = Mode::Text { opening, after_call: false };

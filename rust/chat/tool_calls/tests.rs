@@ -233,6 +233,46 @@ fn deepseek_sections_that_are_not_calls() {
 }
 
 #[test]
+fn pythonic_calls_become_json() {
+    let text = "[get_weather(city=\"San Francisco\", days=3, units='metric'), get_time(tz=\"Asia/Tokyo\"), now()]";
+    let want = out(
+        "",
+        &[
+            call("get_weather", "{\"city\": \"San Francisco\", \"days\": 3, \"units\": \"metric\"}"),
+            call("get_time", "{\"tz\": \"Asia/Tokyo\"}"),
+            call("now", "{}"),
+        ],
+    );
+    every_split(Format::Pythonic, text, &want);
+    every_split(Format::Pythonic, &format!("<|python_start|>{text}<|python_end|>"), &want);
+    assert!(argument_pieces(Format::Pythonic, text) >= 4);
+    let text = "Checking. [search(query='東京 \\'tower\\'', filters={'year': [2020, 2021], 'exact': True}, limit=None,)] Done.";
+    let want = out(
+        "Checking.Done.",
+        &[call(
+            "search",
+            "{\"query\": \"東京 'tower'\", \"filters\": {\"year\": [2020, 2021], \"exact\": true}, \"limit\": null}",
+        )],
+    );
+    every_split(Format::Pythonic, text, &want);
+}
+
+#[test]
+fn pythonic_text_that_is_not_calls() {
+    for text in ["see [1] and [link](url)", "[f(x)]", "[f(1, 2)]", "[f]", "a [f (", "[f(a=b)]"] {
+        let calls = if text == "[f(a=b)]" { vec![call("f", "{}")] } else { vec![] };
+        let rest = if text == "[f(a=b)]" { "b)]" } else { text };
+        every_split(Format::Pythonic, text, &out(rest, &calls));
+    }
+    let text = "[f(a=1), 42]";
+    every_split(Format::Pythonic, text, &out("42]", &[call("f", "{\"a\": 1}")]));
+    let text = "[f(a='cut";
+    every_split(Format::Pythonic, text, &out("", &[call("f", "{\"a\": \"cut\"}")]));
+    let text = "[f(a=[1, 2";
+    every_split(Format::Pythonic, text, &out("", &[call("f", "{\"a\": [1, 2]}")]));
+}
+
+#[test]
 fn plain_text_passes_through_with_only_the_tail_held() {
     let mut parser = ToolCallParser::new(Format::Hermes);
     assert_eq!(parser.feed("a <b> c"), ("a <b> c".to_string(), vec![]));
@@ -242,17 +282,21 @@ fn plain_text_passes_through_with_only_the_tail_held() {
     let mut parser = ToolCallParser::new(Format::Mistral);
     assert_eq!(parser.feed(" [ "), (String::new(), vec![]));
     assert_eq!(parser.feed("x"), (" [ x".to_string(), vec![]));
+    let mut parser = ToolCallParser::new(Format::Pythonic);
+    assert_eq!(parser.feed("See [get_wea"), ("See".to_string(), vec![]));
+    assert_eq!(parser.feed("ther is"), (" [get_weather is".to_string(), vec![]));
 }
 
 #[test]
 fn call_prefixes_start_no_call_and_parse_as_output() {
-    let formats = [Format::Hermes, Format::Llama3, Format::Mistral, Format::DeepSeekV3];
+    let formats = [Format::Hermes, Format::Llama3, Format::Mistral, Format::DeepSeekV3, Format::Pythonic];
     for format in formats {
         let (arguments, end) = match format {
             Format::Hermes => (" {\"a\": 1}", "}\n</tool_call>"),
             Format::Llama3 => (" {\"a\": 1}", "}"),
             Format::Mistral => (" {\"a\": 1}", "}]"),
             Format::DeepSeekV3 => ("{\"a\": 1}", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            Format::Pythonic => ("a=1", ")]"),
         };
         let a = "{\"a\": 1}";
         let mut parser = ToolCallParser::new(format);
@@ -262,6 +306,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Hermes | Format::Mistral => "now\", \"arguments\":",
             Format::Llama3 => "now\", \"parameters\":",
             Format::DeepSeekV3 => "now\n```json\n",
+            Format::Pythonic => "now(",
         };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(None)), (String::new(), vec![]), "{format:?}");
@@ -281,6 +326,7 @@ fn names_and_unknown_names() {
         ("llama3", Format::Llama3),
         ("mistral", Format::Mistral),
         ("deepseekv3", Format::DeepSeekV3),
+        ("pythonic", Format::Pythonic),
     ] {
         assert_eq!(Format::from_name(name), Ok(format));
     }
