@@ -115,28 +115,37 @@ class ToolCallParser:
       inside `<|python_start|>` ... `<|python_end|>`; keyword arguments
       whose values are Python literals (str, int, float, True/False/None,
       lists, dicts).
+    - "qwen3_coder": `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
 
     Arguments are JSON object text: the model's own text of the object in
     the JSON formats; built as `{"key": value, ...}` (", " and ": ") from
-    pythonic literals. The streamed pieces of a call
+    pythonic literals and qwen3_coder values. The streamed pieces of a call
     concatenate to exactly what `feed`/`flush` report for it, and the
     result does not depend on how the text is split.
 
     What cannot be taken back is never sent early. A call starts (its first
-    delta) once its name is complete and its arguments have begun in the
-    format's shape, or it ended without any. A section that fails before
-    that stays text exactly as written. A call that breaks off after it
-    started (bad JSON, the output ends) keeps what was streamed and is
-    closed into a valid object at its last complete value; the text from
-    the failing point on is plain text again (an end marker right there,
-    such as `</tool_call>`, still ends the section). Argument text is held
-    back until it could be closed that way. Whitespace that only separates
-    text from calls is dropped.
+    delta) once its name is complete (and one of `tools`, if given) and its
+    arguments have begun in the format's shape, or it ended without any. A
+    section that fails before that stays text exactly as written. A call
+    that breaks off after it started (bad JSON, the output ends) keeps what
+    was streamed and is closed into a valid object at its last complete
+    value; the text from the failing point on is plain text again (an end
+    marker right there, such as `</tool_call>`, still ends the section).
+    Argument text is held back until it could be closed that way.
+    Whitespace that only separates text from calls is dropped.
 
     Use either the event methods or the whole-call methods on one parser.
     """
 
-    def __init__(self, format: str) -> None: ...
+    def __init__(self, format: str, tools: list[dict] | None = None) -> None:
+        """`tools`: the request's OpenAI tools. Given them, a call must name
+        one (a section whose call names another function is text, as
+        SGLang drops calls of unknown tools), and qwen3_coder converts a
+        parameter's value by its schema `type` (integer, number, boolean,
+        object, array, null, or a list of them tried in order) when the
+        value is one, keeping it a string otherwise or without a schema.
+        Without them any name is a call. Tools that are not JSON are a
+        ValueError."""
     def feed_events(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Returns (text safe to emit now, deltas): one per call this text
         touched, in index order. Text that could still open a call is held

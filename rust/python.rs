@@ -11,7 +11,9 @@ use pyo3::types::{PyDict, PyString};
 
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
-use crate::chat::tool_calls::{deltas, CallAssembler, CallEvent, Format, ToolCall, ToolCallParser as CallParser};
+use crate::chat::tool_calls::{
+    deltas, CallAssembler, CallEvent, Format, ToolCall, ToolCallParser as CallParser, Tools,
+};
 use crate::detokenizer::DecodeStream as Stream;
 use crate::stop::StopMatcher as Matcher;
 use crate::tokenizer::Tokenizer as Tok;
@@ -189,9 +191,17 @@ struct PyToolCallParser {
 #[pymethods]
 impl PyToolCallParser {
     #[new]
-    fn new(format: &str) -> PyResult<Self> {
+    #[pyo3(signature = (format, tools = None))]
+    fn new(format: &str, tools: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let format = Format::from_name(format).map_err(value_error)?;
-        Ok(PyToolCallParser { parser: CallParser::new(format), assembler: CallAssembler::default() })
+        let tools = match tools {
+            None => Tools::default(),
+            Some(tools) => {
+                let json = tools.py().import("json")?.call_method1("dumps", (tools,)).map_err(value_error)?;
+                Tools::from_openai(&serde_json::from_str(json.extract()?).map_err(value_error)?)
+            }
+        };
+        Ok(PyToolCallParser { parser: CallParser::with_tools(format, tools), assembler: CallAssembler::default() })
     }
 
     fn feed_events(&mut self, text: &str) -> (String, Deltas) {

@@ -14,15 +14,15 @@ import pytest
 from pyserve._rust import ToolCallParser, tool_call_prefix
 
 WS = " \t\n\r"
-FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "pythonic"]
+FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "pythonic", "qwen3_coder"]
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
-def stream(fmt: str, deltas: list[str]) -> tuple[str, list[tuple[str, str]]]:
+def stream(fmt: str, deltas: list[str], tools: list | None = None) -> tuple[str, list[tuple[str, str]]]:
     """(content, [(name, arguments)]) rebuilt from feed_events deltas, checking
     that each call's name comes once, in its first delta, indexes in order."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, tools)
     content, calls = "", []
     for result in [parser.feed_events(d) for d in deltas] + [parser.flush_events()]:
         content += result[0]
@@ -36,8 +36,8 @@ def stream(fmt: str, deltas: list[str]) -> tuple[str, list[tuple[str, str]]]:
     return content, [tuple(c) for c in calls]
 
 
-def whole(fmt: str, deltas: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    parser = ToolCallParser(fmt)
+def whole(fmt: str, deltas: list[str], tools: list | None = None) -> tuple[str, list[tuple[str, str]]]:
+    parser = ToolCallParser(fmt, tools)
     content, calls = "", []
     for text, done in [parser.feed(d) for d in deltas] + [parser.flush()]:
         content, calls = content + text, calls + done
@@ -49,10 +49,10 @@ def splits(text: str) -> list[list[str]]:
     return [[text]] + [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
 
 
-def check_every_split(fmt: str, text: str, want) -> None:
+def check_every_split(fmt: str, text: str, want, tools: list | None = None) -> None:
     for deltas in splits(text):
-        assert stream(fmt, deltas) == want, deltas
-    assert whole(fmt, [text]) == want
+        assert stream(fmt, deltas, tools) == want, deltas
+    assert whole(fmt, [text], tools) == want
 
 
 # Fixtures in each model's own format (from its chat template).
@@ -87,6 +87,13 @@ FIXTURES = {
     "pythonic": (  # Llama 3.2 / Llama 4
         "[get_weather(location='東京', unit=\"celsius\"), get_time(tz=\"Asia/Tokyo\")]",
         "",
+        [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
+    ),
+    "qwen3_coder": (
+        "Let me check both.\n<tool_call>\n<function=get_weather>\n<parameter=location>\n東京\n</parameter>\n"
+        "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+        "<parameter=tz>\nAsia/Tokyo\n</parameter>\n</function>\n</tool_call>",
+        "Let me check both.",
         [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
     ),
 }
@@ -153,6 +160,7 @@ INVALID = {
     "mistral": ["[1] is a footnote", '[TOOL_CALLS] [{"x": 1}]', "[" * 5000 + "]" * 5000],
     "deepseekv3": [f"{DS_CALLS_BEGIN}oops", f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n{{"a": 1}}'],
     "pythonic": ["see [1] and [link](url)", "[f(x)]", "[f(1, 2)] and [g]", "[print('hi') for x in y]"],
+    "qwen3_coder": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>\n<function=f\n", "x < y <tool_call>"],
 }
 
 
@@ -170,6 +178,7 @@ BROKEN_OFF = {
     "mistral": ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b', '{"a": 1}'),
     "deepseekv3": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": {{"b": tr', '{"a": {}}'),
     "pythonic": ("[f(a='x', b=[1, 2", '{"a": "x", "b": [1, 2]}'),
+    "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=a>\nhalf a li", '{"a": "half a li"}'),
 }
 
 
@@ -184,6 +193,32 @@ def test_a_call_that_breaks_off_ends_there_and_the_rest_is_text():
     check_every_split("hermes", text, ("]}</tool_call> then", [("f", '{"a": 1}')]))
     text = '<tool_call>{"name": "f", "arguments": {"a": 1}\n</tool_call>\nthen'  # a brace short: the marker ends it
     check_every_split("hermes", text, ("then", [("f", '{"a": 1}')]))
+
+
+def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "line": {"type": "integer"}, "scale": {"type": "number"},
+        "dry_run": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"}}}}}]
+    text = ("<tool_call>\n<function=edit>\n<parameter=path>\n/src/main.py\n</parameter>\n<parameter=line>\n42\n"
+            "</parameter>\n<parameter=scale>\n1.5\n</parameter>\n<parameter=dry_run>\nTrue\n</parameter>\n"
+            '<parameter=opts>\n{"indent": 4}\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n'
+            "<parameter=note>\nline one\n  line two\n</parameter>\n</function>\n</tool_call>")
+    args = {"path": "/src/main.py", "line": 42, "scale": 1.5, "dry_run": True, "opts": {"indent": 4},
+            "tags": ["a", "b"], "note": "line one\n  line two"}
+    check_every_split("qwen3_coder", text, ("", [("edit", json.dumps(args, ensure_ascii=False))]), tools)
+    assert json.loads(stream("qwen3_coder", [text])[1][0][1])["line"] == "42"  # no tools: strings
+    with pytest.raises(ValueError):
+        ToolCallParser("qwen3_coder", [object()])
+
+
+def test_given_tools_a_call_must_name_one():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "Paris", "arguments": {"x": 1}}\n</tool_call>')
+    unknown = '<tool_call>\n{"name": "Paris", "arguments": {"x": 1}}\n</tool_call>'
+    check_every_split("hermes", text, (unknown, [("get_weather", '{"city": "Paris"}')]), tools)
+    assert len(stream("hermes", [text])[1]) == 2  # without tools, any name
+    check_every_split("pythonic", "[Paris(x=1)]", ("[Paris(x=1)]", []), tools)
 
 
 def test_unknown_format_is_a_value_error():
@@ -201,6 +236,8 @@ CONTINUATIONS = {  # what a model writes after the prefix: (after the bare prefi
     "deepseekv3": ('now\n```json\n{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END,
                    '{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END),
     "pythonic": ("now(tz='UTC')]", "tz='UTC')]"),
+    "qwen3_coder": ("now>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>",
+                    "<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"),
 }
 
 
@@ -250,8 +287,22 @@ def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
     if fmt == "deepseekv3":
         return DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n{args(a)}\n```{DS_CALL_END}"
                                           for n, a in calls) + DS_CALLS_END
-    inner = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in calls)
-    return f"<|python_start|>[{inner}]<|python_end|>" if rng.random() < 0.3 else f"[{inner}]"
+    if fmt == "pythonic":
+        inner = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in calls)
+        return f"<|python_start|>[{inner}]<|python_end|>" if rng.random() < 0.3 else f"[{inner}]"
+    # qwen3_coder, as its template writes values: strings as they are, the rest as JSON
+    return "\n".join(
+        f"<tool_call>\n<function={n}>\n" + "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+            for k, v in a.items()) + "</function>\n</tool_call>" for n, a in calls)
+
+
+def qwen3_tools(calls: list[tuple[str, dict]]) -> list[dict]:
+    def schema(v):
+        return {"type": {str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
+                         dict: "object", type(None): "null"}[type(v)]}
+    return [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {k: schema(v) for k, v in a.items()}}}} for n, a in calls]
 
 
 def random_split(rng: random.Random, text: str) -> list[str]:
@@ -267,11 +318,15 @@ def test_random_calls_parse_back_however_split(fmt):
                   {rng.choice(["city", "q", "n", "opts", "x_1"]) + str(i): random_value(rng)
                    for i in range(rng.randint(0, 3))})
                  for j in range(rng.randint(1, 3))]
+        if fmt == "qwen3_coder":  # a value's own leading/trailing newline is the template's
+            calls = [(n, {k: v for k, v in a.items() if not (isinstance(v, str) and (v.strip(WS) != v or not v))})
+                     for n, a in calls]
         before, after = rng.choice(TEXTS), rng.choice(TEXTS)
         text = before + render(fmt, calls, rng) + after
         want = (before.rstrip(WS) + after.lstrip(WS), [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls])
-        assert stream(fmt, random_split(rng, text)) == want, text
-        assert stream(fmt, list(text)) == want, text
+        tools = qwen3_tools(calls) if fmt == "qwen3_coder" else None
+        assert stream(fmt, random_split(rng, text), tools) == want, text
+        assert stream(fmt, list(text), tools) == want, text
 
 
 def soup_pieces(fmt: str) -> list[str]:

@@ -90,7 +90,7 @@ impl DeepSeek {
                     return Err(if eof { self.not_a_call() } else { Step::Wait });
                 };
                 let name = text[self.pos..self.pos + line].trim();
-                if name.is_empty() || name.contains(['<', '`', '{']) {
+                if name.is_empty() || name.contains(['<', '`', '{']) || !calls.knows(name) {
                     return Err(self.not_a_call());
                 }
                 self.name = name.to_string();

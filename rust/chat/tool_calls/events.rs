@@ -1,6 +1,8 @@
 //! What the parser reports about calls, and the two shapes it is read in:
 //! OpenAI stream deltas, and whole calls.
 
+use super::tools::Tools;
+
 /// A step in the life of one call. Calls are numbered from 0 in the order
 /// they start; each starts once, then gets argument text, then ends.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,14 +83,29 @@ impl CallAssembler {
     }
 }
 
-/// Where the section readers put events: it numbers the calls.
+/// The calls of one output as the section readers find them: the tools
+/// they may name, their events, their count.
 #[derive(Debug, Default)]
 pub(super) struct Calls {
+    tools: Tools,
     events: Vec<CallEvent>,
     count: usize,
 }
 
 impl Calls {
+    pub(super) fn new(tools: Tools) -> Self {
+        Calls { tools, ..Calls::default() }
+    }
+
+    pub(super) fn tools(&self) -> &Tools {
+        &self.tools
+    }
+
+    /// Whether a call may name `function` (a name no tool has is no call).
+    pub(super) fn knows(&self, function: &str) -> bool {
+        self.tools.knows(function)
+    }
+
     pub(super) fn start(&mut self, name: String) {
         self.events.push(CallEvent::Start { index: self.count, name });
     }

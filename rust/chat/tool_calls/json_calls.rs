@@ -89,7 +89,7 @@ impl CallObject {
                         if self.state == Object::InKey {
                             self.state = Object::Colon(self.field(serde_json::from_str(token).ok()));
                         } else if let Object::InValue(field) = self.state {
-                            if self.take_value(field, token).is_err() {
+                            if self.take_value(field, token, calls).is_err() {
                                 return self.fail(self.token, text, calls);
                             }
                             self.state = Object::After;
@@ -162,11 +162,11 @@ impl CallObject {
         }
     }
 
-    fn take_value(&mut self, field: Field, json: &str) -> Result<(), ()> {
+    fn take_value(&mut self, field: Field, json: &str, calls: &Calls) -> Result<(), ()> {
         match field {
             Field::Name => {
                 let name: String = serde_json::from_str(json).map_err(|_| ())?;
-                if name.is_empty() {
+                if name.is_empty() || !calls.knows(&name) {
                     return Err(());
                 }
                 self.name = Some(name);

@@ -16,6 +16,8 @@
 //! - `pythonic` (Llama 3.2 / 4): `[f(a="x", b=2), g()]` anywhere, Python
 //!   literals as arguments, converted to JSON; `<|python_start|>` and
 //!   `<|python_end|>` around it are dropped.
+//! - `qwen3_coder`: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
+//!   values typed by the function's JSON schema when the tools are given.
 //!
 //! The llama3 and mistral markers are special tokens, which detokenizing
 //! skips by default, so for them bare JSON at the very start of the output
@@ -23,12 +25,13 @@
 //!
 //! Arguments are the model's own JSON text (the object, as written) in the
 //! JSON formats, and JSON built as Python's `json.dumps` writes it
-//! (`{"a": 1, "b": "x"}`) from the pythonic format. Their
+//! (`{"a": 1, "b": "x"}`) from the pythonic and qwen3_coder formats. Their
 //! streamed pieces concatenate to exactly what the whole call reports.
 //!
 //! What cannot be taken back is never sent early: a call starts only once
-//! its name is complete and its arguments have begun in the format's shape
-//! (or it ended without any). A section that fails before that stays text
+//! its name is complete (and, when the request's tools are given, one of
+//! theirs) and its arguments have begun in the format's shape (or it ended
+//! without any). A section that fails before that stays text
 //! exactly as the model wrote it, and reading goes on right after its
 //! opener. A call that breaks off after it started (bad JSON, the output
 //! ends) keeps what was streamed and is closed into a valid object at its
@@ -43,8 +46,11 @@ mod events;
 mod json_calls;
 mod json_scan;
 mod pythonic;
+mod qwen3_coder;
+mod tools;
 
 pub use events::{deltas, CallAssembler, CallDelta, CallEvent, ToolCall};
+pub use tools::Tools;
 
 use super::partial_marker_len;
 use events::Calls;
@@ -57,6 +63,7 @@ pub enum Format {
     Mistral,
     DeepSeekV3,
     Pythonic,
+    Qwen3Coder,
 }
 
 impl Format {
@@ -67,15 +74,17 @@ impl Format {
             "mistral" => Ok(Format::Mistral),
             "deepseekv3" => Ok(Format::DeepSeekV3),
             "pythonic" => Ok(Format::Pythonic),
+            "qwen3_coder" => Ok(Format::Qwen3Coder),
             _ => Err(format!(
-                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3 or pythonic"
+                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3, pythonic \
+                 or qwen3_coder"
             )),
         }
     }
 
     fn marker(self) -> &'static str {
         match self {
-            Format::Hermes => "<tool_call>",
+            Format::Hermes | Format::Qwen3Coder => "<tool_call>",
             Format::Llama3 => "<|python_tag|>",
             Format::Mistral => "[TOOL_CALLS]",
             Format::DeepSeekV3 => deepseek::CALLS_BEGIN,
@@ -97,6 +106,9 @@ impl Format {
             Format::Mistral => json_call("[TOOL_CALLS] [{", "arguments"),
             Format::DeepSeekV3 => deepseek::call_prefix(name),
             Format::Pythonic => format!("[{}", name.map(|name| format!("{name}(")).unwrap_or_default()),
+            Format::Qwen3Coder => {
+                format!("<tool_call>\n<function={}", name.map(|name| format!("{name}>\n")).unwrap_or_default())
+            }
         }
     }
 
@@ -134,6 +146,7 @@ impl Format {
             Format::Mistral => Box::new(json_calls::Mistral::new(skip)),
             Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip)),
             Format::Pythonic => Box::new(pythonic::Pythonic::new(skip)),
+            Format::Qwen3Coder => Box::new(qwen3_coder::Qwen3Coder::new(skip)),
         }
     }
 }
@@ -181,12 +194,19 @@ enum Mode {
 
 impl ToolCallParser {
     pub fn new(format: Format) -> Self {
+        Self::with_tools(format, Tools::default())
+    }
+
+    /// A parser for calls of the given tools only: a section whose call
+    /// names another function is text. qwen3_coder types parameter values
+    /// by their schemas.
+    pub fn with_tools(format: Format, tools: Tools) -> Self {
         let opening = matches!(format, Format::Llama3 | Format::Mistral);
         ToolCallParser {
             format,
             held: String::new(),
             mode: Mode::Text { opening, after_call: false },
-            calls: Calls::default(),
+            calls: Calls::new(tools),
         }
     }
 

@@ -150,6 +150,9 @@ impl Pythonic {
             let word = text[from..end].to_string();
             self.pos = end;
             if let State::Name(_) = self.state {
+                if !calls.knows(&word) {
+                    return Err(self.fail(from, calls));
+                }
                 self.call = Some(Call {
                     name: word,
                     started: false,

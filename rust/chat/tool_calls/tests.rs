@@ -272,6 +272,80 @@ fn pythonic_text_that_is_not_calls() {
     every_split(Format::Pythonic, text, &out("", &[call("f", "{\"a\": [1, 2]}")]));
 }
 
+const QWEN3_CODER_CALLS: &str = "<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n<parameter=content>\nprint(\"héllo\")\n\nx = 1 < 2\n</parameter>\n<parameter=mode>\n644\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=list_files>\n</function>\n</tool_call>";
+
+fn qwen3_tools() -> Tools {
+    Tools::from_openai(&serde_json::json!([
+        {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "list_files"}},
+    ]))
+}
+
+#[test]
+fn qwen3_coder_values_by_schema() {
+    let content = "\"print(\\\"héllo\\\")\\n\\nx = 1 < 2\"";
+    let typed = out(
+        "I will write it.",
+        &[
+            call("write_file", &format!("{{\"path\": \"/tmp/a.py\", \"content\": {content}, \"mode\": 644}}")),
+            call("list_files", "{}"),
+        ],
+    );
+    let text = format!("I will write it.\n{QWEN3_CODER_CALLS}");
+    every_split_with(|| ToolCallParser::with_tools(Format::Qwen3Coder, qwen3_tools()), &text, &typed);
+    let untyped = out(
+        "I will write it.",
+        &[
+            call("write_file", &format!("{{\"path\": \"/tmp/a.py\", \"content\": {content}, \"mode\": \"644\"}}")),
+            call("list_files", "{}"),
+        ],
+    );
+    every_split(Format::Qwen3Coder, &text, &untyped);
+    assert!(argument_pieces(Format::Qwen3Coder, QWEN3_CODER_CALLS) >= 5);
+}
+
+#[test]
+fn qwen3_coder_sections_that_are_not_calls_and_forgiven_tags() {
+    for text in [
+        "<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
+        "<tool_call>\n<function=>\n</function>",
+        "<tool_call>\n<function=f\n",
+    ] {
+        every_split(Format::Qwen3Coder, text, &out(text, &[]));
+    }
+    let text = "<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</function>\n</tool_call>";
+    every_split(Format::Qwen3Coder, text, &out("", &[call("f", "{\"a\": \"x\", \"b\": \"y\"}")]));
+    let text = "<tool_call>\n<function=f>\n<parameter=a>\ncut sho";
+    every_split(Format::Qwen3Coder, text, &out("", &[call("f", "{\"a\": \"cut sho\"}")]));
+}
+
+#[test]
+fn given_tools_calls_must_name_one() {
+    let tools = || Tools::from_openai(&serde_json::json!([{"type": "function", "function": {"name": "get_weather"}}]));
+    // A call of a given tool, then one of a function no tool has: text.
+    let cases = [
+        (Format::Hermes, "<tool_call>{\"name\": \"get_weather\"}</tool_call>", "<tool_call>{\"name\": \"Paris\"}</tool_call>"),
+        (Format::Pythonic, "[get_weather()]", "[Paris(a=1)]"),
+        (
+            Format::DeepSeekV3,
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>Paris\n```json\n{}",
+        ),
+        (
+            Format::Qwen3Coder,
+            "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
+            "<tool_call>\n<function=Paris>\n</function>\n</tool_call>",
+        ),
+    ];
+    for (format, known, unknown) in cases {
+        let want = out(unknown, &[call("get_weather", "{}")]);
+        every_split_with(|| ToolCallParser::with_tools(format, tools()), &format!("{known} {unknown}"), &want);
+        let anything = parse(format, &[&format!("{known} {unknown}")]).1;
+        assert_eq!(anything.len(), 2, "without tools, any name: {format:?}");
+    }
+}
+
 #[test]
 fn plain_text_passes_through_with_only_the_tail_held() {
     let mut parser = ToolCallParser::new(Format::Hermes);
@@ -289,7 +363,8 @@ fn plain_text_passes_through_with_only_the_tail_held() {
 
 #[test]
 fn call_prefixes_start_no_call_and_parse_as_output() {
-    let formats = [Format::Hermes, Format::Llama3, Format::Mistral, Format::DeepSeekV3, Format::Pythonic];
+    let formats =
+        [Format::Hermes, Format::Llama3, Format::Mistral, Format::DeepSeekV3, Format::Pythonic, Format::Qwen3Coder];
     for format in formats {
         let (arguments, end) = match format {
             Format::Hermes => (" {\"a\": 1}", "}\n</tool_call>"),
@@ -297,8 +372,9 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Mistral => (" {\"a\": 1}", "}]"),
             Format::DeepSeekV3 => ("{\"a\": 1}", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
             Format::Pythonic => ("a=1", ")]"),
+            Format::Qwen3Coder => ("<parameter=a>\n1\n</parameter>\n", "</function>\n</tool_call>"),
         };
-        let a = "{\"a\": 1}";
+        let a = if format == Format::Qwen3Coder { "{\"a\": \"1\"}" } else { "{\"a\": 1}" };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(Some("get_weather"))), (String::new(), vec![]), "{format:?}");
         assert_eq!(parse_with(&mut parser, &[arguments, end]), out("", &[call("get_weather", a)]), "{format:?}");
@@ -307,6 +383,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Llama3 => "now\", \"parameters\":",
             Format::DeepSeekV3 => "now\n```json\n",
             Format::Pythonic => "now(",
+            Format::Qwen3Coder => "now>\n",
         };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(None)), (String::new(), vec![]), "{format:?}");
@@ -327,6 +404,7 @@ fn names_and_unknown_names() {
         ("mistral", Format::Mistral),
         ("deepseekv3", Format::DeepSeekV3),
         ("pythonic", Format::Pythonic),
+        ("qwen3_coder", Format::Qwen3Coder),
     ] {
         assert_eq!(Format::from_name(name), Ok(format));
     }
