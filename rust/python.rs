@@ -11,7 +11,9 @@ use pyo3::types::{PyDict, PyString};
 
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
-use crate::chat::tool_calls::{Format, ToolCall, ToolCallParser as CallParser};
+use crate::chat::tool_calls::{
+    deltas, CallAssembler, CallEvent, Format, ToolCall, ToolCallParser as CallParser, Tools,
+};
 use crate::detokenizer::DecodeStream as Stream;
 use crate::stop::StopMatcher as Matcher;
 use crate::tokenizer::Tokenizer as Tok;
@@ -169,27 +171,57 @@ fn name_arguments(calls: Vec<ToolCall>) -> Calls {
     calls.into_iter().map(|c| (c.name, c.arguments)).collect()
 }
 
-/// Tool calls in a text stream, by format name (see chat/tool_calls.rs).
+/// One OpenAI `delta.tool_calls` entry: (index, name in a call's first
+/// delta or None, argument text to append).
+type Deltas = Vec<(usize, Option<String>, String)>;
+
+fn delta_tuples(events: Vec<CallEvent>) -> Deltas {
+    deltas(events).into_iter().map(|d| (d.index, d.name, d.arguments)).collect()
+}
+
+/// Tool calls in a text stream, by format name (see chat/tool_calls/).
+/// `feed_events` streams them; `feed` returns each call whole once it
+/// ended (the same events, assembled).
 #[pyclass(name = "ToolCallParser", module = "pyserve._rust")]
 struct PyToolCallParser {
     parser: CallParser,
+    assembler: CallAssembler,
 }
 
 #[pymethods]
 impl PyToolCallParser {
     #[new]
-    fn new(format: &str) -> PyResult<Self> {
-        Ok(PyToolCallParser { parser: CallParser::new(Format::from_name(format).map_err(value_error)?) })
+    #[pyo3(signature = (format, tools = None))]
+    fn new(format: &str, tools: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let format = Format::from_name(format).map_err(value_error)?;
+        let tools = match tools {
+            None => Tools::default(),
+            Some(tools) => {
+                let json = tools.py().import("json")?.call_method1("dumps", (tools,)).map_err(value_error)?;
+                Tools::from_openai(&serde_json::from_str(json.extract()?).map_err(value_error)?)
+            }
+        };
+        Ok(PyToolCallParser { parser: CallParser::with_tools(format, tools), assembler: CallAssembler::default() })
+    }
+
+    fn feed_events(&mut self, text: &str) -> (String, Deltas) {
+        let (text, events) = self.parser.feed(text);
+        (text, delta_tuples(events))
+    }
+
+    fn flush_events(&mut self) -> (String, Deltas) {
+        let (text, events) = self.parser.flush();
+        (text, delta_tuples(events))
     }
 
     fn feed(&mut self, text: &str) -> (String, Calls) {
-        let (text, calls) = self.parser.feed(text);
-        (text, name_arguments(calls))
+        let (text, events) = self.parser.feed(text);
+        (text, name_arguments(self.assembler.take(events)))
     }
 
     fn flush(&mut self) -> (String, Calls) {
-        let (text, calls) = self.parser.flush();
-        (text, name_arguments(calls))
+        let (text, events) = self.parser.flush();
+        (text, name_arguments(self.assembler.take(events)))
     }
 }
 
