@@ -50,25 +50,34 @@ class DecodeStream:
         """End of stream: returns whatever is still held back."""
 
 class StopMatcher:
-    """Finds any of several stop strings in a stream of text deltas.
+    """Finds any of several stop strings and stop regular expressions in a
+    stream of text deltas.
 
     Empty stop strings are ignored. The result does not depend on how the
     text is split: the stop that ends first wins (of those ending together,
-    the longest, then the first listed).
+    the longest, then the first listed; stop strings are listed before
+    regexes). A regex is searched from every character with a lazy DFA
+    (regex-automata syntax); a match must fit in 2,048 bytes, and one whose
+    end depends on what follows (`$`, `\b`) is decided by the next character
+    or at `flush`.
     """
 
-    def __init__(self, stops: list[str]) -> None: ...
+    def __init__(self, stops: list[str], regexes: list[str] | None = None) -> None:
+        """A regex that does not parse or that matches the empty string is a
+        ValueError naming it (`stop_regex[i]`)."""
     def feed(self, text: str) -> tuple[str, int | None]:
-        """Returns (text safe to emit now, index of the matched stop or None).
+        """Returns (text safe to emit now, index of the matched stop or None):
+        an index into `stops`, or `len(stops) + i` for `regexes[i]`.
 
-        Text that could still be the start of a stop string is held back.
-        Once a stop matched, the text before it is returned, the stop string
-        itself never is, and every later call returns ("", index)."""
-    def flush(self) -> str:
-        """End of stream without a match: returns the held-back tail."""
+        Text that could still be part of a stop is held back. Once a stop
+        matched, the text before it is returned, the stop itself never is,
+        and every later call returns ("", index)."""
+    def flush(self) -> tuple[str, int | None]:
+        """End of stream: the held-back tail, up to a regex that matches at
+        the end of the text, which is then the stop."""
     @property
     def matched(self) -> int | None:
-        """Index in `stops` of the stop that matched, if one did."""
+        """Index of the stop that matched, if one did."""
 
 class ReasoningSplitter:
     """Splits `<think>...</think>` reasoning from content in a text stream.
@@ -119,9 +128,9 @@ class ToolCallParser:
 
     Arguments are JSON object text: the model's own text of the object in
     the JSON formats; built as `{"key": value, ...}` (", " and ": ") from
-    pythonic literals and qwen3_coder values. The streamed pieces of a call
-    concatenate to exactly what `feed`/`flush` report for it, and the
-    result does not depend on how the text is split.
+    pythonic literals and qwen3_coder values. The result (the calls the
+    deltas add up to, and the text) does not depend on how the text is
+    split.
 
     What cannot be taken back is never sent early. A call starts (its first
     delta) once its name is complete (and one of `tools`, if given) and its
@@ -133,8 +142,6 @@ class ToolCallParser:
     marker right there, such as `</tool_call>`, still ends the section).
     Argument text is held back until it could be closed that way.
     Whitespace that only separates text from calls is dropped.
-
-    Use either the event methods or the whole-call methods on one parser.
     """
 
     def __init__(self, format: str, tools: list[dict] | None = None) -> None:
@@ -153,11 +160,6 @@ class ToolCallParser:
     def flush_events(self) -> tuple[str, list[ToolCallDelta]]:
         """End of output: an open call is closed, a section that started no
         call is text, and held text comes out."""
-    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
-        """Returns (text safe to emit now, calls ended by this delta as
-        (name, arguments JSON text)): the events assembled."""
-    def flush(self) -> tuple[str, list[tuple[str, str]]]:
-        """End of output, as `flush_events`, with whole calls."""
 
 def tool_call_prefix(format: str, name: str | None = None) -> str:
     """The start of a call in `format` (every format has one): up to the

@@ -1,5 +1,5 @@
-//! What the parser reports about calls, and the two shapes it is read in:
-//! OpenAI stream deltas, and whole calls.
+//! What the parser reports about calls, read as OpenAI stream deltas (and,
+//! in tests, as whole calls).
 
 use super::tools::Tools;
 
@@ -22,7 +22,8 @@ pub enum CallEvent {
 }
 
 /// A complete tool call: the function's name and its arguments as JSON
-/// object text.
+/// object text (the tests read calls whole).
+#[cfg(test)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ToolCall {
     pub name: String,
@@ -62,11 +63,13 @@ pub fn deltas(events: Vec<CallEvent>) -> Vec<CallDelta> {
 }
 
 /// Whole calls out of events, each once it has ended.
+#[cfg(test)]
 #[derive(Debug, Default)]
 pub struct CallAssembler {
     open: Option<ToolCall>,
 }
 
+#[cfg(test)]
 impl CallAssembler {
     pub fn take(&mut self, events: Vec<CallEvent>) -> Vec<ToolCall> {
         let mut calls = Vec::new();

@@ -49,7 +49,9 @@ mod pythonic;
 mod qwen3_coder;
 mod tools;
 
-pub use events::{deltas, CallAssembler, CallDelta, CallEvent, ToolCall};
+pub use events::{deltas, CallDelta, CallEvent};
+#[cfg(test)]
+pub use events::{CallAssembler, ToolCall};
 pub use tools::Tools;
 
 use super::partial_marker_len;
