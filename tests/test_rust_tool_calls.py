@@ -36,14 +36,6 @@ def stream(fmt: str, deltas: list[str], tools: list | None = None) -> tuple[str,
     return content, [tuple(c) for c in calls]
 
 
-def whole(fmt: str, deltas: list[str], tools: list | None = None) -> tuple[str, list[tuple[str, str]]]:
-    parser = ToolCallParser(fmt, tools)
-    content, calls = "", []
-    for text, done in [parser.feed(d) for d in deltas] + [parser.flush()]:
-        content, calls = content + text, calls + done
-    return content, calls
-
-
 def splits(text: str) -> list[list[str]]:
     """The text whole, in two at every point, and one char at a time."""
     return [[text]] + [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
@@ -52,7 +44,6 @@ def splits(text: str) -> list[list[str]]:
 def check_every_split(fmt: str, text: str, want, tools: list | None = None) -> None:
     for deltas in splits(text):
         assert stream(fmt, deltas, tools) == want, deltas
-    assert whole(fmt, [text], tools) == want
 
 
 # Fixtures in each model's own format (from its chat template).
@@ -349,7 +340,6 @@ def test_random_soups_parse_the_same_however_split(fmt):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
         want = stream(fmt, [text])
         assert stream(fmt, random_split(rng, text)) == want, text
-        assert whole(fmt, random_split(rng, text)) == want, text
         for _, arguments in want[1]:
             assert isinstance(json.loads(arguments), dict)
         if not want[1]:  # no call: all of it is text
