@@ -53,7 +53,8 @@ class ServerArgs:
     reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1"],
                                           help="split <think>...</think> into reasoning_content")
     # SGLang's names; qwen25 and hermes are one format.
-    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral"],
+    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
+                                                         "pythonic", "qwen3_coder"],
                                           help="read tool calls in chat output into message.tool_calls")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY'")
     context_length: int | None = option(None, help="longest prompt + completion (default: the model's)")

@@ -106,14 +106,14 @@ def test_forced_calls_come_out_as_each_object_closes():
     for i in range(0, len(text), 5):
         content, calls = reader.feed(text[i : i + 5])
         assert content == ""
-        seen += [(c.function.name, c.function.arguments) for c in calls]
+        seen += calls
     assert reader.feed("", final=True) == ("", [])
-    assert seen == [("a", '{"x": "q\\"}]{"}'), ("b", "{}")] and reader.count == 2
+    assert seen == [(0, "a", '{"x": "q\\"}]{"}'), (1, "b", "{}")] and reader.count == 2
 
 
 def test_forced_calls_cut_short_leave_the_rest_as_content():
     reader = ForcedCalls("parameters")
     content, calls = reader.feed('[{"name": "a", "parameters": {"x": 1}}, {"name": "b', final=True)
-    assert [c.function.arguments for c in calls] == ['{"x": 1}'] and content == '{"name": "b'
+    assert calls == [(0, "a", '{"x": 1}')] and content == '{"name": "b'
     content, calls = ForcedCalls("arguments").feed('[{"name": "a", "argu', final=True)
     assert calls == [] and content == '[{"name": "a", "argu'

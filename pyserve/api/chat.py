@@ -15,14 +15,14 @@ from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatStreamChoice, Delta, ToolCall, ToolCallDelta,
+    ChatStreamChoice, Delta, FunctionCallDelta, ToolCallDelta,
 )
 from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import (
     ChoiceResult, ChunkFactory, ServingContext, collect, fan_out, merged_outputs, new_id, now, usage,
 )
-from pyserve.api.tool_grammar import with_strict_calls
-from pyserve.api.tools import ToolCalling, check_history_calls, plan
+from pyserve.api.tool_grammar import CallDelta, new_call_id, with_strict_calls
+from pyserve.api.tools import ToolCalling, check_history_calls, plan, whole_calls
 from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -140,8 +140,8 @@ class _ChoiceOutput:
             self.splitter = ReasoningSplitter(start, end, opened)
         self.tools = None if calling is None else calling.reader()
 
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
-        """(reasoning, content, tool calls) that `text` completes."""
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
+        """(reasoning, content, tool call deltas) that `text` completes."""
         reasoning, content, calls = "", text, []
         if self.splitter is not None:
             reasoning, content = self.splitter.feed(text)
@@ -179,7 +179,8 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
 def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None, index: int,
             result: ChoiceResult) -> ChatChoice:
     output = _ChoiceOutput(ctx, req, calling)
-    reasoning, content, calls = output.feed(result.text, final=True)
+    reasoning, content, deltas = output.feed(result.text, final=True)
+    calls = whole_calls(deltas)
     if output.splitter is not None:
         content = content.lstrip()
     message = AssistantMessage(
@@ -214,10 +215,9 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
         yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
     async for i, out in merged_outputs(ctx.engine, requests):
         pending.add(i, out.logprobs or [])
-        first_index = outputs[i].calls
         reasoning, content, calls = outputs[i].feed(out.text, out.finished)
         if reasoning or content or calls:
-            deltas = [ToolCallDelta(index=first_index + k, id=c.id, function=c.function) for k, c in enumerate(calls)]
+            deltas = [_call_delta(*call) for call in calls]
             delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET, tool_calls=deltas or UNSET)
             yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=take_logprobs(i))])
         if out.finished:
@@ -227,3 +227,10 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
                                           matched_stop=out.matched_stop)])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], usage(finals, req.n))
+
+
+def _call_delta(index: int, name: str | None, arguments: str) -> ToolCallDelta:
+    if name is None:
+        return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=arguments))
+    return ToolCallDelta(index=index, id=new_call_id(), type="function",
+                         function=FunctionCallDelta(name=name, arguments=arguments))

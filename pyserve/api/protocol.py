@@ -171,14 +171,20 @@ class ToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta only
+    arguments: str = ""  # JSON text to append to the call's arguments
+
+
 class ToolCallDelta(msgspec.Struct, kw_only=True):
-    """A streamed tool call. pyserve sends each call whole, in one delta,
-    once the model finished writing it."""
+    """A piece of a streamed tool call, as OpenAI streams them: the first
+    delta of call `index` carries its id, type and name, and every delta
+    some of its arguments' JSON text."""
 
     index: int
-    id: str
-    type: str = "function"
-    function: FunctionCall
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionCallDelta
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):

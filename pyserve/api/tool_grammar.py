@@ -63,8 +63,12 @@ def strict_calls(tools: list[dict], parser: str, parallel: bool) -> dict | None:
     strict: text is free, but a call the model starts must be complete and
     valid (strict tools' arguments under their schema, the others' any
     object). None when no tool is strict."""
-    if not any(t["function"].get("strict") for t in tools):
+    strict = [i for i, t in enumerate(tools) if t["function"].get("strict")]
+    if not strict:
         return None
+    if parser not in _CALL_TEXT:  # arguments that are not JSON text, or special-token markers
+        raise bad_request(f"strict tools are not enforced with the {parser} tool-call format",
+                          f"tools[{strict[0]}].function.strict")
     trigger, before_name, before_args, end = _CALL_TEXT[parser]
     tags = [{"type": "tag", "begin": before_name + t["function"]["name"] + before_args, "end": end,
              "content": {"type": "json_schema",
@@ -87,13 +91,23 @@ def with_strict_calls(calls: dict, answer: Constraint | None, answer_param: str 
     return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
 
 
+# One streamed piece of a call: (its index among the choice's calls, its
+# name in its first piece only, else None, JSON text to add to its arguments).
+CallDelta = tuple[int, str | None, str]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 class ForcedCalls:
-    """One choice's output under a forced tool choice in, (content, calls)
-    out: a call as soon as its object in the array closes. Output cut
+    """One choice's output under a forced tool choice in, (content, call
+    deltas) out: a call, whole in one delta, as soon as its object in the
+    array closes. Output cut
     before the array closed leaves its unread rest as content."""
 
     def __init__(self, key: str):
@@ -108,7 +122,7 @@ class ForcedCalls:
         self.closed = False
         self.count = 0  # calls so far
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         self.text += text
         calls = []
         for i in range(self.read, len(self.text)):
@@ -127,7 +141,7 @@ class ForcedCalls:
             elif ch in "]}":
                 self.depth -= 1
                 if self.depth == 1:
-                    calls.append(self._call(self.text[self.item_start : i + 1]))
+                    calls.append(self._call(self.count + len(calls), self.text[self.item_start : i + 1]))
                     self.taken = i + 1
                 self.closed = self.depth == 0
         self.read = len(self.text)
@@ -138,6 +152,6 @@ class ForcedCalls:
             content = rest.lstrip(", \n") if self.taken else rest
         return content, calls
 
-    def _call(self, item: str) -> ToolCall:
+    def _call(self, index: int, item: str) -> CallDelta:
         call = json.loads(item)
-        return new_call(call["name"], json.dumps(call[self.key], ensure_ascii=False))
+        return index, call["name"], json.dumps(call[self.key], ensure_ascii=False)
