@@ -12,19 +12,19 @@ from msgspec import UNSET
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.constraints import RequestConstraint, only_one, request_constraint
 from pyserve.api.errors import bad_request
-from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs
+from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs, prompt_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatStreamChoice, Delta, FunctionCallDelta, ToolCallDelta,
 )
-from pyserve.api.sampling import sampling_params
+from pyserve.api.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.serving import (
-    ChoiceResult, ChunkFactory, ServingContext, collect, fan_out, merged_outputs, new_id, now, usage,
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now, usage,
 )
 from pyserve.api.tool_grammar import CallDelta, new_call_id, with_strict_calls
 from pyserve.api.tools import ToolCalling, check_history_calls, plan, whole_calls
 from pyserve.chat_template import ChatTemplateError
-from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
+from pyserve.engine.request import GenerateRequest, SamplingParams
 
 # Reasoning parsers: (start marker, end marker, does the template open it?)
 REASONING_PARSERS = {
@@ -124,10 +124,21 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
         raise bad_request(str(e), "messages") from None
     prompt_ids = ctx.engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt_k = vllm_prompt_logprobs(req)
     params = sampling_params(req, max_tokens, ctx.engine.vocab_size,
                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             prompt_logprobs=prompt_k is not None, prompt_top_logprobs=prompt_k,
                              constraint=constrained and constrained.constraint)
     return prompt_ids, params, calling, constrained and constrained.param
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the answer starts with the final message when
+    that is the assistant's own (a continued message)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    return content_text(msgspec.to_builtins(last.content))
 
 
 class _ChoiceOutput:
@@ -172,8 +183,13 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
         return _stream(ctx, req, requests, rid, calling)
     results = await collect(ctx.engine, requests)
     choices = [_choice(ctx, req, calling, i, result) for i, result in enumerate(results)]
-    return ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
-                                  usage=usage([r.final for r in results], req.n))
+    response = ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
+                                      usage=usage([r.final for r in results], req.n))
+    if req.prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs(ctx.token_texts, results[0].prompt_logprobs)
+    if req.return_token_ids:
+        response.prompt_token_ids = prompt_ids
+    return response
 
 
 def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None, index: int,
@@ -183,6 +199,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCallin
     calls = whole_calls(deltas)
     if output.splitter is not None:
         content = content.lstrip()
+    content = _echo(req) + content
     message = AssistantMessage(
         content=None if calls and not content.strip() else content,
         reasoning_content=reasoning.strip() or None,
@@ -194,6 +211,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCallin
         logprobs=chat_logprobs(ctx.token_texts, result.logprobs) if req.logprobs else None,
         finish_reason=output.finish_reason(result.final.finish_reason),
         matched_stop=result.final.matched_stop,
+        token_ids=result.token_ids if req.return_token_ids else UNSET,
     )
 
 
@@ -205,28 +223,37 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
     chunk = ChunkFactory(ChatCompletionChunk, rid, ctx.served_model_name)
     outputs = [_ChoiceOutput(ctx, req, calling) for _ in requests]
     pending = PendingLogprobs(len(requests))
-    finals: list[GenerateOutput | None] = [None] * len(requests)
+    stream_usage = StreamUsage(req.stream_options, requests, req.n)
+    held_ids: list[list[int]] = [[] for _ in requests]  # tokens whose text is not out yet
 
-    def take_logprobs(i: int) -> ChatLogprobs | None:
+    def choice(i: int, delta: Delta, **fields) -> ChatStreamChoice:
         entries = pending.take(i)
-        return chat_logprobs(ctx.token_texts, entries) if req.logprobs and entries else None
+        logprobs = chat_logprobs(ctx.token_texts, entries) if req.logprobs and entries else None
+        token_ids = UNSET
+        if req.return_token_ids:
+            token_ids, held_ids[i] = held_ids[i], []
+        return ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, token_ids=token_ids, **fields)
 
+    prompt_ids = {"prompt_token_ids": requests[0].input_ids} if req.return_token_ids else {}
     for i in range(len(requests)):
-        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
+        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))], stream_usage.on_chunk(),
+                    **(prompt_ids if i == 0 else {}))
+        if echo := _echo(req):
+            yield chunk([ChatStreamChoice(index=i, delta=Delta(content=echo))], stream_usage.on_chunk())
     async for i, out in merged_outputs(ctx.engine, requests):
+        stream_usage.note(i, out)
         pending.add(i, out.logprobs or [])
+        held_ids[i] += out.token_ids
         reasoning, content, calls = outputs[i].feed(out.text, out.finished)
         if reasoning or content or calls:
             deltas = [_call_delta(*call) for call in calls]
             delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET, tool_calls=deltas or UNSET)
-            yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=take_logprobs(i))])
+            yield chunk([choice(i, delta)], stream_usage.on_chunk())
         if out.finished:
-            finals[i] = out
-            yield chunk([ChatStreamChoice(index=i, delta=Delta(), logprobs=take_logprobs(i),
-                                          finish_reason=outputs[i].finish_reason(out.finish_reason),
-                                          matched_stop=out.matched_stop)])
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield chunk([], usage(finals, req.n))
+            yield chunk([choice(i, Delta(), finish_reason=outputs[i].finish_reason(out.finish_reason),
+                                matched_stop=out.matched_stop)], stream_usage.on_chunk())
+    if stream_usage.at_end:
+        yield chunk([], stream_usage.so_far())
 
 
 def _call_delta(index: int, name: str | None, arguments: str) -> ToolCallDelta:

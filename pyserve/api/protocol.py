@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from pyserve.api.logprobs import ChatLogprobs, CompletionLogprobs
+from pyserve.api.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 # -- requests ----------------------------------------------------------------
 
@@ -41,6 +41,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage so far on every chunk
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -78,6 +79,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: str | None = None
+    min_tokens: int = 0  # vLLM / SGLang: EOS and stop token ids masked until this many tokens
+    stop_regex: str | list[str] | None = None  # SGLang: stops that are regular expressions
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
     # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
     # grammar) and vLLM's object; see api/constraints.py.
     response_format: ResponseFormat | None = None
@@ -96,6 +101,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM: the answer starts with the final assistant message it continues
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -200,6 +206,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -209,6 +216,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class Delta(msgspec.Struct, kw_only=True):
@@ -226,6 +235,7 @@ class ChatStreamChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -234,7 +244,9 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | UnsetType = UNSET  # only on the final usage chunk
+    # On the final usage chunk; on every chunk with continuous_usage_stats.
+    usage: Usage | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: on the first chunk
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -243,6 +255,10 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    # return_token_ids (streamed: the prompt's on a choice's first chunk, then each chunk's tokens)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pyserve._rust import DecodeStream, StopMatcher, Tokenizer
-from pyserve.engine.request import GenerateOutput, TokenLogprob
+from pyserve.engine.request import GenerateOutput, TokenLogprob, prompt_alternatives
 from pyserve.engine.sampler import wants_logprobs
 from pyserve.engine.sequence import Sequence
 
@@ -47,7 +47,7 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
     """The step's prompt log-probabilities, split by sequence."""
     if output.prompt_logprobs is None:
         return []
-    ks = [seq.params.top_logprobs for seq, count in step.prompt_spans for _ in range(count)]
+    ks = [prompt_alternatives(seq.params) for seq, count in step.prompt_spans for _ in range(count)]
     entries = _entries(output.prompt_logprobs, step.prompt_targets, ks)
     out, row = [], 0
     for seq, count in step.prompt_spans:

@@ -56,9 +56,15 @@ class SamplingParams:
     # Also the log-probability of every prompt token after the first (the
     # prompt is then computed whole: its cached prefix is not reused).
     prompt_logprobs: bool = False
+    prompt_top_logprobs: int | None = None  # alternatives per prompt token; None: top_logprobs
     # The output must match this grammar; the request then ends with "stop"
     # when the grammar does (at its EOS), whatever ignore_eos says.
     constraint: Constraint | None = None
+
+
+def prompt_alternatives(p: SamplingParams) -> int:
+    """How many alternatives each scored prompt token reports."""
+    return p.top_logprobs if p.prompt_top_logprobs is None else p.prompt_top_logprobs
 
 
 @dataclass
