@@ -333,7 +333,7 @@ def test_reasoning_then_tool_calls(default_model_dir, tokenizer):
     assert message["reasoning_content"] == "The user wants weather."
     assert message["content"] is None and len(message["tool_calls"]) == 2
     events = chat_stream(app, tools=TOOLS)
-    assert "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events).strip() \
+    assert "".join((e["choices"][0]["delta"].get("reasoning_content") or "") for e in events).strip() \
         == "The user wants weather."
     assert assemble(events)[0] == ""
 

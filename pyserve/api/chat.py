@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import msgspec
 from msgspec import UNSET
+from msgspec.structs import replace as replace_struct
 
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.constraints import RequestConstraint, only_one, request_constraint
@@ -15,7 +16,7 @@ from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs, prompt_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatStreamChoice, Delta, FunctionCallDelta, ToolCallDelta,
+    ChatStreamChoice, CompletionTokensDetails, Delta, FunctionCallDelta, ToolCallDelta, Usage,
 )
 from pyserve.api.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.serving import (
@@ -54,6 +55,8 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
             value = getattr(m, key)
             if value is not None:
                 msg[key] = value
+        if m.reasoning is not None and m.reasoning_content is None:
+            msg["reasoning_content"] = m.reasoning
         if m.tool_calls is not None:
             check_history_calls(m.tool_calls, f"messages[{i}].tool_calls")
             msg["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
@@ -74,6 +77,25 @@ def _template_tool_call(call: dict) -> dict:
     return call
 
 
+_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict:
+    """chat_template_kwargs, with reasoning_effort mapped onto the template's
+    thinking switch: "none" turns thinking off (Qwen3's `enable_thinking`,
+    DeepSeek's `thinking`); another effort turns it on and reaches the
+    template as `reasoning_effort` (gpt-oss reads it). What the request's
+    own chat_template_kwargs say wins."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = req.reasoning_effort
+    if effort is None:
+        return kwargs
+    if effort not in _EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(_EFFORTS)}", "reasoning_effort")
+    thinking = effort != "none"
+    return {"enable_thinking": thinking, "thinking": thinking, "reasoning_effort": effort, **kwargs}
+
+
 def _constraint(ctx: ServingContext, req: ChatCompletionRequest,
                 calling: ToolCalling | None) -> RequestConstraint | None:
     """The request's constraint: its own structured-output fields, or the
@@ -88,7 +110,7 @@ def _constraint(ctx: ServingContext, req: ChatCompletionRequest,
                                                     asked and asked.param), "tools")
     if asked is None or ctx.reasoning_parser is None:
         return asked
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = _template_kwargs(req)
     if kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False:
         return asked
     _, end, _ = REASONING_PARSERS[ctx.reasoning_parser]
@@ -118,7 +140,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
             add_generation_prompt=True,
             continue_final_message=req.continue_final_message,
             tools=tools,
-            template_kwargs=req.chat_template_kwargs,
+            template_kwargs=_template_kwargs(req),
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
@@ -150,6 +172,7 @@ class _ChoiceOutput:
             start, end, opened = REASONING_PARSERS[ctx.reasoning_parser]
             self.splitter = ReasoningSplitter(start, end, opened)
         self.tools = None if calling is None else calling.reader()
+        self.reasoning = ""  # all of it so far, for usage's reasoning_tokens
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
         """(reasoning, content, tool call deltas) that `text` completes."""
@@ -159,6 +182,7 @@ class _ChoiceOutput:
             if final:
                 r, c = self.splitter.flush()
                 reasoning, content = reasoning + r, content + c
+            self.reasoning += reasoning
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
         return reasoning, content, calls
@@ -173,6 +197,16 @@ class _ChoiceOutput:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
 
+def _with_reasoning_tokens(ctx: ServingContext, total: Usage, outputs: list[_ChoiceOutput]) -> Usage:
+    """usage.completion_tokens_details.reasoning_tokens when reasoning is
+    split: the reasoning text's tokens as the tokenizer encodes it (the
+    markers excluded), summed over the choices."""
+    if all(o.splitter is None for o in outputs):
+        return total
+    count = sum(len(ctx.engine.tokenizer.encode(o.reasoning)) for o in outputs if o.reasoning)
+    return replace_struct(total, completion_tokens_details=CompletionTokensDetails(reasoning_tokens=count))
+
+
 async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
     prompt_ids, params, calling, constraint_param = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
@@ -182,9 +216,11 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)
     results = await collect(ctx.engine, requests)
-    choices = [_choice(ctx, req, calling, i, result) for i, result in enumerate(results)]
+    outputs = [_ChoiceOutput(ctx, req, calling) for _ in results]
+    choices = [_choice(ctx, req, output, i, result) for i, (output, result) in enumerate(zip(outputs, results))]
     response = ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
-                                      usage=usage([r.final for r in results], req.n))
+                                      usage=_with_reasoning_tokens(ctx, usage([r.final for r in results], req.n),
+                                                                   outputs))
     if req.prompt_logprobs is not None:
         response.prompt_logprobs = prompt_logprobs(ctx.token_texts, results[0].prompt_logprobs)
     if req.return_token_ids:
@@ -192,9 +228,8 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     return response
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None, index: int,
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, output: _ChoiceOutput, index: int,
             result: ChoiceResult) -> ChatChoice:
-    output = _ChoiceOutput(ctx, req, calling)
     reasoning, content, deltas = output.feed(result.text, final=True)
     calls = whole_calls(deltas)
     if output.splitter is not None:
@@ -247,13 +282,13 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
         reasoning, content, calls = outputs[i].feed(out.text, out.finished)
         if reasoning or content or calls:
             deltas = [_call_delta(*call) for call in calls]
-            delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET, tool_calls=deltas or UNSET)
+            delta = Delta(content=content or UNSET, reasoning_content=reasoning or None, tool_calls=deltas or UNSET)
             yield chunk([choice(i, delta)], stream_usage.on_chunk())
         if out.finished:
             yield chunk([choice(i, Delta(), finish_reason=outputs[i].finish_reason(out.finish_reason),
                                 matched_stop=out.matched_stop)], stream_usage.on_chunk())
     if stream_usage.at_end:
-        yield chunk([], stream_usage.so_far())
+        yield chunk([], _with_reasoning_tokens(ctx, stream_usage.so_far(), outputs))
 
 
 def _call_delta(index: int, name: str | None, arguments: str) -> ToolCallDelta:

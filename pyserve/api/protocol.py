@@ -37,6 +37,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name for reasoning_content
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -102,6 +103,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     separate_reasoning: bool = True
     continue_final_message: bool = False
     echo: bool = False  # vLLM: the answer starts with the final assistant message it continues
+    reasoning_effort: str | None = None  # "none" turns the template's thinking off; see api/chat.py
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -159,11 +161,17 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Chat with a --reasoning-parser: the reasoning's share of completion_tokens.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -221,11 +229,12 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 
 
 class Delta(msgspec.Struct, kw_only=True):
-    """A streamed message delta: only what this chunk adds."""
+    """A streamed message delta: only what this chunk adds, and always
+    `reasoning_content` (null when it adds none), as SGLang sends it."""
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
-    reasoning_content: str | UnsetType = UNSET
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
