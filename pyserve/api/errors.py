@@ -30,6 +30,10 @@ def from_msgspec(exc: msgspec.DecodeError) -> APIError:
         return bad_request(f"invalid JSON body: {exc}")
     text, _, path = str(exc).partition(" - at `$")
     path = path.rstrip("`").lstrip(".")
+    if text.startswith("Object contains unknown field `"):
+        field = text.split("`")[1]
+        path = f"{path}.{field}" if path else field
+        return bad_request(f"unknown field '{path}': this server does not honour it", path)
     missing = text.startswith("Object missing required field `")
     if missing:
         field = text.split("`")[1]
