@@ -154,9 +154,17 @@ def test_native_generate_bad_input(http):
     assert_error(http.post("/generate", json={"text": "hi", "input_ids": [1]}), 400)
 
 
-def test_unknown_fields_are_ignored(http):
-    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "some_future_option": {"x": 1},
-                              "parallel_tool_calls": False, "service_tier": "auto"})
+def test_unknown_fields_are_refused_and_metadata_is_accepted(http):
+    """A setting the server does not honour is never dropped silently; the
+    documented metadata fields change nothing."""
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "some_future_option": {"x": 1}})
+    assert_error(r, 400, "some_future_option")
+    assert_error(http.post(CHAT, json={"messages": MSG, "stream": True, "stream_options": {"every": 1}}), 400,
+                 "stream_options.every")
+    assert_error(http.post(CHAT, json={"messages": [{**MSG[0], "mood": "x"}]}), 400, "messages[0].mood")
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "parallel_tool_calls": False, "service_tier": "auto",
+                              "user": "u", "metadata": {"k": "v"}, "store": False, "safety_identifier": "s",
+                              "prompt_cache_key": "p"})
     assert r.status_code == 200, r.text
 
 

@@ -21,7 +21,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
         raise bad_request("suffix is not supported", "suffix")
     if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
         raise bad_request("completions take logprobs as the number of alternatives, 0 to "
-                          f"{MAX_TOP_LOGPROBS}", "logprobs")
+                          f"{MAX_TOP_LOGPROBS}", "logprobs" if req.top_logprobs is None else "top_logprobs")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.stream_options is not None and not req.stream:

@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI and native routes, as msgspec Structs.
 
-Requests: unknown fields are ignored, as OpenAI-compatible servers do,
-except in SGLang's sampling_params, where an unknown name is a setting
-this server does not honour. Structured-output fields are typed loosely
+Requests: an unknown field is a 400 naming it (a setting this server
+does not honour is never silently dropped); the metadata fields that
+change nothing in the output are declared, on NO_OP_FIELDS. Structured-output fields are typed loosely
 and read by api/constraints.py, which names what is wrong. Fields whose JSON
 shape varies (a prompt as text or token ids) are decoded loosely and
 checked in code, with a clear message.
@@ -30,7 +30,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -40,7 +40,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     reasoning: str | None = None  # vLLM's name for reasoning_content
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage so far on every chunk
 
@@ -54,7 +54,11 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     triggers: Any = None
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+# Accepted and documented as changing nothing in the output (README).
+NO_OP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Sampling settings shared by chat and completions (OpenAI + SGLang extras)."""
 
     model: str | None = None
@@ -69,7 +73,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
+    # NO_OP_FIELDS: metadata about the caller, for OpenAI's own records
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     logprobs: bool | int | None = None  # chat: bool; completions: how many alternatives
     top_logprobs: int | None = None
     # SGLang / vLLM extensions, sent through the client's extra_body
