@@ -90,6 +90,7 @@ class ServerArgs:
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
     file_storage_path: str = option("pyserve_storage", help="where /v1/files and /v1/batches keep their data")
     max_upload_size: int = option(512 << 20, help="largest accepted upload, in bytes")
+    max_payload_size: int = option(64 << 20, help="largest accepted JSON request body, in bytes (larger: 413)")
     batch_concurrency: int = option(
         8, help="batch requests in flight at once (they run below interactive ones)")
     # The HTTP server (Granian, when `pyserve` serves): see README "HTTP server".

@@ -15,12 +15,14 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 CONTEXT = 256
+MAX_PAYLOAD = 256 << 10
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir):
     srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", str(CONTEXT),
-                        "--max-total-tokens", "4096", "--reasoning-parser", "qwen3")
+                        "--max-total-tokens", "4096", "--reasoning-parser", "qwen3",
+                        "--max-payload-size", str(MAX_PAYLOAD))
     yield srv
     srv.stop()
 
@@ -210,3 +212,14 @@ def test_api_key_is_enforced(tiny_llama_dir):
             assert c.get("/health").status_code == 200  # load balancers probe without a key
     finally:
         srv.stop()
+
+
+def test_a_body_over_max_payload_size_is_a_413_with_an_openai_body(tiny_server, http):
+    import openai
+
+    client = openai.OpenAI(api_key="EMPTY", base_url=f"{tiny_server.base_url}/v1", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="m", prompt="x" * MAX_PAYLOAD, max_tokens=1)
+    assert e.value.status_code == 413 and e.value.body["code"] == "payload_too_large"
+    # just under the limit is read (and then judged on its merits)
+    assert http.post(COMPLETIONS, json={"prompt": "hi " * 1000, "max_tokens": 1}).status_code != 413

@@ -273,3 +273,26 @@ def test_model_routes(default_model_dir, tokenizer):
     assert status == 200 and json.loads(body)["owned_by"] == "pyserve"
     status, _, body = run(call(app, "GET", "/v1/models/org/other-model"))
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def test_max_body_bytes_refuses_a_declared_length_before_reading(default_model_dir, tokenizer):
+    app, engine = make_app(default_model_dir, tokenizer, ["x"], max_body_bytes=64)
+    sent = []
+
+    async def exchange():
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "http_version": "1.1", "client": ("127.0.0.1", 5555), "headers": [(b"content-length", b"65")]}
+
+        async def receive():
+            raise AssertionError("the body was read")
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    run(exchange())
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == "payload_too_large"
+    status, _, body = run(call(app, "POST", "/v1/completions", {"prompt": "x" * 100}))
+    assert status == 413 and engine.requests == []

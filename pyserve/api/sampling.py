@@ -98,8 +98,8 @@ def sampling_params(
     stop_ids = list(f.stop_token_ids or [])
     _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids must be in the vocabulary", "stop_token_ids")
     stops = _stop_list(f.stop)
-    min_tokens = getattr(f, "min_tokens", 0)
-    _check(min_tokens >= 0 and (max_new_tokens is None or min_tokens <= max_new_tokens),
+    min_tokens = getattr(f, "min_tokens", 0)  # /generate's sampling_params has none yet
+    _check(min_tokens == 0 or (min_tokens > 0 and (max_new_tokens is None or min_tokens <= max_new_tokens)),
            "min_tokens must be between 0 and max_tokens", "min_tokens")
     return SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -112,7 +112,7 @@ def sampling_params(
         repetition_penalty=f.repetition_penalty,
         seed=f.seed,
         stop=stops,
-        stop_regex=_stop_regexes(getattr(f, "stop_regex", None)),
+        stop_regex=_stop_regexes(getattr(f, "stop_regex", None)),  # nor this
         stop_token_ids=stop_ids,
         min_new_tokens=min_tokens,
         ignore_eos=f.ignore_eos,
