@@ -18,7 +18,7 @@ from typing import Any
 from pyserve._rust import ToolCallParser
 from pyserve.api.errors import bad_request
 from pyserve.api.protocol import ChatCompletionRequest, ToolCall
-from pyserve.api.tool_grammar import CallDelta, ForcedCalls, arguments_key, forced_calls, new_call, strict_calls
+from pyserve.api.tool_grammar import CallDelta, arguments_key, forced_calls, new_call, strict_calls
 from pyserve.engine.request import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -34,13 +34,12 @@ class ToolCalling:
     parser: str | None
     parallel: bool = True  # False: only the first call is kept
     forced: Constraint | None = None  # the grammar of a forced choice's calls
-    arguments_key: str = "arguments"  # forced calls carry their arguments under it
     # Auto choice with strict tools: the structural-tag format calls must follow.
     strict: dict | None = None
     tools: list[dict] | None = None  # a parsed call must name one of them
 
-    def reader(self) -> ToolCallStream | ForcedCalls:
-        return ForcedCalls(self.arguments_key) if self.parser is None else ToolCallStream(self)
+    def reader(self) -> ToolCallStream:
+        return ToolCallStream(self)
 
 
 def _kind(value: Any) -> str:
@@ -151,7 +150,7 @@ def plan(req: ChatCompletionRequest, parser: str | None) -> tuple[list[dict] | N
     offered = req.tools if choice == "required" else [t for t in req.tools if t["function"]["name"] == choice]
     key = arguments_key(parser)
     grammar = forced_calls(offered, key, single=choice != "required" or not parallel)
-    return offered, ToolCalling(None, parallel, forced=grammar, arguments_key=key)
+    return offered, ToolCalling(None, parallel, forced=grammar, tools=offered)
 
 
 class ToolCallStream:
@@ -160,7 +159,9 @@ class ToolCallStream:
     the model writes it."""
 
     def __init__(self, calling: ToolCalling):
-        self.parser = ToolCallParser(calling.parser, calling.tools)
+        # A forced choice's JSON array of calls is mistral's bare-array
+        # format, which its parser reads under either arguments key.
+        self.parser = ToolCallParser(calling.parser or "mistral", calling.tools)
         self.parallel = calling.parallel
         self.count = 0  # calls so far, the next one's index
 
