@@ -41,6 +41,7 @@
 //! section that fails before it starts ends the section where it begins.
 //! Whitespace that only separates text from calls is dropped.
 
+mod built_call;
 mod deepseek;
 mod events;
 mod json_calls;

@@ -4,9 +4,9 @@
 //! dicts), converted to a JSON object as they stream in. Llama 4 may wrap
 //! the list in `<|python_start|>` ... `<|python_end|>`.
 
+use super::built_call::{self, BuiltCall};
 use super::events::Calls;
-use super::json_scan::StreamedArguments;
-use super::{expect, json_string, push_json_str, skip_ws, Expect, Section, Step};
+use super::{expect, push_json_str, skip_ws, Expect, Section, Step};
 
 pub(super) const START: &str = "<|python_start|>";
 const END: &str = "<|python_end|>";
@@ -74,28 +74,9 @@ enum State {
 
 /// The call being read: its arguments as JSON built so far.
 struct Call {
-    name: String,
-    started: bool,
+    built: BuiltCall,
     key: String,
-    json: String,
     literal: Literal,
-    arguments: StreamedArguments,
-}
-
-impl Call {
-    fn start(&mut self, calls: &mut Calls) {
-        if !self.started {
-            calls.start(self.name.clone());
-            self.started = true;
-            self.json.push('{');
-        }
-    }
-
-    fn send(&mut self, calls: &mut Calls) {
-        let scanned = self.arguments.scan(&self.json);
-        debug_assert!(scanned.is_ok(), "built JSON is valid: {}", self.json);
-        self.arguments.send(&self.json, calls);
-    }
 }
 
 impl Pythonic {
@@ -105,15 +86,7 @@ impl Pythonic {
 
     /// The text stopped being calls at `at`.
     fn fail(&mut self, at: usize, calls: &mut Calls) -> Step {
-        match self.call.take() {
-            Some(mut call) if call.started => {
-                call.arguments.close(&call.json, calls);
-                calls.end();
-                Step::Done(at)
-            }
-            _ if self.made_calls => Step::Done(self.call_from),
-            _ => Step::Reject,
-        }
+        built_call::fail(self.call.take().map(|call| call.built), at, self.made_calls, self.call_from, calls)
     }
 
     fn wait(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step {
@@ -128,11 +101,11 @@ impl Pythonic {
         let bytes = text.as_bytes();
         if let State::Value = self.state {
             let call = self.call.as_mut().expect("a value belongs to a call");
-            let scanned = call.literal.scan(text, &mut self.pos, &mut call.json);
+            let scanned = call.literal.scan(text, &mut self.pos, &mut call.built.json);
             if eof && scanned == Ok(false) {
-                call.literal.finish_token(text, &mut call.json);
+                call.literal.finish_token(text, &mut call.built.json);
             }
-            call.send(calls);
+            call.built.send(calls);
             return match scanned {
                 Ok(true) => {
                     self.state = State::AfterValue;
@@ -153,14 +126,7 @@ impl Pythonic {
                 if !calls.knows(&word) {
                     return Err(self.fail(from, calls));
                 }
-                self.call = Some(Call {
-                    name: word,
-                    started: false,
-                    key: String::new(),
-                    json: String::new(),
-                    literal: Literal::default(),
-                    arguments: StreamedArguments::new(),
-                });
+                self.call = Some(Call { built: BuiltCall::new(word), key: String::new(), literal: Literal::default() });
                 self.state = State::Paren;
             } else if word.contains(['-', '.']) {
                 return Err(self.fail(from, calls));
@@ -188,22 +154,13 @@ impl Pythonic {
             (State::Paren, b'(') => State::Keyword,
             (State::Keyword, b) if is_name_start(b) => State::Key(at),
             (State::Keyword, b')') | (State::AfterValue, b')') => {
-                let mut call = self.call.take().expect("a call is open");
-                call.start(calls);
-                call.json.push('}');
-                call.send(calls);
-                calls.end();
+                self.call.take().expect("a call is open").built.end(calls);
                 self.made_calls = true;
                 State::AfterCall
             }
             (State::Equals, b'=') => {
                 let call = self.call.as_mut().expect("a keyword belongs to a call");
-                call.start(calls);
-                if call.json.len() > 1 {
-                    call.json.push_str(", ");
-                }
-                call.json += &json_string(&call.key);
-                call.json.push_str(": ");
+                call.built.key(&call.key, calls);
                 call.literal = Literal::default();
                 State::Value
             }

@@ -16,8 +16,8 @@
 //! they are written; typed ones come whole. A missing `</parameter>` is
 //! forgiven where the next tag begins.
 
+use super::built_call::{self, BuiltCall};
 use super::events::Calls;
-use super::json_scan::StreamedArguments;
 use super::tools::JsonType;
 use super::{expect, json_string, partial_marker_len, push_json_str, skip_ws, Expect, Section, Step};
 
@@ -47,10 +47,8 @@ enum State {
 }
 
 struct Call {
-    name: String,
-    started: bool,
-    json: String,
-    arguments: StreamedArguments,
+    built: BuiltCall,
+    /// The parameter being read.
     value: Option<ParameterValue>,
 }
 
@@ -72,22 +70,6 @@ impl ParameterValue {
     }
 }
 
-impl Call {
-    fn start(&mut self, calls: &mut Calls) {
-        if !self.started {
-            calls.start(self.name.clone());
-            self.started = true;
-            self.json.push('{');
-        }
-    }
-
-    fn send(&mut self, calls: &mut Calls) {
-        let scanned = self.arguments.scan(&self.json);
-        debug_assert!(scanned.is_ok(), "built JSON is valid: {}", self.json);
-        self.arguments.send(&self.json, calls);
-    }
-}
-
 impl Qwen3Coder {
     pub(super) fn new(skip: usize) -> Self {
         Qwen3Coder { pos: skip, state: State::BeforeFunction, call_from: skip, made_calls: false, call: None }
@@ -95,15 +77,7 @@ impl Qwen3Coder {
 
     /// The text stopped being calls at `at`.
     fn fail(&mut self, at: usize, calls: &mut Calls) -> Step {
-        match self.call.take() {
-            Some(mut call) if call.started => {
-                call.arguments.close(&call.json, calls);
-                calls.end();
-                Step::Done(at)
-            }
-            _ if self.made_calls => Step::Done(self.call_from),
-            _ => Step::Reject,
-        }
+        built_call::fail(self.call.take().map(|call| call.built), at, self.made_calls, self.call_from, calls)
     }
 
     fn step(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Result<(), Step> {
@@ -134,27 +108,16 @@ impl Qwen3Coder {
                 self.pos = end + 1;
                 match &mut self.call {
                     None => {
-                        self.call = Some(Call {
-                            name: name.to_string(),
-                            started: false,
-                            json: String::new(),
-                            arguments: StreamedArguments::new(),
-                            value: None,
-                        });
+                        self.call = Some(Call { built: BuiltCall::new(name.to_string()), value: None });
                         self.state = State::Parameters;
                     }
                     Some(call) => {
-                        call.start(calls);
+                        call.built.key(name, calls);
                         self.made_calls = true;
-                        if call.json.len() > 1 {
-                            call.json.push_str(", ");
-                        }
-                        call.json += &json_string(name);
-                        call.json.push_str(": ");
-                        let types = calls.tools().parameter_types(&call.name, name);
+                        let types = calls.tools().parameter_types(&call.built.name, name);
                         let value = ParameterValue { types, from: end + 1, trimmed: false, sent: 0, searched: end + 1 };
                         if value.streams() {
-                            call.json.push('"');
+                            call.built.json.push('"');
                         }
                         call.value = Some(value);
                         self.state = State::Value;
@@ -167,11 +130,7 @@ impl Qwen3Coder {
                     self.state = State::Name(end);
                 }
                 (_, Expect::Found(end)) => {
-                    let mut call = self.call.take().expect("a function is open");
-                    call.start(calls);
-                    call.json.push('}');
-                    call.send(calls);
-                    calls.end();
+                    self.call.take().expect("a function is open").built.end(calls);
                     self.made_calls = true;
                     self.pos = end;
                     self.state = State::AfterFunction;
@@ -182,8 +141,8 @@ impl Qwen3Coder {
             State::Value => {
                 let call = self.call.as_mut().expect("a value belongs to a call");
                 let value = call.value.as_mut().expect("a value is open");
-                let next = read_value(value, &mut call.json, text, eof);
-                call.send(calls);
+                let next = read_value(value, &mut call.built.json, text, eof);
+                call.built.send(calls);
                 match next {
                     Some(next) => {
                         call.value = None;
