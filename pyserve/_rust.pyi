@@ -50,25 +50,34 @@ class DecodeStream:
         """End of stream: returns whatever is still held back."""
 
 class StopMatcher:
-    """Finds any of several stop strings in a stream of text deltas.
+    """Finds any of several stop strings and stop regular expressions in a
+    stream of text deltas.
 
     Empty stop strings are ignored. The result does not depend on how the
     text is split: the stop that ends first wins (of those ending together,
-    the longest, then the first listed).
+    the longest, then the first listed; stop strings are listed before
+    regexes). A regex is searched from every character with a lazy DFA
+    (regex-automata syntax); a match must fit in 2,048 bytes, and one whose
+    end depends on what follows (`$`, `\b`) is decided by the next character
+    or at `flush`.
     """
 
-    def __init__(self, stops: list[str]) -> None: ...
+    def __init__(self, stops: list[str], regexes: list[str] | None = None) -> None:
+        """A regex that does not parse or that matches the empty string is a
+        ValueError naming it (`stop_regex[i]`)."""
     def feed(self, text: str) -> tuple[str, int | None]:
-        """Returns (text safe to emit now, index of the matched stop or None).
+        """Returns (text safe to emit now, index of the matched stop or None):
+        an index into `stops`, or `len(stops) + i` for `regexes[i]`.
 
-        Text that could still be the start of a stop string is held back.
-        Once a stop matched, the text before it is returned, the stop string
-        itself never is, and every later call returns ("", index)."""
-    def flush(self) -> str:
-        """End of stream without a match: returns the held-back tail."""
+        Text that could still be part of a stop is held back. Once a stop
+        matched, the text before it is returned, the stop itself never is,
+        and every later call returns ("", index)."""
+    def flush(self) -> tuple[str, int | None]:
+        """End of stream: the held-back tail, up to a regex that matches at
+        the end of the text, which is then the stop."""
     @property
     def matched(self) -> int | None:
-        """Index in `stops` of the stop that matched, if one did."""
+        """Index of the stop that matched, if one did."""
 
 class ReasoningSplitter:
     """Splits `<think>...</think>` reasoning from content in a text stream.
@@ -93,33 +102,71 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         """Whether text fed now would count as reasoning."""
 
+ToolCallDelta = tuple[int, str | None, str]
+"""One OpenAI `delta.tool_calls` entry: (index, name, arguments). `index`
+counts the output's calls from 0; `name` is set in a call's first delta
+only (with it go the call's `id` and `type`); `arguments` is JSON text to
+append to the call's arguments so far (it may be "")."""
+
 class ToolCallParser:
     """Finds tool calls in a stream of text deltas, in a format named as
-    SGLang's --tool-call-parser: "qwen25" / "hermes"
-    (`<tool_call>{"name", "arguments"}</tool_call>`), "llama3"
-    (`<|python_tag|>`, or bare JSON at the start: `{"name", "parameters"}`,
-    more after `;`) or "mistral" (`[TOOL_CALLS]`, or a bare array at the
-    start: `[{"name", "arguments"}, ...]`). Another name is a ValueError.
+    SGLang's --tool-call-parser (another name is a ValueError):
 
-    A section that holds no valid call (bad JSON, no name) stays text as
-    written; whitespace that only separates text from calls is dropped.
-    The result does not depend on how the text is split.
+    - "qwen25" / "hermes": `<tool_call>{"name", "arguments"}</tool_call>`.
+    - "llama3": `<|python_tag|>`, or bare JSON at the start:
+      `{"name", "parameters"}`, more after `;`.
+    - "mistral": `[TOOL_CALLS]`, or a bare array at the start:
+      `[{"name", "arguments"}, ...]`.
+    - "deepseekv3": `<｜tool▁calls▁begin｜>`, then per call
+      `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
+      then `<｜tool▁calls▁end｜>`.
+    - "pythonic" (Llama 3.2 / 4): `[f(a="x", b=2), g()]` anywhere, maybe
+      inside `<|python_start|>` ... `<|python_end|>`; keyword arguments
+      whose values are Python literals (str, int, float, True/False/None,
+      lists, dicts).
+    - "qwen3_coder": `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
+
+    Arguments are JSON object text: the model's own text of the object in
+    the JSON formats; built as `{"key": value, ...}` (", " and ": ") from
+    pythonic literals and qwen3_coder values. The result (the calls the
+    deltas add up to, and the text) does not depend on how the text is
+    split.
+
+    What cannot be taken back is never sent early. A call starts (its first
+    delta) once its name is complete (and one of `tools`, if given) and its
+    arguments have begun in the format's shape, or it ended without any. A
+    section that fails before that stays text exactly as written. A call
+    that breaks off after it started (bad JSON, the output ends) keeps what
+    was streamed and is closed into a valid object at its last complete
+    value; the text from the failing point on is plain text again (an end
+    marker right there, such as `</tool_call>`, still ends the section).
+    Argument text is held back until it could be closed that way.
+    Whitespace that only separates text from calls is dropped.
     """
 
-    def __init__(self, format: str) -> None: ...
-    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
-        """Returns (text safe to emit now, calls completed by this delta as
-        (name, arguments as JSON text)). A tail that could still open a
-        call, and an open call, are held back."""
-    def flush(self) -> tuple[str, list[tuple[str, str]]]:
-        """End of stream: an open call is read as it stands (a hermes call
-        may lack its end marker), or else returned as text."""
+    def __init__(self, format: str, tools: list[dict] | None = None) -> None:
+        """`tools`: the request's OpenAI tools. Given them, a call must name
+        one (a section whose call names another function is text, as
+        SGLang drops calls of unknown tools), and qwen3_coder converts a
+        parameter's value by its schema `type` (integer, number, boolean,
+        object, array, null, or a list of them tried in order) when the
+        value is one, keeping it a string otherwise or without a schema.
+        Without them any name is a call. Tools that are not JSON are a
+        ValueError."""
+    def feed_events(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Returns (text safe to emit now, deltas): one per call this text
+        touched, in index order. Text that could still open a call is held
+        back."""
+    def flush_events(self) -> tuple[str, list[ToolCallDelta]]:
+        """End of output: an open call is closed, a section that started no
+        call is text, and held text comes out."""
 
 def tool_call_prefix(format: str, name: str | None = None) -> str:
-    """The start of a call in `format`, up to the name's opening quote, or
-    with `name` up to its arguments: put after the prompt, it makes the
-    model go on with a call, and fed to a ToolCallParser first it reads
-    as output."""
+    """The start of a call in `format` (every format has one): up to the
+    name, or with `name` up to its arguments. Put after the prompt, it
+    makes the model go on with a call; fed to a ToolCallParser first, it
+    returns no text and no events, and the model's continuation reads as
+    the rest of the call."""
 
 def content_text(content: str | list[dict] | None) -> str:
     """OpenAI message content as one string: a string as is, None as "",

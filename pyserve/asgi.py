@@ -96,7 +96,8 @@ class PyserveApp:
         batches.start()
         self._engine, self._batches = engine, batches
         self.http = App(ctx, args.api_key, files, batches, cors=CORS(comma_list(args.allowed_origins)),
-                        proxies=TrustedProxies(comma_list(args.forwarded_allow_ips)))
+                        proxies=TrustedProxies(comma_list(args.forwarded_allow_ips)),
+                        max_body_bytes=args.max_payload_size)
         logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
 
     def begin_drain(self) -> None:

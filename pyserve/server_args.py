@@ -55,7 +55,8 @@ class ServerArgs:
     reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1"],
                                           help="split <think>...</think> into reasoning_content")
     # SGLang's names; qwen25 and hermes are one format.
-    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral"],
+    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
+                                                         "pythonic", "qwen3_coder"],
                                           help="read tool calls in chat output into message.tool_calls")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY'")
     context_length: int | None = option(None, help="longest prompt + completion (default: the model's)")
@@ -102,6 +103,7 @@ class ServerArgs:
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
     file_storage_path: str = option("pyserve_storage", help="where /v1/files and /v1/batches keep their data")
     max_upload_size: int = option(512 << 20, help="largest accepted upload, in bytes")
+    max_payload_size: int = option(64 << 20, help="largest accepted JSON request body, in bytes (larger: 413)")
     batch_concurrency: int = option(
         8, help="batch requests in flight at once (they run below interactive ones)")
     # The HTTP server (Granian, when `pyserve` serves): see README "HTTP server".

@@ -5,6 +5,7 @@ mod byte_level;
 pub mod chat;
 pub mod detokenizer;
 pub mod stop;
+pub mod stop_regex;
 pub mod tokenizer;
 
 #[cfg(feature = "python")]

@@ -1,15 +1,19 @@
-//! Stop strings over a stream of text deltas.
+//! Stop strings and stop regular expressions over a stream of text deltas.
 //!
-//! Generation must end the moment any stop string appears, and the stop
-//! string itself is never shown. Text is released as soon as it can no
-//! longer be part of a stop: only the longest tail that is a proper prefix
-//! of some stop string is held back.
+//! Generation must end the moment any stop appears, and the stop itself is
+//! never shown. Text is released as soon as it can no longer be part of a
+//! stop: only the longest tail that is a proper prefix of some stop string,
+//! or that a stop regex could still match from (see stop_regex.rs), is held
+//! back.
 //!
 //! The result does not depend on how the text is split into deltas: the stop
 //! that wins is the one that ends first (as if fed one character at a time),
-//! and of those ending at the same place the longest, then the first listed.
+//! and of those ending at the same place the longest, then the first listed
+//! (stop strings are listed before regexes).
 
 use aho_corasick::AhoCorasick;
+
+use crate::stop_regex::StopRegexes;
 
 pub struct StopMatcher {
     /// None when there is no (non-empty) stop string.
@@ -19,14 +23,25 @@ pub struct StopMatcher {
     /// The stops, sorted, to test "is this a prefix of some stop" by binary search.
     sorted: Vec<String>,
     longest: usize,
+    /// None without stop regexes; their indices follow the stop strings'.
+    regexes: Option<StopRegexes>,
+    regex_base: usize,
     held: String,
+    /// Offset of `held` in the stream (bytes released before it).
+    held_at: usize,
     matched: Option<usize>,
 }
 
+/// A stop found in `held`: (end, start, caller's index), ordered so that the
+/// smallest wins.
+type Found = (usize, usize, usize);
+
 impl StopMatcher {
     /// Empty strings are ignored (they would match everywhere); the indices
-    /// reported are positions in `stops` as given.
-    pub fn new(stops: &[String]) -> Self {
+    /// reported are positions in `stops` as given, then `stops.len() + i`
+    /// for `regexes[i]`. A regex that does not parse, or that matches the
+    /// empty string, is an error naming it.
+    pub fn new(stops: &[String], regexes: &[String]) -> Result<Self, String> {
         let (indices, patterns): (Vec<usize>, Vec<&str>) =
             stops.iter().enumerate().filter(|(_, s)| !s.is_empty()).map(|(i, s)| (i, s.as_str())).unzip();
         // Only the standard match kind supports overlapping search, which
@@ -36,7 +51,18 @@ impl StopMatcher {
         let mut sorted: Vec<String> = patterns.iter().map(|s| s.to_string()).collect();
         sorted.sort_unstable();
         let longest = sorted.iter().map(String::len).max().unwrap_or(0);
-        StopMatcher { automaton, indices, sorted, longest, held: String::new(), matched: None }
+        let regexes = if regexes.is_empty() { None } else { Some(StopRegexes::new(regexes)?) };
+        Ok(StopMatcher {
+            automaton,
+            indices,
+            sorted,
+            longest,
+            regexes,
+            regex_base: stops.len(),
+            held: String::new(),
+            held_at: 0,
+            matched: None,
+        })
     }
 
     pub fn matched(&self) -> Option<usize> {
@@ -48,32 +74,62 @@ impl StopMatcher {
         if self.matched.is_some() {
             return (String::new(), self.matched);
         }
-        let Some(automaton) = &self.automaton else {
+        if self.automaton.is_none() && self.regexes.is_none() {
             return (text.to_string(), None);
-        };
-        self.held.push_str(text);
-        // Overlapping matches come in order of where they end.
-        let mut matches = automaton.find_overlapping_iter(&self.held);
-        if let Some(first) = matches.next() {
-            let winner = std::iter::once(first)
-                .chain(matches.take_while(|m| m.end() == first.end()))
-                .min_by_key(|m| (m.start(), self.indices[m.pattern().as_usize()]))
-                .unwrap_or(first);
-            let before = self.held[..winner.start()].to_string();
-            self.held.clear();
-            self.matched = Some(self.indices[winner.pattern().as_usize()]);
-            return (before, self.matched);
         }
-        let safe_len = self.held.len() - self.partial_stop_len();
-        let safe = self.held[..safe_len].to_string();
-        self.held.drain(..safe_len);
+        self.held.push_str(text);
+        let by_regex = self.regexes.as_mut().and_then(|r| r.scan(text)).map(|m| self.regex_found(m));
+        if let Some(found) = [self.string_found(), by_regex].into_iter().flatten().min() {
+            return self.stop_at(found);
+        }
+        let mut safe_len = self.held.len() - self.partial_stop_len();
+        if let Some(start) = self.regexes.as_ref().and_then(StopRegexes::hold_from) {
+            safe_len = safe_len.min(start - self.held_at);
+        }
+        let safe: String = self.held.drain(..safe_len).collect();
+        self.held_at += safe_len;
         (safe, None)
     }
 
-    /// Length in bytes of the longest tail of `held` that starts a stop.
+    /// End of stream: the held-back tail, up to a stop regex that matches
+    /// at the end of the text (`$`, `\b`...), which then is the stop.
+    pub fn flush(&mut self) -> (String, Option<usize>) {
+        if self.matched.is_some() {
+            return (String::new(), self.matched);
+        }
+        if let Some(found) = self.regexes.as_mut().and_then(StopRegexes::finish).map(|m| self.regex_found(m)) {
+            return self.stop_at(found);
+        }
+        self.held_at += self.held.len();
+        (std::mem::take(&mut self.held), None)
+    }
+
+    /// The first stop string to end in `held`. Overlapping matches come in
+    /// order of where they end.
+    fn string_found(&self) -> Option<Found> {
+        let mut matches = self.automaton.as_ref()?.find_overlapping_iter(&self.held);
+        let first = matches.next()?;
+        std::iter::once(first)
+            .chain(matches.take_while(|m| m.end() == first.end()))
+            .map(|m| (m.end(), m.start(), self.indices[m.pattern().as_usize()]))
+            .min()
+    }
+
+    fn regex_found(&self, m: crate::stop_regex::RegexMatch) -> Found {
+        (m.end - self.held_at, m.start - self.held_at, self.regex_base + m.pattern)
+    }
+
+    fn stop_at(&mut self, (_, start, index): Found) -> (String, Option<usize>) {
+        let before = self.held[..start].to_string();
+        self.held.clear();
+        self.matched = Some(index);
+        (before, self.matched)
+    }
+
+    /// Length in bytes of the longest tail of `held` that starts a stop string.
     fn partial_stop_len(&self) -> usize {
         let held = self.held.as_str();
-        let shortest_start = held.len().saturating_sub(self.longest - 1);
+        let shortest_start = held.len().saturating_sub(self.longest.saturating_sub(1));
         (shortest_start..held.len())
             .filter(|&start| held.is_char_boundary(start))
             .map(|start| &held[start..])
@@ -87,23 +143,21 @@ impl StopMatcher {
         let i = self.sorted.partition_point(|s| s.as_str() < prefix);
         self.sorted.get(i).is_some_and(|s| s.starts_with(prefix))
     }
-
-    /// End of stream without a match: release the held-back tail.
-    pub fn flush(&mut self) -> String {
-        std::mem::take(&mut self.held)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn matcher(stops: &[&str]) -> StopMatcher {
-        StopMatcher::new(&stops.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    fn strings(items: &[&str]) -> Vec<String> {
+        items.iter().map(|s| s.to_string()).collect()
     }
 
-    fn run(stops: &[&str], pieces: &[&str]) -> (String, Option<usize>) {
-        let mut st = matcher(stops);
+    fn matcher(stops: &[&str]) -> StopMatcher {
+        StopMatcher::new(&strings(stops), &[]).unwrap()
+    }
+
+    fn run_with(mut st: StopMatcher, pieces: &[&str]) -> (String, Option<usize>) {
         let mut out = String::new();
         for p in pieces {
             let (safe, m) = st.feed(p);
@@ -112,8 +166,16 @@ mod tests {
                 return (out, m);
             }
         }
-        out += &st.flush();
-        (out, None)
+        let (rest, m) = st.flush();
+        (out + &rest, m)
+    }
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, Option<usize>) {
+        run_with(matcher(stops), pieces)
+    }
+
+    fn run_regex(stops: &[&str], regexes: &[&str], pieces: &[&str]) -> (String, Option<usize>) {
+        run_with(StopMatcher::new(&strings(stops), &strings(regexes)).unwrap(), pieces)
     }
 
     #[test]
@@ -145,7 +207,7 @@ mod tests {
         assert_eq!(st.feed("a").0, "xa");
         let mut st = matcher(&["aab"]);
         assert_eq!(st.feed("aaa").0, "a");
-        assert_eq!(st.flush(), "aa");
+        assert_eq!(st.flush(), ("aa".into(), None));
     }
 
     #[test]
@@ -153,7 +215,7 @@ mod tests {
         let mut st = matcher(&["!"]);
         assert_eq!(st.feed("hi! there"), ("hi".into(), Some(0)));
         assert_eq!(st.feed("more"), ("".into(), Some(0)));
-        assert_eq!(st.flush(), "");
+        assert_eq!(st.flush(), ("".into(), Some(0)));
         assert_eq!(st.matched(), Some(0));
     }
 
@@ -169,5 +231,36 @@ mod tests {
     fn empty_stops_are_ignored() {
         assert_eq!(run(&[""], &["abc"]), ("abc".into(), None));
         assert_eq!(run(&["", "b"], &["abc"]), ("a".into(), Some(1)));
+    }
+
+    #[test]
+    fn a_regex_stops_like_a_string_and_holds_back_what_it_could_still_match() {
+        assert_eq!(run_regex(&[], &[r"\d+\."], &["step 1", "2", ". then"]), ("step ".into(), Some(0)));
+        let mut st = StopMatcher::new(&[], &strings(&[r"END\."])).unwrap();
+        assert_eq!(st.feed("the E"), ("the ".into(), None));
+        assert_eq!(st.feed("Nx"), ("ENx".into(), None));
+        assert_eq!(st.flush(), ("".into(), None));
+    }
+
+    #[test]
+    fn strings_and_regexes_race_to_the_first_end() {
+        // The string ends first.
+        assert_eq!(run_regex(&["bc"], &["ab+c+d"], &["abbccd"]), ("ab".into(), Some(0)));
+        // The regex ends first; its index follows the strings'.
+        assert_eq!(run_regex(&["xyz", "cd"], &["b+c"], &["abbcd"]), ("a".into(), Some(2)));
+        // Same end: the longer match wins.
+        assert_eq!(run_regex(&["c"], &["b+c"], &["abbc"]), ("a".into(), Some(1)));
+    }
+
+    #[test]
+    fn a_regex_that_needs_the_end_of_text_matches_at_flush() {
+        assert_eq!(run_regex(&[], &[r"\.$"], &["a.b", "."]), ("a.b".into(), Some(0)));
+        assert_eq!(run_regex(&[], &[r"\.$"], &["a.", "b"]), ("a.b".into(), None));
+    }
+
+    #[test]
+    fn bad_regexes_are_errors() {
+        assert!(StopMatcher::new(&[], &strings(&["(x"])).is_err());
+        assert!(StopMatcher::new(&[], &strings(&["x?"])).is_err());
     }
 }

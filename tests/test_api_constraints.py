@@ -1,5 +1,5 @@
 """Structured-output fields read into constraints (api/constraints.py) and
-the reader of forced tool calls (api/tool_grammar.py), without a model."""
+the reader of forced tool calls (api/tools.py), without a model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pyserve.api.constraints import request_constraint
 from pyserve.api.errors import APIError, from_msgspec
 from pyserve.api.generate_protocol import NativeSamplingParams
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pyserve.api.tool_grammar import ForcedCalls
+from pyserve.api.tools import ToolCalling, ToolCallStream, whole_calls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MSG = [{"role": "user", "content": "hi"}]
@@ -104,21 +104,31 @@ def test_bad_or_doubled_constraints_are_400s_naming_the_field(body, param, words
     assert all(w in caught.value.message for w in words)
 
 
-def test_forced_calls_come_out_as_each_object_closes():
+def forced_reader(*names: str) -> ToolCallStream:
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    return ToolCallStream(ToolCalling(None, tools=tools))
+
+
+def test_forced_calls_stream_their_arguments_split_anywhere():
     text = '[{"name": "a", "arguments": {"x": "q\\"}]{"}}, {"name": "b", "arguments": {}}]'
-    reader = ForcedCalls("arguments")
-    seen = []
-    for i in range(0, len(text), 5):
-        content, calls = reader.feed(text[i : i + 5])
-        assert content == ""
-        seen += [(c.function.name, c.function.arguments) for c in calls]
-    assert reader.feed("", final=True) == ("", [])
-    assert seen == [("a", '{"x": "q\\"}]{"}'), ("b", "{}")] and reader.count == 2
+    for step in (1, 5, len(text)):
+        reader = forced_reader("a", "b")
+        deltas = []
+        for i in range(0, len(text), step):
+            content, more = reader.feed(text[i : i + step])
+            assert content == ""
+            deltas += more
+        assert reader.feed("", final=True) == ("", [])
+        assert [(c.function.name, c.function.arguments) for c in whole_calls(deltas)] == \
+            [("a", '{"x": "q\\"}]{"}'), ("b", "{}")] and reader.count == 2
+        assert step == len(text) or len([d for d in deltas if d[0] == 0]) > 1  # arguments in pieces
 
 
-def test_forced_calls_cut_short_leave_the_rest_as_content():
-    reader = ForcedCalls("parameters")
-    content, calls = reader.feed('[{"name": "a", "parameters": {"x": 1}}, {"name": "b', final=True)
-    assert [c.function.arguments for c in calls] == ['{"x": 1}'] and content == '{"name": "b'
-    content, calls = ForcedCalls("arguments").feed('[{"name": "a", "argu', final=True)
-    assert calls == [] and content == '[{"name": "a", "argu'
+def test_forced_calls_cut_short_close_the_started_call_and_leave_the_rest_as_content():
+    reader = forced_reader("a", "b")
+    content, deltas = reader.feed('[{"name": "a", "parameters": {"x": 1}}, {"name": "b', final=True)
+    assert deltas == [(0, "a", '{"x": 1}')] and content == '{"name": "b'
+    content, deltas = forced_reader("a").feed('[{"name": "a", "arguments": {"x": [1, 2', final=True)
+    assert [(c.function.name, c.function.arguments) for c in whole_calls(deltas)] == [("a", '{"x": [1, 2]}')]
+    content, deltas = forced_reader("a").feed('[{"name": "a", "argu', final=True)
+    assert deltas == [] and content == '[{"name": "a", "argu'

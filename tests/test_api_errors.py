@@ -15,12 +15,14 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 CONTEXT = 256
+MAX_PAYLOAD = 256 << 10
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir):
     srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", str(CONTEXT),
-                        "--max-total-tokens", "4096", "--reasoning-parser", "qwen3")
+                        "--max-total-tokens", "4096", "--reasoning-parser", "qwen3",
+                        "--max-payload-size", str(MAX_PAYLOAD))
     yield srv
     srv.stop()
 
@@ -154,9 +156,17 @@ def test_native_generate_bad_input(http):
     assert_error(http.post("/generate", json={"text": "hi", "input_ids": [1]}), 400)
 
 
-def test_unknown_fields_are_ignored(http):
-    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "some_future_option": {"x": 1},
-                              "parallel_tool_calls": False, "service_tier": "auto"})
+def test_unknown_fields_are_refused_and_metadata_is_accepted(http):
+    """A setting the server does not honour is never dropped silently; the
+    documented metadata fields change nothing."""
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "some_future_option": {"x": 1}})
+    assert_error(r, 400, "some_future_option")
+    assert_error(http.post(CHAT, json={"messages": MSG, "stream": True, "stream_options": {"every": 1}}), 400,
+                 "stream_options.every")
+    assert_error(http.post(CHAT, json={"messages": [{**MSG[0], "mood": "x"}]}), 400, "messages[0].mood")
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "parallel_tool_calls": False, "service_tier": "auto",
+                              "user": "u", "metadata": {"k": "v"}, "store": False, "safety_identifier": "s",
+                              "prompt_cache_key": "p"})
     assert r.status_code == 200, r.text
 
 
@@ -202,3 +212,14 @@ def test_api_key_is_enforced(tiny_llama_dir):
             assert c.get("/health").status_code == 200  # load balancers probe without a key
     finally:
         srv.stop()
+
+
+def test_a_body_over_max_payload_size_is_a_413_with_an_openai_body(tiny_server, http):
+    import openai
+
+    client = openai.OpenAI(api_key="EMPTY", base_url=f"{tiny_server.base_url}/v1", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="m", prompt="x" * MAX_PAYLOAD, max_tokens=1)
+    assert e.value.status_code == 413 and e.value.body["code"] == "payload_too_large"
+    # just under the limit is read (and then judged on its merits)
+    assert http.post(COMPLETIONS, json={"prompt": "hi " * 1000, "max_tokens": 1}).status_code != 413

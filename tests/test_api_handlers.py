@@ -135,10 +135,13 @@ def test_streamed_chat_chunks_in_openai_order(default_model_dir, tokenizer):
     events = sse_events(body)
     assert events[-1] == "[DONE]"
     first, *deltas, finish, usage, _ = events
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": "", "reasoning_content": None},
+                                 "logprobs": None,
                                  "finish_reason": None, "matched_stop": None}]
-    assert [d["choices"][0]["delta"] for d in deltas] == [{"content": "Hel"}, {"content": "lo"}, {"content": "!"}]
-    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "stop"
+    # every delta carries reasoning_content, null without reasoning (as SGLang's)
+    assert [d["choices"][0]["delta"] for d in deltas] == [{"content": t, "reasoning_content": None}
+                                                          for t in ("Hel", "lo", "!")]
+    assert finish["choices"][0]["delta"] == {"reasoning_content": None} and finish["choices"][0]["finish_reason"] == "stop"
     assert finish["choices"][0]["matched_stop"] == 2
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 3
@@ -172,9 +175,9 @@ def test_reasoning_is_split_whole_and_streamed(default_model_dir, tokenizer):
     assert message["reasoning_content"] == "Let me see." and message["content"] == "It is 9.8."
     _, _, streamed = run(call(app, "POST", "/v1/chat/completions", {**body, "stream": True}))
     deltas = [e["choices"][0]["delta"] for e in sse_events(streamed)[:-1]]
-    assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "Let me see."
+    assert "".join((d.get("reasoning_content") or "") for d in deltas).strip() == "Let me see."
     assert "".join(d.get("content", "") for d in deltas).strip() == "It is 9.8."
-    assert not any("think>" in d.get("content", "") + d.get("reasoning_content", "") for d in deltas)
+    assert not any("think>" in d.get("content", "") + (d.get("reasoning_content") or "") for d in deltas)
 
 
 def test_separate_reasoning_false_keeps_the_text(default_model_dir, tokenizer):
@@ -273,3 +276,26 @@ def test_model_routes(default_model_dir, tokenizer):
     assert status == 200 and json.loads(body)["owned_by"] == "pyserve"
     status, _, body = run(call(app, "GET", "/v1/models/org/other-model"))
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def test_max_body_bytes_refuses_a_declared_length_before_reading(default_model_dir, tokenizer):
+    app, engine = make_app(default_model_dir, tokenizer, ["x"], max_body_bytes=64)
+    sent = []
+
+    async def exchange():
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "http_version": "1.1", "client": ("127.0.0.1", 5555), "headers": [(b"content-length", b"65")]}
+
+        async def receive():
+            raise AssertionError("the body was read")
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    run(exchange())
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == "payload_too_large"
+    status, _, body = run(call(app, "POST", "/v1/completions", {"prompt": "x" * 100}))
+    assert status == 413 and engine.requests == []

@@ -51,6 +51,19 @@ def test_completion_logprobs_legacy_shape(client, model_name):
         assert 1 <= len(top) <= 3 and max(top.values()) == logprob and top[token] == logprob
 
 
+def test_completion_logprobs_zero_is_the_sampled_token_alone(client, model_name):
+    for stream in (False, True):
+        r = client.completions.create(model=model_name, prompt="The capital of France is", temperature=0.8,
+                                      seed=3, max_tokens=6, logprobs=0, stream=stream)
+        chunks = list(r) if stream else [r]
+        lps = [c.logprobs for chunk in chunks for c in chunk.choices if c.logprobs is not None]
+        tokens = [t for lp in lps for t in lp.tokens]
+        tops = [top for lp in lps for top in lp.top_logprobs]
+        values = [v for lp in lps for v in lp.token_logprobs]
+        assert len(tokens) == 6 and [list(top) for top in tops] == [[t] for t in tokens]
+        assert [top[t] for top, t in zip(tops, tokens)] == values
+
+
 def test_streamed_completion_offsets_run_on(client, model_name):
     stream = client.completions.create(model=model_name, prompt="Once upon a time", temperature=0, max_tokens=10,
                                        logprobs=1, stream=True)
@@ -76,16 +89,22 @@ def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(client, mode
     assert len(lp.tokens) == len(prompt) + 1 == len(lp.token_logprobs) == len(lp.top_logprobs)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v < 0 for v in lp.token_logprobs[1:-1])
-    assert all(len(top) == 1 and max(top.values()) >= v for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    # the likeliest token, and the prompt's own when it is another
+    assert all(1 <= len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
     assert "".join(lp.tokens) == r.choices[0].text
     # the prompt's scores do not depend on a cached prefix or on streaming
     again = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0, echo=True,
                                       logprobs=1)
     assert again.choices[0].logprobs.token_logprobs == lp.token_logprobs
-    streamed = []
+    streamed, chunks = [], []
     for chunk in client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
                                            echo=True, logprobs=1, stream=True):
         for c in chunk.choices:
+            chunks.append(c)
             if c.logprobs is not None:
                 streamed += c.logprobs.token_logprobs
     assert streamed == lp.token_logprobs
+    # the echoed prompt's chunk carries the prompt's logprobs
+    echoed = chunks[0]
+    assert echoed.text and "".join(echoed.logprobs.tokens) == echoed.text
+    assert echoed.logprobs.token_logprobs == lp.token_logprobs[: len(prompt)]

@@ -84,7 +84,8 @@ def test_streamed_chat_bytes(http):
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert list(chunks[0]) == ["id", "object", "created", "model", "choices"]
-    assert chunks[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    assert chunks[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": "", "reasoning_content": None},
+                                 "logprobs": None,
                                        "finish_reason": None, "matched_stop": None}
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]].count(None) == len(chunks) - 2
     assert chunks[-1]["choices"] == [] and set(chunks[-1]["usage"]) == {

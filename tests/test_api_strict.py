@@ -146,8 +146,8 @@ BAD_GENERATE_BODIES = {
     "unknown sampling param": ({"sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens",
                                "unknown_parameter"),
     # SGLang's own, which pyserve cannot honour: refused, not dropped
-    "min_new_tokens": ({"sampling_params": {"min_new_tokens": 2}}, "sampling_params.min_new_tokens",
-                       "unknown_parameter"),
+    "min_new_tokens a string": ({"sampling_params": {"min_new_tokens": "2"}}, "sampling_params.min_new_tokens",
+                                "invalid_type"),
     "no_stop_trim": ({"sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim",
                      "unknown_parameter"),
     "image_data": ({"image_data": "http://example.com/a.png"}, "image_data", "unknown_parameter"),

@@ -154,13 +154,46 @@ def test_llama3_and_mistral_formats(default_model_dir, tokenizer, parser, script
     assert content == "" and finish == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "now"]
 
 
-def test_malformed_call_is_plain_content(default_model_dir, tokenizer):
+def test_a_broken_call_is_closed_at_its_last_complete_value(default_model_dir, tokenizer):
+    # The outer object never closes: the call started (name and arguments
+    # begun), so it is a call, its arguments closed where they were complete.
     script = ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}\n', "</tool_call>"]
+    app, _ = tool_app(default_model_dir, tokenizer, script)
+    choice = chat(app, tools=TOOLS)[1]["choices"][0]
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Paris"})]
+    content, calls, finish = assemble(chat_stream(app, tools=TOOLS))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("script", [
+    ["<tool_call>\n", '{"name": 42, "arguments": {}}\n', "</tool_call>"],  # no name: never a call
+    ["<tool_call>\n", '{"name": "launch", "arguments": {}}\n', "</tool_call>"],  # not one of the tools
+])
+def test_a_section_that_starts_no_call_is_plain_content(default_model_dir, tokenizer, script):
     app, _ = tool_app(default_model_dir, tokenizer, script)
     choice = chat(app, tools=TOOLS)[1]["choices"][0]
     assert choice["message"]["content"] == "".join(script)
     assert choice["message"]["tool_calls"] is None and choice["finish_reason"] == "stop"
     assert assemble(chat_stream(app, tools=TOOLS)) == ("".join(script), [], "stop")
+
+
+def test_arguments_stream_as_the_model_writes_them(default_model_dir, tokenizer):
+    script = ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Pa', 'ris", "unit', '": "C"}}',
+              "\n</tool_call>"]
+    app, _ = tool_app(default_model_dir, tokenizer, script)
+    events = chat_stream(app, tools=TOOLS)
+    pieces = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert len(pieces) > 1
+    assert [list(p) for p in pieces] == [["index", "id", "type", "function"]] + [["index", "function"]] * (len(pieces) - 1)
+    assert pieces[0]["function"]["name"] == "get_weather" and all("name" not in p["function"] for p in pieces[1:])
+    _, calls, finish = assemble(events)
+    assert finish == "tool_calls" and json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "C"}
+    whole = chat(app, tools=TOOLS)[1]["choices"][0]["message"]["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == \
+        [(c["name"], c["arguments"]) for c in calls]
 
 
 def test_a_call_cut_by_max_tokens_finishes_with_length(default_model_dir, tokenizer):
@@ -300,7 +333,7 @@ def test_reasoning_then_tool_calls(default_model_dir, tokenizer):
     assert message["reasoning_content"] == "The user wants weather."
     assert message["content"] is None and len(message["tool_calls"]) == 2
     events = chat_stream(app, tools=TOOLS)
-    assert "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events).strip() \
+    assert "".join((e["choices"][0]["delta"].get("reasoning_content") or "") for e in events).strip() \
         == "The user wants weather."
     assert assemble(events)[0] == ""
 
@@ -406,6 +439,71 @@ def test_openai_client_with_tools_gets_well_formed_answers(client, model_name):
         assert [streamed[i] for i in sorted(streamed)] == [[c.function.name, c.function.arguments] for c in calls]
 
 
+def rebuilt_by_openai(events: list[dict]):
+    """The openai client's own accumulator over a stream's chunks: the
+    completion it rebuilds."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    return state.get_final_completion()
+
+
+def test_openai_accumulator_rebuilds_parallel_calls_streamed_in_pieces(default_model_dir, tokenizer):
+    script = ["Sure.", "\n<tool_call>\n", '{"name": "get_weather", "arguments": {"ci', 'ty": "Pa', 'ris"}}\n',
+              "</tool_call>\n<tool_call>\n", '{"name": "now", "argu', 'ments": {}}\n</tool_call>']
+    app, _ = tool_app(default_model_dir, tokenizer, script)
+    message = chat(app, tools=TOOLS)[1]["choices"][0]["message"]
+    rebuilt = rebuilt_by_openai(chat_stream(app, tools=TOOLS)).choices[0]
+    assert rebuilt.finish_reason == "tool_calls" and rebuilt.message.content == message["content"] == "Sure."
+    assert [c.id for c in rebuilt.message.tool_calls] == [c.id for c in rebuilt.message.tool_calls if c.id.startswith("call_")]
+    assert [(c.type, c.function.name, c.function.arguments) for c in rebuilt.message.tool_calls] == \
+        [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert len(rebuilt.message.tool_calls) == 2
+
+
+def test_openai_stream_helper_rebuilds_the_forced_calls(client, model_name):
+    """client.chat.completions.stream's final completion equals the
+    non-streamed answer at temperature 0, parallel calls included (its
+    content is "" where the whole answer's is null: the role chunk carries
+    content "", as SGLang's and vLLM's do)."""
+    kwargs = dict(model=model_name, tools=TOOLS, temperature=0, max_tokens=64,
+                  messages=[{"role": "user", "content": "Weather in Paris and in Rome, then the time."}])
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        whole = client.chat.completions.create(tool_choice=tool_choice, **kwargs).choices[0]
+        with client.chat.completions.stream(tool_choice=tool_choice, **kwargs) as stream:
+            rebuilt = stream.get_final_completion().choices[0]
+        assert whole.message.tool_calls
+        assert rebuilt.finish_reason == whole.finish_reason
+        assert rebuilt.message.content == (whole.message.content or "")
+        assert [(c.function.name, c.function.arguments) for c in rebuilt.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
 def test_openai_client_sends_back_tool_results(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=TOOL_HISTORY, tools=TOOLS, max_tokens=8)
     assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+
+
+def test_strict_tools_with_a_format_no_grammar_can_hold_are_refused(default_model_dir, tokenizer):
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    app, engine = tool_app(default_model_dir, tokenizer, HERMES_SCRIPT, parser="pythonic")
+    status, data = chat(app, tools=[NOW, strict])
+    assert status == 400 and data["error"]["param"] == "tools[1].function.strict"
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("parser, script", [
+    ("pythonic", ['[get_weather(city="Pa', 'ris"), now()]']),
+    ("qwen3_coder", ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
+                     "</tool_call>"]),
+])
+def test_the_newer_formats_through_the_route(default_model_dir, tokenizer, parser, script):
+    app, _ = tool_app(default_model_dir, tokenizer, script, parser=parser)
+    choice = chat(app, tools=TOOLS)[1]["choices"][0]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+    assert calls[0] == ("get_weather", {"city": "Paris"}) and choice["finish_reason"] == "tool_calls"
+    _, streamed, finish = assemble(chat_stream(app, tools=TOOLS))
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == calls and finish == "tool_calls"

@@ -50,7 +50,7 @@ def test_every_tool_call_parser_choice_is_a_parser():
     from pyserve._rust import ToolCallParser
 
     choices = ServerArgs.parser()._option_string_actions["--tool-call-parser"].choices
-    assert set(choices) == {"qwen25", "hermes", "llama3", "mistral"}
+    assert set(choices) == {"qwen25", "hermes", "llama3", "mistral", "deepseekv3", "pythonic", "qwen3_coder"}
     for name in choices:
         assert ServerArgs.from_cli(["--tool-call-parser", name]).tool_call_parser == name
         ToolCallParser(name)

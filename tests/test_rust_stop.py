@@ -1,9 +1,10 @@
 """pyserve._rust.StopMatcher against a pure-Python reference, on random
-texts and stops cut into random deltas."""
+texts, stop strings and stop regexes cut into random deltas."""
 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -54,12 +55,12 @@ def check_stream(stops: list[str], deltas: list[str]) -> None:
             assert matcher.matched == matched
             for later in deltas[i + 1 :] + ["more"]:
                 assert matcher.feed(later) == ("", matched)
-            assert matcher.flush() == ""
+            assert matcher.flush() == ("", matched)
             return
         # Nothing held back that could not still begin a stop.
         assert emitted == seen[: len(seen) - held_back(seen, stops)], (stops, deltas)
     assert expected[1] is None, (stops, deltas)
-    assert emitted + matcher.flush() == text
+    assert emitted + matcher.flush()[0] == text
     assert matcher.matched is None
 
 
@@ -118,11 +119,79 @@ def test_holds_back_only_what_could_start_a_stop():
     assert matcher.feed("see </ans") == ("see ", None)
     assert matcher.feed("wer is") == ("</answer is", None)
     assert matcher.feed(" ST") == (" ", None)
-    assert matcher.flush() == "ST"
+    assert matcher.flush() == ("ST", None)
 
 
 def test_no_stops_passes_everything_through():
     for stops in ([], [""]):
         matcher = StopMatcher(stops)
         assert matcher.feed("anything at all") == ("anything at all", None)
-        assert matcher.flush() == ""
+        assert matcher.flush() == ("", None)
+
+
+def regex_reference(text: str, stops: list[str], regexes: list[str]) -> tuple[str, int | None]:
+    """The text before the stop whose match ends first (then the longest,
+    then the first listed, strings before regexes), by brute force."""
+    found = []
+    for i, stop in enumerate(stops):
+        pos = text.find(stop) if stop else -1
+        if pos >= 0:
+            found.append((pos + len(stop), pos, i))
+    for j, pattern in enumerate(regexes):
+        compiled = re.compile(pattern)
+        for end in range(1, len(text) + 1):
+            starts = [s for s in range(end) if compiled.fullmatch(text, s, end)]
+            if starts:
+                found.append((end, starts[0], len(stops) + j))
+                break
+    if not found:
+        return text, None
+    # Ends are compared in UTF-8 bytes, as the matcher counts them.
+    _, pos, i = min((len(text[:e].encode()), len(text[:p].encode()), i) for e, p, i in found)
+    return text.encode()[:pos].decode(), i
+
+
+def run_matcher(matcher: StopMatcher, deltas: list[str]) -> tuple[str, int | None]:
+    out = ""
+    for delta in deltas:
+        safe, matched = matcher.feed(delta)
+        out += safe
+        if matched is not None:
+            return out, matched
+    rest, matched = matcher.flush()
+    return out + rest, matched
+
+
+REGEX_PIECES = ["a+", "b", "[ab]c?", "你+", "(x|yz)", "a{2}", "c*d", ".b", "[^a ]"]
+
+
+def test_random_texts_and_regexes():
+    rng = random.Random(2)
+    alphabet = "abcdxyz你 "
+    for _ in range(1500):
+        regexes = ["".join(rng.choice(REGEX_PIECES) for _ in range(rng.randint(1, 3)))
+                   for _ in range(rng.randint(1, 2))]
+        stops = [] if rng.random() < 0.5 else ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))]
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        want = regex_reference(text, stops, regexes)
+        for deltas in (random_split(rng, text), list(text), [text]):
+            assert run_matcher(StopMatcher(stops, regexes), deltas) == want, (stops, regexes, deltas)
+
+
+def test_a_regex_holds_back_text_while_it_could_still_match():
+    matcher = StopMatcher([], [r"Answer: \d+\."])
+    assert matcher.feed("So. Ans") == ("So. ", None)
+    assert matcher.feed("wer: 4") == ("", None)
+    assert matcher.feed("2!") == ("Answer: 42!", None)
+    assert run_matcher(StopMatcher([], [r"Answer: \d+\."]), ["x Answer: 4", "2. more"]) == ("x ", 0)
+
+
+def test_a_regex_that_looks_past_its_end_waits_for_the_next_character_or_the_end():
+    assert run_matcher(StopMatcher([], [r"\bcat\b"]), ["a cat", "s and a cat"]) == ("a cats and a ", 0)
+    assert run_matcher(StopMatcher(["x"], [r"\.$"]), ["a. b."]) == ("a. b", 1)
+
+
+@pytest.mark.parametrize("pattern, message", [("(a", "stop_regex[0]"), ("a*", "empty string"), ("", "empty string")])
+def test_bad_regexes_are_value_errors_naming_them(pattern, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StopMatcher([], [pattern])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from pyserve.engine.request import SamplingParams
-from pyserve.engine.sampler import Sampler, apply_penalties
+from pyserve.engine.penalties import adjust_logits
+from pyserve.engine.sampler import Sampler
 from pyserve.engine.sequence import Sequence
 
 
@@ -56,12 +57,12 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 
 def test_penalties_follow_openai_and_ctrl_formulas():
-    row = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    rows = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     s = seq(prompt=[1], output=[0, 0, 2], frequency_penalty=0.25, presence_penalty=0.5, repetition_penalty=2.0)
-    apply_penalties(row, s)
+    adjust_logits(rows, [s])
     # repetition (prompt + output: 0, 1, 2): positive / 2, negative * 2;
     # then frequency * count + presence over the output only
-    assert torch.allclose(row, torch.tensor([1.0 - 0.5 - 0.5, -2.0, 0.25 - 0.25 - 0.5, 3.0]))
+    assert torch.allclose(rows[0], torch.tensor([1.0 - 0.5 - 0.5, -2.0, 0.25 - 0.25 - 0.5, 3.0]))
 
 
 def test_a_mixed_batch_keeps_greedy_rows_greedy():
@@ -101,3 +102,42 @@ def test_unseeded_draws_follow_the_global_seed():
     rows = [seq() for _ in range(4)]
     assert Sampler(7).sample(logits, rows).tolist() == Sampler(7).sample(logits, rows).tolist()
     assert Sampler(7).sample(logits, rows).tolist() != Sampler(8).sample(logits, rows).tolist()
+
+
+def test_a_batch_is_adjusted_as_each_row_alone():
+    gen = torch.Generator().manual_seed(1)
+    vocab = 300
+    rows = [
+        seq(prompt=[5, 6, 7], output=[1, 1, 2], repetition_penalty=1.3),
+        seq(prompt=[9], output=[3, 3, 3, 4], frequency_penalty=0.7, presence_penalty=-0.4),
+        seq(prompt=[2], output=[], logit_bias={10: 5.0, 299: -3.0}),
+        seq(prompt=[2, 2], output=[8], temperature=0),
+        seq(prompt=list(range(40)), output=[7, 7], repetition_penalty=0.8, frequency_penalty=1.0, logit_bias={7: 2.0}),
+    ]
+    logits = torch.randn(len(rows), vocab, generator=gen)
+    batched = logits.clone()
+    adjust_logits(batched, rows)
+    for i, row in enumerate(rows):
+        alone = logits[i : i + 1].clone()
+        adjust_logits(alone, [row])
+        assert torch.equal(batched[i], alone[0])
+    assert torch.equal(batched[3], logits[3])  # nothing to adjust
+    assert batched[2, 10] == logits[2, 10] + 5.0 and batched[2, 299] == logits[2, 299] - 3.0
+
+
+class Stops:
+    """The part of an OutputProcessor the sampler reads: the stop ids."""
+
+    def __init__(self, ids):
+        self.stop_ids = set(ids)
+
+
+def test_min_new_tokens_masks_the_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])  # 1 is EOS here, 2 a stop token id
+    s = seq(temperature=0, min_new_tokens=2)
+    s.output = Stops([1, 2])
+    sampler = Sampler(0)
+    assert sampler.sample(logits, [s]).tolist() == [3]
+    assert sampler.sample(logits, [s]).tolist() == [3]
+    assert sampler.sample(logits, [s]).tolist() == [1]  # two tokens out: it may stop
+    assert s.sampled == 3

@@ -27,8 +27,10 @@ from pyserve.api import batches, chat, completions, embeddings, files, generate,
 from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
-from pyserve.api.http import FileResponse, Request, Response, decode_json, error_response, json_response
 from pyserve.api.generate_protocol import NativeGenerateRequest
+from pyserve.api.http import (
+    MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
+)
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.proxy import CORS, TrustedProxies
 from pyserve.api.serving import ServingContext
@@ -106,8 +108,9 @@ class App:
 
     def __init__(self, ctx: ServingContext, api_key: str | None = None, files: FileStore | None = None,
                  batches: BatchManager | None = None, *, cors: CORS | None = None,
-                 proxies: TrustedProxies | None = None):
+                 proxies: TrustedProxies | None = None, max_body_bytes: int = MAX_BODY_BYTES):
         self.ctx = ctx
+        self.max_body_bytes = max_body_bytes
         self.files = files
         self.batches = batches
         self.api_key = api_key
@@ -119,7 +122,7 @@ class App:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        request = Request(scope, receive)
+        request = Request(scope, receive, self.max_body_bytes)
         allow_origin = self.cors.allowed(request.headers.get("origin"))
         if allow_origin is not None:
             send = CORS.wrap(send, allow_origin)

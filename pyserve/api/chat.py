@@ -8,23 +8,24 @@ from dataclasses import replace
 
 import msgspec
 from msgspec import UNSET
+from msgspec.structs import replace as replace_struct
 
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.constraints import RequestConstraint, only_one, request_constraint
 from pyserve.api.errors import bad_request
-from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs
+from pyserve.api.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs, prompt_logprobs
 from pyserve.api.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatStreamChoice, Delta, ToolCall, ToolCallDelta,
+    ChatStreamChoice, CompletionTokensDetails, Delta, FunctionCallDelta, ToolCallDelta, Usage,
 )
-from pyserve.api.sampling import sampling_params
+from pyserve.api.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.serving import (
-    ChoiceResult, ChunkFactory, ServingContext, collect, fan_out, merged_outputs, new_id, now, usage,
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now, usage,
 )
-from pyserve.api.tool_grammar import with_strict_calls
-from pyserve.api.tools import ToolCalling, plan
+from pyserve.api.tool_grammar import CallDelta, new_call_id, with_strict_calls
+from pyserve.api.tools import ToolCalling, plan, whole_calls
 from pyserve.chat_template import ChatTemplateError
-from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
+from pyserve.engine.request import GenerateRequest, SamplingParams
 
 # Reasoning parsers: (start marker, end marker, does the template open it?)
 REASONING_PARSERS = {
@@ -54,6 +55,8 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
             value = getattr(m, key)
             if value is not None:
                 msg[key] = value
+        if m.reasoning is not None and m.reasoning_content is None:
+            msg["reasoning_content"] = m.reasoning
         if m.tool_calls is not None:
             msg["tool_calls"] = [_template_tool_call(msgspec.to_builtins(call)) for call in m.tool_calls]
         messages.append(msg)
@@ -73,6 +76,25 @@ def _template_tool_call(call: dict) -> dict:
     return call
 
 
+_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict:
+    """chat_template_kwargs, with reasoning_effort mapped onto the template's
+    thinking switch: "none" turns thinking off (Qwen3's `enable_thinking`,
+    DeepSeek's `thinking`); another effort turns it on and reaches the
+    template as `reasoning_effort` (gpt-oss reads it). What the request's
+    own chat_template_kwargs say wins."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = req.reasoning_effort
+    if effort is None:
+        return kwargs
+    if effort not in _EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(_EFFORTS)}", "reasoning_effort")
+    thinking = effort != "none"
+    return {"enable_thinking": thinking, "thinking": thinking, "reasoning_effort": effort, **kwargs}
+
+
 def _constraint(ctx: ServingContext, req: ChatCompletionRequest,
                 calling: ToolCalling | None) -> RequestConstraint | None:
     """The request's constraint: its own structured-output fields, or the
@@ -87,7 +109,7 @@ def _constraint(ctx: ServingContext, req: ChatCompletionRequest,
                                                     asked and asked.param), "tools")
     if asked is None or ctx.reasoning_parser is None:
         return asked
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = _template_kwargs(req)
     if kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False:
         return asked
     _, end, _ = REASONING_PARSERS[ctx.reasoning_parser]
@@ -117,16 +139,27 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
             add_generation_prompt=True,
             continue_final_message=req.continue_final_message,
             tools=tools,
-            template_kwargs=req.chat_template_kwargs,
+            template_kwargs=_template_kwargs(req),
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     prompt_ids = ctx.engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt_k = vllm_prompt_logprobs(req)
     params = sampling_params(req, max_tokens, ctx.engine.vocab_size,
                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             prompt_logprobs=prompt_k is not None, prompt_top_logprobs=prompt_k,
                              constraint=constrained and constrained.constraint)
     return prompt_ids, params, calling, constrained and constrained.param
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the answer starts with the final message when
+    that is the assistant's own (a continued message)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    return content_text(msgspec.to_builtins(last.content))
 
 
 class _ChoiceOutput:
@@ -138,15 +171,17 @@ class _ChoiceOutput:
             start, end, opened = REASONING_PARSERS[ctx.reasoning_parser]
             self.splitter = ReasoningSplitter(start, end, opened)
         self.tools = None if calling is None else calling.reader()
+        self.reasoning = ""  # all of it so far, for usage's reasoning_tokens
 
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
-        """(reasoning, content, tool calls) that `text` completes."""
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
+        """(reasoning, content, tool call deltas) that `text` completes."""
         reasoning, content, calls = "", text, []
         if self.splitter is not None:
             reasoning, content = self.splitter.feed(text)
             if final:
                 r, c = self.splitter.flush()
                 reasoning, content = reasoning + r, content + c
+            self.reasoning += reasoning
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
         return reasoning, content, calls
@@ -161,6 +196,16 @@ class _ChoiceOutput:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
 
+def _with_reasoning_tokens(ctx: ServingContext, total: Usage, outputs: list[_ChoiceOutput]) -> Usage:
+    """usage.completion_tokens_details.reasoning_tokens when reasoning is
+    split: the reasoning text's tokens as the tokenizer encodes it (the
+    markers excluded), summed over the choices."""
+    if all(o.splitter is None for o in outputs):
+        return total
+    count = sum(len(ctx.engine.tokenizer.encode(o.reasoning)) for o in outputs if o.reasoning)
+    return replace_struct(total, completion_tokens_details=CompletionTokensDetails(reasoning_tokens=count))
+
+
 async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
     prompt_ids, params, calling, constraint_param = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
@@ -170,17 +215,25 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)
     results = await collect(ctx.engine, requests)
-    choices = [_choice(ctx, req, calling, i, result) for i, result in enumerate(results)]
-    return ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
-                                  usage=usage([r.final for r in results], req.n))
+    outputs = [_ChoiceOutput(ctx, req, calling) for _ in results]
+    choices = [_choice(ctx, req, output, i, result) for i, (output, result) in enumerate(zip(outputs, results))]
+    response = ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
+                                      usage=_with_reasoning_tokens(ctx, usage([r.final for r in results], req.n),
+                                                                   outputs))
+    if req.prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs(ctx.token_texts, results[0].prompt_logprobs)
+    if req.return_token_ids:
+        response.prompt_token_ids = prompt_ids
+    return response
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None, index: int,
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, output: _ChoiceOutput, index: int,
             result: ChoiceResult) -> ChatChoice:
-    output = _ChoiceOutput(ctx, req, calling)
-    reasoning, content, calls = output.feed(result.text, final=True)
+    reasoning, content, deltas = output.feed(result.text, final=True)
+    calls = whole_calls(deltas)
     if output.splitter is not None:
         content = content.lstrip()
+    content = _echo(req) + content
     message = AssistantMessage(
         content=None if calls and not content.strip() else content,
         reasoning_content=reasoning.strip() or None,
@@ -192,6 +245,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCallin
         logprobs=chat_logprobs(ctx.token_texts, result.logprobs) if req.logprobs else None,
         finish_reason=output.finish_reason(result.final.finish_reason),
         matched_stop=result.final.matched_stop,
+        token_ids=result.token_ids if req.return_token_ids else UNSET,
     )
 
 
@@ -203,26 +257,41 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
     chunk = ChunkFactory(ChatCompletionChunk, rid, ctx.served_model_name)
     outputs = [_ChoiceOutput(ctx, req, calling) for _ in requests]
     pending = PendingLogprobs(len(requests))
-    finals: list[GenerateOutput | None] = [None] * len(requests)
+    stream_usage = StreamUsage(req.stream_options, requests, req.n)
+    held_ids: list[list[int]] = [[] for _ in requests]  # tokens whose text is not out yet
 
-    def take_logprobs(i: int) -> ChatLogprobs | None:
+    def choice(i: int, delta: Delta, **fields) -> ChatStreamChoice:
         entries = pending.take(i)
-        return chat_logprobs(ctx.token_texts, entries) if req.logprobs and entries else None
+        logprobs = chat_logprobs(ctx.token_texts, entries) if req.logprobs and entries else None
+        token_ids = UNSET
+        if req.return_token_ids:
+            token_ids, held_ids[i] = held_ids[i], []
+        return ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, token_ids=token_ids, **fields)
 
+    prompt_ids = {"prompt_token_ids": requests[0].input_ids} if req.return_token_ids else {}
     for i in range(len(requests)):
-        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))])
+        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))], stream_usage.on_chunk(),
+                    **(prompt_ids if i == 0 else {}))
+        if echo := _echo(req):
+            yield chunk([ChatStreamChoice(index=i, delta=Delta(content=echo))], stream_usage.on_chunk())
     async for i, out in merged_outputs(ctx.engine, requests):
+        stream_usage.note(i, out)
         pending.add(i, out.logprobs or [])
-        first_index = outputs[i].calls
+        held_ids[i] += out.token_ids
         reasoning, content, calls = outputs[i].feed(out.text, out.finished)
         if reasoning or content or calls:
-            deltas = [ToolCallDelta(index=first_index + k, id=c.id, function=c.function) for k, c in enumerate(calls)]
-            delta = Delta(content=content or UNSET, reasoning_content=reasoning or UNSET, tool_calls=deltas or UNSET)
-            yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=take_logprobs(i))])
+            deltas = [_call_delta(*call) for call in calls]
+            delta = Delta(content=content or UNSET, reasoning_content=reasoning or None, tool_calls=deltas or UNSET)
+            yield chunk([choice(i, delta)], stream_usage.on_chunk())
         if out.finished:
-            finals[i] = out
-            yield chunk([ChatStreamChoice(index=i, delta=Delta(), logprobs=take_logprobs(i),
-                                          finish_reason=outputs[i].finish_reason(out.finish_reason),
-                                          matched_stop=out.matched_stop)])
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield chunk([], usage(finals, req.n))
+            yield chunk([choice(i, Delta(), finish_reason=outputs[i].finish_reason(out.finish_reason),
+                                matched_stop=out.matched_stop)], stream_usage.on_chunk())
+    if stream_usage.at_end:
+        yield chunk([], _with_reasoning_tokens(ctx, stream_usage.so_far(), outputs))
+
+
+def _call_delta(index: int, name: str | None, arguments: str) -> ToolCallDelta:
+    if name is None:
+        return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=arguments))
+    return ToolCallDelta(index=index, id=new_call_id(), type="function",
+                         function=FunctionCallDelta(name=name, arguments=arguments))

@@ -2,7 +2,7 @@
 
 Stricter than the OpenAI routes' bodies: an unknown field, at the top or
 in sampling_params, is a 400 naming it (msgspec's forbid_unknown_fields).
-SGLang's own fields that pyserve cannot honour (min_new_tokens,
+SGLang's own fields that pyserve cannot honour (no_stop_trim,
 image_data, lora_path...) are unknown here, so they are refused rather
 than dropped. Types are strict too: no bool or int read from a string.
 """
@@ -32,6 +32,8 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     n: int = 1
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    min_new_tokens: int = 0  # EOS and stop token ids masked until this many tokens
+    stop_regex: str | list[str] | None = None  # stops that are regular expressions
     # Structured outputs, as SGLang takes them: a JSON schema (JSON text, or
     # the schema itself, which stays a free object), a regex, a GBNF
     # grammar, a structural tag (JSON text or object); api/constraints.py

@@ -23,14 +23,23 @@ _json = msgspec.json.Encoder()
 
 
 class Request:
-    def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]]):
+    def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], max_body_bytes: int = MAX_BODY_BYTES):
         self.scope = scope
         self.receive = receive
+        self.max_body_bytes = max_body_bytes  # --max-payload-size
         self.method: str = scope["method"]
         self.path: str = route_path(scope)
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
+    def _too_large(self) -> APIError:
+        return APIError(f"request body larger than {self.max_body_bytes} bytes", 413, code="payload_too_large")
+
     async def body(self) -> bytes:
+        """The whole body; a 413 as soon as it is known to exceed the limit
+        (from its Content-Length, before reading any of it)."""
+        declared = self.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
         chunks, size = [], 0
         while True:
             message = await self.receive()
@@ -38,8 +47,8 @@ class Request:
                 raise asyncio.CancelledError("client disconnected")
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
+            if size > self.max_body_bytes:
+                raise self._too_large()
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

@@ -46,6 +46,17 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first, which nothing
+# scores), the token's own entry and its alternatives', keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class TokenTexts:
     """Token id -> its text, cached: the same ids come back all the time."""
 
@@ -76,9 +87,24 @@ def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob | None], o
         text = texts.text(first_token if e is None else e.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(None if e is None else e.logprob)
-        out.top_logprobs.append(None if e is None else {texts.text(i): lp for i, lp in e.top})
+        # The sampled token always among them (OpenAI's "up to logprobs + 1";
+        # with logprobs 0, it alone, as vLLM answers).
+        out.top_logprobs.append(None if e is None else {texts.text(i): lp for i, lp in e.top} | {text: e.logprob})
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def prompt_logprobs(texts: TokenTexts, entries: list[TokenLogprob | None]) -> PromptLogprobs:
+    out: PromptLogprobs = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        tokens = {str(e.token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=texts.text(e.token_id))}
+        for rank, (i, lp) in enumerate(e.top, 1):
+            tokens.setdefault(str(i), PromptLogprob(logprob=lp, rank=rank, decoded_token=texts.text(i)))
+        out.append(tokens)
     return out
 
 

@@ -1,12 +1,13 @@
 """Request and response bodies of the OpenAI and native routes, as msgspec Structs.
 
-Requests: unknown fields are ignored, as OpenAI-compatible servers do
-(/generate's body, in generate_protocol.py, is stricter). Fields are
-typed, so a wrongly typed value is a 400 naming it. Objects stay free
-where their content is free JSON (a JSON schema, a structural tag's
-format, chat_template_kwargs) or is checked in code with OpenAI's own
-messages: `tools` (api/tools.py) and vLLM's structured_outputs
-(api/constraints.py).
+Requests: an unknown field is a 400 naming it (a setting this server
+does not honour is never silently dropped); the metadata fields that
+change nothing in the output are declared, on NO_OP_FIELDS. /generate's
+body is in generate_protocol.py. Fields are typed, so a wrongly typed
+value is a 400 naming it. Objects stay free where their content is free
+JSON (a JSON schema, a structural tag's format, chat_template_kwargs) or
+is checked in code with OpenAI's own messages: `tools` (api/tools.py)
+and vLLM's structured_outputs (api/constraints.py).
 
 Responses mirror SGLang's shapes field for field, nulls included (the
 openai client reads `logprobs: null`, `matched_stop: null`...). A field
@@ -21,7 +22,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from pyserve.api.logprobs import ChatLogprobs, CompletionLogprobs
+from pyserve.api.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 # -- requests ----------------------------------------------------------------
 
@@ -44,17 +45,19 @@ class HistoryToolCall(msgspec.Struct, kw_only=True):
     function: HistoryFunctionCall
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name for reasoning_content
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage so far on every chunk
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -77,7 +80,11 @@ class ToolChoice(msgspec.Struct, kw_only=True):
     function: ToolChoiceFunction
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+# Accepted and documented as changing nothing in the output (README).
+NO_OP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Sampling settings shared by chat and completions (OpenAI + SGLang extras)."""
 
     model: str | None = None
@@ -92,7 +99,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
+    # NO_OP_FIELDS: metadata about the caller, for OpenAI's own records
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     logprobs: bool | int | None = None  # chat: bool; completions: how many alternatives
     top_logprobs: int | None = None
     # SGLang / vLLM extensions, sent through the client's extra_body
@@ -103,6 +116,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: str | None = None
+    min_tokens: int = 0  # vLLM / SGLang: EOS and stop token ids masked until this many tokens
+    stop_regex: str | list[str] | None = None  # SGLang: stops that are regular expressions
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
     # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
     # grammar) and vLLM's object; see api/constraints.py.
     response_format: ResponseFormat | None = None
@@ -121,6 +138,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM: the answer starts with the final assistant message it continues
+    reasoning_effort: str | None = None  # "none" turns the template's thinking off; see api/chat.py
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -141,11 +160,17 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Chat with a --reasoning-parser: the reasoning's share of completion_tokens.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -159,14 +184,20 @@ class ToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta only
+    arguments: str = ""  # JSON text to append to the call's arguments
+
+
 class ToolCallDelta(msgspec.Struct, kw_only=True):
-    """A streamed tool call. pyserve sends each call whole, in one delta,
-    once the model finished writing it."""
+    """A piece of a streamed tool call, as OpenAI streams them: the first
+    delta of call `index` carries its id, type and name, and every delta
+    some of its arguments' JSON text."""
 
     index: int
-    id: str
-    type: str = "function"
-    function: FunctionCall
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionCallDelta
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
@@ -182,6 +213,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -191,14 +223,17 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class Delta(msgspec.Struct, kw_only=True):
-    """A streamed message delta: only what this chunk adds."""
+    """A streamed message delta: only what this chunk adds, and always
+    `reasoning_content` (null when it adds none), as SGLang sends it."""
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
-    reasoning_content: str | UnsetType = UNSET
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
@@ -208,6 +243,7 @@ class ChatStreamChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -216,7 +252,9 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | UnsetType = UNSET  # only on the final usage chunk
+    # On the final usage chunk; on every chunk with continuous_usage_stats.
+    usage: Usage | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: on the first chunk
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -225,6 +263,10 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    # return_token_ids (streamed: the prompt's on a choice's first chunk, then each chunk's tokens)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

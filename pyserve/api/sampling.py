@@ -11,6 +11,7 @@ to check: `Engine.validate`.
 
 from __future__ import annotations
 
+from pyserve._rust import StopMatcher
 from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.generate_protocol import NativeSamplingParams
@@ -31,6 +32,15 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _stop_regexes(patterns: str | list[str] | None) -> list[str]:
+    regexes = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    try:
+        StopMatcher([], regexes)  # the matcher's own parser names what is wrong
+    except ValueError as e:
+        raise bad_request(str(e), "stop_regex") from None
+    return regexes
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
@@ -44,6 +54,15 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
+def vllm_prompt_logprobs(fields: SamplingFields) -> int | None:
+    """vLLM's prompt_logprobs, checked: None, or alternatives per prompt token."""
+    k = fields.prompt_logprobs
+    _check(k is None or 0 <= k <= MAX_TOP_LOGPROBS, f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
+           "prompt_logprobs")
+    _check(k is None or not fields.stream, "prompt_logprobs is not available when streaming", "prompt_logprobs")
+    return k
+
+
 def sampling_params(
     fields: SamplingFields | NativeSamplingParams,
     max_new_tokens: int | None,
@@ -52,12 +71,14 @@ def sampling_params(
     top_logprobs: int | None = None,
     top_logprobs_param: str = "top_logprobs",
     prompt_logprobs: bool = False,
+    prompt_top_logprobs: int | None = None,
     constraint: Constraint | None = None,
 ) -> SamplingParams:
     """`max_new_tokens`: the route's own limit field (None leaves it to the
     engine: --default-max-tokens, else up to the context). `top_logprobs`:
     None for no logprobs, else how many alternatives per token, named
-    `top_logprobs_param` in errors; `prompt_logprobs` scores the prompt too.
+    `top_logprobs_param` in errors; `prompt_logprobs` scores the prompt too,
+    with `prompt_top_logprobs` alternatives (None: as many as top_logprobs).
     `constraint`: what the output must match (api/constraints.py)."""
     f = fields
     temperature = 1.0 if f.temperature is None else f.temperature
@@ -78,6 +99,11 @@ def sampling_params(
     stop_ids = list(f.stop_token_ids or [])
     _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids must be in the vocabulary", "stop_token_ids")
     stops = _stop_list(f.stop)
+    # SGLang's sampling_params name it min_new_tokens; vLLM's and SGLang's OpenAI bodies, min_tokens.
+    min_name = "min_new_tokens" if isinstance(f, NativeSamplingParams) else "min_tokens"
+    min_tokens = getattr(f, min_name)
+    _check(min_tokens == 0 or (min_tokens > 0 and (max_new_tokens is None or min_tokens <= max_new_tokens)),
+           f"{min_name} must be between 0 and the most new tokens", min_name)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -89,12 +115,15 @@ def sampling_params(
         repetition_penalty=f.repetition_penalty,
         seed=f.seed,
         stop=stops,
+        stop_regex=_stop_regexes(f.stop_regex),
         stop_token_ids=stop_ids,
+        min_new_tokens=min_tokens,
         ignore_eos=f.ignore_eos,
         skip_special_tokens=f.skip_special_tokens,
         logit_bias=bias,
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        prompt_top_logprobs=prompt_top_logprobs,
         constraint=constraint,
     )

@@ -169,6 +169,7 @@ class ChoiceResult:
     """One choice's whole output, for a response that is not streamed."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     final: GenerateOutput | None = None  # the last output: finish reason, matched stop, token counts
@@ -180,6 +181,7 @@ async def collect(engine: Engine, requests: list[GenerateRequest]) -> list[Choic
     async for i, out in merged_outputs(engine, requests):
         result = results[i]
         result.text += out.text
+        result.token_ids += out.token_ids
         result.logprobs += out.logprobs or []
         result.prompt_logprobs += out.prompt_logprobs or []
         if out.finished:
@@ -200,6 +202,31 @@ def usage(finals: list[GenerateOutput], n: int) -> Usage:
     )
 
 
+class StreamUsage:
+    """A streamed response's usage as it grows: on every chunk with
+    stream_options.continuous_usage_stats (vLLM), and in a last chunk of
+    its own with include_usage."""
+
+    def __init__(self, stream_options, requests: list[GenerateRequest], n: int):
+        self.continuous = bool(stream_options and stream_options.continuous_usage_stats)
+        self.at_end = bool(stream_options and stream_options.include_usage)
+        self.prompt_tokens = sum(len(r.input_ids) for r in requests[::n])
+        self.latest: list[GenerateOutput | None] = [None] * len(requests)
+
+    def note(self, i: int, out: GenerateOutput) -> None:
+        self.latest[i] = out
+
+    def so_far(self) -> Usage:
+        seen = [out for out in self.latest if out is not None]
+        completion = sum(out.completion_tokens for out in seen)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in seen)))
+
+    def on_chunk(self) -> Usage | UnsetType:
+        return self.so_far() if self.continuous else UNSET
+
+
 class ChunkFactory:
     """The chunks of one streamed response, which all repeat its id,
     creation time and model."""
@@ -210,5 +237,6 @@ class ChunkFactory:
         self.model = model
         self.created = now()
 
-    def __call__(self, choices: list, usage: Usage | UnsetType = UNSET):
-        return self.chunk_type(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
+    def __call__(self, choices: list, usage: Usage | UnsetType = UNSET, **fields):
+        return self.chunk_type(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage,
+                               **fields)

@@ -1,12 +1,11 @@
 """Tool calls with a guarantee: the grammars that make the model's calls
-parse and fit the tools' parameter schemas, and the reader of the calls a
-forced tool choice produces.
+parse and fit the tools' parameter schemas.
 
 `tool_choice: "required"` or a named function: the output is a JSON array
 of calls, `[{"name": ..., "arguments": {...}}, ...]` ("parameters" for
 llama3's format), each item one of the offered functions with arguments
-valid under its schema. It needs no --tool-call-parser: the server reads
-the array itself (ForcedCalls), each call as soon as its object closes.
+valid under its schema. It needs no --tool-call-parser: the array is
+mistral's bare-array format, which api/tools.py streams with that parser.
 
 `strict: true` on a function under `tool_choice: "auto"`: when the model
 starts a call in the --tool-call-parser's format, the call must name an
@@ -63,8 +62,12 @@ def strict_calls(tools: list[dict], parser: str, parallel: bool) -> dict | None:
     strict: text is free, but a call the model starts must be complete and
     valid (strict tools' arguments under their schema, the others' any
     object). None when no tool is strict."""
-    if not any(t["function"].get("strict") for t in tools):
+    strict = [i for i, t in enumerate(tools) if t["function"].get("strict")]
+    if not strict:
         return None
+    if parser not in _CALL_TEXT:  # arguments that are not JSON text, or special-token markers
+        raise bad_request(f"strict tools are not enforced with the {parser} tool-call format",
+                          f"tools[{strict[0]}].function.strict")
     trigger, before_name, before_args, end = _CALL_TEXT[parser]
     tags = [{"type": "tag", "begin": before_name + t["function"]["name"] + before_args, "end": end,
              "content": {"type": "json_schema",
@@ -87,57 +90,14 @@ def with_strict_calls(calls: dict, answer: Constraint | None, answer_param: str 
     return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
 
 
+# One streamed piece of a call: (its index among the choice's calls, its
+# name in its first piece only, else None, JSON text to add to its arguments).
+CallDelta = tuple[int, str | None, str]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
-
-
-class ForcedCalls:
-    """One choice's output under a forced tool choice in, (content, calls)
-    out: a call as soon as its object in the array closes. Output cut
-    before the array closed leaves its unread rest as content."""
-
-    def __init__(self, key: str):
-        self.key = key
-        self.text = ""
-        self.read = 0  # text up to here is scanned
-        self.taken = 0  # text up to here became calls
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.item_start = 0
-        self.closed = False
-        self.count = 0  # calls so far
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        self.text += text
-        calls = []
-        for i in range(self.read, len(self.text)):
-            ch = self.text[i]
-            if self.escaped:
-                self.escaped = False
-            elif self.in_string:
-                self.escaped = ch == "\\"
-                self.in_string = ch != '"'
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-                if self.depth == 2:
-                    self.item_start = i
-            elif ch in "]}":
-                self.depth -= 1
-                if self.depth == 1:
-                    calls.append(self._call(self.text[self.item_start : i + 1]))
-                    self.taken = i + 1
-                self.closed = self.depth == 0
-        self.read = len(self.text)
-        self.count += len(calls)
-        content = ""
-        if final and not self.closed:
-            rest = self.text[self.taken :]
-            content = rest.lstrip(", \n") if self.taken else rest
-        return content, calls
-
-    def _call(self, item: str) -> ToolCall:
-        call = json.loads(item)
-        return new_call(call["name"], json.dumps(call[self.key], ensure_ascii=False))
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))

@@ -18,7 +18,7 @@ from typing import Any
 from pyserve._rust import ToolCallParser
 from pyserve.api.errors import bad_request
 from pyserve.api.protocol import ChatCompletionRequest, ToolCall, ToolChoice
-from pyserve.api.tool_grammar import ForcedCalls, arguments_key, forced_calls, new_call, strict_calls
+from pyserve.api.tool_grammar import CallDelta, arguments_key, forced_calls, new_call, strict_calls
 from pyserve.engine.request import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -34,12 +34,12 @@ class ToolCalling:
     parser: str | None
     parallel: bool = True  # False: only the first call is kept
     forced: Constraint | None = None  # the grammar of a forced choice's calls
-    arguments_key: str = "arguments"  # forced calls carry their arguments under it
     # Auto choice with strict tools: the structural-tag format calls must follow.
     strict: dict | None = None
+    tools: list[dict] | None = None  # a parsed call must name one of them
 
-    def reader(self) -> ToolCallStream | ForcedCalls:
-        return ForcedCalls(self.arguments_key) if self.parser is None else ToolCallStream(self)
+    def reader(self) -> ToolCallStream:
+        return ToolCallStream(self)
 
 
 def _kind(value: Any) -> str:
@@ -128,30 +128,43 @@ def plan(req: ChatCompletionRequest, parser: str | None) -> tuple[list[dict] | N
     if choice == "auto":
         if parser is None:
             return req.tools, None  # the model's output stays text
-        return req.tools, ToolCalling(parser, parallel, strict=strict_calls(req.tools, parser, parallel))
+        return req.tools, ToolCalling(parser, parallel, strict=strict_calls(req.tools, parser, parallel),
+                                      tools=req.tools)
     if req.continue_final_message:
         raise bad_request("tool_choice 'required' or a named function cannot continue the final message",
                           "tool_choice")
     offered = req.tools if choice == "required" else [t for t in req.tools if t["function"]["name"] == choice]
     key = arguments_key(parser)
     grammar = forced_calls(offered, key, single=choice != "required" or not parallel)
-    return offered, ToolCalling(None, parallel, forced=grammar, arguments_key=key)
+    return offered, ToolCalling(None, parallel, forced=grammar, tools=offered)
 
 
 class ToolCallStream:
-    """One choice's content in, (content, OpenAI tool calls) out."""
+    """One choice's content in, (content, call deltas) out: the parser's
+    events, a call's name in its first delta, its arguments' JSON text as
+    the model writes it."""
 
     def __init__(self, calling: ToolCalling):
-        self.parser = ToolCallParser(calling.parser)
+        # A forced choice's JSON array of calls is mistral's bare-array
+        # format, which its parser reads under either arguments key.
+        self.parser = ToolCallParser(calling.parser or "mistral", calling.tools)
         self.parallel = calling.parallel
         self.count = 0  # calls so far, the next one's index
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        content, calls = self.parser.feed(text)
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
+        content, deltas = self.parser.feed_events(text)
         if final:
-            rest, more = self.parser.flush()
-            content, calls = content + rest, calls + more
+            rest, more = self.parser.flush_events()
+            content, deltas = content + rest, deltas + more
         if not self.parallel:
-            calls = calls[: max(0, 1 - self.count)]
-        self.count += len(calls)
-        return content, [new_call(n, a) for n, a in calls]
+            deltas = [d for d in deltas if d[0] == 0]
+        self.count = max([self.count] + [index + 1 for index, _, _ in deltas])
+        return content, deltas
+
+
+def whole_calls(deltas: list[CallDelta]) -> list[ToolCall]:
+    """The calls a choice's deltas add up to, in index order."""
+    calls: dict[int, list[str]] = {}
+    for index, name, arguments in deltas:
+        calls.setdefault(index, [name or "", ""])[1] += arguments
+    return [new_call(*calls[i]) for i in sorted(calls)]

@@ -1,7 +1,8 @@
 """Turns each new token of a request into text and decides when it ends.
 
 Per request: a Rust DecodeStream (whole UTF-8 characters only) and a Rust
-StopMatcher (stop strings across token boundaries, never emitted). The
+StopMatcher (stop strings and stop regexes across token boundaries, never
+emitted). The
 log-probabilities a step computed are unpacked here too, into one
 TokenLogprob per sampled token or scored prompt position.
 """
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pyserve._rust import DecodeStream, StopMatcher, Tokenizer
-from pyserve.engine.request import GenerateOutput, TokenLogprob
+from pyserve.engine.request import GenerateOutput, TokenLogprob, prompt_alternatives
 from pyserve.engine.sampler import wants_logprobs
 from pyserve.engine.sequence import Sequence
 
@@ -27,10 +28,10 @@ _PROMPT_CONTEXT = 4
 
 
 def _entries(parts: tuple[torch.Tensor, ...], token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """TokenLogprob per row of token_logprobs' (chosen, top values, top ids),
-    row i keeping its first ks[i] alternatives."""
-    chosen, top_vals, top_ids = (t.tolist() for t in parts)
-    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+    """TokenLogprob per row of token_logprobs' (chosen, top values, top ids,
+    ranks), row i keeping its first ks[i] alternatives."""
+    chosen, top_vals, top_ids, ranks = (t.tolist() for t in parts)
+    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[i])
             for i, (t, k) in enumerate(zip(token_ids, ks))]
 
 
@@ -46,7 +47,7 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
     """The step's prompt log-probabilities, split by sequence."""
     if output.prompt_logprobs is None:
         return []
-    ks = [seq.params.top_logprobs for seq, count in step.prompt_spans for _ in range(count)]
+    ks = [prompt_alternatives(seq.params) for seq, count in step.prompt_spans for _ in range(count)]
     entries = _entries(output.prompt_logprobs, step.prompt_targets, ks)
     out, row = [], 0
     for seq, count in step.prompt_spans:
@@ -60,7 +61,7 @@ class OutputProcessor:
         self.seq = seq
         p = seq.params
         self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
-        self.stops = StopMatcher(p.stop)
+        self.stops = StopMatcher(p.stop, p.stop_regex)
         self.stop_ids = set(p.stop_token_ids)
         # A grammar allows EOS only at its end: there the request stops.
         if not p.ignore_eos or p.constraint is not None:
@@ -117,7 +118,8 @@ class OutputProcessor:
         """The last output: a stop string wins over the stop token that came
         after it; with neither, the request ran out of length."""
         if matched is not None:
-            stop = self.seq.params.stop[matched]
+            p = self.seq.params
+            stop = (p.stop + p.stop_regex)[matched]
             return self._output(text, finished=True, finish_reason="stop", matched_stop=stop)
         if stop_token is not None:
             return self._output(text, finished=True, finish_reason="stop", matched_stop=stop_token)
@@ -125,11 +127,13 @@ class OutputProcessor:
 
     def _flush(self) -> tuple[str, int | None]:
         """Release what the detokenizer and stop matcher still hold; a stop
-        string may still match in the detokenizer's held-back text."""
+        may still match in the detokenizer's held-back text, or (a regex
+        such as `\\.$`) at the end of the text."""
         text, matched = self.stops.feed(self.detok.flush())
         if matched is not None:
             return text, matched
-        return text + self.stops.flush(), None
+        rest, matched = self.stops.flush()
+        return text + rest, matched
 
     def out_of_memory(self) -> GenerateOutput:
         """The KV cache cannot hold this sequence's next token: end it as

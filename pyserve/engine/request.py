@@ -46,7 +46,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # Regular expressions that stop it like stop strings (rust/stop_regex.rs).
+    stop_regex: list[str] = field(default_factory=list)
+    # Ids that stop it (ids outside the vocabulary never occur); with EOS,
+    # masked until min_new_tokens tokens are out.
     stop_token_ids: list[int] = field(default_factory=list)
+    min_new_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -55,12 +60,18 @@ class SamplingParams:
     # Also the log-probability of every prompt token after the first (the
     # prompt is then computed whole: its cached prefix is not reused).
     prompt_logprobs: bool = False
+    prompt_top_logprobs: int | None = None  # alternatives per prompt token; None: top_logprobs
     # The output must match this grammar; the request then ends with "stop"
     # when the grammar does (at its EOS), whatever ignore_eos says.
     constraint: Constraint | None = None
     # Set by the engine on an embedding request: how its prompt's hidden
     # states are pooled (model/pooling.py); it ends after its prefill.
     pooling: str | None = None
+
+
+def prompt_alternatives(p: SamplingParams) -> int:
+    """How many alternatives each scored prompt token reports."""
+    return p.top_logprobs if p.prompt_top_logprobs is None else p.prompt_top_logprobs
 
 
 @dataclass
@@ -93,24 +104,28 @@ class RequestError(ValueError):
 
 @dataclass
 class TokenLogprob:
-    """A sampled token's log-probability under the model's distribution
-    (raw logits, before penalties, bias and temperature, as vLLM reports by
-    default), and the `top_logprobs` most likely tokens, best first."""
+    """A sampled (or prompt) token's log-probability under the model's
+    distribution (raw logits, before penalties, bias and temperature, as
+    vLLM reports by default), its rank there (1: the likeliest), and the
+    `top_logprobs` most likely tokens, best first."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 1
 
 
 @dataclass
 class GenerateOutput:
     """One step's worth of progress for one request.
 
-    `text` and `token_ids` are deltas since the previous output. The last
-    output of a request has `finished=True` and a `finish_reason`:
-    "stop" (EOS, stop token or stop string), "length" (max_new_tokens or the
-    context limit) or "abort". `matched_stop` is the stop token id or the stop
-    string that ended it, None otherwise.
+    `text` and `token_ids` are deltas since the previous output (the ids of
+    every token sampled, the stop token's included, though its text is
+    not). The last output of a request has `finished=True` and a
+    `finish_reason`: "stop" (EOS, stop token, stop string or stop regex),
+    "length" (max_new_tokens or the context limit) or "abort".
+    `matched_stop` is the stop token id, the stop string or the stop
+    regex's pattern that ended it, None otherwise.
     """
 
     rid: str

@@ -1,13 +1,14 @@
 """Next-token selection for a batch, each row with its own settings.
 
 Order, as in the OpenAI/vLLM semantics: the grammar's token mask of a
-constrained request (engine/grammar.py), repetition penalty (prompt and
-output tokens), frequency and presence penalties (output tokens), logit
-bias, then greedy argmax at temperature 0, else temperature, top-k, top-p
-and min-p before drawing. The filters run on the whole batch at once with
-per-row parameters. A request with a seed draws from its own generator, so
-its text does not depend on what else is in the batch; the others share
-one generator seeded from --random-seed.
+constrained request (engine/grammar.py), the penalties, logit bias and
+masked stops of engine/penalties.py, then greedy argmax at temperature 0,
+else temperature, top-k, top-p and min-p before drawing. Every step is one
+batched operation over the rows that need it, on the logits' device: no
+row is handled on its own. A
+request with a seed draws from its own generator, so its text does not
+depend on what else is in the batch; the others share one generator
+seeded from --random-seed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pyserve.engine.grammar import apply_bitmask, note_sampled, token_bitmask
+from pyserve.engine.penalties import adjust_logits, adjusts_logits
 from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
 
@@ -23,22 +25,15 @@ def wants_logprobs(p: SamplingParams) -> bool:
     return p.logprobs or p.top_logprobs > 0
 
 
-def reads_history(p: SamplingParams) -> bool:
-    """Penalties depend on every token generated so far."""
-    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
-
-
-def _adjusts_logits(p: SamplingParams) -> bool:
-    return reads_history(p) or bool(p.logit_bias)
-
-
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """(log-probability of ids[i] under row i [B], top-k values [B, k], top-k
-    ids [B, k]) from raw logits, on their device (no wait for it)."""
+    ids [B, k], rank of ids[i] in row i [B], 1 for the likeliest) from raw
+    logits, on their device (no wait for it)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, ids[:, None])[:, 0]
     top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    return chosen, top_vals, top_ids
+    rank = (logp > chosen[:, None]).sum(dim=-1) + 1
+    return chosen, top_vals, top_ids, rank
 
 
 class Sampler:
@@ -47,49 +42,46 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: float32 [B, vocab] on any device; returns one int64 id per
-        row, on the logits' device when every row is greedy (no wait for the
-        device), on the CPU otherwise. The caller's logits are left as they
-        are (log-probabilities are reported from them)."""
+        row, on the logits' device. The caller's logits are left as they are
+        (log-probabilities are reported from them). Runs on the forward
+        thread, which alone counts each sequence's sampled tokens."""
         # Read once: the event loop drops the state of a request that ended.
         grammars = [s.grammar for s in seqs]
-        if all(g is None for g in grammars):
-            return self._sample(logits, seqs, None)
-        ids = self._sample(logits, seqs, token_bitmask(grammars, logits.shape[-1]))
-        note_sampled(grammars, ids)
+        constrained = any(g is not None for g in grammars)
+        mask = token_bitmask(grammars, logits.shape[-1]) if constrained else None
+        ids = self._sample(logits, seqs, mask)
+        if constrained:
+            note_sampled(grammars, ids)
+        for seq in seqs:
+            seq.sampled += 1
         return ids
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 mask: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
         params = [s.params for s in seqs]
-        if all(p.temperature == 0 and not _adjusts_logits(p) for p in params):
-            if mask is None:
-                return logits.argmax(dim=-1)
-            logits = logits.clone()
-            apply_bitmask(logits, *mask)
+        adjusted = any(adjusts_logits(s) for s in seqs)
+        if mask is None and not adjusted and all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
-        # Generators live on the CPU; one [B, vocab] copy is cheap next to a
-        # forward pass. The copy also leaves the caller's tensor untouched.
-        logits = logits.to("cpu", torch.float32, copy=True)
+        logits = logits.to(torch.float32, copy=True)
         if mask is not None:
             apply_bitmask(logits, *mask)
-        for row, seq in zip(logits, seqs):
-            if _adjusts_logits(seq.params):
-                apply_penalties(row, seq)
-        ids = torch.empty(len(seqs), dtype=torch.long)
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        if adjusted:
+            adjust_logits(logits, seqs)
         drawn = [i for i, p in enumerate(params) if p.temperature != 0]
-        if greedy:
-            ids[greedy] = logits[greedy].argmax(dim=-1)
-        if drawn:
-            rows = logits if len(drawn) == len(seqs) else logits[drawn]
-            probs = probabilities(rows, [params[i] for i in drawn])
-            ids[drawn] = self._draw(probs, [seqs[i] for i in drawn])
+        if not drawn:
+            return logits.argmax(dim=-1)
+        if len(drawn) == len(seqs):
+            return self._draw(probabilities(logits, params), seqs)
+        ids = logits.argmax(dim=-1)
+        ids[torch.tensor(drawn, device=ids.device)] = self._draw(
+            probabilities(logits[drawn], [params[i] for i in drawn]), [seqs[i] for i in drawn])
         return ids
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, found in the
         row's cumulative sum (torch.multinomial is ~40x slower on CPU at
-        vocabulary sizes). Rows need not be normalised."""
+        vocabulary sizes). Rows need not be normalised. The numbers come
+        from CPU generators, one per seeded request."""
         u = torch.empty(len(seqs))
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
         if shared:
@@ -97,54 +89,35 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 u[i] = torch.rand(1, generator=seq.generator)
+        u = u.to(probs.device)
         cdf = probs.cumsum(dim=-1)
         # right=True: the first token whose cdf exceeds the draw, which is
         # never a token of probability 0.
         ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]
         ids.clamp_(max=probs.shape[-1] - 1)
         # u * total can round up to total: then take the likeliest token.
-        missed = (probs.gather(1, ids[:, None])[:, 0] == 0).nonzero()[:, 0]
-        if missed.numel():
-            ids[missed] = probs[missed].argmax(dim=-1)
-        return ids
-
-
-def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
-    """Repetition, frequency and presence penalties and logit bias, in place."""
-    p = seq.params
-    vocab = row.numel()
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.all_ids)), dtype=torch.long)
-        seen = seen[seen < vocab]
-        vals = row[seen]
-        # Shrink toward "less likely" whatever the sign (CTRL / HF semantics).
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and seq.output_ids:
-        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    for token_id, bias in p.logit_bias.items():
-        if 0 <= token_id < vocab:
-            row[token_id] += bias
+        missed = probs.gather(1, ids[:, None])[:, 0] == 0
+        return torch.where(missed, probs.argmax(dim=-1), ids)
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[n, vocab] logits -> the distributions to draw from: temperature,
     then top-k, top-p and min-p cuts (every row keeps its best token)."""
-    vocab = logits.shape[-1]
-    logits = logits / torch.tensor([[p.temperature] for p in params])
+    vocab, device = logits.shape[-1], logits.device
+    logits = logits / _column([p.temperature for p in params], device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    cut = [i for i, k in enumerate(top_k) if k < vocab]
+    cut = [k for k in top_k if k < vocab]
     if cut:
-        rows = logits[cut]
-        k = torch.tensor([[top_k[i]] for i in cut])
-        kth = rows.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
-        logits[cut] = rows.masked_fill(rows < kth, float("-inf"))
+        # One topk as deep as the deepest cut; uncut rows keep everything.
+        k = torch.tensor(top_k, device=device)[:, None]
+        kth = logits.topk(max(cut), dim=-1).values.gather(1, k.clamp(max=max(cut)) - 1)
+        kth = kth.masked_fill(k >= vocab, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
-    top_p = torch.tensor([[p.top_p] for p in params])
-    if (top_p < 1.0).any():
-        probs = _top_p(probs, top_p)
-    min_p = torch.tensor([[p.min_p] for p in params])
-    if (min_p > 0.0).any():
+    if any(p.top_p < 1.0 for p in params):
+        probs = _top_p(probs, _column([p.top_p for p in params], device))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = _column([p.min_p for p in params], device)
         probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs
 
@@ -165,3 +138,8 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     before = top.cumsum(dim=-1) - top
     keep = (before < top_p) | uncut
     return (probs * uncut).scatter_(-1, order, top * keep)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """One value per row, as a [n, 1] float32 column on `device`."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]

@@ -31,7 +31,7 @@ import logging
 from collections import deque
 
 from pyserve.engine.kv_manager import KVManager
-from pyserve.engine.sampler import reads_history
+from pyserve.engine.penalties import reads_history
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import Rows, ScheduledStep, build_step
 

@@ -5,7 +5,8 @@ writes what: the scheduler moves it between queues and counts its tokens in
 flight; the KV manager alone sets its KV fields (`slots`, `shared_len`,
 `prefix_node`, `cache_hit`); the output processor appends the sampled
 tokens and turns them into text; the sampler, on the forward thread,
-advances `grammar`; the caller reads `channel`.
+advances `grammar`, counts `sampled` and keeps `token_history`; the
+caller reads `channel`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pyserve.engine.request import GenerateOutput, SamplingParams
 if TYPE_CHECKING:
     from pyserve.engine.grammar import GrammarState
     from pyserve.engine.output_processor import OutputProcessor
+    from pyserve.engine.penalties import TokenHistory
 
 
 @dataclass(eq=False)
@@ -53,6 +55,10 @@ class Sequence:
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0
     pending_row: int = 0
+    # Tokens the sampler has drawn for it so far (in flight or not), and
+    # its tokens as penalties read them; the forward thread alone keeps both.
+    sampled: int = 0
+    token_history: TokenHistory | None = None
     # Next prompt position whose log-probability is still to be computed
     # (prompt_logprobs); survives retraction, so none is computed twice.
     next_prompt_logprob: int = 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pyserve.engine.kv_manager import KVManager
+from pyserve.engine.request import prompt_alternatives
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.pooling import pooled_positions
@@ -68,7 +69,7 @@ class ScheduledStep:
     @property
     def prompt_top_logprobs(self) -> int:
         """Alternatives to report per scored prompt position."""
-        return max((seq.params.top_logprobs for seq, _ in self.prompt_spans), default=0)
+        return max((prompt_alternatives(seq.params) for seq, _ in self.prompt_spans), default=0)
 
 
 def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -> ScheduledStep:
