@@ -111,6 +111,18 @@ def test_engine_matches_sentence_transformers(model_dirs, pooling):
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(TEXTS)), atol=TOL)
 
 
+def test_an_untied_model_saved_without_its_lm_head_loads(tmp_path, default_model_dir):
+    """Qwen3-Embedding-4B/8B: untied embeddings, and no lm_head in the checkpoint."""
+    model_dir = build_tiny_embedding_model(tmp_path / "untied", default_model_dir, tied=False)
+    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"] is False
+
+    async def work(engine):
+        return await embed(engine, [engine.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS])
+
+    got = torch.stack([v for v, _ in run_engine(model_dir, work)])
+    torch.testing.assert_close(got, reference(model_dir, TEXTS, "lasttoken"), atol=TOL, rtol=0)
+
+
 def test_by_hand_reference_agrees_with_sentence_transformers(model_dirs):
     pytest.importorskip("sentence_transformers")
     for pooling in ST_POOLINGS:

@@ -122,10 +122,12 @@ def build_tiny_embedding_model(
     pooling: str = "lasttoken",
     normalize: bool = True,
     seed: int = 0,
+    tied: bool = True,
     **overrides,
 ) -> Path:
     """A tiny Qwen3 embedding model laid out as Qwen3-Embedding is: the
-    decoder saved without its LM head (tied embeddings, tensor names
+    decoder saved without its LM head (tied embeddings as the 0.6B, or
+    untied as the 4B and 8B with `tied` False; tensor names
     without `model.`, config.json naming Qwen3ForCausalLM) plus the
     sentence-transformers files: modules.json, the Pooling module's
     config (`pooling`, one of ST_POOLINGS) and, when `normalize`, a
@@ -135,7 +137,7 @@ def build_tiny_embedding_model(
 
     if pooling not in ST_POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; choose from {ST_POOLINGS}")
-    out = build_tiny_model(out_dir, "qwen3", tokenizer_dir, seed, tie_word_embeddings=True)
+    out = build_tiny_model(out_dir, "qwen3", tokenizer_dir, seed, tie_word_embeddings=tied)
     transformers.AutoModel.from_pretrained(out).save_pretrained(out, safe_serialization=True)
     config = json.loads((out / "config.json").read_text())
     config.update(architectures=["Qwen3ForCausalLM"], **overrides)

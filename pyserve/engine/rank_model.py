@@ -74,7 +74,8 @@ class RankModel:
             # The ranks of one machine share its cores.
             torch.set_num_threads(max(1, usable_cpus() // ranks_on_this_node))
         self.quant = resolve_quant(args.torchao_config, model_dir, device)
-        self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp)
+        self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
+                                              lm_head=not args.is_embedding)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.kv_buffer: KVBuffer | None = None
         self.attention: AttentionBackend | None = None

@@ -176,18 +176,23 @@ def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, group_size
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
-    tp: TensorParallel = SINGLE,
+    tp: TensorParallel = SINGLE, lm_head: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model in eval mode with every weight loaded, and its config;
     its linear layers quantized as `quant` when given (CPU only). Under
     tensor parallelism (`tp`), this rank's shard: only its slice of each
-    checkpoint tensor is read."""
+    checkpoint tensor is read. `lm_head` False (embedding servers, which
+    read hidden states and never logits): no vocabulary projection is
+    held or read, since untied embedding checkpoints (Qwen3-Embedding-4B,
+    -8B) ship none."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
     shard = ModelShard.of(config, tp)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
+    if not lm_head:
+        model.lm_head = None
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
     params = dict(model.named_parameters())
@@ -203,7 +208,7 @@ def load_model(
             for hf_name in handle.keys():
                 progress.update()
                 piece = _destination(hf_name, config, shard)
-                if piece is None:
+                if piece is None or (piece.param == "lm_head.weight" and model.lm_head is None):
                     continue
                 if (piece.param, piece.row) not in missing:
                     raise ValueError(
