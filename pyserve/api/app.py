@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, files, generate, operations
+from pyserve.api import batches, chat, completions, files, generate, operations, responses, tokenize
 from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
@@ -63,7 +63,18 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/batches"): Route(batches.list_batches, raw=True, service="batches"),
     ("GET", "/v1/batches/{batch_id}"): Route(batches.retrieve, service="batches"),
     ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel, service="batches"),
+    ("POST", "/v1/responses"): Route(responses.create, dict, service="responses"),
+    ("GET", "/v1/responses/{response_id}"): Route(responses.retrieve, raw=True, service="responses"),
+    ("DELETE", "/v1/responses/{response_id}"): Route(responses.delete, service="responses"),
+    ("POST", "/v1/responses/{response_id}/cancel"): Route(responses.cancel, service="responses"),
+    ("GET", "/v1/responses/{response_id}/input_items"): Route(responses.input_items, raw=True,
+                                                               service="responses"),
     ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
+    ("POST", "/tokenize"): Route(tokenize.tokenize, tokenize.TokenizeRequest),
+    ("POST", "/v1/tokenize"): Route(tokenize.tokenize, tokenize.TokenizeRequest),
+    ("POST", "/detokenize"): Route(tokenize.detokenize, tokenize.DetokenizeRequest),
+    ("POST", "/v1/detokenize"): Route(tokenize.detokenize, tokenize.DetokenizeRequest),
+    ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("GET", "/get_model_info"): Route(operations.model_info),
     ("GET", "/model_info"): Route(operations.model_info),
     ("GET", "/get_server_info"): Route(operations.server_info),
