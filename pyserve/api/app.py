@@ -30,6 +30,7 @@ from pyserve.api.errors import APIError
 from pyserve.api.http import FileResponse, Request, Response, decode_json, error_response, json_response
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
 from pyserve.api.proxy import CORS, TrustedProxies
+from pyserve.api.responses import ResponseManager
 from pyserve.api.serving import ServingContext
 from pyserve.api.sse import DisconnectableStream, shutting_down
 from pyserve.storage.files import FileStore
@@ -43,7 +44,9 @@ class Route:
     body_type: type | None = None  # msgspec Struct to decode the body into
     raw: bool = False  # the handler reads the Request itself (uploads, query strings)
     public: bool = False  # answered without an API key
-    service: str = "ctx"  # what the handler gets first: the App's ctx, files (FileStore) or batches (BatchManager)
+    # What the handler gets first: the App's ctx, files (FileStore), batches
+    # (BatchManager) or responses (ResponseManager).
+    service: str = "ctx"
 
 
 # Path segments in braces are handed to the handler as keyword arguments;
@@ -108,15 +111,16 @@ def match_path(pattern: str, path: str) -> dict[str, str] | None:
 
 class App:
     """The ASGI app over the model (`ctx`) and, when served, the stores of
-    the Files and Batches APIs. `cors` is off and no proxy is trusted
-    unless given."""
+    the Files, Batches and Responses APIs. `cors` is off and no proxy is
+    trusted unless given."""
 
     def __init__(self, ctx: ServingContext, api_key: str | None = None, files: FileStore | None = None,
-                 batches: BatchManager | None = None, *, cors: CORS | None = None,
-                 proxies: TrustedProxies | None = None):
+                 batches: BatchManager | None = None, *, responses: ResponseManager | None = None,
+                 cors: CORS | None = None, proxies: TrustedProxies | None = None):
         self.ctx = ctx
         self.files = files
         self.batches = batches
+        self.responses = responses
         self.api_key = api_key
         self.cors = cors or CORS([])
         self.proxies = proxies or TrustedProxies([])
