@@ -41,7 +41,8 @@ class BackgroundRun:
     record: StoredResponse
     builder: ResponseBuilder
     task: asyncio.Task | None = None
-    cancelled: bool = False  # by the client, not by a shutdown
+    started: bool = False  # its task took its first step
+    stop: str | None = None  # why it was told to stop: "cancel" (the client) or "shutdown"
 
 
 class ResponseManager:
@@ -153,14 +154,17 @@ class ResponseManager:
         return snapshot(record.response)
 
     async def _run_background(self, run: BackgroundRun, chunks: AsyncIterator, lock: RunLock) -> None:
+        run.started = True
         try:
-            started = False
+            if run.stop is not None:
+                raise asyncio.CancelledError  # told to stop before it began
+            saved_running = False
             async for _ in self._run(run.builder, chunks):
-                if not started:  # in_progress now, no longer queued
-                    started = True
+                if not saved_running:  # in_progress now, no longer queued
+                    saved_running = True
                     await self.store.save(run.record.id, run.record)
         except asyncio.CancelledError:
-            if run.cancelled:
+            if run.stop == "cancel":
                 run.builder.cancel()
             else:
                 run.builder.fail(APIError("the server shut down before the response finished", 503,
@@ -180,9 +184,7 @@ class ResponseManager:
         `cancelled`; cancelling it again returns it as it is."""
         run = self.running.get(response_id)
         if run is not None:
-            run.cancelled = True
-            run.task.cancel()
-            await asyncio.gather(run.task, return_exceptions=True)
+            await self._stop(run, "cancel")
             return run.record.response
         record = await self.get(response_id)
         response = record.response
@@ -195,15 +197,22 @@ class ResponseManager:
             raise bad_request(f"cannot cancel a response that is {response.status}", "response_id")
         return response
 
+    async def _stop(self, run: BackgroundRun, reason: str) -> None:
+        """Stop a background run and wait until it has saved its end. A
+        task cancelled before its first step would never run its handlers,
+        so one not started yet is told, and stops when it starts."""
+        run.stop = reason
+        if run.started:
+            run.task.cancel()
+        await asyncio.gather(run.task, return_exceptions=True)
+
     async def shutdown(self, timeout: float = 0.0) -> None:
         """Give the background responses still running up to `timeout`
         seconds, then stop them: those unfinished are saved as failed."""
-        tasks = [run.task for run in self.running.values()]
-        if tasks and timeout > 0:
-            await asyncio.wait(tasks, timeout=timeout)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        runs = list(self.running.values())
+        if runs and timeout > 0:
+            await asyncio.wait([run.task for run in runs], timeout=timeout)
+        await asyncio.gather(*(self._stop(run, "shutdown") for run in runs if not run.task.done()))
 
     # -- reading and deleting --------------------------------------------------------
 
@@ -240,9 +249,7 @@ class ResponseManager:
     async def delete(self, response_id: str) -> dict:
         run = self.running.get(response_id)
         if run is not None:
-            run.cancelled = True
-            run.task.cancel()
-            await asyncio.gather(run.task, return_exceptions=True)
+            await self._stop(run, "cancel")
         try:
             await self.store.delete(response_id)
         except ResponseNotFound:
