@@ -17,10 +17,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import msgspec
-
 from pyserve.api import chat
-from pyserve.api.errors import APIError, bad_request, from_msgspec
+from pyserve.api.errors import APIError, bad_request
 from pyserve.api.http import Request, page
 from pyserve.api.responses_input import (
     chat_request, check_call_outputs, check_supported, read_input, responses_error, unsupported,
@@ -30,6 +28,7 @@ from pyserve.api.responses_protocol import (
 )
 from pyserve.api.responses_stream import Event, ResponseBuilder, snapshot
 from pyserve.api.serving import ServingContext, now
+from pyserve.api.strict import convert_strict
 from pyserve.storage.responses import ResponseNotFound, ResponseStore, RunLock, new_response_id
 
 logger = logging.getLogger("pyserve.responses")
@@ -261,21 +260,8 @@ class ResponseManager:
 # -- routes --------------------------------------------------------------------------
 
 
-def _request(body: dict) -> ResponsesRequest:
-    try:
-        return msgspec.convert(body, ResponsesRequest)
-    except msgspec.ValidationError as e:
-        text, _, path = str(e).partition(" - at `$")
-        if text.startswith("Object contains unknown field `"):
-            name = text.split("`")[1]
-            where = path.rstrip("`").lstrip(".")
-            raise unsupported(f"{where}.{name}" if where else name, f"the parameter {name!r}",
-                              "pyserve's Responses API does not serve it") from None
-        raise from_msgspec(e) from None
-
-
 async def create(responses: ResponseManager, body: dict):
-    return await responses.create(_request(body))
+    return await responses.create(convert_strict(body, ResponsesRequest, "pyserve's Responses API"))
 
 
 def _refuse_query(request: Request, names: tuple[str, ...]) -> dict[str, str]:

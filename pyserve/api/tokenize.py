@@ -21,9 +21,13 @@ from pyserve.api import chat
 from pyserve.api.errors import bad_request
 from pyserve.api.protocol import ChatCompletionRequest, ChatMessage
 from pyserve.api.serving import ServingContext
+from pyserve.api.strict import convert_strict
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+# Unknown fields are refused (api/strict.py): a setting such as vLLM's
+# truncate_prompt_tokens would change the ids, so ignoring it would answer
+# another question.
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: Any = None  # a text, or a list of texts (SGLang)
     messages: list[ChatMessage] | None = None
@@ -37,12 +41,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # vLLM's per-request template: refused
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: Any  # token ids, or a list of token id lists (SGLang)
 
 
-async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
+async def tokenize(ctx: ServingContext, body: dict) -> dict:
+    req = convert_strict(body, TokenizeRequest, "/tokenize")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give either prompt or messages", "messages" if req.prompt is not None else "prompt")
     tokenizer = ctx.engine.tokenizer
@@ -90,7 +95,8 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
-async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict:
+async def detokenize(ctx: ServingContext, body: dict) -> dict:
+    req = convert_strict(body, DetokenizeRequest, "/detokenize")
     tokens = req.tokens
     single = _is_ids(tokens)
     if single:
