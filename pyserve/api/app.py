@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, files, generate, operations, responses, tokenize
+from pyserve.api import batches, chat, completions, files, generate, operations, responses, score, tokenize
 from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
@@ -78,6 +78,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/detokenize"): Route(tokenize.detokenize, dict),
     ("POST", "/v1/detokenize"): Route(tokenize.detokenize, dict),
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
+    ("POST", "/v1/score"): Route(score.score, dict),
     ("GET", "/get_model_info"): Route(operations.model_info),
     ("GET", "/model_info"): Route(operations.model_info),
     ("GET", "/get_server_info"): Route(operations.server_info),
