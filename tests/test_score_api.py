@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.test_tokenize_api import tiny_server_http
 
 QUERY = "Is the sky blue? Answer:"
 ITEMS = [" yes", " no, it is green", " maybe"]
@@ -18,10 +17,8 @@ ITEMS = [" yes", " no, it is green", " maybe"]
 
 @pytest.fixture(scope="module")
 def http(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir))
-    with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+    with tiny_server_http(tiny_llama_dir) as c:
         yield c
-    srv.stop()
 
 
 def score(http, **body) -> dict:

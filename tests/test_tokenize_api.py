@@ -4,6 +4,9 @@ is checked is the tokenizer's round trips, not any answer)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
@@ -13,12 +16,21 @@ TEXT = "Hello, world! Ünïcödé and   spaces\nand a new line."
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a city."}]
 
 
+@contextmanager
+def tiny_server_http(model_dir) -> Iterator[httpx.Client]:
+    """A server on the tiny model and an HTTP client of it, for a module."""
+    srv = ServerProcess("--model", str(model_dir))
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            yield c
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def http(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir))
-    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+    with tiny_server_http(tiny_llama_dir) as c:
         yield c
-    srv.stop()
 
 
 def tokenize(http, **body) -> dict:

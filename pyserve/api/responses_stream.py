@@ -66,47 +66,37 @@ class OutputItemDone(Event, kw_only=True, tag="response.output_item.done"):
     item: Item
 
 
-class ContentPartAdded(Event, kw_only=True, tag="response.content_part.added"):
+class ContentEvent(Event, kw_only=True):
+    """An event about one content part of an output item."""
+
     item_id: str
     output_index: int
     content_index: int = 0
+
+
+class ContentPartAdded(ContentEvent, kw_only=True, tag="response.content_part.added"):
     part: OutputText | ReasoningText
 
 
-class ContentPartDone(Event, kw_only=True, tag="response.content_part.done"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
+class ContentPartDone(ContentEvent, kw_only=True, tag="response.content_part.done"):
     part: OutputText | ReasoningText
 
 
-class OutputTextDelta(Event, kw_only=True, tag="response.output_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
+class OutputTextDelta(ContentEvent, kw_only=True, tag="response.output_text.delta"):
     delta: str
     logprobs: list = msgspec.field(default_factory=list)
 
 
-class OutputTextDone(Event, kw_only=True, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
+class OutputTextDone(ContentEvent, kw_only=True, tag="response.output_text.done"):
     text: str
     logprobs: list = msgspec.field(default_factory=list)
 
 
-class ReasoningTextDelta(Event, kw_only=True, tag="response.reasoning_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
+class ReasoningTextDelta(ContentEvent, kw_only=True, tag="response.reasoning_text.delta"):
     delta: str
 
 
-class ReasoningTextDone(Event, kw_only=True, tag="response.reasoning_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
+class ReasoningTextDone(ContentEvent, kw_only=True, tag="response.reasoning_text.done"):
     text: str
 
 
