@@ -34,7 +34,6 @@ from pyserve.storage.responses import ResponseNotFound, ResponseStore, RunLock, 
 logger = logging.getLogger("pyserve.responses")
 
 
-
 @dataclass
 class BackgroundRun:
     record: StoredResponse
