@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import resource
 import signal
@@ -41,6 +42,10 @@ async def serve(args: ServerArgs) -> None:
     raise_open_files_limit(args.max_connections)
     app = create_app(args)
     await app.startup()
+    # The model, modules and engine made at start-up live as long as the
+    # server: out of the collector's sight, a full collection no longer
+    # walks them, which paused the event loop for half a second.
+    gc.freeze()
     server = Server(
         app,
         address=args.host,
