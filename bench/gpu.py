@@ -6,7 +6,9 @@ weights plus KV, over the HBM bandwidth measured here with a large
 device-to-device copy); decode throughput at batch 64; and how far the
 Triton backend's logits are from the torch backend's on the same batch.
 The weights are random, built on the GPU from a ModelConfig: no checkpoint,
-no download.
+no download. With two GPUs or more, also decode tokens/s through the
+engine at --tp-size 2 against 1 on each shape (bench/tensor_parallel.py,
+from a random checkpoint written once: every rank loads its own slice).
 
     python bench/gpu.py                          # Llama 3.2 1B and Llama 3.1 8B shapes
     python bench/gpu.py --models 1b --json /tmp/gpu.json
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pyserve.engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
@@ -318,6 +321,26 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def tensor_parallel_rows(models: list[str]) -> dict:
+    """Decode tokens/s through the engine at --tp-size 2 vs 1 (bench/tensor_parallel.py),
+    each shape written once as a random checkpoint; needs two GPUs."""
+    if torch.cuda.device_count() < 2:
+        print("tensor parallelism: skipped, it needs two GPUs (see bench/tensor_parallel.py for CPU figures)")
+        return {}
+    import tempfile
+
+    from tensor_parallel import compare, format_rows, random_checkpoint
+
+    rows = {}
+    for name in models:
+        with tempfile.TemporaryDirectory() as scratch:
+            best = compare(str(random_checkpoint(SHAPES[name], Path(scratch))), "cuda", rounds=2)
+        print(f"{name}: decode at --tp-size 2 vs 1 (engine, 32-token prompts, 64 output tokens)")
+        print(format_rows(best))
+        rows[name] = {f"tp{tp}": rates for tp, rates in best.items()}
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
@@ -341,6 +364,7 @@ def main() -> None:
         "results": [bench_model(name, args, bandwidth) for name in args.models],
     }
     print(format_table(report))
+    report["tensor_parallel"] = tensor_parallel_rows(args.models)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

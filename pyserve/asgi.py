@@ -33,6 +33,9 @@ def create_app(args: ServerArgs | None = None, **options) -> PyserveApp:
     unknown option, ValueError for an impossible value."""
     args = replace(args or ServerArgs(), **options)
     args.validate()
+    if args.node_rank > 0:
+        raise ValueError(f"--node-rank {args.node_rank} serves no API, only tensor-parallel ranks: "
+                         "run the `pyserve` command on that node")
     return PyserveApp(args)
 
 

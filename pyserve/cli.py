@@ -1,4 +1,5 @@
-"""`pyserve`: load the model, then serve the HTTP API with Granian."""
+"""`pyserve`: load the model, then serve the HTTP API with Granian; or, on a
+node other than 0 of a tensor-parallel group, run that node's ranks."""
 
 from __future__ import annotations
 
@@ -114,8 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ServerArgs.from_cli(argv)
     setup_logging(args.log_level)
     try:
+        if args.node_rank > 0:
+            # Another node of a tensor-parallel group: its ranks only, no HTTP.
+            from pyserve.engine.tp_workers import run_worker_node
+
+            sys.exit(run_worker_node(args.resolved()))
         asyncio.run(serve(args))
-    except (ValueError, RuntimeError, OSError) as e:  # bad model, options or port: one clear line
+    except (ValueError, RuntimeError, OSError) as e:  # bad model, options or port, a failed rank: one clear line
         logging.getLogger("pyserve").error("%s", e)
         sys.exit(1)
 

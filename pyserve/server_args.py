@@ -42,6 +42,8 @@ class ServerArgs:
     model_path: str | None = option(None, "--model", "--model-path",
                                     help="Hugging Face model directory (default: the embedded model)")
     served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
+    is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
+                                "sentence-transformers files) instead of generating text")
     host: str = option("127.0.0.1", help="address to listen on")
     port: int = option(30000, help="port to listen on")
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -70,8 +72,19 @@ class ServerArgs:
     disable_overlap_schedule: bool | None = option(
         None, help="schedule the next step only after the current one finished",
         inverse=("--enable-overlap-schedule", "overlap scheduling on CPU too (by default only on CUDA)"))
-    tp_size: int = option(1, "--tp-size", "--tp", help="tensor-parallel size; pyserve runs on one GPU, so only 1")
+    # Tensor parallelism (README "Tensor parallelism"), named as SGLang names it.
+    tp_size: int = option(1, "--tp-size", "--tp",
+                          help="tensor-parallel ranks the model is split over: one process (and on CUDA one GPU) each")
+    nnodes: int = option(1, help="machines the tensor-parallel ranks run on, --tp-size / --nnodes on each")
+    node_rank: int = option(0, help="this machine's place among --nnodes: 0 serves the API, the others run only "
+                                    "their tensor-parallel ranks")
+    dist_init_addr: str | None = option(
+        None, help="HOST:PORT on node 0 where the tensor-parallel ranks meet (needed with --nnodes > 1; "
+                   "default on one machine: a free local port)")
     max_running_requests: int = option(64, help="running batch cap")
+    # Per request, unlike the engine-wide cap above: one request's prompts x n.
+    max_sequences_per_request: int = option(
+        256, help="most sequences (prompts x n) one request may ask for; more is a 400")
     max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
     chunked_prefill_size: int = option(
         2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
@@ -141,14 +154,12 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError, naming the option, for a value pyserve cannot run with."""
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size}: pyserve runs a model on one GPU "
-                             "(tensor parallelism is not built)")
+        self._validate_tensor_parallel()
         if self.page_size < 1:
             raise ValueError("--page-size must be at least 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
-        for name in ("backlog", "max_connections"):
+        for name in ("backlog", "max_connections", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.header_read_timeout <= 0:
@@ -163,9 +174,39 @@ class ServerArgs:
                     ipaddress.ip_network(item, strict=False)
             except ValueError:
                 raise ValueError(f"--forwarded-allow-ips: {item!r} is not an address or network") from None
+        if self.is_embedding:
+            self._validate_embedding()
         for origin in comma_list(self.allowed_origins):
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin such as https://app.example")
+
+    # Options about generated text, which an embedding server never makes.
+    _GENERATION_ONLY = ("chat_template", "reasoning_parser", "tool_call_parser", "default_max_tokens",
+                        "enable_torch_compile")
+
+    def _validate_embedding(self) -> None:
+        given = [name for name in self._GENERATION_ONLY if getattr(self, name) not in (None, False)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"{flags}: generation options make no sense with --is-embedding")
+
+    def _validate_tensor_parallel(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1:
+            raise ValueError("--tp-size and --nnodes must be at least 1")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                             "(each node runs as many ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be between 0 and --nnodes - 1 ({self.nnodes - 1})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT, an address of node 0 "
+                             "that every node reaches")
+        if self.dist_init_addr is not None and not re.fullmatch(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}",
+                                                                self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
+        if self.tp_size > 1 and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 (the compiled layers "
+                             "would hold the ranks' all-reduce); it buys little on the CPU anyway")
 
     def resolved(self) -> ServerArgs:
         """A copy with every "auto" made concrete for this machine: device

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 
 from pyserve.api.constraints import request_constraint
-from pyserve.api.errors import APIError
-from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeSamplingParams
+from pyserve.api.errors import APIError, from_msgspec
+from pyserve.api.generate_protocol import NativeSamplingParams
+from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.tool_grammar import ForcedCalls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -18,7 +19,11 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def chat_constraint(**body):
-    found = request_constraint(msgspec.convert({"messages": MSG, **body}, ChatCompletionRequest))
+    try:  # a wrongly typed field is refused when the body is decoded
+        req = msgspec.convert({"messages": MSG, **body}, ChatCompletionRequest)
+    except msgspec.ValidationError as e:
+        raise from_msgspec(e) from None
+    found = request_constraint(req)
     return None if found is None else (found.constraint.kind, found.constraint.text, found.param)
 
 

@@ -102,7 +102,7 @@ def test_bad_streamed_request_is_a_plain_400(http, case):
 BAD_COMPLETION_BODIES = {
     "token id outside vocabulary": ({"prompt": [1, 2, 10**9]}, "prompt"),
     "negative token id": ({"prompt": [-1]}, "prompt"),
-    "token id lists with a string": ({"prompt": [[1, "a"]]}, "prompt"),
+    "token id lists with a string": ({"prompt": [[1, "a"]]}, "prompt[0][1]"),
     "empty token list": ({"prompt": []}, "prompt"),
     "empty string": ({"prompt": ""}, "prompt"),
     "prompt wrong type": ({"prompt": 42}, "prompt"),

@@ -21,12 +21,15 @@ from pyserve.api.proxy import CORS
 from pyserve.api.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError
+from pyserve.server_args import ServerArgs
 
 MSG = [{"role": "user", "content": "hi"}]
 
 
 class ScriptedEngine:
     """Engine's interface; every request "generates" `script`, one delta per step."""
+
+    args = ServerArgs()  # the options the API reads (--max-sequences-per-request)
 
     def __init__(self, tokenizer: Tokenizer, script: list[str], fail_after: int | None = None):
         self.tokenizer = tokenizer

@@ -9,17 +9,21 @@ import msgspec
 import pytest
 
 from pyserve.api.errors import APIError
+from pyserve.api.generate_protocol import NativeSamplingParams
 from pyserve.api.http import page
-from pyserve.api.protocol import CompletionRequest, NativeSamplingParams
+from pyserve.api.protocol import CompletionRequest
 from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import fan_out, prompt_id_lists, usage
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from pyserve.server_args import ServerArgs
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 
 
 class RefusingEngine:
     """Engine.validate's and compile_grammar's contract: refuses with the
     engine's field names."""
+
+    args = ServerArgs()  # fan_out reads --max-sequences-per-request
 
     def __init__(self, refusal: RequestError | None = None):
         self.refusal = refusal

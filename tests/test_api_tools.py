@@ -332,8 +332,8 @@ def fn(name="get_weather", **extra):
 
 BAD_TOOL_BODIES = {
     "tools empty": ({"tools": []}, "tools", "empty_array"),
-    "tools not a list": ({"tools": {"type": "function"}}, "tools", None),
-    "tool not an object": ({"tools": ["get_weather"]}, "tools[0]", None),
+    "tools not a list": ({"tools": {"type": "function"}}, "tools", "invalid_type"),
+    "tool not an object": ({"tools": ["get_weather"]}, "tools[0]", "invalid_type"),
     "tool type missing": ({"tools": [{"function": {"name": "f"}}]}, "tools[0].type", "missing_required_parameter"),
     "tool type": ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", "invalid_value"),
     "function missing": ({"tools": [{"type": "function"}]}, "tools[0].function", "missing_required_parameter"),
@@ -354,7 +354,7 @@ BAD_TOOL_BODIES = {
     "tool_choice unknown function": ({"tools": TOOLS, "tool_choice": fn("nope")}, "tool_choice.function.name",
                                      "invalid_value"),
     "tool_choice required without tools": ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
-    "parallel_tool_calls not a bool": ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", None),
+    "parallel_tool_calls not a bool": ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
     "history call without function": ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
                                       "messages[0].tool_calls[0].function", "missing_required_parameter"),
     "history call arguments a number": ({"messages": [{"role": "assistant", "tool_calls": [

@@ -36,8 +36,8 @@ def test_model_path_is_an_alias_of_model():
 
 
 @pytest.mark.parametrize("option", [
-    ["--tp-size", "2"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"], ["--max-connections", "0"],
-    ["--header-read-timeout", "0"], ["--root-path", "llm/"], ["--forwarded-allow-ips", "proxy.example"],
+    ["--tp-size", "2", "--enable-torch-compile"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"],
+    ["--max-connections", "0"], ["--header-read-timeout", "0"], ["--root-path", "llm/"], ["--forwarded-allow-ips", "proxy.example"],
     ["--allowed-origins", "app.example"],
 ])
 def test_impossible_options_fail_clearly(option):

@@ -110,3 +110,50 @@ def build_tiny_model(
             if (tokenizer_dir / name).is_file():
                 shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+# sentence-transformers' names of the poolings pyserve applies.
+ST_POOLINGS = ("lasttoken", "mean", "cls")
+
+
+def build_tiny_embedding_model(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    pooling: str = "lasttoken",
+    normalize: bool = True,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """A tiny Qwen3 embedding model laid out as Qwen3-Embedding is: the
+    decoder saved without its LM head (tied embeddings, tensor names
+    without `model.`, config.json naming Qwen3ForCausalLM) plus the
+    sentence-transformers files: modules.json, the Pooling module's
+    config (`pooling`, one of ST_POOLINGS) and, when `normalize`, a
+    Normalize module. `overrides` go to config.json, e.g.
+    is_matryoshka=True or matryoshka_dimensions=[16, 32]."""
+    import transformers
+
+    if pooling not in ST_POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; choose from {ST_POOLINGS}")
+    out = build_tiny_model(out_dir, "qwen3", tokenizer_dir, seed, tie_word_embeddings=True)
+    transformers.AutoModel.from_pretrained(out).save_pretrained(out, safe_serialization=True)
+    config = json.loads((out / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], **overrides)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (out / "2_Normalize").mkdir(exist_ok=True)
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    # The older one-boolean-per-mode spelling, as Qwen3-Embedding ships it.
+    keys = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+    pooling_config = {key: mode == pooling for mode, key in keys.items()}
+    pooling_config.update(word_embedding_dimension=config["hidden_size"], include_prompt=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 2048, "do_lower_case": False}))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "cosine"}))
+    return out

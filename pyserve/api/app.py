@@ -23,12 +23,15 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, files, generate, operations, responses, score, tokenize
+from pyserve.api import (
+    batches, chat, completions, embeddings, files, generate, operations, responses, score, tokenize,
+)
 from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
 from pyserve.api.http import FileResponse, Request, Response, decode_json, error_response, json_response
-from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest, NativeGenerateRequest
+from pyserve.api.generate_protocol import NativeGenerateRequest
+from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.proxy import CORS, TrustedProxies
 from pyserve.api.responses import ResponseManager
 from pyserve.api.serving import ServingContext
@@ -55,6 +58,7 @@ class Route:
 ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/chat/completions"): Route(chat.create, ChatCompletionRequest),
     ("POST", "/v1/completions"): Route(completions.create, CompletionRequest),
+    ("POST", "/v1/embeddings"): Route(embeddings.create, embeddings.EmbeddingRequest),
     ("GET", "/v1/models"): Route(operations.models),
     ("GET", "/v1/models/{model:path}"): Route(operations.retrieve_model),
     ("POST", "/v1/files"): Route(files.upload, raw=True, service="files"),
@@ -90,6 +94,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health"): Route(operations.health, public=True),
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
+# Routes that generate text: an --is-embedding server answers them 400.
+GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:
@@ -169,6 +175,8 @@ class App:
             raise APIError(f"no route {request.method} {request.path}", 404, code="not_found")
         if self.api_key and not route.public:
             self._authorize(request)
+        if route.handler in GENERATION_HANDLERS:
+            embeddings.refuse_generation(self.ctx)
         args: list = [getattr(self, route.service)]
         if route.raw:
             args.append(request)

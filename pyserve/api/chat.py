@@ -22,7 +22,7 @@ from pyserve.api.serving import (
     ChoiceResult, ChunkFactory, ServingContext, collect, fan_out, merged_outputs, new_id, now, usage,
 )
 from pyserve.api.tool_grammar import with_strict_calls
-from pyserve.api.tools import ToolCalling, check_history_calls, plan
+from pyserve.api.tools import ToolCalling, plan
 from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -55,8 +55,7 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
             if value is not None:
                 msg[key] = value
         if m.tool_calls is not None:
-            check_history_calls(m.tool_calls, f"messages[{i}].tool_calls")
-            msg["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
+            msg["tool_calls"] = [_template_tool_call(msgspec.to_builtins(call)) for call in m.tool_calls]
         messages.append(msg)
     return messages
 

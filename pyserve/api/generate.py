@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from pyserve.api.constraints import request_constraint
 from pyserve.api.errors import bad_request
-from pyserve.api.protocol import NativeGenerateRequest, NativeSamplingParams
+from pyserve.api.generate_protocol import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.sampling import sampling_params
 from pyserve.api.serving import ServingContext, collect, fan_out, merged_outputs, new_id, prompt_id_lists
 from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
@@ -31,9 +31,10 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         prompt_logprobs=req.return_logprob and req.logprob_start_len >= 0,
         constraint=constrained and constrained.constraint,
     )
-    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens",
+    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "constraint": constrained and constrained.param}
     requests = await fan_out(ctx.engine, prompts, params, fields.n, req.rid or new_id(""), names)
+    _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
     if req.stream:
@@ -46,6 +47,16 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
                         "meta_info": _meta(requests[i].rid, result.final, started, logprobs and logprobs[i])})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
     return results[0] if single and fields.n == 1 else results
+
+
+def _check_logprob_start(req: NativeGenerateRequest, prompts: list[list[int]]) -> None:
+    """With return_logprob, the prompt's logprobs start inside the prompt
+    (-1: none of it), as SGLang checks; without it the options are unused."""
+    shortest = min(len(ids) for ids in prompts)
+    if req.return_logprob and not -1 <= req.logprob_start_len < shortest:
+        length = f"{shortest} token{'s' if shortest != 1 else ''}" + (" in the shortest" if len(prompts) > 1 else "")
+        raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({length}): give -1 "
+                          f"for no prompt logprobs, or a position from 0 to {shortest - 1}", "logprob_start_len")
 
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 
 from pyserve import __version__
 from pyserve.api.errors import APIError, bad_request
+from pyserve.api.embeddings import serves_embeddings
 from pyserve.api.http import Response
 from pyserve.api.protocol import ModelCard, ModelList
 from pyserve.api.serving import ServingContext, merged_outputs, new_id
@@ -40,7 +41,8 @@ def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
 async def health_generate(ctx: ServingContext) -> None:
     """SGLang's deep health check: the engine generates one token in time."""
     ids = ctx.engine.tokenizer.encode("Hello", add_special_tokens=True)
-    req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"))
+    req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"),
+                          embedding=serves_embeddings(ctx))  # an embedding server computes one embedding
 
     async def one_token():
         async for _ in merged_outputs(ctx.engine, [req]):
@@ -59,7 +61,7 @@ def model_info(ctx: ServingContext) -> dict:
         "model_path": str(ctx.engine.model_dir),
         "tokenizer_path": str(ctx.engine.model_dir),
         "served_model_name": ctx.served_model_name,
-        "is_generation": True,
+        "is_generation": not serves_embeddings(ctx),
         "architecture": ctx.engine.model_config.architecture,
         "context_length": ctx.engine.context_len,
         "version": __version__,

@@ -1,11 +1,12 @@
 """Request and response bodies of the OpenAI and native routes, as msgspec Structs.
 
-Requests: unknown fields are ignored, as OpenAI-compatible servers do,
-except in SGLang's sampling_params, where an unknown name is a setting
-this server does not honour. Structured-output fields are typed loosely
-and read by api/constraints.py, which names what is wrong. Fields whose JSON
-shape varies (a prompt as text or token ids) are decoded loosely and
-checked in code, with a clear message.
+Requests: unknown fields are ignored, as OpenAI-compatible servers do
+(/generate's body, in generate_protocol.py, is stricter). Fields are
+typed, so a wrongly typed value is a 400 naming it. Objects stay free
+where their content is free JSON (a JSON schema, a structural tag's
+format, chat_template_kwargs) or is checked in code with OpenAI's own
+messages: `tools` (api/tools.py) and vLLM's structured_outputs
+(api/constraints.py).
 
 Responses mirror SGLang's shapes field for field, nulls included (the
 openai client reads `logprobs: null`, `matched_stop: null`...). A field
@@ -30,11 +31,24 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class HistoryFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None | UnsetType = UNSET  # JSON text (some clients send the object)
+
+
+class HistoryToolCall(msgspec.Struct, kw_only=True):
+    """A call of an earlier assistant turn, sent back in `messages`."""
+
+    id: str | UnsetType = UNSET
+    type: str = "function"
+    function: HistoryFunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -45,11 +59,22 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
-    json_schema: Any = None  # {"name", "schema", "strict"}
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
     # SGLang's structural tag: xgrammar's `format`, or the legacy `structures` + `triggers`
-    format: Any = None
-    structures: Any = None
-    triggers: Any = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    """A named function the model must call: {"type": "function", "function": {"name"}}."""
+
+    type: str
+    function: ToolChoiceFunction
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -81,17 +106,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
     # grammar) and vLLM's object; see api/constraints.py.
     response_format: ResponseFormat | None = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structured_outputs: Any = None
+    json_schema: str | dict[str, Any] | None = None  # JSON text, or the schema itself
+    regex: str | None = None
+    ebnf: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's {"json" | "regex" | "choice" | ...: ...}
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    tool_choice: str | ToolChoice | None = None  # "none" | "auto" | "required", or a named function
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
@@ -99,50 +124,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    # Text, texts, token ids or token id lists. msgspec takes one array type
+    # per union, so the items are typed and serving.prompt_id_lists refuses a mix.
+    prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16  # the legacy API's default (OpenAI, SGLang, vLLM)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-
-
-class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """SGLang's sampling_params, with its names and defaults."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    # Structured outputs, as SGLang takes them: JSON texts, a regex, a GBNF grammar.
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
-
-
-class NativeGenerateRequest(msgspec.Struct, kw_only=True):
-    text: str | list[str] | None = None
-    input_ids: Any = None  # list[int] | list[list[int]]
-    sampling_params: NativeSamplingParams | None = None
-    stream: bool = False
-    rid: str | None = None
-    # SGLang's logprob options: output tokens' logprobs, and the prompt's
-    # from position logprob_start_len on (-1: none of the prompt).
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
 
 
 # -- responses ---------------------------------------------------------------

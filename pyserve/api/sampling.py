@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pyserve.api.errors import bad_request
 from pyserve.api.logprobs import MAX_TOP_LOGPROBS
-from pyserve.api.protocol import NativeSamplingParams, SamplingFields
+from pyserve.api.generate_protocol import NativeSamplingParams
+from pyserve.api.protocol import SamplingFields
 from pyserve.engine.request import Constraint, SamplingParams
 
 MAX_N = 128

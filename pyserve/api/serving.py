@@ -93,7 +93,11 @@ async def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingPara
     The engine validates each prompt once, and compiles the constraint
     once, here, before anything streams, so a refusal is still a plain
     400; `param_names` maps the engine's field ("prompt", "max_new_tokens",
-    "constraint") to the route's parameter name."""
+    "constraint") and "n" to the route's parameter name.
+
+    One request asks for at most --max-sequences-per-request sequences
+    (prompts x n), so that it cannot fill the engine's queue alone."""
+    _check_sequences(engine.args.max_sequences_per_request, len(prompts), n, param_names)
     requests = []
     try:
         for p, ids in enumerate(prompts):
@@ -107,6 +111,16 @@ async def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingPara
     except RequestError as e:
         raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
     return requests
+
+
+def _check_sequences(cap: int, prompts: int, n: int, param_names: Mapping[str, str]) -> None:
+    if prompts * n <= cap:
+        return
+    # Name what to cut: the prompts when they alone are too many, else n.
+    param = param_names.get("prompt", "prompt") if prompts > cap else param_names.get("n", "n")
+    raise bad_request(f"this request asks for {prompts} prompt{'s' if prompts > 1 else ''} x n={n} = "
+                      f"{prompts * n} sequences, more than the {cap} one request may have "
+                      "(--max-sequences-per-request): split it into smaller requests", param)
 
 
 async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pyserve._rust import ToolCallParser
 from pyserve.api.errors import bad_request
-from pyserve.api.protocol import ChatCompletionRequest, ToolCall
+from pyserve.api.protocol import ChatCompletionRequest, ToolCall, ToolChoice
 from pyserve.api.tool_grammar import ForcedCalls, arguments_key, forced_calls, new_call, strict_calls
 from pyserve.engine.request import Constraint
 
@@ -91,7 +91,7 @@ def check_tools(tools: list[dict] | None) -> None:
         _field(function, "strict", f"{where}.function.strict", bool, required=False)
 
 
-def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
+def check_tool_choice(tool_choice: str | ToolChoice | None, tools: list[dict] | None) -> str | None:
     """"none", "auto", "required", or the name of the function the model
     must call; None when neither tools nor a choice are given."""
     if tool_choice is None:
@@ -101,15 +101,11 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
             raise bad_request(f"Invalid value: '{tool_choice}'. Supported values are: 'none', 'auto' and "
                               "'required'.", "tool_choice", "invalid_value")
         choice = tool_choice
-    elif isinstance(tool_choice, dict):
-        kind = _field(tool_choice, "type", "tool_choice.type", str)
-        if kind != "function":
-            raise bad_request(f"Invalid value: '{kind}'. Supported values are: 'function'.", "tool_choice.type",
-                              "invalid_value")
-        function = _field(tool_choice, "function", "tool_choice.function", dict)
-        choice = _field(function, "name", "tool_choice.function.name", str)
-    else:
-        raise _wrong_type("tool_choice", "a string or an object", tool_choice)
+    else:  # its shape and types were checked when the body was decoded
+        if tool_choice.type != "function":
+            raise bad_request(f"Invalid value: '{tool_choice.type}'. Supported values are: 'function'.",
+                              "tool_choice.type", "invalid_value")
+        choice = tool_choice.function.name
     if choice in ("none", "auto"):
         return choice
     if tools is None:
@@ -119,16 +115,6 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
         raise bad_request(f"Invalid value for 'tool_choice': no function named '{choice}' in 'tools'.",
                           "tool_choice.function.name", "invalid_value")
     return choice
-
-
-def check_history_calls(calls: list[dict], where: str) -> None:
-    """The `tool_calls` of an assistant message sent back to us."""
-    for j, call in enumerate(calls):
-        function = _field(call, "function", f"{where}[{j}].function", dict)
-        _field(function, "name", f"{where}[{j}].function.name", str)
-        arguments = function.get("arguments")
-        if arguments is not None and not isinstance(arguments, (str, dict)):
-            raise _wrong_type(f"{where}[{j}].function.arguments", "a string", arguments)
 
 
 def plan(req: ChatCompletionRequest, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:

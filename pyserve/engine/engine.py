@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pyserve._rust import Tokenizer
+from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.kv_manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
@@ -34,6 +35,7 @@ from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
+from pyserve.model.pooling import PoolingConfig
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
@@ -57,7 +59,10 @@ class Engine:
         # Ids the model can produce or read: the embedding rows.
         self.vocab_size = self.model_config.vocab_size
         self.grammars = None  # --grammar-backend none: constrained requests are refused
-        if args.grammar_backend == "xgrammar":
+        # --is-embedding: how prompts become vectors; None on a generation server.
+        self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
+            if args.is_embedding else None
+        if args.grammar_backend == "xgrammar" and self.pooling is None:
             info = tokenizer_info(self.tokenizer, (self.model_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info)
@@ -129,6 +134,8 @@ class Engine:
             raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {capacity}", "prompt")
         if req.params.constraint is not None and self.grammars is None:
             raise RequestError(_GRAMMARS_OFF, "constraint")
+        if req.embedding != (self.pooling is not None):
+            raise RequestError(embedding_mismatch(req.embedding), "prompt")
 
     async def compile_grammar(self, constraint: Constraint) -> None:
         """Compile (or find cached) a constraint's grammar; RequestError
@@ -152,7 +159,8 @@ class Engine:
             raise RuntimeError("the engine is not started")
         if req.rid in self.scheduler.requests:
             raise RequestError(f"request id {req.rid} is already running", "rid")
-        params = replace(req.params, max_new_tokens=self._max_new_tokens(req))
+        params = replace(req.params, max_new_tokens=self._max_new_tokens(req),
+                         pooling=self.pooling.mode if req.embedding else None)
         seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority,
                        arrival=time.monotonic())
         if params.seed is not None:
@@ -161,7 +169,8 @@ class Engine:
         if constraint is not None:
             compiled = self.grammars.cached(constraint) or await self.grammars.compile(constraint)
             seq.grammar = self.grammars.new_state(compiled, constraint.after)
-        seq.output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
+        seq.output = EmbeddingOutput(seq, self.pooling) if req.embedding else \
+            OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
         self.scheduler.add(seq)
         self._wakeup.set()
         try:
@@ -256,6 +265,12 @@ class Engine:
         for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
             if not seq.finished:  # else aborted, or finished by an earlier token, while this step ran
                 self._on_token(seq, token_id, logprob)
+        for (seq, start, count), total in zip(step.embed_spans, [] if output.pooled is None else output.pooled):
+            if not seq.finished:
+                seq.output.add(start, count, total)
+        for seq in step.embedded:
+            if not seq.finished:
+                self._finish(seq, seq.output.finish())
         self._step_log.on_done(step)
 
     def _on_failed_step(self, step: ScheduledStep) -> None:

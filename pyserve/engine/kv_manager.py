@@ -93,8 +93,9 @@ class KVManager:
 
     def can_share(self, seq: Sequence) -> bool:
         """Whether `seq` may start from a cached prefix: not when the cache
-        is off, nor when it wants the logits of every prompt position."""
-        return self.cache is not None and not seq.params.prompt_logprobs
+        is off, nor when it wants the logits of every prompt position, nor
+        when it is an embedding pooled from the first position on."""
+        return self.cache is not None and not seq.params.prompt_logprobs and seq.params.pooling in (None, "last")
 
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The longest cached prefix of `seq` that `can_share` allows,

@@ -2,69 +2,35 @@
 
 The asyncio loop must never wait on a forward pass, so every call into
 torch for a step (forward + sampling) goes to a dedicated worker thread;
-torch releases the GIL inside its kernels. `launch` queues a step there and
+torch releases the GIL in its kernels. `launch` queues a step there and
 returns at once; `wait` gives its results once they are on the host.
+
+With --tp-size > 1 this is rank 0: it starts the other ranks (tp_workers.py)
+and, on the forward thread, broadcasts each step's batch to them before
+running its own shard of the same forward. Only rank 0 samples: the
+sampler's state (per-request generators, penalty history, grammar
+matchers) stays single-rank code, and the other ranks need no request
+state at all, since the ids they read next arrive in the next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pyserve.engine.rank_model import RankModel
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.step import ScheduledStep
-from pyserve.model.attention.base import AttentionBackend
-from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
-from pyserve.model.kv_buffer import KVBuffer
-from pyserve.model.loader import load_model
-from pyserve.model.quant import resolve_quant
+from pyserve.model.pooling import sum_spans
 from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
-
-# KV cache size when --max-total-tokens is not given. On CPU: room for a
-# few full-length sequences, capped in slots and by the memory available.
-_CPU_KV_CONTEXTS = 4
-_CPU_KV_MAX_SLOTS = 65536
-_CPU_KV_MEM_FRACTION = 0.25
-_GPU_MEM_FRACTION = 0.85  # default --mem-fraction-static: weights + KV cache
-_GPU_ACTIVATION_RESERVE = 1 << 30
-
-
-def usable_cpus() -> int:
-    """CPUs this process may really use: its affinity mask, further capped by
-    a cgroup v2 CPU quota (containers often allow fewer CPUs than they show,
-    and torch would otherwise start one thread per visible core)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
-
-def available_memory() -> int:
-    """Bytes of RAM that can be taken without swapping others out."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
 
 @dataclass
 class StepOutput:
@@ -77,6 +43,9 @@ class StepOutput:
     ready: "torch.cuda.Event | None"  # None: already complete
     # Prompt log-probabilities, in the same three parts, one row per target.
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Embedding requests: per step.embed_spans entry, the float32 sum of its
+    # pooled rows' final-norm hidden states [spans, hidden].
+    pooled: torch.Tensor | None = None
 
     def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
@@ -95,101 +64,66 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: Path):
         """`args` resolved (ServerArgs.resolved): no "auto" left."""
-        self.device = torch.device(args.device)
-        self.dtype = getattr(torch, args.dtype)
-        if self.device.type == "cpu":
-            torch.set_num_threads(usable_cpus())
         torch.manual_seed(args.random_seed)
-        self.quant = resolve_quant(args.torchao_config, model_dir, self.device)
-        self.model, self.config = load_model(model_dir, self.dtype, self.device, self.quant)
-        self.context_len = args.context_length or self.config.max_position_embeddings
-        self.kv_buffer = KVBuffer(
-            self.config.num_hidden_layers,
-            self._num_pages(args),
-            self.config.num_key_value_heads,
-            self.config.head_dim,
-            self.dtype,
-            self.device,
-            page_size=args.page_size,
-        )
-        self.attention = self._make_attention(args.attention_backend)
-        self.cuda_graphs = None  # replays decode steps when set
-        graph_max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        if self.device.type == "cuda" and not args.disable_cuda_graph and graph_max_bs > 0:
-            from pyserve.engine.cuda_graph_runner import CudaGraphRunner
-            from pyserve.model.attention.triton_backend import TritonAttention
+        self.ranks = None  # the other tensor-parallel ranks, when --tp-size > 1
+        if args.tp_size > 1:
+            from pyserve.engine.tp_workers import TensorParallelRanks
 
-            # The graphs read the Triton backend's static kv tables.
-            if isinstance(self.attention, TritonAttention):
-                self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
-        if args.enable_torch_compile:
-            self._compile_decode()
+            self.ranks = TensorParallelRanks(args, model_dir)
+        try:
+            self.rank_model = self._start_rank_model(args, model_dir)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abandon()
+            raise
+        self.device = self.rank_model.device
+        self.config = self.rank_model.config
+        self.context_len = self.rank_model.context_len
+        self.kv_buffer = self.rank_model.kv_buffer
         self.sampler = Sampler(args.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
         capacity = (self.kv_buffer.num_pages - 1) * args.page_size  # page 0 is never handed out
         logger.info(
-            "KV cache: %d tokens in pages of %d (%.2f GiB), context length %d",
-            capacity, args.page_size, capacity * self._bytes_per_token() / (1 << 30), self.context_len,
+            "KV cache: %d tokens in pages of %d (%.2f GiB%s), context length %d",
+            capacity, args.page_size, capacity * self.rank_model.kv_bytes_per_token() / (1 << 30),
+            " on rank 0" if self.ranks else "", self.context_len,
         )
 
-    def _bytes_per_token(self) -> int:
-        c = self.config
-        return KVBuffer.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+    def _start_rank_model(self, args: ServerArgs, model_dir: Path) -> RankModel:
+        """Rank 0's model, with a KV cache of the size it decides for every rank."""
+        if self.ranks is None:
+            rank_model = RankModel(args, model_dir, torch.device(args.device))
+            rank_model.allocate(args, rank_model.num_pages(args))
+            return rank_model
+        ranks, member = self.ranks, self.ranks.member
+        rank_model = RankModel(args, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
+        num_pages = rank_model.num_pages(args)
+        ranks.watched(ranks.channel.send_value, num_pages)
+        # Capturing CUDA graphs runs collectives: every rank allocates at once.
+        ranks.watched(rank_model.allocate, args, num_pages)
+        ranks.watched(ranks.channel.barrier)
+        ranks.serving = True
+        logger.info("Tensor parallelism: %d ranks over %d node(s) (%s), KV cache of %d pages on each",
+                    args.tp_size, args.nnodes, ranks.layout.backend, num_pages)
+        return rank_model
 
-    def _num_pages(self, args: ServerArgs) -> int:
-        """Pages in the KV buffer, the reserved padding page included."""
-        return max(-(-self._kv_tokens(args) // args.page_size) + 1, 2)
+    # What tests and benchmarks reach through the runner.
+    @property
+    def model(self):
+        return self.rank_model.model
 
-    def _kv_tokens(self, args: ServerArgs) -> int:
-        if args.max_total_tokens:
-            return args.max_total_tokens
-        if self.device.type == "cuda":
-            # Weights are loaded: the KV cache gets what is left of the
-            # static share, minus room for activations and CUDA graphs.
-            _, total = torch.cuda.mem_get_info(self.device)
-            fraction = args.mem_fraction_static or _GPU_MEM_FRACTION
-            budget = int(total * fraction) - torch.cuda.memory_allocated(self.device) - _GPU_ACTIVATION_RESERVE
-            if budget <= 0:
-                raise ValueError(f"--mem-fraction-static {fraction} leaves no GPU memory for the KV cache")
-            return budget // self._bytes_per_token()
-        wanted = min(self.context_len * _CPU_KV_CONTEXTS, _CPU_KV_MAX_SLOTS)
-        affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // self._bytes_per_token()
-        return min(wanted, affordable)
+    @property
+    def attention(self):
+        return self.rank_model.attention
 
-    def _compile_decode(self) -> None:
-        """--enable-torch-compile: compile the decode layers now, on dummy
-        steps of batch 1 and 2 (the second makes the batch size dynamic),
-        equal and unequal lengths, so no request pays for it. Dummy rows
-        read and write only the padding slot 0."""
-        if self.device.type != "cpu":
-            logger.warning("--enable-torch-compile is for the CPU; on %s decode steps keep their kernels",
-                           self.device.type)
-            return
-        self.model.compile_decode()
-        start = time.perf_counter()
-        zero = torch.zeros
-        for lengths in ([2], [2, 2], [2, 3]):
-            rows = len(lengths)
-            batch = ForwardBatch.build([0] * rows, [n - 1 for n in lengths], zero(rows, dtype=torch.long),
-                                       [1] * rows, [zero(n, dtype=torch.long) for n in lengths], list(range(rows)),
-                                       True, self.device)
-            with torch.inference_mode():
-                self.model(batch, self.attention)
-        logger.info("torch.compile: decode layers compiled in %.1f s", time.perf_counter() - start)
-
-    def _make_attention(self, name: str) -> AttentionBackend:
-        if name == "triton":
-            from pyserve.model.attention.triton_backend import TritonAttention
-
-            return TritonAttention(self.kv_buffer, self.config.num_attention_heads, self.context_len)
-        return TorchAttention(self.kv_buffer)
+    @property
+    def cuda_graphs(self):
+        return self.rank_model.cuda_graphs
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            return self.cuda_graphs.replay(batch)
-        return self.model(batch, self.attention)
+        return self.rank_model.forward(batch)
 
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""
@@ -219,7 +153,7 @@ class ModelRunner:
                 batch = step.batch.to(self.device)
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
-                all_logits = self.forward(batch)
+                all_logits, pooled = self._forward_on_every_rank(batch, step)
                 logits = all_logits[: len(seqs)]
                 next_ids = self.sampler.sample(logits, seqs)
                 logprobs = prompt_logprobs = None
@@ -231,18 +165,46 @@ class ModelRunner:
                     prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, step.prompt_top_logprobs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
-                                    to_host(prompt_logprobs))
+                                    to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None)
                 output.ready.record()
                 return output
         except Exception:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise
+
+    def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits (and pooled sums), the other tensor-parallel ranks
+        given the same batch."""
+        if self.ranks is None:
+            return self._forward(batch, step)
+        self.ranks.check()
+        try:
+            self.ranks.channel.send(batch)
+            return self._forward(batch, step)
+        except Exception as e:
+            # The ranks may now be inside different collectives: none can go on.
+            self.ranks.fail(f"a tensor-parallel step failed on rank 0: {e}")
+            raise
+
+    def _forward(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the batch's logits rows and, for a step with embedding
+        rows, StepOutput.pooled, in one pass through the layers. The other
+        ranks run a plain forward: the same collectives, since the pooled
+        rows' final norm is local and the vocabulary gather sees the same
+        logits rows."""
+        if not step.embed_rows:
+            return self.forward(batch), None
+        wanted = len(batch.logits_indices)
+        rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
+        hidden = self.model.hidden_states(batch, self.attention, rows)
+        pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
+        return self.model.logits(hidden[:wanted]), pooled
 
     def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
         last = self._last_ids
@@ -252,4 +214,12 @@ class ModelRunner:
         return torch.where(ids < 0, last[rows], ids)
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True)
+        """Stop the forward thread, then every other rank. RuntimeError when a
+        rank had failed, so that the server exits with an error."""
+        failure = self.ranks.failure if self.ranks is not None else None
+        # After a failure the thread may be stuck in a collective that never ends.
+        self.executor.shutdown(wait=failure is None, cancel_futures=True)
+        if self.ranks is not None:
+            self.ranks.stop()
+            if self.ranks.failure is not None:
+                raise RuntimeError(f"tensor parallelism failed: {self.ranks.failure}")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class SamplingParams:
     # The output must match this grammar; the request then ends with "stop"
     # when the grammar does (at its EOS), whatever ignore_eos says.
     constraint: Constraint | None = None
+    # Set by the engine on an embedding request: how its prompt's hidden
+    # states are pooled (model/pooling.py); it ends after its prefill.
+    pooling: str | None = None
 
 
 @dataclass
@@ -63,6 +70,9 @@ class GenerateRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Lower runs first: interactive requests are 0, batch jobs BATCH_PRIORITY.
     priority: int = 0
+    # An embedding (an --is-embedding server): the pooled vector of the
+    # prompt instead of generated tokens.
+    embedding: bool = False
 
 
 BATCH_PRIORITY = 1
@@ -115,3 +125,4 @@ class GenerateOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
     # On the first output, when asked for: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: torch.Tensor | None = None  # an embedding request's vector (float32, CPU), on its last output

@@ -98,7 +98,12 @@ class Scheduler:
         for seq in prefill.seqs:
             if seq.kv_len == seq.num_tokens:  # its whole prompt is in: it decodes from now on
                 self.prefilling.remove(seq)
-                self.running.append(seq)
+                if seq.params.pooling:
+                    # An embedding ends with this step and decodes nothing: its
+                    # KV goes to the cache now, as a finished prompt's would.
+                    self.kv.release(seq)
+                else:
+                    self.running.append(seq)
         return step
 
     def _decode_rows(self) -> Rows:

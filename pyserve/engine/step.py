@@ -20,6 +20,7 @@ import torch
 from pyserve.engine.kv_manager import KVManager
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.pooling import pooled_positions
 
 
 @dataclass
@@ -53,6 +54,12 @@ class ScheduledStep:
     # sampled ones) is scored on, and how many rows each sequence has.
     prompt_targets: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Embedding requests: the token rows whose hidden states are pooled,
+    # (sequence, first position, rows) per sequence that has some, and the
+    # sequences whose whole prompt is in after this step (they end with it).
+    embed_rows: list[int] = field(default_factory=list)
+    embed_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    embedded: list[Sequence] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -75,6 +82,9 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     prompt_spans: list[tuple[Sequence, int]] = []
+    embed_rows: list[int] = []
+    embed_spans: list[tuple[Sequence, int, int]] = []
+    embedded: list[Sequence] = []
     seqs = prefill.seqs + decode.seqs
     lengths = prefill.lengths + decode.lengths
     new_slots = prefill.new_slots + decode.new_slots
@@ -91,10 +101,17 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
                 prompt_rows += [len(input_ids) + p - start for p in scored]
                 prompt_targets += [seq.prompt_ids[p + 1] for p in scored]
                 prompt_spans.append((seq, len(scored)))
+        if seq.params.pooling:
+            pooled = pooled_positions(seq.params.pooling, start, n, len(seq.prompt_ids))
+            if pooled:
+                embed_rows += [len(input_ids) + p - start for p in pooled]
+                embed_spans.append((seq, start, len(pooled)))
         input_ids.extend(new)
         positions.extend(range(start, start + n))
         kv.append_slots(seq, slots)
-        if seq.kv_len == seq.num_total:  # the whole sequence is in: sample
+        if seq.params.pooling and seq.kv_len == seq.num_total:  # an embedding ends with its prompt
+            embedded.append(seq)
+        elif seq.kv_len == seq.num_total:  # the whole sequence is in: sample
             logits_indices.append(len(input_ids) - 1)
             sampled.append(seq)
     batch = ForwardBatch.build(
@@ -107,6 +124,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         seqs=seqs, batch=batch, sampled=sampled, num_prefill_seqs=len(prefill.seqs),
         num_prefill_tokens=sum(prefill.lengths), num_cached_tokens=cached_tokens,
         has_placeholders=has_placeholders, prompt_targets=prompt_targets, prompt_spans=prompt_spans,
+        embed_rows=embed_rows, embed_spans=embed_spans, embedded=embedded,
     )
 
 

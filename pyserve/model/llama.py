@@ -1,5 +1,9 @@
 """A Llama-family decoder: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
+Under tensor parallelism (parallel.py) each rank builds the layers of its
+ModelShard: its attention heads, its slice of the MLP and of the
+vocabulary, with an all-reduce after o_proj and down_proj.
+
 The layers follow Hugging Face's numerics (RMSNorm in float32, rotate-half
 RoPE computed in float32 then cast) so greedy tokens match transformers on
 the same weights. q/k/v and gate/up are fused into one matmul each; the
@@ -22,6 +26,7 @@ from torch import nn
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.parallel import ModelShard, embed
 
 # Tests turn this off to compare the fused kernels with the torch path on one GPU.
 FUSED_ON_CUDA = True
@@ -181,17 +186,19 @@ def apply_rotary_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = shard.tp
+        self.num_heads = len(shard.q_heads)
+        self.num_kv_heads = len(shard.kv_heads)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Row-parallel: the ranks' partial outputs are summed, so only rank 0 adds the bias.
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias and self.tp.rank == 0)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -214,27 +221,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ModelShard):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.tp = shard.tp
+        self.intermediate_size = len(shard.intermediate)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias and self.tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if _fused(gate_up):
-            return self.down_proj(_fused_ops().silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(_fused_ops().silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
     # A layer runs as before_attention, the attention backend, after_attention:
     # the two halves hold no layer index or cache, so one compiled version of
@@ -252,26 +261,29 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, out, residual):
         """(this layer's MLP output, the residual stream before it)."""
-        h = self.self_attn.o_proj(out.reshape(-1, self.self_attn.q_size))
+        attn = self.self_attn
+        h = attn.tp.all_reduce(attn.o_proj(out.reshape(-1, attn.q_size)))
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names are the checkpoint's minus the leading `model.`, with
-    q/k/v fused as `qkv_proj` and gate/up as `gate_up_proj`."""
+    q/k/v fused as `qkv_proj` and gate/up as `gate_up_proj`. `shard`: the
+    part this tensor-parallel rank holds (default: all of it)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.shard = shard = shard or ModelShard.of(config)
+        self.embed_tokens = nn.Embedding(len(shard.vocab), config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix as the output projection
         # (quantize_model may give them a quantized copy of it).
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, len(shard.vocab), bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def compile_decode(self) -> None:
@@ -287,8 +299,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
+        return self.logits(self.hidden_states(batch, attn, batch.logits_indices))
+
+    def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend, rows: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [len(rows), hidden] of the token rows
+        `rows` (indices into the batch's new tokens): what the vocabulary
+        projection reads, and what embedding models pool."""
         attn.prepare(batch)
-        x = self.embed_tokens(batch.input_ids)
+        x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
         before, after = DecoderLayer.before_attention, DecoderLayer.after_attention
         if batch.is_decode and self._compiled_halves is not None:
@@ -297,11 +315,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             q, k, v, residual = before(layer, x, residual, cos, sin)
             x, residual = after(layer, layer.self_attn.attend(q, k, v, batch, attn), residual)
-        # Only the rows whose next token is wanted go through the last
-        # residual add, the norm and the vocabulary projection, the most
-        # expensive matmul for small models.
-        rows = batch.logits_indices
+        # Only the rows whose next token (or hidden state) is wanted go
+        # through the last residual add, the norm and the vocabulary
+        # projection, the most expensive matmul for small models.
         x, _ = self.norm(x[rows], residual[rows])
-        if self.lm_head is None:
-            return F.linear(x, self.embed_tokens.weight).float()
-        return self.lm_head(x).float()
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-norm hidden states, over the whole
+        vocabulary (gathered from the ranks' shards)."""
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        return self.shard.tp.gather_vocab(logits, self.config.vocab_size).float()

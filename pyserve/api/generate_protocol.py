@@ -1,0 +1,58 @@
+"""The request body of SGLang's native POST /generate, as msgspec Structs.
+
+Stricter than the OpenAI routes' bodies: an unknown field, at the top or
+in sampling_params, is a 400 naming it (msgspec's forbid_unknown_fields).
+SGLang's own fields that pyserve cannot honour (min_new_tokens,
+image_data, lora_path...) are unknown here, so they are refused rather
+than dropped. Types are strict too: no bool or int read from a string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's sampling_params, with its names and defaults."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # Structured outputs, as SGLang takes them: a JSON schema (JSON text, or
+    # the schema itself, which stays a free object), a regex, a GBNF
+    # grammar, a structural tag (JSON text or object); api/constraints.py
+    # reads them.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    text: str | list[str] | None = None
+    # Token ids, or a list of token id lists. msgspec takes one array type
+    # per union, so the items are typed and generate.py refuses a mix.
+    input_ids: list[int | list[int]] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool = False
+    rid: str | None = None
+    # SGLang's logprob options: output tokens' logprobs, and the prompt's
+    # from position logprob_start_len on (-1: none of the prompt).
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False

@@ -1,0 +1,142 @@
+"""How an embedding model turns a prompt's hidden states into one vector.
+
+The rule is read from the model directory, as sentence-transformers reads
+it: modules.json lists the modules after the transformer (a Pooling module
+whose config.json names the pooling, then optionally Normalize). Without
+modules.json: last-token pooling and L2 normalisation, what decoder
+embedding models such as Qwen3-Embedding are trained with. A module
+pyserve does not apply (Dense, a pooling it does not implement) is refused
+when the server starts, never skipped.
+
+Pooling reads the final-norm hidden state of:
+- "last": the last prompt token (it may follow a cached prefix);
+- "cls": the first token;
+- "mean": every token, averaged.
+"cls" and "mean" need positions a cached prefix would skip, so their
+requests are computed whole (engine/kv_manager.py `can_share`).
+
+Matryoshka (`dimensions`): allowed when config.json says so, as vLLM and
+SGLang read it: `matryoshka_dimensions` (the sizes allowed) or
+`is_matryoshka: true` (any size up to the hidden size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# sentence-transformers' names (Pooling.pooling_mode) -> ours.
+_ST_MODES = {"lasttoken": "last", "cls": "cls", "mean": "mean"}
+# Its older config spelled the mode as one boolean per mode.
+_ST_LEGACY_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    mode: str = "last"
+    normalize: bool = True
+    hidden_size: int = 0
+    # Sizes `dimensions` may ask for: None when the model declares no
+    # Matryoshka training (only its own size then), () for any size.
+    matryoshka_dims: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, hidden_size: int) -> PoolingConfig:
+        """The model directory's pooling; ValueError naming the file for
+        one pyserve cannot apply."""
+        model_dir = Path(model_dir)
+        mode, normalize = "last", True
+        modules_file = model_dir / "modules.json"
+        if modules_file.is_file():
+            mode, normalize = _read_modules(model_dir, json.loads(modules_file.read_text()))
+        config = json.loads((model_dir / "config.json").read_text())
+        dims = config.get("matryoshka_dimensions")
+        matryoshka = tuple(int(d) for d in dims) if dims else (() if config.get("is_matryoshka") else None)
+        return cls(mode, normalize, hidden_size, matryoshka)
+
+    def check_dimensions(self, dimensions: int) -> str | None:
+        """None when vectors may be cut to `dimensions`; else why not."""
+        if dimensions == self.hidden_size:
+            return None
+        if not 1 <= dimensions <= self.hidden_size:
+            return f"dimensions must be between 1 and the model's {self.hidden_size}"
+        if self.matryoshka_dims is None:
+            return (f"this model's embeddings have {self.hidden_size} dimensions and it declares no Matryoshka "
+                    "training (config.json `is_matryoshka` or `matryoshka_dimensions`), so they cannot be cut")
+        if self.matryoshka_dims and dimensions not in self.matryoshka_dims:
+            return f"this model allows dimensions {list(self.matryoshka_dims)} (config.json matryoshka_dimensions)"
+        return None
+
+    def finish(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        """The embedding from the float32 sum of the pooled hidden states."""
+        vector = total / count if self.mode == "mean" else total
+        return F.normalize(vector, dim=-1) if self.normalize else vector
+
+    def truncate(self, vector: torch.Tensor, dimensions: int) -> torch.Tensor:
+        """Matryoshka: the first `dimensions` components, normalised again
+        when the model's vectors are normalised."""
+        if dimensions == vector.shape[-1]:
+            return vector
+        vector = vector[..., :dimensions]
+        return F.normalize(vector, dim=-1) if self.normalize else vector
+
+
+def pooled_positions(mode: str, start: int, n: int, prompt_len: int) -> range:
+    """The prompt positions among start..start+n whose hidden states `mode` pools."""
+    if mode == "mean":
+        return range(start, min(start + n, prompt_len))
+    wanted = 0 if mode == "cls" else prompt_len - 1
+    return range(wanted, wanted + 1) if start <= wanted < start + n else range(0)
+
+
+def sum_spans(hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Float32 [len(counts), hidden]: the sum of each span of consecutive
+    rows, span i being counts[i] rows long. Each span is summed on its own
+    rows, in order, so it does not depend on the others."""
+    spans = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(hidden.device)
+    out = torch.zeros(len(counts), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, spans, hidden.float())
+
+
+def _read_modules(model_dir: Path, modules: list[dict]) -> tuple[str, bool]:
+    """(mode, normalize) from sentence-transformers' module list."""
+    mode, normalize = None, False
+    for module in modules:
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Pooling" and mode is None:
+            mode = _read_pooling(model_dir / module.get("path", "") / "config.json")
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(f"{model_dir / 'modules.json'}: module {module.get('type')!r} is not supported "
+                             "(pyserve applies Transformer, Pooling and Normalize)")
+    if mode is None:
+        raise ValueError(f"{model_dir / 'modules.json'} has no Pooling module")
+    return mode, normalize
+
+
+def _read_pooling(path: Path) -> str:
+    config = json.loads(path.read_text())
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in _ST_LEGACY_KEYS.items() if config.get(key)] or ["mean"]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ValueError(f"{path}: pooling {modes} is not supported; pyserve pools by one of {list(_ST_MODES)}")
+    if not config.get("include_prompt", True):
+        raise ValueError(f"{path}: include_prompt false (instruction tokens left out of the pooling) "
+                         "is not supported")
+    return _ST_MODES[modes[0]]
