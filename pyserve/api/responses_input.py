@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from pyserve.api.errors import APIError, bad_request
-from pyserve.api.protocol import ChatCompletionRequest, ChatMessage, ContentPart, ResponseFormat, StreamOptions
+from pyserve.api.protocol import (
+    ChatCompletionRequest, ChatMessage, ContentPart, ResponseFormat, StreamOptions, ToolChoice, ToolChoiceFunction,
+)
 from pyserve.api.responses_protocol import (
     FunctionCall, FunctionCallOutput, InputText, Item, Message, OutputText, Reasoning, ReasoningText, Refusal,
     ResponsesRequest, SummaryText, TextFormatJSONObject, TextFormatJSONSchema,
@@ -260,7 +262,8 @@ def chat_tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tup
         return choice, tools
     kind = choice.get("type")
     if kind == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}, tools
+        name = _string(choice, "name", "tool_choice")
+        return ToolChoice(type="function", function=ToolChoiceFunction(name=name)), tools
     if kind == "allowed_tools":
         allowed = choice.get("tools")
         if not isinstance(allowed, list) or not all(isinstance(t, dict) for t in allowed):
