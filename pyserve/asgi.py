@@ -48,6 +48,7 @@ class PyserveApp:
         self.http = None  # the App, while started
         self._engine = None
         self._batches = None
+        self._responses = None
         self._drain_deadline: float | None = None  # loop time at which the drain ends
 
     @property
@@ -76,12 +77,15 @@ class PyserveApp:
         from pyserve.api.app import App
         from pyserve.api.batch_runner import BatchManager
         from pyserve.api.proxy import CORS, TrustedProxies
+        from pyserve.api.responses import ResponseManager
+        from pyserve.api.responses_protocol import StoredResponse
         from pyserve.api.serving import ServingContext
         from pyserve.chat_template import ChatTemplate
         from pyserve.engine.engine import Engine
         from pyserve.model.default_model import DEFAULT_MODEL_NAME
         from pyserve.storage.batches import BatchStore
         from pyserve.storage.files import FileStore
+        from pyserve.storage.responses import ResponseStore
 
         started = time.perf_counter()
         args = self.args.resolved()
@@ -92,10 +96,12 @@ class PyserveApp:
         ctx = ServingContext(engine, name, template, args.reasoning_parser, args.tool_call_parser)
         files = FileStore(args.file_storage_path, args.max_upload_size)
         batches = BatchManager(ctx, files, BatchStore(args.file_storage_path), args.batch_concurrency)
+        responses = ResponseManager(ctx, ResponseStore(args.file_storage_path, StoredResponse))
         await engine.start()
         batches.start()
-        self._engine, self._batches = engine, batches
-        self.http = App(ctx, args.api_key, files, batches, cors=CORS(comma_list(args.allowed_origins)),
+        self._engine, self._batches, self._responses = engine, batches, responses
+        self.http = App(ctx, args.api_key, files, batches, responses=responses,
+                        cors=CORS(comma_list(args.allowed_origins)),
                         proxies=TrustedProxies(comma_list(args.forwarded_allow_ips)),
                         max_body_bytes=args.max_payload_size)
         logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
@@ -117,15 +123,17 @@ class PyserveApp:
             self.http.drain.expire()
 
     async def shutdown(self) -> None:
-        """Drain, then stop the batches (their state saved) and the engine."""
+        """Drain, then stop the batches (their state saved), the background
+        responses (those unfinished saved as failed) and the engine."""
         if self.http is None:
             return
         self.begin_drain()
         await self.http.drain.wait_idle()
         left = max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
         await self._batches.shutdown(left)
+        await self._responses.shutdown(max(0.0, self._drain_deadline - asyncio.get_running_loop().time()))
         await self._engine.shutdown()
-        self.http = self._engine = self._batches = None
+        self.http = self._engine = self._batches = self._responses = None
         self._drain_deadline = None
         logger.info("pyserve stopped")
 

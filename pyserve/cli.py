@@ -4,6 +4,7 @@ node other than 0 of a tensor-parallel group, run that node's ranks."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import resource
 import signal
@@ -42,6 +43,10 @@ async def serve(args: ServerArgs) -> None:
     raise_open_files_limit(args.max_connections)
     app = create_app(args)
     await app.startup()
+    # The model, modules and engine made at start-up live as long as the
+    # server: out of the collector's sight, a full collection no longer
+    # walks them, which paused the event loop for half a second.
+    gc.freeze()
     server = Server(
         app,
         address=args.host,

@@ -23,7 +23,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import batches, chat, completions, embeddings, files, generate, operations
+from pyserve.api import (
+    batches, chat, completions, embeddings, files, generate, operations, responses, score, tokenize,
+)
 from pyserve.api.batch_runner import BatchManager
 from pyserve.api.drain import Drain
 from pyserve.api.errors import APIError
@@ -33,6 +35,7 @@ from pyserve.api.http import (
 )
 from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.api.proxy import CORS, TrustedProxies
+from pyserve.api.responses import ResponseManager
 from pyserve.api.serving import ServingContext
 from pyserve.api.sse import DisconnectableStream, shutting_down
 from pyserve.storage.files import FileStore
@@ -46,7 +49,9 @@ class Route:
     body_type: type | None = None  # msgspec Struct to decode the body into
     raw: bool = False  # the handler reads the Request itself (uploads, query strings)
     public: bool = False  # answered without an API key
-    service: str = "ctx"  # what the handler gets first: the App's ctx, files (FileStore) or batches (BatchManager)
+    # What the handler gets first: the App's ctx, files (FileStore), batches
+    # (BatchManager) or responses (ResponseManager).
+    service: str = "ctx"
 
 
 # Path segments in braces are handed to the handler as keyword arguments;
@@ -67,7 +72,19 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/batches"): Route(batches.list_batches, raw=True, service="batches"),
     ("GET", "/v1/batches/{batch_id}"): Route(batches.retrieve, service="batches"),
     ("POST", "/v1/batches/{batch_id}/cancel"): Route(batches.cancel, service="batches"),
+    ("POST", "/v1/responses"): Route(responses.create, dict, service="responses"),
+    ("GET", "/v1/responses/{response_id}"): Route(responses.retrieve, raw=True, service="responses"),
+    ("DELETE", "/v1/responses/{response_id}"): Route(responses.delete, service="responses"),
+    ("POST", "/v1/responses/{response_id}/cancel"): Route(responses.cancel, service="responses"),
+    ("GET", "/v1/responses/{response_id}/input_items"): Route(responses.input_items, raw=True,
+                                                               service="responses"),
     ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
+    ("POST", "/tokenize"): Route(tokenize.tokenize, dict),
+    ("POST", "/v1/tokenize"): Route(tokenize.tokenize, dict),
+    ("POST", "/detokenize"): Route(tokenize.detokenize, dict),
+    ("POST", "/v1/detokenize"): Route(tokenize.detokenize, dict),
+    ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
+    ("POST", "/v1/score"): Route(score.score, dict),
     ("GET", "/get_model_info"): Route(operations.model_info),
     ("GET", "/model_info"): Route(operations.model_info),
     ("GET", "/get_server_info"): Route(operations.server_info),
@@ -80,7 +97,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 # Routes that generate text: an --is-embedding server answers them 400.
-GENERATION_HANDLERS = (chat.create, completions.create, generate.generate)
+GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:
@@ -103,16 +120,18 @@ def match_path(pattern: str, path: str) -> dict[str, str] | None:
 
 class App:
     """The ASGI app over the model (`ctx`) and, when served, the stores of
-    the Files and Batches APIs. `cors` is off and no proxy is trusted
-    unless given."""
+    the Files, Batches and Responses APIs. `cors` is off and no proxy is
+    trusted unless given."""
 
     def __init__(self, ctx: ServingContext, api_key: str | None = None, files: FileStore | None = None,
-                 batches: BatchManager | None = None, *, cors: CORS | None = None,
-                 proxies: TrustedProxies | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+                 batches: BatchManager | None = None, *, responses: ResponseManager | None = None,
+                 cors: CORS | None = None, proxies: TrustedProxies | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.ctx = ctx
         self.max_body_bytes = max_body_bytes
         self.files = files
         self.batches = batches
+        self.responses = responses
         self.api_key = api_key
         self.cors = cors or CORS([])
         self.proxies = proxies or TrustedProxies([])
