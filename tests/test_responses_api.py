@@ -221,7 +221,7 @@ BAD_BODIES = {
     "built-in tool": ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     "item reference": ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     "unknown role": ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-    "reasoning effort": ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    "reasoning effort": ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     "encrypted reasoning": ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [],
                                         "encrypted_content": "xyz"}]}, "input[0].encrypted_content"),
     "grammar format": ({"input": "x", "text": {"format": {"type": "grammar", "grammar": "x"}}}, "text.format.type"),
@@ -313,6 +313,9 @@ def test_reasoning_items_and_reasoning_tokens(tiny_llama_dir, tmp_path):
         # Given back as input, the reasoning item is the assistant turn's reasoning.
         follow = client.responses.create(model="m", previous_response_id=r.id, input="Go on.", max_output_tokens=2)
         assert follow.usage.input_tokens > r.usage.input_tokens
+        # An effort is chat's reasoning_effort: taken, and echoed as OpenAI does.
+        effort = client.responses.create(model="m", input="Think.", max_output_tokens=2, reasoning={"effort": "low"})
+        assert effort.reasoning.effort == "low"
     finally:
         srv.stop()
 

@@ -6,8 +6,8 @@ the stored conversation of `previous_response_id` becomes chat messages,
 `instructions` a system message, function tools chat tools, `text.format`
 a response_format (so structured outputs go through the same engine), and
 `max_output_tokens` max_completion_tokens. What cannot be honoured is a
-400 naming it: images and files, built-in tools, reasoning efforts (the
-chat route has no such setting yet), encrypted reasoning.
+400 naming it: images and files, built-in tools, encrypted reasoning.
+reasoning.effort is chat's reasoning_effort (the template's thinking switch).
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ def _string(obj: dict, key: str, where: str) -> str:
 def check_supported(req: ResponsesRequest) -> None:
     """Refuse the declared fields whose value pyserve cannot honour."""
     if req.reasoning is not None:
-        if req.reasoning.effort is not None:
-            # Until the chat route takes a reasoning effort, the model reasons
-            # as its chat template makes it; pretending otherwise would mislead.
-            raise unsupported("reasoning.effort", "reasoning.effort",
-                              "the model reasons as its chat template and the server's --reasoning-parser make it")
         if req.reasoning.summary is not None or req.reasoning.generate_summary is not None:
             raise unsupported("reasoning.summary", "a reasoning summary", "reasoning items carry the reasoning text")
     if req.text is not None and req.text.verbosity is not None:
@@ -292,13 +287,15 @@ def chat_request(req: ResponsesRequest, items: list[Item], rid: str) -> ChatComp
         max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         tools=tools, tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=chat_response_format(req), user=req.user,
+        reasoning_effort=req.reasoning and req.reasoning.effort,
         stream=True, stream_options=StreamOptions(include_usage=True),
     )
 
 
 # Chat's parameter names, as the Responses request calls them.
 _PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
-           ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+           ("reasoning_effort", "reasoning.effort"), ("response_format.json_schema", "text.format"),
+           ("response_format", "text.format"))
 
 
 def responses_error(err: APIError) -> APIError:
