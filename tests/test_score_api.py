@@ -67,6 +67,34 @@ def test_softmax_normalizes_over_the_labels(http):
         assert math.isclose(s, p / sum(plain), rel_tol=1e-4)
 
 
+def prompt_logprobs(http, ids: list[int]) -> list[float]:
+    """Each prompt token's log-probability after the ones before it (the first has none), from /generate."""
+    r = http.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                     "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return [logprob for logprob, _, _ in r.json()["meta_info"]["input_token_logprobs"]]
+
+
+def test_without_labels_each_item_is_scored_as_the_continuation(http):
+    query = ids_of(http, "The sky is")
+    special = len(ids_of(http, ""))  # a BOS the tokenizer adds, if any
+    items = [ids_of(http, " blue")[special:], ids_of(http, " green and wide")[special:]]
+    out = score(http, query=query, items=items)
+    expected = []
+    for item in items:
+        logprobs = prompt_logprobs(http, query + item)
+        expected.append(math.exp(sum(logprobs[len(query):])))
+    assert len(out["scores"]) == len(items)
+    for p, want in zip(out["scores"], expected):
+        assert math.isclose(p, want, rel_tol=1e-3), (p, want)
+    soft = score(http, query=query, items=items, apply_softmax=True)["scores"]
+    assert math.isclose(sum(soft), 1.0, rel_tol=1e-6)
+    assert math.isclose(soft[0] / soft[1], expected[0] / expected[1], rel_tol=1e-3)
+    # Texts: the same, joined before they are tokenized.
+    texts = score(http, query="The sky is", items=[" blue"])["scores"]
+    assert texts[0] > 0
+
+
 def test_item_first_and_token_ids(http):
     query_ids, item_ids = ids_of(http, QUERY), [ids_of(http, item) for item in ITEMS[:2]]
     for item_first in (False, True):
@@ -89,7 +117,7 @@ BAD = {
     "empty items": ({"query": QUERY, "items": [], "label_token_ids": [1]}, "items"),
     "no items": ({"query": QUERY, "label_token_ids": [1]}, "items"),
     "no query": ({"items": ITEMS, "label_token_ids": [1]}, "query"),
-    "no labels": ({"query": QUERY, "items": ITEMS}, "label_token_ids"),
+    "continuation, item first": ({"query": QUERY, "items": ITEMS, "item_first": True}, "item_first"),
     "empty labels": ({"query": QUERY, "items": ITEMS, "label_token_ids": []}, "label_token_ids"),
     "label out of vocabulary": ({"query": QUERY, "items": ITEMS, "label_token_ids": [1, 10**9]}, "label_token_ids"),
     "negative label": ({"query": QUERY, "items": ITEMS, "label_token_ids": [-1]}, "label_token_ids"),

@@ -1,13 +1,16 @@
 """POST /v1/score in SGLang's shape: for each item, the probabilities of
 `label_token_ids` as the next token after query + item (item + query with
-`item_first`).
+`item_first`); without label_token_ids, the probability of each item as
+the continuation of the query (the product of its tokens' probabilities).
 
 Computed with the engine's prompt logprobs: the prompt query + item +
 label scores the label at its last position, exactly the next-token
 distribution after query + item. Every (item, label) pair is one engine
 request of one output token, all sent in one fan-out, so they are batched
 together; a prompt with prompt logprobs is computed whole (no cached
-prefix), so a request costs items x labels prefills of query + item.
+prefix), so a request costs items x labels prefills of query + item. A
+continuation score reads the item's own positions of the prompt query +
+item: one request per item.
 
 vLLM's /score (`text_1`, `text_2`) needs a cross-encoder or embedding
 model; vLLM has none for a generation model, and neither has this server:
@@ -36,7 +39,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     query: Any = None  # a text, or token ids
     items: Any = None  # a text, a list of texts, or a list of token id lists (as the query is)
     label_token_ids: Any = None
-    apply_softmax: bool = False  # normalize over the labels instead of the whole vocabulary
+    apply_softmax: bool = False  # normalize over the labels (or items) instead of the whole vocabulary
     item_first: bool = False
 
 
@@ -47,6 +50,8 @@ async def score(ctx: ServingContext, body: dict) -> dict:
                           "model; this server scores with a generation model: send query, items and "
                           "label_token_ids (SGLang's shape)", vllm_fields[0], "unsupported_parameter")
     req = convert_strict(body, ScoreRequest, "/v1/score")
+    if req.label_token_ids is None:
+        return await _continuations(ctx, req)
     labels = _labels(req.label_token_ids, ctx.engine.vocab_size)
     prompts = _prompts(ctx, req)
     requests = await fan_out(ctx.engine, [ids + [label] for ids in prompts for label in labels], _PARAMS, 1,
@@ -56,6 +61,51 @@ async def score(ctx: ServingContext, body: dict) -> dict:
     scores = [_probabilities(logprobs[i : i + len(labels)], req.apply_softmax)
               for i in range(0, len(logprobs), len(labels))]
     # What was scored: query + item once per item, whatever the number of labels.
+    return _response(ctx, scores, prompts)
+
+
+async def _continuations(ctx: ServingContext, req: ScoreRequest) -> dict:
+    """Each item's probability as what follows the query: the sum of its
+    tokens' prompt logprobs after query + item, exponentiated (softmax:
+    normalized over the items instead)."""
+    if req.item_first:
+        raise bad_request("item_first needs label_token_ids: a continuation score reads the item after the query",
+                          "item_first")
+    prompts = _prompts(ctx, req)
+    query = _query_ids(ctx, req)
+    if not query:
+        raise bad_request("the query is empty: without label_token_ids the item is scored as its continuation",
+                          "query")
+    requests = await fan_out(ctx.engine, prompts, _PARAMS, 1, new_id("score-"),
+                             {"prompt": "items", "max_new_tokens": "items"})
+    logprobs = []
+    for ids, result in zip(prompts, await collect(ctx.engine, requests)):
+        start = _shared_prefix(query, ids)
+        if start == len(ids):
+            raise bad_request("an item adds no token to the query", "items")
+        logprobs.append(sum(entry.logprob for entry in result.prompt_logprobs[start:]))
+    return _response(ctx, _probabilities(logprobs, req.apply_softmax), prompts)
+
+
+def _query_ids(ctx: ServingContext, req: ScoreRequest) -> list[int]:
+    """The query's tokens as they begin query + item: a text query is
+    tokenized alone, as prompt_id_lists tokenizes the joined texts."""
+    if isinstance(req.query, str):
+        return ctx.engine.tokenizer.encode(req.query, add_special_tokens=True)
+    return req.query
+
+
+def _shared_prefix(query: list[int], ids: list[int]) -> int:
+    """Where the item's tokens begin in query + item. Joined texts may merge
+    the query's last word with the item's first: that token then counts as
+    the item's."""
+    n = 0
+    while n < min(len(query), len(ids)) and query[n] == ids[n]:
+        n += 1
+    return max(n, 1)  # the first token has no logprob: nothing predicts it
+
+
+def _response(ctx: ServingContext, scores: list, prompts: list[list[int]]) -> dict:
     prompt_tokens = sum(len(ids) for ids in prompts)
     return {"scores": scores, "model": ctx.served_model_name, "object": "scoring",
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}}
@@ -103,8 +153,8 @@ def _joined(ctx: ServingContext, req: ScoreRequest) -> list[list[int]]:
 
 
 def _probabilities(logprobs: list[float], softmax: bool) -> list[float]:
-    """Each label's probability: under the whole vocabulary, or (softmax)
-    among the labels only."""
+    """Each label's (or item's) probability: under the whole vocabulary, or
+    (softmax) among the labels (items) only."""
     if not softmax:
         return [math.exp(lp) for lp in logprobs]
     top = max(logprobs)
