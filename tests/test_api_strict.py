@@ -166,7 +166,20 @@ BAD_GENERATE_BODIES = {
     "logprob_start_len at the prompt's length": ({"return_logprob": True, "logprob_start_len": 5},
                                                  "logprob_start_len", None),
     "logprob_start_len below -1": ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len", None),
+    # What the smg gateway adds, at a value other than SGLang's default
+    "no metrics": ({"log_metrics": False}, "log_metrics", "unsupported_parameter"),
+    "return_entropy": ({"return_entropy": True}, "return_entropy", "unsupported_parameter"),
+    "background": ({"background": True}, "background", "unsupported_parameter"),
 }
+
+
+def test_generate_takes_the_fields_the_smg_gateway_adds(http):
+    """smg sends these on every /generate it routes (tests/test_gateway.py runs the real gateway)."""
+    gateway = {"model": "unknown", "log_metrics": True, "background": False, "no_logs": False,
+               "return_bytes": False, "return_entropy": False, "return_text_in_logprobs": False}
+    r = http.post(GENERATE, json={"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": 2}, **gateway})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("case", list(BAD_GENERATE_BODIES))

@@ -15,7 +15,17 @@ from pyserve.api.serving import ServingContext, collect, fan_out, merged_outputs
 from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
 
 
+# SGLang switches that a gateway sends at their defaults, which are what
+# pyserve does; another value asks for something it does not.
+_ONLY_AT_DEFAULT = {"log_metrics": True, "background": False, "no_logs": False, "return_bytes": False,
+                    "return_entropy": False}
+
+
 async def generate(ctx: ServingContext, req: NativeGenerateRequest):
+    for name, default in _ONLY_AT_DEFAULT.items():
+        if getattr(req, name) != default:
+            raise bad_request(f"{name}={getattr(req, name)} is not supported: pyserve answers as with "
+                              f"{name}={default}", name, "unsupported_parameter")
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("give exactly one of text and input_ids", "text")
     prompt_param = "text" if req.text is not None else "input_ids"

@@ -52,6 +52,15 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None
+    # The smg gateway adds these to every /generate it routes, at SGLang's
+    # defaults: the model's name (any is accepted, as on the OpenAI routes)
+    # and switches pyserve accepts only at those defaults (generate.py).
+    model: str | None = None
+    log_metrics: bool = True
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
     # SGLang's logprob options: output tokens' logprobs, and the prompt's
     # from position logprob_start_len on (-1: none of the prompt).
     return_logprob: bool = False
