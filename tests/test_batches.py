@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.slow import slow_test
 
 JOKE = {"model": "m", "messages": [{"role": "user", "content": "Tell me a joke about programming"}],
         "max_tokens": 50}
@@ -248,6 +249,7 @@ def run_batch_then_kill_9(storage, lines: int, window: str, concurrency: int, ki
     return batch.id
 
 
+@slow_test
 def test_batch_resumes_after_kill_9(tmp_path):
     batch_id = run_batch_then_kill_9(tmp_path, 12, "24h", concurrency=2, kill_after=3)
     again = ServerProcess("--file-storage-path", str(tmp_path))
@@ -262,6 +264,7 @@ def test_batch_resumes_after_kill_9(tmp_path):
         again.stop()
 
 
+@slow_test
 def test_batch_past_its_window_after_downtime_ends_expired(tmp_path):
     """The server was down past the completion window: on restart the batch
     ends `expired`, keeping what it had finished."""

@@ -19,6 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.conftest import ServerProcess
+from tests.slow import slow_test
 from tests.test_disconnect import wait_idle
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -267,6 +268,7 @@ def test_unknown_response_ids_are_404s(http):
         assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
 
 
+@slow_test
 def test_stored_responses_survive_a_restart(tiny_llama_dir, tmp_path):
     first = tiny_server(tiny_llama_dir, tmp_path)
     try:

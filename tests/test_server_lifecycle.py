@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.slow import slow_test
 
 TINY = ("--max-total-tokens", "4096")
 
@@ -71,6 +72,7 @@ def test_sigterm_ends_a_stream_with_an_error_event_after_the_drain_time(tiny_lla
     assert "pyserve stopped" in log
 
 
+@slow_test
 def test_sigterm_saves_a_running_batch_and_the_next_start_finishes_it(tiny_llama_dir, tmp_path):
     storage = ("--file-storage-path", str(tmp_path))
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -123,6 +125,7 @@ def slow_clients():
         sock.close()
 
 
+@slow_test
 def test_slow_clients_starve_nobody_and_are_closed_after_the_header_timeout(tiny_llama_dir, slow_clients):
     srv = tiny_server(tiny_llama_dir, "--header-read-timeout", "15")
     try:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from pyserve.api.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
+from tests.slow import slow_test
 from tests.test_api_handlers import ScriptedEngine, call, run
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 
@@ -130,6 +131,7 @@ def test_streamed_text_equals_the_whole_response_at_temperature_0(client, model_
     jsonschema.validate(json.loads(whole.message.content), PERSON)
 
 
+@slow_test
 def test_required_and_named_tool_calls_parse_and_validate(client, model_name):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     named = {"type": "function", "function": {"name": "get_time"}}
