@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
+from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.loader import load_model
 from tests.test_model_vs_hf import CachedSequences, random_prompts
 from tests.tiny_models import build_tiny_model
@@ -29,8 +32,32 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path):
     model, config = load_model(model_dir, torch.float32, "cpu")
     for prompts in (random_prompts(512, [5]), random_prompts(512, [3, 9, 4])):
         eager, eager_logits = greedy_with_logits(model, config, prompts, 8)
-        model.compile_decode()
+        model.compile_decode(TorchAttention.attend_decode)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled, compiled_logits = greedy_with_logits(model, config, prompts, 8)
-        model._compiled_halves = None
+        model._compiled_decode_layer = None
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the compiled layer ran
         assert compiled == eager
         torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_with_compiled_decode_gives_the_eager_tokens(tiny_llama_dir):
+    """--enable-torch-compile through the engine: requests alone and batched
+    (unequal lengths, page size 4) give eager's greedy tokens, and the
+    compiled layer is what ran."""
+    from tests.test_engine import PROMPTS, collect, run, started_engine
+
+    async def tokens(**options):
+        engine = await started_engine(tiny_llama_dir, page_size=4, **options)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        alone = [await collect(engine, p, max_new_tokens=6, temperature=0, ignore_eos=True) for p in PROMPTS[:2]]
+        together = await asyncio.gather(
+            *[collect(engine, p, max_new_tokens=6, temperature=0, ignore_eos=True) for p in PROMPTS])
+        compiled_now = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        await engine.shutdown()
+        return [t[1] for t in alone] + [t[1] for t in together], compiled_now
+
+    eager, _ = run(tokens())
+    compiled, compiled_during_requests = run(tokens(enable_torch_compile=True))
+    assert compiled == eager
+    assert compiled_during_requests == 0  # start-up compiled every shape the requests needed

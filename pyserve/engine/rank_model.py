@@ -146,7 +146,11 @@ class RankModel:
             logger.warning("--enable-torch-compile is for the CPU; on %s decode steps keep their kernels",
                            self.device.type)
             return
-        self.model.compile_decode()
+        if self.attention.attend_decode is None:
+            logger.warning("--enable-torch-compile: the %s attention backend has no compilable decode step",
+                           type(self.attention).__name__)
+            return
+        self.model.compile_decode(self.attention.attend_decode)
         start = time.perf_counter()
         zero = torch.zeros
         for lengths in ([2], [2, 2], [2, 3]):

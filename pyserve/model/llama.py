@@ -246,8 +246,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, shard)
 
     # A layer runs as before_attention, the attention backend, after_attention:
-    # the two halves hold no layer index or cache, so one compiled version of
-    # each serves every layer (LlamaForCausalLM.compile_decode).
+    # the two halves hold no layer index or cache, so one compiled decode
+    # layer serves every layer (LlamaForCausalLM.compile_decode).
 
     def before_attention(self, x, residual, cos, sin):
         """x: the previous layer's MLP output, or the embeddings (residual
@@ -286,16 +286,26 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, len(shard.vocab), bias=False)
         self.rotary = RotaryEmbedding(config)
 
-    def compile_decode(self) -> None:
+    def compile_decode(self, attend_decode) -> None:
         """Run decode steps' layers through torch.compile (inductor): on a
-        CPU a small model's step is mostly per-op overhead, which fusing the
-        elementwise work removes. The halves of a layer around attention
-        are compiled once for all layers, with dynamic batch sizes; the
-        attention backend and its per-batch metadata stay eager."""
-        self._compiled_halves = (torch.compile(DecoderLayer.before_attention, dynamic=True),
-                                 torch.compile(DecoderLayer.after_attention, dynamic=True))
+        CPU a small model's step is mostly per-op overhead, which compiling
+        the whole layer (norms, projections, rotary, the KV write and
+        attention, SiLU, residual adds) into one graph removes. The graph is
+        compiled once for all layers, with the batch size and the sequence
+        length dynamic (marked so: guessing would also tie them to model
+        sizes that happened to be equal); only the batch's attention
+        metadata is built eagerly, in `prepare`.
+        `attend_decode`: the attention backend's tensor-only decode attention
+        (AttentionBackend.attend_decode)."""
 
-    _compiled_halves = None
+        def decode_layer(layer, x, residual, cos, sin, kv_inputs):
+            q, k, v, residual = layer.before_attention(x, residual, cos, sin)
+            out = attend_decode(q, k, v, *kv_inputs, layer.self_attn.scale)
+            return layer.after_attention(out, residual)
+
+        self._compiled_decode_layer = torch.compile(decode_layer)
+
+    _compiled_decode_layer = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
@@ -308,13 +318,22 @@ class LlamaForCausalLM(nn.Module):
         attn.prepare(batch)
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
-        before, after = DecoderLayer.before_attention, DecoderLayer.after_attention
-        if batch.is_decode and self._compiled_halves is not None:
-            before, after = self._compiled_halves
-        residual = None
-        for layer in self.layers:
-            q, k, v, residual = before(layer, x, residual, cos, sin)
-            x, residual = after(layer, layer.self_attn.attend(q, k, v, batch, attn), residual)
+        compiled = self._compiled_decode_layer
+        if compiled is not None and batch.is_decode and attn.decode_inputs(0) is not None:
+            # A zero residual into the first layer (x + 0 is x) keeps every
+            # layer the same graph.
+            residual = torch.zeros_like(x)
+            if x.shape[0] > 1:
+                # The batch size varies between steps; the hidden size does not.
+                for t in (x, residual, cos, sin):
+                    torch._dynamo.mark_dynamic(t, 0)
+            for i, layer in enumerate(self.layers):
+                x, residual = compiled(layer, x, residual, cos, sin, attn.decode_inputs(i))
+        else:
+            residual = None
+            for layer in self.layers:
+                q, k, v, residual = layer.before_attention(x, residual, cos, sin)
+                x, residual = layer.after_attention(layer.self_attn.attend(q, k, v, batch, attn), residual)
         # Only the rows whose next token (or hidden state) is wanted go
         # through the last residual add, the norm and the vocabulary
         # projection, the most expensive matmul for small models.

@@ -43,6 +43,17 @@ class AttentionBackend(ABC):
         Query head h reads kv head h // (heads // kv_heads). Returns
         [T, heads, head_dim] in q's dtype."""
 
+    # Backends whose decode-step attention is a function of tensors alone
+    # set `attend_decode(q, k, v, *decode_inputs(layer_id), scale)` and
+    # override `decode_inputs`; torch.compile then takes that attention into
+    # the compiled decoder layer (LlamaForCausalLM.compile_decode).
+    attend_decode = None
+
+    def decode_inputs(self, layer_id: int) -> tuple | None:
+        """The tensors `attend_decode` reads for layer `layer_id` when the
+        prepared batch is a decode step; None otherwise."""
+        return None
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                  batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' k/v at `batch.out_cache_loc`; returns the

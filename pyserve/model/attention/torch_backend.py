@@ -37,7 +37,28 @@ class _SingleTokenRows:
     mask: torch.Tensor | None  # [B, 1, 1, max_len]; None when no padding
 
 
+def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, scale: float) -> torch.Tensor:
+    """A decode step's attention for one layer, tensors in, tensor out (so
+    torch.compile can take it into the compiled decoder layer, see
+    LlamaForCausalLM.compile_decode): store each row's new k/v at its slot,
+    then attend over its sequence's slots."""
+    k_cache[out_cache_loc] = k
+    v_cache[out_cache_loc] = v
+    return _single_tokens(q, k_cache, v_cache, slots, mask, scale)
+
+
+def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tensor:
+    # One query per sequence: every sequence is padded to the longest
+    # (padding reads slot 0, masked out), so the rows are one SDPA call.
+    ks = k_cache[slots].transpose(1, 2)  # [B, kv_heads, max_len, D]
+    vs = v_cache[slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0, :]
+
+
 class TorchAttention(AttentionBackend):
+    attend_decode = staticmethod(attend_single_tokens)
+
     def __init__(self, kv_buffer: KVBuffer):
         self.kv_buffer = kv_buffer
         self._batch: ForwardBatch | None = None
@@ -74,15 +95,18 @@ class TorchAttention(AttentionBackend):
             rows = None if len(single_rows) == start else torch.tensor(single_rows, device=device)
             self._single = _SingleTokenRows(rows, pad_sequence(single_slots, batch_first=True, padding_value=0),
                                             mask)
+            if rows is None:
+                self._mark_dynamic_decode_dims(batch.out_cache_loc, self._single)
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        decode = self.decode_inputs(layer_id) if batch is self._batch else None
+        if decode is not None:
+            return attend_single_tokens(q, k, v, *decode, scale)
         k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
         single = self._single
-        if single is not None and single.rows is None:
-            return self._single_tokens(q, k_cache, v_cache, single, scale)
         out = torch.empty_like(q)
         if single is not None:
-            out[single.rows] = self._single_tokens(q[single.rows], k_cache, v_cache, single, scale)
+            out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale)
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
             if s.slots is None:
@@ -103,12 +127,24 @@ class TorchAttention(AttentionBackend):
         return out
 
     @staticmethod
-    def _single_tokens(q, k_cache, v_cache, single: _SingleTokenRows, scale: float) -> torch.Tensor:
-        # One query per sequence: every sequence is padded to the longest
-        # (padding reads slot 0, masked out), so the rows are one SDPA call.
-        ks = k_cache[single.slots].transpose(1, 2)  # [B, kv_heads, max_len, D]
-        vs = v_cache[single.slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], ks, vs, attn_mask=single.mask, scale=scale, enable_gqa=True
-        )
-        return o[:, :, 0, :]
+    def _mark_dynamic_decode_dims(out_cache_loc: torch.Tensor, single: _SingleTokenRows) -> None:
+        """For a compiled decode layer: the rows (past one) and the longest
+        sequence are the sizes that vary between decode steps."""
+        if out_cache_loc.shape[0] > 1:
+            for t in (out_cache_loc, single.slots, single.mask):
+                if t is not None:
+                    torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(single.slots, 1)
+        if single.mask is not None:
+            torch._dynamo.mark_dynamic(single.mask, 3)
+
+    def decode_inputs(self, layer_id: int) -> tuple | None:
+        """For a prepared batch of single-token rows only (a decode step):
+        the tensors `attend_single_tokens` takes after q, k, v, for layer
+        `layer_id`; None for any other batch."""
+        single = self._single
+        if single is None or single.rows is not None:
+            return None
+        return (self.kv_buffer.k_buffer[layer_id], self.kv_buffer.v_buffer[layer_id],
+                self._batch.out_cache_loc, single.slots, single.mask)
+
