@@ -24,7 +24,7 @@ class _ExtendSeq:
     start: int  # first row of this sequence in q/k/v
     num_new: int
     slots: torch.Tensor | None  # [seq_len] to gather; None: no cached prefix, use k/v as given
-    mask: torch.Tensor | None  # [num_new, seq_len] bool; None: causal (no prefix) or sees all
+    mask: torch.Tensor | None  # [num_new, seq_len] additive (see _additive); None: causal (no prefix) or sees all
 
 
 @dataclass
@@ -34,7 +34,7 @@ class _SingleTokenRows:
 
     rows: torch.Tensor | None  # indices into q/k/v; None: every row
     slots: torch.Tensor  # [B, max_len] slots, padded with slot 0
-    mask: torch.Tensor | None  # [B, 1, 1, max_len]; None when no padding
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] additive; None when no padding
 
 
 def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, scale: float) -> torch.Tensor:
@@ -82,8 +82,8 @@ class TorchAttention(AttentionBackend):
                 # New token i sits at position seq_len - num_new + i and sees
                 # every position up to itself.
                 q_pos = torch.arange(seq_len - num_new, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                self._extend.append(_ExtendSeq(start, num_new, slots, mask))
+                sees = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                self._extend.append(_ExtendSeq(start, num_new, slots, self._additive(sees)))
             start += num_new
         self._single = None
         if single_rows:
@@ -91,7 +91,8 @@ class TorchAttention(AttentionBackend):
             mask = None
             if min(lens) != max(lens):
                 lens_t = torch.tensor(lens, device=device)
-                mask = (torch.arange(max(lens), device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+                sees = torch.arange(max(lens), device=device)[None, :] < lens_t[:, None]
+                mask = self._additive(sees)[:, None, None, :]
             rows = None if len(single_rows) == start else torch.tensor(single_rows, device=device)
             self._single = _SingleTokenRows(rows, pad_sequence(single_slots, batch_first=True, padding_value=0),
                                             mask)
@@ -125,6 +126,14 @@ class TorchAttention(AttentionBackend):
             )
             out[rows] = o[0].transpose(0, 1)
         return out
+
+    def _additive(self, sees: torch.Tensor) -> torch.Tensor:
+        """A boolean "query sees key" mask as the additive one SDPA takes
+        (0 where seen, -inf elsewhere): on the CPU, SDPA with a boolean mask
+        runs about twice as long as with the same mask added. Every query
+        sees at least itself, so no row is all -inf."""
+        mask = torch.zeros(sees.shape, dtype=self.kv_buffer.dtype, device=sees.device)
+        return mask.masked_fill_(~sees, float("-inf"))
 
     @staticmethod
     def _mark_dynamic_decode_dims(out_cache_loc: torch.Tensor, single: _SingleTokenRows) -> None:
