@@ -71,6 +71,19 @@ def test_int4_linear_is_its_dequantized_weight(group):
     assert relative_error(layer(x), F.linear(x, dequantized)) < BF16_RTOL
 
 
+def test_int4_linear_takes_its_dense_weight_for_many_rows():
+    """A long prefill's rows go through the float32 dequantized weight and
+    give what the int4 kernel gives a few rows at a time."""
+    g = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(64, 96, generator=g), torch.randn(64, generator=g)
+    layer = Int4Linear.quantize(weight, 32, bias)
+    x = torch.randn(Int4Linear.DENSE_FROM_ROWS + 3, 96, generator=g)
+    by_kernel = torch.cat([layer(part) for part in x.split(7)])
+    assert relative_error(layer(x), by_kernel) < BF16_RTOL
+    assert torch.allclose(layer(x), F.linear(x, layer.dense_weight(), bias), atol=1e-5)
+    assert relative_error(layer.dense_weight(), weight) < 0.1
+
+
 def test_embedded_model_runs_its_own_q4_1_groups(default_model_dir):
     """The shipped int4 layer of the embedded model is the GGUF's d * q + m,
     not a re-quantization of the dense copy."""
@@ -85,8 +98,13 @@ def test_embedded_model_runs_its_own_q4_1_groups(default_model_dir):
         layer = model.layers[3].self_attn.qkv_proj if kind == "attn_q" else model.layers[3].mlp.down_proj
         assert isinstance(layer, Int4Linear)
         identity = torch.eye(expected.shape[1])
-        got = layer(identity).t()[rows]  # column j of the weight is the output for unit input j
-        assert relative_error(got, expected) < 0.005  # only bf16 rounding of scales and outputs
+        # Column j of the weight is the output for unit input j: the int4
+        # kernel (a few rows at a time) and the dense path (many rows).
+        by_kernel = torch.cat([layer(part) for part in identity.split(Int4Linear.DENSE_FROM_ROWS - 1)])
+        dense = layer(identity)
+        assert identity.shape[0] >= Int4Linear.DENSE_FROM_ROWS
+        assert relative_error(by_kernel.t()[rows], expected) < 0.005  # only bf16 rounding of scales and outputs
+        assert relative_error(dense.t()[rows], expected) < 1e-6  # the GGUF's own arithmetic, in float32
 
 
 def test_auto_uses_shipped_weights_on_cpu_only(default_model_dir, tmp_path):
