@@ -71,7 +71,7 @@ from bench import serving  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 OUTPUT_LEN = 64
-PEERS = ("llama.cpp server", "vLLM CPU")  # each gets a "pyserve / peer" column
+PEERS = ("llama.cpp server", "vLLM CPU")  # each gets a ratio column per pyserve layout but float32
 # vLLM's CPU build reads its threads and KV-cache size from the environment
 VLLM_ENV = {name: os.environ.get(name, default) for name, default in (
     ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "auto"))}
@@ -140,6 +140,7 @@ def commands(args, model_dir: Path, gguf: Path, storage: str, hf_dir: Path) -> d
                 "--port", "{port}", "--dtype", "float32", "--max-model-len", "4096"]
     return {
         "pyserve (auto: int4)": pyserve,
+        "pyserve (int4 + compile)": pyserve + ["--enable-torch-compile"],
         "pyserve (float32)": pyserve + ["--torchao-config", "none"],
         "llama.cpp server": llamacpp,
         "vLLM CPU": vllm,
@@ -191,20 +192,29 @@ def main() -> None:
                 table[name] = run_workloads(server.base_url)
             finally:
                 server.stop()
-    names = list(table)
-    peers = [n for n in PEERS if n in table]
     print(f"model {model_dir.name} (llama.cpp: {gguf.name}); {os.cpu_count()} CPUs; "
           f"output {OUTPUT_LEN} tokens, EOS ignored")
-    print(f"{'workload':<34}" + "".join(f"{n:>22}" for n in names)
-          + "".join(f"{'pyserve / ' + n.split()[0]:>22}" for n in peers))
-    for label, (_, _, higher_better) in WORKLOADS.items():
-        cells = "".join(f"{table[n][label]:>22.1f}" for n in names)
-        ours = table[names[0]][label]
-        for peer in peers:
-            theirs = table[peer][label]
-            # >1 means pyserve is better: more tok/s, or fewer ms
-            cells += f"{f'{(ours / theirs if higher_better else theirs / ours):.2f}x better':>22}"
-        print(f"{label:<34}{cells}")
+    print_table(table)
+
+
+def print_table(table: dict[str, dict[str, float]]) -> None:
+    names = list(table)
+    peers = [n for n in PEERS if n in table]
+    ours = [n for n in names if n.startswith("pyserve") and "float32" not in n]
+    print(f"{'workload':<34}" + "".join(f"{n:>26}" for n in names))
+    for label in WORKLOADS:
+        print(f"{label:<34}" + "".join(f"{table[n][label]:>26.1f}" for n in names))
+    if peers:
+        print("\npyserve against each peer (>1: pyserve better, more tok/s or fewer ms)")
+        pairs = [(mine, peer) for mine in ours for peer in peers]
+        print(f"{'workload':<34}" + "".join(f"{f'{mine.split(None, 1)[1]} / {peer.split()[0]}':>30}"
+                                            for mine, peer in pairs))
+        for label, (_, _, higher_better) in WORKLOADS.items():
+            cells = ""
+            for mine, peer in pairs:
+                a, b = table[mine][label], table[peer][label]
+                cells += f"{(a / b if higher_better else b / a):>29.2f}x"
+            print(f"{label:<34}{cells}")
 
 
 if __name__ == "__main__":
