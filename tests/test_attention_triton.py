@@ -43,6 +43,7 @@ class Harness:
         self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
         shape = (SLOTS, kv_heads, head_dim)
         self.pool = SimpleNamespace(
+            dtype=dtype,
             k_buffer=[torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(LAYERS)],
             v_buffer=[torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(LAYERS)],
         )
