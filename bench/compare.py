@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchao-config", default="auto",
                    help="pyserve's CPU weight quantization (auto: the embedded model's own 4-bit weights; "
                         "none: float32 like transformers)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="pyserve compiles its decode steps (CPU; compiled at start-up, before timing)")
     p.add_argument("--output-json", help="write both reports and the table here")
     return p.parse_args(argv)
 
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as storage:  # the server's files/batches, thrown away
         server = ServerProcess("--model", str(directory), "--device", args.device, "--dtype", args.dtype,
                                "--file-storage-path", storage,
-                               "--torchao-config", args.torchao_config)
+                               "--torchao-config", args.torchao_config,
+                               *(["--enable-torch-compile"] if args.enable_torch_compile else []))
         try:
             # serving.py's options on top of ours: completions with text
             # prompts, the model name from /v1/models, no API key
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model {directory.name}, device {hf['device']}, dtype {hf['dtype']}, "
           f"{platform.machine()} with {torch.get_num_threads()} torch threads; pyserve max concurrency "
           f"{args.max_concurrency or 'unlimited'}, transformers batch size {hf['batch_size']}; "
-          f"pyserve --torchao-config {args.torchao_config}")
+          f"pyserve --torchao-config {args.torchao_config}"
+          f"{' --enable-torch-compile' if args.enable_torch_compile else ''}")
     print(table)
     print("ratio = pyserve / transformers: higher is better for tok/s and req/s, lower for E2E")
     for error in ours["errors"]:
