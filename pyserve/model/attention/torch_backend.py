@@ -156,4 +156,3 @@ class TorchAttention(AttentionBackend):
             return None
         return (self.kv_buffer.k_buffer[layer_id], self.kv_buffer.v_buffer[layer_id],
                 self._batch.out_cache_loc, single.slots, single.mask)
-
