@@ -129,7 +129,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(_ACT_DTYPE))
         self.register_buffer("bias", bias)
-        # For dense_weight (float32 [out, in / group_size, 1], so they broadcast over a group).
+        # For dense_weight: scales and zeros again, in float32 (the kernel's copy
+        # above is bfloat16-rounded), shaped [out, in / group_size, 1] to broadcast over a group.
         self.register_buffer("nibbles", pack_nibbles(codes.to(torch.uint8)))
         self.register_buffer("group_scales", scales.float()[..., None])
         self.register_buffer("group_zeros", zeros.float()[..., None])
