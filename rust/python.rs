@@ -9,10 +9,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
+use crate::block_quant::{self, Q4_1, Q8_0};
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
 use crate::detokenizer::DecodeStream as Stream;
+use crate::spin_pool::SpinPool;
 use crate::stop::StopMatcher as Matcher;
 use crate::tokenizer::Tokenizer as Tok;
 
@@ -240,6 +242,66 @@ fn content_text(content: &Bound<'_, PyAny>) -> PyResult<String> {
     join_parts(&parts).map_err(value_error)
 }
 
+/// A borrowed view of `len` elements at a buffer address from Python.
+///
+/// SAFETY: the caller guarantees `address` is a live, aligned, contiguous
+/// buffer of at least `len` elements of `T` for the whole call (the torch
+/// tensors pyserve.model.quant checks and keeps alive).
+unsafe fn view<'a, T>(address: usize, len: usize) -> &'a [T] {
+    std::slice::from_raw_parts(address as *const T, len)
+}
+
+/// out[rows, n] = x[rows, k] @ w.T for Q4_1 weights w[n, k] given as
+/// nibbles (u8, n * k / 2), scales and mins (f32, n * k / 32). The
+/// arguments are addresses of float32/uint8 buffers; only
+/// pyserve.model.quant calls this, after checking shapes and dtypes.
+/// `threads` share the columns (the caller's thread among them).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn matmul_q4_1(
+    py: Python<'_>,
+    x: usize,
+    rows: usize,
+    k: usize,
+    nibbles: usize,
+    scales: usize,
+    mins: usize,
+    n: usize,
+    out: usize,
+    threads: usize,
+) {
+    let blocks = n * k / block_quant::BLOCK;
+    // SAFETY: see `view`; `out` is written only by this call.
+    unsafe {
+        let weights =
+            Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) };
+        let (x, out) = (view::<f32>(x, rows * k), std::slice::from_raw_parts_mut(out as *mut f32, rows * n));
+        py.allow_threads(|| block_quant::matmul(SpinPool::global(), threads, x, k, &weights, out));
+    }
+}
+
+/// As matmul_q4_1 for Q8_0 weights: codes (i8, n * k) and scales (f32, n * k / 32).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn matmul_q8_0(
+    py: Python<'_>,
+    x: usize,
+    rows: usize,
+    k: usize,
+    codes: usize,
+    scales: usize,
+    n: usize,
+    out: usize,
+    threads: usize,
+) {
+    // SAFETY: as in matmul_q4_1.
+    unsafe {
+        let weights = Q8_0 { codes: view(codes, n * k), scales: view(scales, n * k / block_quant::BLOCK) };
+        let (x, out) = (view::<f32>(x, rows * k), std::slice::from_raw_parts_mut(out as *mut f32, rows * n));
+        py.allow_threads(|| block_quant::matmul(SpinPool::global(), threads, x, k, &weights, out));
+    }
+}
+
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTokenizer>()?;
@@ -249,5 +311,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyToolCallParser>()?;
     m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul_q8_0, m)?)?;
     Ok(())
 }

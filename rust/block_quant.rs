@@ -1,0 +1,373 @@
+//! Matrix products with block-quantized weights, for the CPU decode path.
+//!
+//! Weights come in ggml's blocks of 32 inputs: Q4_1 (4-bit codes q, a
+//! scale d and a minimum m per block: w = d * q + m) and Q8_0 (8-bit codes
+//! and a scale: w = d * q). The activations are quantized on the fly to 8
+//! bits per block of 32, so that one block's dot product is integer
+//! arithmetic: AVX2's `maddubs` multiplies 32 byte pairs in one
+//! instruction, where a kernel that widens the codes to floats first does
+//! four times the work. That is what makes a small model's decode step on
+//! a CPU without AVX-512 fast; torch's int4 CPU kernel widens to floats.
+//!
+//! No crate offers these kernels for 4-bit codes with a minimum (candle's
+//! Q4_1 dot product is scalar), hence this module. Without AVX2 and FMA a
+//! plain loop computes the same sums.
+
+use crate::spin_pool::SpinPool;
+
+/// Inputs sharing one scale, in weights and activations alike.
+pub const BLOCK: usize = 32;
+
+/// Rows of activations quantized per block: q = round(x / d) with
+/// d = max|x| / 127, and sum = d * sum(q), which Q4_1's minimum multiplies.
+pub struct QuantizedRows {
+    codes: Vec<i8>,
+    scales: Vec<f32>,
+    sums: Vec<f32>,
+    blocks: usize,
+}
+
+impl QuantizedRows {
+    /// `x` holds rows of `k` values; `k` is a multiple of BLOCK.
+    pub fn new(x: &[f32], k: usize) -> QuantizedRows {
+        assert!(k % BLOCK == 0 && x.len() % k == 0, "rows of a multiple of {BLOCK} values");
+        let blocks_total = x.len() / BLOCK;
+        let mut rows = QuantizedRows {
+            codes: vec![0; x.len()],
+            scales: vec![0.0; blocks_total],
+            sums: vec![0.0; blocks_total],
+            blocks: k / BLOCK,
+        };
+        quantize_blocks(x, &mut rows.codes, &mut rows.scales, &mut rows.sums);
+        rows
+    }
+
+    fn row(&self, r: usize) -> (&[i8], &[f32], &[f32]) {
+        let b = r * self.blocks;
+        (
+            &self.codes[b * BLOCK..(b + self.blocks) * BLOCK],
+            &self.scales[b..b + self.blocks],
+            &self.sums[b..b + self.blocks],
+        )
+    }
+
+    fn len(&self) -> usize {
+        self.scales.len() / self.blocks
+    }
+}
+
+fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    for (((x, codes), scale), sum) in
+        x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).zip(sums.iter_mut())
+    {
+        let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = max / 127.0;
+        let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut total = 0i32;
+        for (q, v) in codes.iter_mut().zip(x) {
+            *q = (v * inverse).round() as i8;
+            total += *q as i32;
+        }
+        *scale = d;
+        *sum = d * total as f32;
+    }
+}
+
+/// Q4_1 weights [n, k]: per block, 16 bytes whose low nibbles are inputs
+/// 0..15 and high nibbles 16..31 (ggml's order), a scale and a minimum.
+pub struct Q4_1<'a> {
+    pub nibbles: &'a [u8],
+    pub scales: &'a [f32],
+    pub mins: &'a [f32],
+}
+
+/// Q8_0 weights [n, k]: per block, 32 signed codes and a scale.
+pub struct Q8_0<'a> {
+    pub codes: &'a [i8],
+    pub scales: &'a [f32],
+}
+
+/// Weights whose rows dot quantized activation rows.
+pub trait BlockWeights: Sync {
+    /// Output features; each row has `blocks` blocks.
+    fn rows(&self, blocks: usize) -> usize;
+    /// row `n` of the weights dotted with each of `xs` (at most 4 rows).
+    fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]);
+}
+
+impl BlockWeights for Q4_1<'_> {
+    fn rows(&self, blocks: usize) -> usize {
+        self.scales.len() / blocks
+    }
+
+    fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+        let nibbles = &self.nibbles[n * blocks * BLOCK / 2..(n + 1) * blocks * BLOCK / 2];
+        let (scales, mins) = (&self.scales[n * blocks..(n + 1) * blocks], &self.mins[n * blocks..(n + 1) * blocks]);
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            // The minimum's share: sum over blocks of m * d_x * sum(q_x).
+            *o = mins.iter().zip(x.2).map(|(m, s)| m * s).sum();
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: the CPU has AVX2 and FMA; slices are sized by `blocks`.
+            return unsafe { avx2::q4_1_dot(nibbles, scales, xs, out) };
+        }
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            for b in 0..blocks {
+                let codes = &x.0[b * BLOCK..(b + 1) * BLOCK];
+                let bytes = &nibbles[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                let mut total = 0i32;
+                for j in 0..BLOCK / 2 {
+                    total += (bytes[j] & 0x0F) as i32 * codes[j] as i32;
+                    total += (bytes[j] >> 4) as i32 * codes[j + BLOCK / 2] as i32;
+                }
+                *o += scales[b] * x.1[b] * total as f32;
+            }
+        }
+    }
+}
+
+impl BlockWeights for Q8_0<'_> {
+    fn rows(&self, blocks: usize) -> usize {
+        self.scales.len() / blocks
+    }
+
+    fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+        let codes = &self.codes[n * blocks * BLOCK..(n + 1) * blocks * BLOCK];
+        let scales = &self.scales[n * blocks..(n + 1) * blocks];
+        out.fill(0.0);
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: as above.
+            return unsafe { avx2::q8_0_dot(codes, scales, xs, out) };
+        }
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            for b in 0..blocks {
+                let range = b * BLOCK..(b + 1) * BLOCK;
+                let total: i32 = codes[range.clone()].iter().zip(&x.0[range]).map(|(w, v)| *w as i32 * *v as i32).sum();
+                *o += scales[b] * x.1[b] * total as f32;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// out[m, n] = sum_k x[m, k] * w[n, k] for `x` of rows of `k` values; the
+/// columns are split in `parts` (at most the pool's threads).
+pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl BlockWeights, out: &mut [f32]) {
+    let xs = QuantizedRows::new(x, k);
+    let (m, blocks) = (xs.len(), xs.blocks);
+    let n = weights.rows(blocks);
+    assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
+    let rows: Vec<_> = (0..m).map(|r| xs.row(r)).collect();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let parts = parts.clamp(1, pool.threads());
+    pool.run(parts, &|part| {
+        let mut sums = [0f32; 4];
+        for col in n * part / parts..n * (part + 1) / parts {
+            for (tile, group) in rows.chunks(4).enumerate() {
+                weights.dot(col, blocks, group, &mut sums);
+                for (i, s) in sums.iter().take(group.len()).enumerate() {
+                    // SAFETY: each task writes its own columns, inside `out`.
+                    unsafe { *out_ptr.get().add((tile * 4 + i) * n + col) = *s };
+                }
+            }
+        }
+    });
+}
+
+/// `out`'s start, shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn sum_lanes(v: __m256) -> f32 {
+        let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
+    }
+
+    /// 32 products of unsigned `w` and signed `x` bytes, summed to 8 floats.
+    #[inline(always)]
+    unsafe fn byte_dot(w: __m256i, x: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+    }
+
+    /// One activation row's codes and scales, as raw pointers.
+    type Row = (*const i8, *const f32);
+
+    fn rows<const R: usize>(xs: &[(&[i8], &[f32], &[f32])]) -> [Row; R] {
+        std::array::from_fn(|r| (xs[r].0.as_ptr(), xs[r].1.as_ptr()))
+    }
+
+    /// Adds to out[i] the scaled code dot products of one Q4_1 row with xs[i].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_1_dot(nibbles: &[u8], scales: &[f32], xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+        let sums = match xs.len() {
+            1 => widen(q4_1_tile::<1>(nibbles, scales, rows(xs))),
+            2 => widen(q4_1_tile::<2>(nibbles, scales, rows(xs))),
+            3 => widen(q4_1_tile::<3>(nibbles, scales, rows(xs))),
+            _ => q4_1_tile::<4>(nibbles, scales, rows(xs)),
+        };
+        for (o, s) in out.iter_mut().zip(sums).take(xs.len()) {
+            *o += s;
+        }
+    }
+
+    /// out[i] = the scaled code dot products of one Q8_0 row with xs[i].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_0_dot(codes: &[i8], scales: &[f32], xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+        *out = match xs.len() {
+            1 => widen(q8_0_tile::<1>(codes, scales, rows(xs))),
+            2 => widen(q8_0_tile::<2>(codes, scales, rows(xs))),
+            3 => widen(q8_0_tile::<3>(codes, scales, rows(xs))),
+            _ => q8_0_tile::<4>(codes, scales, rows(xs)),
+        };
+    }
+
+    fn widen<const R: usize>(sums: [f32; R]) -> [f32; 4] {
+        std::array::from_fn(|r| if r < R { sums[r] } else { 0.0 })
+    }
+
+    /// The dot products of one weight row with R activation rows, blocks
+    /// in pairs: two accumulators per row hide the latency of the FMA
+    /// chain. `weight(b)` gives block b's 32 codes as unsigned bytes and
+    /// how to sign the activation codes (maddubs wants an unsigned left side).
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        blocks: usize,
+        scales: &[f32],
+        xs: [Row; R],
+        weight: impl Fn(usize) -> (__m256i, Option<__m256i>),
+    ) -> [f32; R] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut b = 0;
+        while b < blocks {
+            for (half, acc_index) in [(b, 0), (b + 1, 1)] {
+                if half == blocks {
+                    break;
+                }
+                let (w, sign) = weight(half);
+                for r in 0..R {
+                    let mut codes = _mm256_loadu_si256(xs[r].0.add(half * BLOCK) as *const __m256i);
+                    if let Some(sign) = sign {
+                        codes = _mm256_sign_epi8(codes, sign);
+                    }
+                    let scale = _mm256_set1_ps(scales[half] * *xs[r].1.add(half));
+                    acc[r][acc_index] = _mm256_fmadd_ps(scale, byte_dot(w, codes), acc[r][acc_index]);
+                }
+            }
+            b += 2;
+        }
+        std::array::from_fn(|r| sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1])))
+    }
+
+    #[inline(always)]
+    unsafe fn q4_1_tile<const R: usize>(nibbles: &[u8], scales: &[f32], xs: [Row; R]) -> [f32; R] {
+        let low = _mm_set1_epi8(0x0F);
+        tile(scales.len(), scales, xs, |b| {
+            let bytes = _mm_loadu_si128(nibbles.as_ptr().add(b * BLOCK / 2) as *const __m128i);
+            (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
+        })
+    }
+
+    #[inline(always)]
+    unsafe fn q8_0_tile<const R: usize>(codes: &[i8], scales: &[f32], xs: [Row; R]) -> [f32; R] {
+        tile(scales.len(), scales, xs, |b| {
+            let w = _mm256_loadu_si256(codes.as_ptr().add(b * BLOCK) as *const __m256i);
+            (_mm256_sign_epi8(w, w), Some(w))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small deterministic generator, so the tests need no crate.
+    fn values(count: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..count)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn reference(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
+        let n = w.len() / k;
+        x.chunks(k)
+            .flat_map(|row| {
+                (0..n).map(move |c| row.iter().zip(&w[c * k..(c + 1) * k]).map(|(a, b)| a * b).sum::<f32>())
+            })
+            .collect()
+    }
+
+    fn close(got: &[f32], want: &[f32], tolerance: f32) {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= tolerance * scale, "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn q4_1_matches_the_dequantized_product() {
+        let (k, n) = (96, 40);
+        let codes: Vec<u8> = values(n * k, 1).iter().map(|v| ((v + 1.0) * 7.99) as u8).collect();
+        let scales = values(n * k / BLOCK, 2).iter().map(|v| v.abs() * 0.1 + 0.01).collect::<Vec<_>>();
+        let mins = values(n * k / BLOCK, 3).iter().map(|v| v * 0.5).collect::<Vec<_>>();
+        let dense: Vec<f32> = (0..n * k).map(|i| scales[i / BLOCK] * codes[i] as f32 + mins[i / BLOCK]).collect();
+        let nibbles: Vec<u8> = codes
+            .chunks(BLOCK)
+            .flat_map(|block| (0..BLOCK / 2).map(move |j| block[j] | (block[j + BLOCK / 2] << 4)))
+            .collect();
+        for m in [1, 3, 6] {
+            let x = values(m * k, 4 + m as u32);
+            let mut out = vec![0.0; m * n];
+            matmul(&SpinPool::new(3), 3, &x, k, &Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins }, &mut out);
+            close(&out, &reference(&x, &dense, k), 0.02);
+        }
+    }
+
+    #[test]
+    fn q8_0_matches_the_dequantized_product() {
+        let (k, n) = (64, 33);
+        let codes: Vec<i8> = values(n * k, 5).iter().map(|v| (v * 127.0) as i8).collect();
+        let scales = values(n * k / BLOCK, 6).iter().map(|v| v.abs() * 0.01 + 0.001).collect::<Vec<_>>();
+        let dense: Vec<f32> = (0..n * k).map(|i| scales[i / BLOCK] * codes[i] as f32).collect();
+        for m in [1, 5] {
+            let x = values(m * k, 7 + m as u32);
+            let mut out = vec![0.0; m * n];
+            matmul(&SpinPool::new(3), 3, &x, k, &Q8_0 { codes: &codes, scales: &scales }, &mut out);
+            close(&out, &reference(&x, &dense, k), 0.02);
+        }
+    }
+
+    #[test]
+    fn zero_activations_give_zero() {
+        let mut out = vec![1.0; 2];
+        let codes = vec![3i8; 2 * BLOCK];
+        matmul(&SpinPool::new(2), 2, &vec![0.0; BLOCK], BLOCK, &Q8_0 { codes: &codes, scales: &[1.0, 1.0] }, &mut out);
+        assert_eq!(out, vec![0.0, 0.0]);
+    }
+}
