@@ -94,8 +94,9 @@ class ServerArgs:
     grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
                                   help="constrained decoding backend; none refuses constrained requests")
     # CPU speed: quantized weights and a compiled decode step.
-    torchao_config: str = option("auto", help="CPU weight-only quantization: none, int8wo, int4wo-<group> "
-                                 "(32/64/128/256), or auto: the 4-bit weights the model ships (the embedded model's)")
+    torchao_config: str = option("auto", help="CPU quantization: none, int8wo, int4wo-<group> (32/64/128/256), "
+                                 "8da4w (4-bit weights in blocks of 32, 8-bit dynamic activations), or auto: "
+                                 "the 4-bit weights the model ships (the embedded model's) as 8da4w with AVX2")
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")

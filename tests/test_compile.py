@@ -41,14 +41,16 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path):
         torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_engine_with_compiled_decode_gives_the_eager_tokens(tiny_llama_dir):
+@pytest.mark.parametrize("quant", ["none", "8da4w"])
+def test_engine_with_compiled_decode_gives_the_eager_tokens(tiny_llama_dir, quant):
     """--enable-torch-compile through the engine: requests alone and batched
     (unequal lengths, page size 4) give eager's greedy tokens, and the
-    compiled layer is what ran."""
+    compiled layer is what ran; in float32 and with the block kernels
+    (8da4w), which the graph calls as opaque ops."""
     from tests.test_engine import PROMPTS, collect, run, started_engine
 
     async def tokens(**options):
-        engine = await started_engine(tiny_llama_dir, page_size=4, **options)
+        engine = await started_engine(tiny_llama_dir, page_size=4, torchao_config=quant, **options)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         alone = [await collect(engine, p, max_new_tokens=6, temperature=0, ignore_eos=True) for p in PROMPTS[:2]]
         together = await asyncio.gather(
@@ -58,6 +60,7 @@ def test_engine_with_compiled_decode_gives_the_eager_tokens(tiny_llama_dir):
         return [t[1] for t in alone] + [t[1] for t in together], compiled_now
 
     eager, _ = run(tokens())
+    torch._dynamo.reset()  # the other parametrization's graphs would count against the recompile limit
     compiled, compiled_during_requests = run(tokens(enable_torch_compile=True))
     assert compiled == eager
     assert compiled_during_requests == 0  # start-up compiled every shape the requests needed

@@ -14,8 +14,10 @@ from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.model.gguf import GGUFFile
 from pyserve.model.loader import load_model
+from pyserve.model import block_quant
+from pyserve.model.block_quant import Q4_1Linear, Q8_0Linear
 from pyserve.model.quant import (
-    Int4Linear, Int8Linear, WeightQuant, pack_nibbles, parse_quant, resolve_quant, unpack_nibbles,
+    BLOCK_INT4, Int4Linear, Int8Linear, WeightQuant, pack_nibbles, parse_quant, resolve_quant, unpack_nibbles,
 )
 from pyserve.server_args import ServerArgs
 from tests.test_model_vs_hf import CachedSequences
@@ -32,9 +34,10 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def test_parse_quant_names_and_refusals():
     assert parse_quant("int8wo") == WeightQuant(8)
     assert parse_quant("int4wo-64") == WeightQuant(4, 64)
+    assert parse_quant("8da4w") == BLOCK_INT4 and BLOCK_INT4.name == "8da4w"
     assert parse_quant("none") is None and parse_quant("") is None
     assert parse_quant("auto") == "auto"
-    for bad in ("int4wo-48", "int4wo", "fp8", "int8"):
+    for bad in ("int4wo-48", "int4wo", "fp8", "int8", "8da4w-64"):
         with pytest.raises(ValueError, match="--torchao-config"):
             parse_quant(bad)
 
@@ -107,9 +110,32 @@ def test_embedded_model_runs_its_own_q4_1_groups(default_model_dir):
         assert relative_error(dense.t()[rows], expected) < 1e-6  # the GGUF's own arithmetic, in float32
 
 
+def test_8da4w_embedded_model_runs_the_gguf_blocks(default_model_dir):
+    """8da4w keeps the GGUF's Q4_1 blocks (d * q + m) and Q8_0 blocks for the
+    vocabulary projection: the weights llama.cpp multiplies by."""
+    from pyserve.model.default_model import _gguf_path
+
+    model, _ = load_model(default_model_dir, torch.float32, "cpu", BLOCK_INT4)
+    gguf = GGUFFile(_gguf_path())
+    layer = model.layers[3].mlp.down_proj
+    assert isinstance(layer, Q4_1Linear)
+    expected = torch.from_numpy(gguf.tensor("blk.3.ffn_down.weight").copy())
+    assert relative_error(layer.dense_weight(), expected) < 1e-6
+    # A unit input quantizes exactly (127 times 1/127), so the kernel gives the weight's columns.
+    identity = torch.eye(expected.shape[1])[:64]
+    assert relative_error(layer(identity).t(), expected[:, :64]) < 1e-5
+    head = model.lm_head
+    assert isinstance(head, Q8_0Linear)
+    embedding = torch.from_numpy(gguf.tensor("token_embd.weight").copy())
+    # Re-quantized from the directory's bfloat16 embedding: the GGUF's blocks up to that rounding.
+    assert relative_error(head.dense_weight(), embedding) < 1e-3
+
+
 def test_auto_uses_shipped_weights_on_cpu_only(default_model_dir, tmp_path):
     tiny = build_tiny_model(tmp_path, "llama")
-    assert resolve_quant("auto", default_model_dir, torch.device("cpu")) == WeightQuant(4, 32)
+    # The shipped groups run through the block kernels where the CPU has AVX2.
+    shipped = BLOCK_INT4 if block_quant.available() else WeightQuant(4, 32)
+    assert resolve_quant("auto", default_model_dir, torch.device("cpu")) == shipped
     assert resolve_quant("auto", tiny, torch.device("cpu")) is None  # ships no quantized weights
     assert resolve_quant("auto", default_model_dir, torch.device("cuda")) is None
     assert resolve_quant("none", default_model_dir, torch.device("cpu")) is None
@@ -126,7 +152,7 @@ def greedy(model, config, prompts: list[list[int]], n: int) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32"])
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32", "8da4w"])
 def test_quantized_embedded_model_answers_like_float32(default_model_dir, mode):
     """Greedy answers to plain questions: the quantized model's first tokens
     are float32's (the whole answer may drift later, as bench/quality.py measures)."""
@@ -140,7 +166,7 @@ def test_quantized_embedded_model_answers_like_float32(default_model_dir, mode):
     assert agree >= 10, (reference, quantized)  # of 12
 
 
-@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32"])
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32", "8da4w"])
 def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, default_model_dir):
     """A bf16/fp32 checkpoint quantized at load: the engine runs it to the end."""
     model_dir = build_tiny_model(tmp_path, "llama", tokenizer_dir=default_model_dir)
@@ -156,4 +182,4 @@ def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, def
 
     assert len(asyncio.run(run())) == 6
     head = engine.runner.model.lm_head
-    assert isinstance(head, Int8Linear)
+    assert isinstance(head, Q8_0Linear if mode == "8da4w" else Int8Linear)

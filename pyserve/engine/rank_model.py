@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pyserve.model import block_quant
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
@@ -70,10 +71,13 @@ class RankModel:
         self.device = device
         self.dtype = getattr(torch, args.dtype)
         self.ranks_on_this_node = ranks_on_this_node
+        # The ranks of one machine share its cores.
+        self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
         if device.type == "cpu":
-            # The ranks of one machine share its cores.
-            torch.set_num_threads(max(1, usable_cpus() // ranks_on_this_node))
+            torch.set_num_threads(self.cpu_threads)
         self.quant = resolve_quant(args.torchao_config, model_dir, device)
+        if self.quant is not None and self.quant.int8_activations:
+            block_quant.set_threads(self.cpu_threads)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
                                               lm_head=not args.is_embedding)
         self.context_len = args.context_length or self.config.max_position_embeddings
@@ -159,7 +163,7 @@ class RankModel:
                                        [1] * rows, [zero(n, dtype=torch.long) for n in lengths], list(range(rows)),
                                        True, self.device)
             with torch.inference_mode():
-                self.model(batch, self.attention)
+                self.forward(batch)
         logger.info("torch.compile: decode layers compiled in %.1f s", time.perf_counter() - start)
 
     # -- steps -----------------------------------------------------------------
@@ -168,4 +172,20 @@ class RankModel:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.replay(batch)
+        if self._block_kernel_step(batch):
+            # The block kernels' threads spin between their calls; torch's
+            # own threads spin after each of its ops, and on a busy core
+            # each pool waits for the other (measured: twice the step time).
+            # So such steps leave the cores to the kernels and run torch's
+            # ops (small at these sizes) on this thread.
+            torch.set_num_threads(1)
+            try:
+                return self.model(batch, self.attention)
+            finally:
+                torch.set_num_threads(self.cpu_threads)
         return self.model(batch, self.attention)
+
+    def _block_kernel_step(self, batch: ForwardBatch) -> bool:
+        """Whether the step's linear layers run block_quant's kernels (8da4w, fewer than DENSE_FROM_ROWS rows)."""
+        return (self.quant is not None and self.quant.int8_activations and self.cpu_threads > 1
+                and batch.input_ids.numel() < block_quant.DENSE_FROM_ROWS)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from pyserve.model.config import ModelConfig
 from pyserve.model.llama import LlamaForCausalLM
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
-from pyserve.model.quant import Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
+from pyserve.model.quant import Int4Groups, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ def _read(handle, key: str, dim: int | None, part: range | None, full: int | Non
     return view[(slice(None),) * dim + (slice(part.start, min(part.stop, full)),)]
 
 
-def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, group_size: int) -> dict[str, Int4Linear]:
-    """Module name -> Int4Linear from a file of `<projection>.codes/.scales/.zeros`
+def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, group_size: int) -> dict[str, Int4Groups]:
+    """Module name -> its 4-bit groups from a file of `<projection>.codes/.scales/.zeros`
     (codes two to a byte), this rank's part of each, the parts of a fused
     projection concatenated in row order."""
     parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
@@ -166,12 +166,11 @@ def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, group_size
                       full // per_group) for suffix in (".scales", ".zeros"))
             parts.setdefault(piece.param.removesuffix(".weight"), []).append(
                 (piece.row or 0, unpack_nibbles(codes), scales, zeros))
-    layers = {}
+    groups = {}
     for module, pieces in parts.items():
         pieces.sort(key=lambda piece: piece[0])
-        codes, scales, zeros = (torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
-        layers[module] = Int4Linear(codes, scales, zeros, group_size, None)
-    return layers
+        groups[module] = tuple(torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
+    return groups
 
 
 def load_model(

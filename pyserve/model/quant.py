@@ -12,12 +12,16 @@ bfloat16 activations (float32 ones take a slow generic path), so each
 quantized layer casts its input to bfloat16 and its output back: the
 rest of the model keeps its dtype.
 
-Modes: `int8wo`, `int4wo-<group>` (group 32, 64, 128 or 256), `none`, and
-`auto`: on the CPU, the 4-bit weights a model directory ships already in
-this format (the embedded model's, converted once from its GGUF file,
-default_model.py), else none. The vocabulary projection (lm_head, or the
-tied embedding matrix) is int8 in both modes: it is the largest matmul
-and the most sensitive to rounding; the embedding lookup stays dense.
+Modes: `int8wo`, `int4wo-<group>` (group 32, 64, 128 or 256), `8da4w`
+(4-bit weights in blocks of 32 with 8-bit dynamic activations, ggml's
+Q4_1 x Q8 products by pyserve's Rust kernels: block_quant.py), `none`,
+and `auto`: on the CPU, the 4-bit weights a model directory ships already
+(the embedded model's, converted once from its GGUF file,
+default_model.py) as 8da4w where the CPU has AVX2 (else int4wo-32), or
+none without them. The vocabulary projection (lm_head, or the tied
+embedding matrix) is int8 in every mode (Q8_0 blocks in 8da4w): it is the
+largest matmul and the most sensitive to rounding; the embedding lookup
+stays dense.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyserve.model import block_quant
+from pyserve.model.block_quant import Q4_1Linear, Q8_0Linear
+
 logger = logging.getLogger(__name__)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -42,10 +49,21 @@ _INT4_ROW_MULTIPLE = 16  # the int4 packing needs output rows in multiples of th
 class WeightQuant:
     bits: int  # 8 or 4
     group_size: int | None = None  # int4: input columns sharing a scale and zero
+    int8_activations: bool = False  # 8da4w: block_quant.py's kernels
 
     @property
     def name(self) -> str:
+        if self.int8_activations:
+            return "8da4w"
         return "int8wo" if self.bits == 8 else f"int4wo-{self.group_size}"
+
+    @property
+    def stored_as(self) -> str:
+        """The name of the prequantized file this mode reads (8da4w's weights are int4wo-32's)."""
+        return f"int4wo-{self.group_size}" if self.bits == 4 else self.name
+
+
+BLOCK_INT4 = WeightQuant(4, block_quant.BLOCK, int8_activations=True)
 
 
 def parse_quant(text: str) -> WeightQuant | None | str:
@@ -55,25 +73,27 @@ def parse_quant(text: str) -> WeightQuant | None | str:
         return None if text == "none" else "auto"
     if text == "int8wo":
         return WeightQuant(8)
+    if text == "8da4w":
+        return BLOCK_INT4
     match = re.fullmatch(r"int4wo-(\d+)", text)
     if match and int(match.group(1)) in INT4_GROUP_SIZES:
         return WeightQuant(4, int(match.group(1)))
     raise ValueError(
-        f"--torchao-config {text!r}: expected none, auto, int8wo or int4wo-<group> "
+        f"--torchao-config {text!r}: expected none, auto, int8wo, 8da4w or int4wo-<group> "
         f"with group in {INT4_GROUP_SIZES}"
     )
 
 
 def prequantized_file(model_dir: Path, quant: WeightQuant) -> Path:
     """Where a model directory keeps weights already quantized as `quant`."""
-    return Path(model_dir) / f"model.{quant.name}.safetensors"
+    return Path(model_dir) / f"model.{quant.stored_as}.safetensors"
 
 
 def resolve_quant(text: str, model_dir: Path, device: torch.device) -> WeightQuant | None:
     """The quantization to load with: `auto` made concrete, CPU only."""
     quant = parse_quant(text)
     if quant == "auto":
-        shipped = WeightQuant(4, 32)
+        shipped = BLOCK_INT4 if block_quant.available() else WeightQuant(4, 32)
         return shipped if device.type == "cpu" and prequantized_file(model_dir, shipped).is_file() else None
     if quant is not None and device.type != "cpu":
         raise ValueError(f"--torchao-config {quant.name} runs on the CPU only (the GPU path keeps its kernels)")
@@ -143,12 +163,8 @@ class Int4Linear(nn.Module):
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
         """Asymmetric min/max quantization of each group of `group_size` inputs."""
-        out, cols = weight.shape
-        w = weight.float().reshape(out, cols // group_size, group_size)
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scales = ((high - low) / 15).clamp(min=1e-12)
-        codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return cls(codes.reshape(out, cols), scales, low + 8 * scales, group_size, bias)
+        codes, scales, mins = int4_groups(weight, group_size)
+        return cls(codes, scales, mins + 8 * scales, group_size, bias)
 
     @staticmethod
     def fits(weight: torch.Tensor, group_size: int) -> bool:
@@ -166,6 +182,17 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 [out, in], and a scale and a minimum [out, in / group_size]
+    per group: its minimum and 15 equal steps up to its maximum."""
+    out, cols = weight.shape
+    w = weight.float().reshape(out, cols // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return codes.reshape(out, cols), scales, low
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..15 [out, in] -> [out, in / 2], even columns in the low nibbles."""
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -175,36 +202,48 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [out, in], scales, zeros
+
+
+def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module:
+    """A 4-bit layer of `quant` from int4wo's codes, scales and zeros."""
+    codes, scales, zeros = groups
+    if quant.int8_activations:
+        return Q4_1Linear(codes, scales, zeros - 8 * scales, bias)
+    return Int4Linear(codes, scales, zeros, quant.group_size, bias)
+
+
 def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
     weight, bias = linear.weight.data, None if linear.bias is None else linear.bias.data
     if quant.bits == 8:
         return Int8Linear.quantize(weight, bias)
-    if Int4Linear.fits(weight, quant.group_size):
+    if quant.int8_activations and weight.shape[1] % block_quant.BLOCK == 0:
+        return Q4_1Linear.quantize(weight, bias)
+    if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
         return Int4Linear.quantize(weight, quant.group_size, bias)
     return None
 
 
-def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4Linear] | None = None) -> None:
+def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4Groups] | None = None) -> None:
     """Replace the decoder layers' linear layers by `quant` ones, in place,
-    taking those in `shipped` (module name -> layer) as they are, and give
-    the model an int8 vocabulary projection."""
+    built from `shipped` (module name -> a checkpoint's own 4-bit groups)
+    where it has them, and give the model an int8 vocabulary projection."""
     shipped = shipped or {}
     kept_dense = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
-        replacement = shipped.get(name) or _quantized(module, quant)
-        if name in shipped and module.bias is not None:
-            replacement.bias = module.bias.data
+        bias = None if module.bias is None else module.bias.data
+        replacement = _from_groups(quant, shipped[name], bias) if name in shipped else _quantized(module, quant)
         if replacement is None:
             kept_dense.append(name)
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replacement)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Int8Linear.quantize(head.data)
+    model.lm_head = Q8_0Linear.quantize(head.data) if quant.int8_activations else Int8Linear.quantize(head.data)
     if kept_dense:
         logger.warning("%s: %d linear layers stay dense (their shape does not fit the kernel), e.g. %s",
                        quant.name, len(kept_dense), kept_dense[0])
-    logger.info("Weights quantized as %s (%d from the checkpoint's own 4-bit weights), lm_head int8",
-                quant.name, len(shipped))
+    logger.info("Weights quantized as %s (%d from the checkpoint's own 4-bit weights), lm_head %s",
+                quant.name, len(shipped), "Q8_0" if quant.int8_activations else "int8")

@@ -1,0 +1,178 @@
+"""Linear layers over ggml's weight blocks, multiplied by pyserve's Rust
+kernels (rust/block_quant.rs): the `8da4w` mode of `--torchao-config`.
+
+Weights keep llama.cpp's formats, blocks of 32 inputs: Q4_1 for the
+decoder layers (4-bit codes q with a scale d and a minimum m per block,
+w = d * q + m: the embedded model's GGUF groups as they are) and Q8_0 for
+the vocabulary projection (8-bit codes with a scale per block; the GGUF
+stores its embedding so). Each call quantizes its activations to 8 bits
+per block of 32 ("8-bit dynamic activations"), so a block's dot product is
+integer arithmetic, 32 byte products per AVX2 instruction: on a CPU
+without AVX-512 that is what makes a decode step fast, where torch's int4
+kernel widens the codes to floats. bench/quality.py measures what the
+activation rounding costs.
+
+From DENSE_FROM_ROWS rows on (long prefills) a layer multiplies by its
+weight dequantized to float32 instead: a dense GEMM's cost barely grows
+with the rows, the block kernel's grows with each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyserve import _rust
+
+BLOCK = 32  # inputs per block, in weights and activations alike
+DENSE_FROM_ROWS = 512
+
+
+# Threads the kernels split their columns among (the caller's included):
+# set by RankModel, which owns the CPU's threads; else torch's count.
+_kernel_threads: int | None = None
+
+
+def set_threads(count: int) -> None:
+    global _kernel_threads
+    _kernel_threads = count
+
+
+def _threads() -> int:
+    return _kernel_threads or torch.get_num_threads()
+
+
+def available() -> bool:
+    """Whether the kernels run their AVX2 code here (else a slow plain loop)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+
+
+def _q4_1_product(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] float32 @ the Q4_1 weight [n, k].T"""
+    out = x.new_empty(x.shape[0], scales.shape[0])
+    _rust.matmul_q4_1(x.data_ptr(), x.shape[0], x.shape[1], nibbles.data_ptr(), scales.data_ptr(),
+                      mins.data_ptr(), scales.shape[0], out.data_ptr(), _threads())
+    return out
+
+
+def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] float32 @ the Q8_0 weight [n, k].T"""
+    out = x.new_empty(x.shape[0], scales.shape[0])
+    _rust.matmul_q8_0(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
+                      scales.shape[0], out.data_ptr(), _threads())
+    return out
+
+
+# The same products as torch ops, so that a compiled decode layer
+# (--enable-torch-compile) calls them as opaque steps instead of breaking
+# its graph; eager calls skip the op's dispatch (~20 µs a call).
+_LIBRARY = torch.library.Library("pyserve", "DEF")
+_LIBRARY.define("matmul_q4_1(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
+_LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.impl("matmul_q4_1", _q4_1_product, "CPU")
+_LIBRARY.impl("matmul_q8_0", _q8_0_product, "CPU")
+
+
+@torch.library.register_fake("pyserve::matmul_q4_1")
+def _(x, nibbles, scales, mins):
+    return x.new_empty(x.shape[0], scales.shape[0])
+
+
+@torch.library.register_fake("pyserve::matmul_q8_0")
+def _(x, codes, scales):
+    return x.new_empty(x.shape[0], scales.shape[0])
+
+
+def _product(x: torch.Tensor, op, eager, *weights: torch.Tensor) -> torch.Tensor:
+    return op(x, *weights) if torch.compiler.is_compiling() else eager(x, *weights)
+
+
+def _check(cols: int) -> None:
+    if cols % BLOCK:
+        raise ValueError(f"block-quantized layers need inputs in multiples of {BLOCK}, not {cols}")
+
+
+class Q4_1Linear(nn.Module):
+    """y = x @ w.T + bias, w[n, k] = scale[n, b] * q[n, k] + min[n, b] for
+    the block b = k // 32, q in 0..15."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
+        """codes: uint8 [out, in] (0..15); scales, mins: [out, in / 32]."""
+        super().__init__()
+        out, cols = codes.shape
+        _check(cols)
+        # ggml's order: in each block, byte j holds input j (low nibble) and j + 16.
+        halves = codes.to(torch.uint8).view(out, cols // BLOCK, 2, BLOCK // 2)
+        self.register_buffer("nibbles", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, cols // 2).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("mins", mins.float().contiguous())
+        self.register_buffer("bias", bias)
+        self.out_features = out
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4_1Linear:
+        """Each block's minimum and 15 equal steps up to its maximum."""
+        out, cols = weight.shape
+        _check(cols)
+        w = weight.float().reshape(out, cols // BLOCK, BLOCK)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return cls(codes.reshape(out, cols), scales, low, bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] this layer multiplies by."""
+        out = self.out_features
+        blocks = self.nibbles.view(out, -1, BLOCK // 2)
+        codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()
+        return codes.mul_(self.scales[..., None]).add_(self.mins[..., None]).view(out, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if rows.shape[0] >= DENSE_FROM_ROWS:
+            y = F.linear(rows, self.dense_weight())
+        else:
+            y = _product(rows, torch.ops.pyserve.matmul_q4_1, _q4_1_product, self.nibbles, self.scales, self.mins)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Q8_0Linear(nn.Module):
+    """y = x @ w.T + bias, w[n, k] = scale[n, k // 32] * q[n, k], q int8."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        _check(codes.shape[1])
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("bias", bias)
+        self.out_features = codes.shape[0]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q8_0Linear:
+        """ggml's Q8_0: each block scaled so that its largest magnitude is 127
+        (a Q8_0 tensor dequantized comes back with its own codes)."""
+        out, cols = weight.shape
+        _check(cols)
+        w = weight.float().reshape(out, cols // BLOCK, BLOCK)
+        scales = w.abs().amax(dim=-1) / 127
+        codes = (w / scales.clamp(min=1e-30)[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes.reshape(out, cols), scales, bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        out = self.out_features
+        return (self.codes.view(out, -1, BLOCK).float() * self.scales[..., None]).view(out, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if rows.shape[0] >= DENSE_FROM_ROWS:
+            y = F.linear(rows, self.dense_weight())
+        else:
+            y = _product(rows, torch.ops.pyserve.matmul_q8_0, _q8_0_product, self.codes, self.scales)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
