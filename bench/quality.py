@@ -12,7 +12,11 @@ is loaded as the server loads it, and compared with its float32 self:
   output" counts the prompts where all positions agree: there the mode's
   own greedy output is identical to float32's.
 
-    python bench/quality.py                       # none, int8wo, int4wo-32 (shipped), int4wo-64
+Every forward takes at most CHUNK tokens, one prompt at a time, so the
+quantized layers run the kernels serving runs them with (a forward of
+512 rows or more would take their dense float32 path instead).
+
+    python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128
 """
 
@@ -34,6 +38,7 @@ from pyserve.model.loader import load_model  # noqa: E402
 from pyserve.model.quant import parse_quant  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "quality_corpus.txt"
+CHUNK = 256  # tokens per forward: under the quantized layers' dense path (512 rows)
 _SUBJECTS = ["the moon", "a rainforest", "the printing press", "volcanoes", "honey bees",
              "the Roman empire", "electric cars", "the human heart", "chess", "the ocean tides"]
 _FRAMES = ["Write one sentence about {}.", "Here is a short fact about {}:", "Explain {} to a child.",
@@ -85,7 +90,10 @@ def perplexity(model, config, tokens: list[int], window: int) -> float:
     nll, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         piece = tokens[start : start + window + 1]
-        logits = Sequences(model, config, len(piece)).logits([piece[:-1]], every_position=True)
+        seqs = Sequences(model, config, len(piece))
+        inputs = piece[:-1]
+        logits = torch.cat([seqs.logits([inputs[i : i + CHUNK]], every_position=True)
+                            for i in range(0, len(inputs), CHUNK)])
         nll += torch.nn.functional.cross_entropy(logits, torch.tensor(piece[1:]), reduction="sum").item()
         count += len(piece) - 1
     return math.exp(nll / count)
@@ -93,13 +101,11 @@ def perplexity(model, config, tokens: list[int], window: int) -> float:
 
 def agreement(model, config, prompts, continuations) -> tuple[int, int, int]:
     """(positions whose argmax is float32's token, positions, prompts that agree everywhere)."""
-    seqs = Sequences(model, config, sum(len(p) + len(c) for p, c in zip(prompts, continuations)))
-    logits = seqs.logits([p + c[:-1] for p, c in zip(prompts, continuations)], every_position=True)
-    same = total = whole = start = 0
+    same = total = whole = 0
     for p, c in zip(prompts, continuations):
+        logits = Sequences(model, config, len(p) + len(c)).logits([p + c[:-1]], every_position=True)
         # The logits at the prompt's last token predict c[0], and so on.
-        predicted = logits[start + len(p) - 1 : start + len(p) - 1 + len(c)].argmax(-1).tolist()
-        start += len(p) + len(c) - 1
+        predicted = logits[len(p) - 1 : len(p) - 1 + len(c)].argmax(-1).tolist()
         hits = sum(a == b for a, b in zip(predicted, c))
         same, total, whole = same + hits, total + len(c), whole + (hits == len(c))
     return same, total, whole
@@ -108,7 +114,7 @@ def agreement(model, config, prompts, continuations) -> tuple[int, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    ap.add_argument("--modes", nargs="+", default=["int8wo", "int4wo-32", "int4wo-64"])
+    ap.add_argument("--modes", nargs="+", default=["int8wo", "int4wo-32", "8da4w", "int4wo-64"])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=512)
     args = ap.parse_args()
