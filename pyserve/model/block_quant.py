@@ -97,7 +97,42 @@ def _check(cols: int) -> None:
         raise ValueError(f"block-quantized layers need inputs in multiples of {BLOCK}, not {cols}")
 
 
-class Q4_1Linear(nn.Module):
+def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 [out, in], and a scale and a minimum [out, in / group_size]
+    per group: its minimum and 15 equal steps up to its maximum (Q4_1's
+    rounding, and int4wo's)."""
+    out, cols = weight.shape
+    w = weight.float().reshape(out, cols // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return codes.reshape(out, cols), scales, low
+
+
+class _BlockLinear(nn.Module):
+    """y = x @ w.T + bias: the block kernel below DENSE_FROM_ROWS rows, the
+    dense float32 weight from there on."""
+
+    out_features: int
+    bias: torch.Tensor | None
+
+    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if rows.shape[0] >= DENSE_FROM_ROWS:
+            y = F.linear(rows, self.dense_weight())
+        else:
+            y = self.block_product(rows)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Q4_1Linear(_BlockLinear):
     """y = x @ w.T + bias, w[n, k] = scale[n, b] * q[n, k] + min[n, b] for
     the block b = k // 32, q in 0..15."""
 
@@ -117,13 +152,8 @@ class Q4_1Linear(nn.Module):
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4_1Linear:
         """Each block's minimum and 15 equal steps up to its maximum."""
-        out, cols = weight.shape
-        _check(cols)
-        w = weight.float().reshape(out, cols // BLOCK, BLOCK)
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scales = ((high - low) / 15).clamp(min=1e-12)
-        codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return cls(codes.reshape(out, cols), scales, low, bias)
+        _check(weight.shape[1])
+        return cls(*int4_groups(weight, BLOCK), bias)
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer multiplies by."""
@@ -132,17 +162,11 @@ class Q4_1Linear(nn.Module):
         codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()
         return codes.mul_(self.scales[..., None]).add_(self.mins[..., None]).view(out, -1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x)
-        if rows.shape[0] >= DENSE_FROM_ROWS:
-            y = F.linear(rows, self.dense_weight())
-        else:
-            y = _product(rows, torch.ops.pyserve.matmul_q4_1, _q4_1_product, self.nibbles, self.scales, self.mins)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
+        return _product(rows, torch.ops.pyserve.matmul_q4_1, _q4_1_product, self.nibbles, self.scales, self.mins)
 
 
-class Q8_0Linear(nn.Module):
+class Q8_0Linear(_BlockLinear):
     """y = x @ w.T + bias, w[n, k] = scale[n, k // 32] * q[n, k], q int8."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -168,11 +192,5 @@ class Q8_0Linear(nn.Module):
         out = self.out_features
         return (self.codes.view(out, -1, BLOCK).float() * self.scales[..., None]).view(out, -1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x)
-        if rows.shape[0] >= DENSE_FROM_ROWS:
-            y = F.linear(rows, self.dense_weight())
-        else:
-            y = _product(rows, torch.ops.pyserve.matmul_q8_0, _q8_0_product, self.codes, self.scales)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
+        return _product(rows, torch.ops.pyserve.matmul_q8_0, _q8_0_product, self.codes, self.scales)

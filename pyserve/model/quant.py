@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyserve.model import block_quant
-from pyserve.model.block_quant import Q4_1Linear, Q8_0Linear
+from pyserve.model.block_quant import Q4_1Linear, Q8_0Linear, int4_groups
 
 logger = logging.getLogger(__name__)
 
@@ -180,17 +180,6 @@ class Int4Linear(nn.Module):
                 rows.to(_ACT_DTYPE), self.weight, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-
-def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes 0..15 [out, in], and a scale and a minimum [out, in / group_size]
-    per group: its minimum and 15 equal steps up to its maximum."""
-    out, cols = weight.shape
-    w = weight.float().reshape(out, cols // group_size, group_size)
-    low, high = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((high - low) / 15).clamp(min=1e-12)
-    codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
-    return codes.reshape(out, cols), scales, low
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
