@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import openai
 import pytest
 
@@ -27,20 +28,37 @@ from tests.test_tensor_parallel_process import answer
 pytestmark = slow
 
 
-def test_two_ranks_generate_what_one_does_on_the_embedded_model(default_model_dir):
+@pytest.fixture(scope="module")
+def float32_runs(default_model_dir) -> tuple[list, list]:
+    return _one_and_two_ranks(default_model_dir, torchao_config="none")
+
+
+def test_two_ranks_generate_what_one_does_on_the_embedded_model(float32_runs):
     """Float32: 3 KV heads split 1 and 2, tied embeddings."""
-    assert_same_generation(*_one_and_two_ranks(default_model_dir, torchao_config="none"))
+    assert_same_generation(*float32_runs)
 
 
-def test_the_default_4bit_path_runs_on_two_ranks(default_model_dir):
+def _prompt_logprobs(runs: list) -> np.ndarray:
+    return np.concatenate([prompt for _, _, prompt in runs])
+
+
+def test_the_default_4bit_path_runs_on_two_ranks(default_model_dir, float32_runs):
     """Each rank quantizes or slices the shipped int4 groups of its own shard.
-    Not bit-identical to one rank: the int4 kernel returns bfloat16, so each
-    rank's partial o_proj / down_proj output is rounded before the
-    all-reduce sums it (one rank rounds the whole sum once). The prompt
-    log-probabilities (the same prefixes on both) stay close."""
+    Not bit-identical to one rank: the all-reduce sums the ranks' partial
+    o_proj / down_proj outputs in another order, and rounding activations to
+    8 bits (8da4w) or bfloat16 (int4wo) turns such last-bit differences into
+    whole rounding steps that later layers carry on. On one rank, scaling
+    the MLP outputs by 1 + 1e-7 noise moves 8da4w's prompt log-probabilities
+    by about as much as the 4-bit weights do. So the check is what a user
+    would ask: two ranks are as close to float32 as one rank is, and differ
+    from one rank by less than that."""
     one, two = _one_and_two_ranks(default_model_dir)
-    for (_, _, prompt1), (_, _, prompt2) in zip(one, two):
-        assert prompt2 == pytest.approx(prompt1, rel=0.03, abs=0.1)
+    float32 = _prompt_logprobs(float32_runs[0])
+    error_one = np.abs(_prompt_logprobs(one) - float32).mean()
+    error_two = np.abs(_prompt_logprobs(two) - float32).mean()
+    assert 0 < error_one < 0.3
+    assert error_two < 1.5 * error_one
+    assert np.abs(_prompt_logprobs(two) - _prompt_logprobs(one)).mean() < error_one
 
 
 @pytest.fixture(scope="module")
