@@ -103,14 +103,14 @@ impl BlockWeights for Q4_1<'_> {
     fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
         let nibbles = &self.nibbles[n * blocks * BLOCK / 2..(n + 1) * blocks * BLOCK / 2];
         let (scales, mins) = (&self.scales[n * blocks..(n + 1) * blocks], &self.mins[n * blocks..(n + 1) * blocks]);
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
-            // The minimum's share: sum over blocks of m * d_x * sum(q_x).
-            *o = mins.iter().zip(x.2).map(|(m, s)| m * s).sum();
-        }
         #[cfg(target_arch = "x86_64")]
         if avx2() {
             // SAFETY: the CPU has AVX2 and FMA; slices are sized by `blocks`.
-            return unsafe { avx2::q4_1_dot(nibbles, scales, xs, out) };
+            return unsafe { avx2::q4_1_dot(nibbles, scales, mins, xs, out) };
+        }
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            // The minimum's share: sum over blocks of m * d_x * sum(q_x).
+            *o = mins.iter().zip(x.2).map(|(m, s)| m * s).sum();
         }
         for (x, o) in xs.iter().zip(out.iter_mut()) {
             for b in 0..blocks {
@@ -164,7 +164,7 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl
     let n = weights.rows(blocks);
     assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
     let rows: Vec<_> = (0..m).map(|r| xs.row(r)).collect();
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = SharedPtr(out.as_mut_ptr());
     let parts = parts.clamp(1, pool.threads());
     pool.run(parts, &|part| {
         let mut sums = [0f32; 4];
@@ -180,14 +180,14 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl
     });
 }
 
-/// `out`'s start, shared by tasks that write disjoint elements.
+/// A buffer's start, shared by tasks that read it or write disjoint elements.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+pub(crate) struct SharedPtr(pub(crate) *mut f32);
+unsafe impl Send for SharedPtr {}
+unsafe impl Sync for SharedPtr {}
 
-impl OutPtr {
-    fn get(self) -> *mut f32 {
+impl SharedPtr {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -204,6 +204,25 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
     }
 
+    /// sum a[i] * b[i], eight lanes at a time (a serial sum would wait on
+    /// each add: as long as a short row's whole integer loop).
+    #[inline(always)]
+    unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc);
+            i += 8;
+        }
+        let mut total = sum_lanes(acc);
+        while i < n {
+            total += a[i] * b[i];
+            i += 1;
+        }
+        total
+    }
+
     /// 32 products of unsigned `w` and signed `x` bytes, summed to 8 floats.
     #[inline(always)]
     unsafe fn byte_dot(w: __m256i, x: __m256i) -> __m256 {
@@ -217,9 +236,19 @@ mod avx2 {
         std::array::from_fn(|r| (xs[r].0.as_ptr(), xs[r].1.as_ptr()))
     }
 
-    /// Adds to out[i] the scaled code dot products of one Q4_1 row with xs[i].
+    /// out[i] = one Q4_1 row dotted with xs[i]: the scaled code products
+    /// plus the minimums' share, sum over blocks of m * d_x * sum(q_x).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1_dot(nibbles: &[u8], scales: &[f32], xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+    pub unsafe fn q4_1_dot(
+        nibbles: &[u8],
+        scales: &[f32],
+        mins: &[f32],
+        xs: &[(&[i8], &[f32], &[f32])],
+        out: &mut [f32; 4],
+    ) {
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            *o = dot_f32(mins, x.2);
+        }
         let sums = match xs.len() {
             1 => widen(q4_1_tile::<1>(nibbles, scales, rows(xs))),
             2 => widen(q4_1_tile::<2>(nibbles, scales, rows(xs))),

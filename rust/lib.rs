@@ -4,6 +4,7 @@
 pub mod block_quant;
 mod byte_level;
 pub mod chat;
+pub mod decode_layer;
 pub mod detokenizer;
 pub mod spin_pool;
 pub mod stop;

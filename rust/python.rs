@@ -13,6 +13,7 @@ use crate::block_quant::{self, Q4_1, Q8_0};
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
+use crate::decode_layer;
 use crate::detokenizer::DecodeStream as Stream;
 use crate::spin_pool::SpinPool;
 use crate::stop::StopMatcher as Matcher;
@@ -280,6 +281,70 @@ fn matmul_q4_1(
     }
 }
 
+/// A Q4_1 weight as addresses: (nibbles, scales, mins).
+type Q4_1Address = (usize, usize, usize);
+
+/// decode_layer::decode_layer over addresses of float32 (int64 for slots)
+/// buffers; only pyserve.model.native_decode calls this, with the
+/// tensors of a decode step and of the layer, after checking them.
+/// dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale);
+/// norms: (input, post-attention); qkv_bias 0 for none; rows: (cos, sin,
+/// new_slot, slots, width, lens); cache: (k, v, slots).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn decode_layer_q4_1(
+    py: Python<'_>,
+    x: usize,
+    residual: usize,
+    rows: usize,
+    dims: (usize, usize, usize, usize, usize, f32, f32),
+    norms: (usize, usize),
+    projections: (Q4_1Address, Q4_1Address, Q4_1Address, Q4_1Address),
+    qkv_bias: usize,
+    step: (usize, usize, usize, usize, usize, usize),
+    cache: (usize, usize, usize),
+    threads: usize,
+) {
+    let (hidden, heads, kv_heads, head_dim, intermediate, eps, scale) = dims;
+    let dims = decode_layer::Dims { hidden, heads, kv_heads, head_dim, intermediate, eps, scale };
+    let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
+    let q4_1 = |(nibbles, scales, mins): Q4_1Address, n: usize, k: usize| {
+        let blocks = n * k / block_quant::BLOCK;
+        // SAFETY: see `view`.
+        unsafe { Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) } }
+    };
+    let (qkv, o, gate_up, down) = projections;
+    let qkv_width = q_size + 2 * kv_size;
+    let (cos, sin, new_slot, slots, width, lens) = step;
+    let half = head_dim / 2;
+    // SAFETY: see `view`; x, residual and the cache are written only by this call.
+    unsafe {
+        let layer = decode_layer::Layer {
+            input_norm: view(norms.0, hidden),
+            qkv: q4_1(qkv, qkv_width, hidden),
+            qkv_bias: (qkv_bias != 0).then(|| view(qkv_bias, qkv_width)),
+            o: q4_1(o, hidden, q_size),
+            post_norm: view(norms.1, hidden),
+            gate_up: q4_1(gate_up, 2 * intermediate, hidden),
+            down: q4_1(down, hidden, intermediate),
+        };
+        let step = decode_layer::Rows {
+            cos: view(cos, rows * half),
+            sin: view(sin, rows * half),
+            new_slot: view(new_slot, rows),
+            slots: view(slots, rows * width),
+            width,
+            lens: view(lens, rows),
+        };
+        let cache = decode_layer::KvCache { k: cache.0 as *mut f32, v: cache.1 as *mut f32, slots: cache.2 };
+        let x = std::slice::from_raw_parts_mut(x as *mut f32, rows * hidden);
+        let residual = std::slice::from_raw_parts_mut(residual as *mut f32, rows * hidden);
+        py.allow_threads(|| {
+            decode_layer::decode_layer(SpinPool::global(), threads, &dims, &layer, &step, &cache, x, residual)
+        });
+    }
+}
+
 /// As matmul_q4_1 for Q8_0 weights: codes (i8, n * k) and scales (f32, n * k / 32).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -313,5 +378,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q8_0, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_layer_q4_1, m)?)?;
     Ok(())
 }

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pyserve.model import block_quant
+from pyserve.model import block_quant, native_decode
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
@@ -131,8 +131,25 @@ class RankModel:
             # The graphs read the Triton backend's static kv tables.
             if isinstance(self.attention, TritonAttention):
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
-        if args.enable_torch_compile:
+        if self._use_native_decode():
+            if args.enable_torch_compile:
+                logger.info("torch.compile: not needed, decode steps run natively")
+        elif args.enable_torch_compile:
             self._compile_decode()
+
+    def _use_native_decode(self) -> bool:
+        """8da4w on a CPU: decode steps' layers as one Rust call each (native_decode.py)."""
+        if self.device.type != "cpu" or self.quant is None or not self.quant.int8_activations:
+            return False
+        if not isinstance(self.attention, TorchAttention):
+            return False
+        reason = native_decode.unfit_reason(self.model)
+        if reason is not None:
+            logger.info("Decode steps keep the torch layers: %s", reason)
+            return False
+        self.model.native_decode = native_decode.NativeDecode(self.model)
+        logger.info("Decode steps run natively, one Rust call per layer")
+        return True
 
     def _make_attention(self, name: str) -> AttentionBackend:
         if name == "triton":

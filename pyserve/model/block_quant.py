@@ -39,7 +39,7 @@ def set_threads(count: int) -> None:
     _kernel_threads = count
 
 
-def _threads() -> int:
+def kernel_threads() -> int:
     return _kernel_threads or torch.get_num_threads()
 
 
@@ -56,7 +56,7 @@ def _q4_1_product(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, 
     """x [rows, k] float32 @ the Q4_1 weight [n, k].T"""
     out = x.new_empty(x.shape[0], scales.shape[0])
     _rust.matmul_q4_1(x.data_ptr(), x.shape[0], x.shape[1], nibbles.data_ptr(), scales.data_ptr(),
-                      mins.data_ptr(), scales.shape[0], out.data_ptr(), _threads())
+                      mins.data_ptr(), scales.shape[0], out.data_ptr(), kernel_threads())
     return out
 
 
@@ -64,7 +64,7 @@ def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     """x [rows, k] float32 @ the Q8_0 weight [n, k].T"""
     out = x.new_empty(x.shape[0], scales.shape[0])
     _rust.matmul_q8_0(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
-                      scales.shape[0], out.data_ptr(), _threads())
+                      scales.shape[0], out.data_ptr(), kernel_threads())
     return out
 
 

@@ -306,6 +306,8 @@ class LlamaForCausalLM(nn.Module):
         self._compiled_decode_layer = torch.compile(decode_layer)
 
     _compiled_decode_layer = None
+    # Set to a NativeDecode (native_decode.py) to run decode steps' layers in Rust.
+    native_decode = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
@@ -319,7 +321,10 @@ class LlamaForCausalLM(nn.Module):
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
         compiled = self._compiled_decode_layer
-        if compiled is not None and batch.is_decode and attn.decode_inputs(0) is not None:
+        decode_step = batch.is_decode and attn.decode_inputs(0) is not None
+        if self.native_decode is not None and decode_step:
+            x, residual = self.native_decode.run(x, cos, sin, batch.seq_lens, attn.decode_inputs)
+        elif compiled is not None and decode_step:
             # A zero residual into the first layer (x + 0 is x) keeps every
             # layer the same graph.
             residual = torch.zeros_like(x)

@@ -1,0 +1,91 @@
+"""Decode steps of a model in the 8da4w layout as one Rust call per layer
+(rust/decode_layer.rs): norms, Q4_1 projections, rotary, the KV write and
+attention over each sequence's slots, SiLU, without a torch op between.
+
+At batch 1 a small model's projections are about half of a step on a CPU;
+the other half was the cost around them (torch.compile's per-call checks,
+custom-op dispatch, SDPA's set-up for one query). Llama-style layers on
+one rank only: Q4_1 q/k/v (with or without a bias), o, gate/up and down
+projections without biases, no q/k norms, float32 KV cache. Prefill and
+mixed steps keep the torch layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyserve import _rust
+from pyserve.model import block_quant
+from pyserve.model.block_quant import Q4_1Linear
+
+
+def unfit_reason(model) -> str | None:
+    """Why `model`'s decode steps cannot run natively, or None when they can."""
+    if model.shard.tp.size != 1:
+        return "tensor parallelism all-reduces inside the layer"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(p, Q4_1Linear) for p in projections):
+            return "its projections are not all Q4_1 blocks"
+        if any(p.bias is not None for p in projections[1:]):
+            return "o_proj or the MLP has a bias"
+        if attn.q_norm is not None:
+            return "it normalizes q and k per head"
+    return None
+
+
+def _q4_1(linear: Q4_1Linear) -> tuple[int, int, int]:
+    return linear.nibbles.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr()
+
+
+class NativeDecode:
+    """The layers' weights as the addresses the Rust layer reads (the model
+    keeps the tensors alive), and `run`, a decode step's layers."""
+
+    def __init__(self, model):
+        config, first = model.config, model.layers[0].self_attn
+        self.dims = (config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                     model.layers[0].mlp.intermediate_size, float(config.rms_norm_eps), float(first.scale))
+        self.layers = []
+        self._biases = []  # float32 copies the addresses point into, kept alive here
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                raise ValueError("the native decode layer needs float32 norm weights")
+            bias = attn.qkv_proj.bias
+            if bias is not None:
+                bias = bias.float().contiguous()
+                self._biases.append(bias)
+            self.layers.append((
+                tuple(w.data_ptr() for w in norms),
+                (_q4_1(attn.qkv_proj), _q4_1(attn.o_proj), _q4_1(mlp.gate_up_proj), _q4_1(mlp.down_proj)),
+                0 if bias is None else bias.data_ptr(),
+            ))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int],
+            decode_inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it) for
+        the embeddings `x` [rows, hidden] of a decode step.
+        `decode_inputs(i)`: layer i's (k cache, v cache, new slots, slots, mask)."""
+        rows = x.shape[0]
+        x = x.to(torch.float32).contiguous().clone()
+        residual = torch.zeros_like(x)
+        cos = cos.reshape(rows, -1).to(torch.float32).contiguous()
+        sin = sin.reshape(rows, -1).to(torch.float32).contiguous()
+        lens = torch.tensor(seq_lens, dtype=torch.long)
+        _, _, new_slots, slots, _ = decode_inputs(0)
+        new_slots, slots = new_slots.to(torch.long).contiguous(), slots.to(torch.long).contiguous()
+        if slots.shape[0] != rows or lens.shape[0] != rows or int(lens.max()) > slots.shape[1]:
+            raise ValueError("a decode step's slots do not match its rows")
+        step = (cos.data_ptr(), sin.data_ptr(), new_slots.data_ptr(), slots.data_ptr(), slots.shape[1],
+                lens.data_ptr())
+        threads = block_quant.kernel_threads()
+        for i, (norms, projections, bias) in enumerate(self.layers):
+            k_cache, v_cache = decode_inputs(i)[:2]
+            if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                raise ValueError("the native decode layer needs a contiguous float32 KV cache")
+            _rust.decode_layer_q4_1(x.data_ptr(), residual.data_ptr(), rows, self.dims, norms, projections, bias,
+                                    step, (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0]), threads)
+        return x, residual

@@ -1,0 +1,223 @@
+//! One decoder layer of a decode step (one new token per sequence) on the
+//! CPU, for Llama-style layers whose projections are Q4_1 blocks (the
+//! `8da4w` layout): the residual add and RMSNorm, q/k/v, rotary, the KV
+//! write, attention over each sequence's slots, o_proj, the second norm,
+//! gate/up, SiLU and down, in one call.
+//!
+//! Why not torch: at batch 1 the projections of a small model take about
+//! half of a step; the rest was per-op cost around them (torch.compile's
+//! frame and guard checks per layer call, the custom ops' dispatch, SDPA's
+//! set-up for one query), which a plain loop here does not have.
+
+use crate::block_quant::{self, SharedPtr, Q4_1};
+use crate::spin_pool::SpinPool;
+
+/// The layer's sizes.
+pub struct Dims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub eps: f32,
+    /// Softmax scale of the attention scores.
+    pub scale: f32,
+}
+
+/// The layer's weights: RMSNorm weights and Q4_1 projections (gate and up
+/// fused, q/k/v fused, with an optional bias as in Qwen2).
+pub struct Layer<'a> {
+    pub input_norm: &'a [f32],
+    pub qkv: Q4_1<'a>,
+    pub qkv_bias: Option<&'a [f32]>,
+    pub o: Q4_1<'a>,
+    pub post_norm: &'a [f32],
+    pub gate_up: Q4_1<'a>,
+    pub down: Q4_1<'a>,
+}
+
+/// What each row of the step needs besides its hidden state.
+pub struct Rows<'a> {
+    /// Rotary cos and sin at the row's position, [rows, head_dim / 2].
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// The KV slot of the row's new token.
+    pub new_slot: &'a [i64],
+    /// The row's sequence's slots (its new token's last), [rows, width],
+    /// of which the first `lens[row]` count.
+    pub slots: &'a [i64],
+    pub width: usize,
+    pub lens: &'a [i64],
+}
+
+/// One layer's KV cache: `slots` slots of [kv_heads, head_dim] floats each.
+pub struct KvCache {
+    pub k: *mut f32,
+    pub v: *mut f32,
+    pub slots: usize,
+}
+
+// SAFETY: the attention tasks only read the cache; `decode_layer` writes
+// the new k/v before they start.
+unsafe impl Send for KvCache {}
+unsafe impl Sync for KvCache {}
+
+/// Runs the layer on `x` (the previous layer's MLP output, or the
+/// embeddings with a zero residual), [rows, hidden]. Afterwards `x` holds
+/// this layer's MLP output and `residual` the stream before it, as
+/// `DecoderLayer.after_attention` returns them.
+///
+/// # Safety
+/// `cache` points to two live buffers of `cache.slots` slots that nothing
+/// else touches during the call.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn decode_layer(
+    pool: &SpinPool,
+    threads: usize,
+    dims: &Dims,
+    layer: &Layer,
+    rows: &Rows,
+    cache: &KvCache,
+    x: &mut [f32],
+    residual: &mut [f32],
+) {
+    let (hidden, head_dim) = (dims.hidden, dims.head_dim);
+    let n = rows.new_slot.len();
+    assert!(x.len() == n * hidden && residual.len() == n * hidden, "x and residual are [rows, hidden]");
+    assert!(rows.lens.len() == n && rows.slots.len() == n * rows.width, "one slot list per row");
+    let q_size = dims.heads * head_dim;
+    let kv_size = dims.kv_heads * head_dim;
+    let qkv_width = q_size + 2 * kv_size;
+
+    let mut normed = vec![0f32; n * hidden];
+    add_and_norm(x, residual, layer.input_norm, dims.eps, &mut normed);
+    let mut qkv = vec![0f32; n * qkv_width];
+    block_quant::matmul(pool, threads, &normed, hidden, &layer.qkv, &mut qkv);
+    let half = head_dim / 2;
+    for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
+        if let Some(bias) = layer.qkv_bias {
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+        let (cos, sin) = (&rows.cos[r * half..(r + 1) * half], &rows.sin[r * half..(r + 1) * half]);
+        for head in row[..q_size + kv_size].chunks_exact_mut(head_dim) {
+            rotate(head, cos, sin);
+        }
+        let at = slot(rows.new_slot[r], cache) * kv_size;
+        std::ptr::copy_nonoverlapping(row[q_size..].as_ptr(), cache.k.add(at), kv_size);
+        std::ptr::copy_nonoverlapping(row[q_size + kv_size..].as_ptr(), cache.v.add(at), kv_size);
+    }
+
+    let mut attended = vec![0f32; n * q_size];
+    attend(pool, threads, dims, rows, cache, &qkv, &mut attended);
+    let mut projected = vec![0f32; n * hidden];
+    block_quant::matmul(pool, threads, &attended, q_size, &layer.o, &mut projected);
+    add_and_norm(&projected, residual, layer.post_norm, dims.eps, &mut normed);
+
+    let inter = dims.intermediate;
+    let mut gate_up = vec![0f32; n * 2 * inter];
+    block_quant::matmul(pool, threads, &normed, hidden, &layer.gate_up, &mut gate_up);
+    let mut activated = vec![0f32; n * inter];
+    for (row, out) in gate_up.chunks_exact(2 * inter).zip(activated.chunks_exact_mut(inter)) {
+        let (gate, up) = row.split_at(inter);
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    block_quant::matmul(pool, threads, &activated, inter, &layer.down, x);
+}
+
+/// residual += x; out = RMSNorm(residual) * weight, row by row.
+fn add_and_norm(x: &[f32], residual: &mut [f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let hidden = weight.len();
+    for ((x, res), out) in
+        x.chunks_exact(hidden).zip(residual.chunks_exact_mut(hidden)).zip(out.chunks_exact_mut(hidden))
+    {
+        res.iter_mut().zip(x).for_each(|(r, v)| *r += v);
+        let inverse = 1.0 / (dot(res, res) / hidden as f32 + eps).sqrt();
+        for ((o, r), w) in out.iter_mut().zip(res.iter()).zip(weight) {
+            *o = w * (r * inverse);
+        }
+    }
+}
+
+/// Rotate-half RoPE of one head, as llama.py's `apply_rotary`.
+fn rotate(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let (first, second) = head.split_at_mut(cos.len());
+    for (((a, b), c), s) in first.iter_mut().zip(second.iter_mut()).zip(cos).zip(sin) {
+        let (x1, x2) = (*a, *b);
+        *a = x1 * c - x2 * s;
+        *b = x2 * c + x1 * s;
+    }
+}
+
+/// A slot index from the engine, checked against the cache's size.
+fn slot(value: i64, cache: &KvCache) -> usize {
+    assert!(value >= 0 && (value as usize) < cache.slots, "KV slot {value} outside the cache");
+    value as usize
+}
+
+/// Softmax attention of each row's query heads over its sequence's cached
+/// k/v, rows x heads split among the pool's threads.
+unsafe fn attend(
+    pool: &SpinPool,
+    threads: usize,
+    dims: &Dims,
+    rows: &Rows,
+    cache: &KvCache,
+    qkv: &[f32],
+    out: &mut [f32],
+) {
+    let head_dim = dims.head_dim;
+    let q_size = dims.heads * head_dim;
+    let kv_size = dims.kv_heads * head_dim;
+    let qkv_width = q_size + 2 * kv_size;
+    let group = dims.heads / dims.kv_heads;
+    let tasks = rows.new_slot.len() * dims.heads;
+    let parts = threads.clamp(1, pool.threads()).min(tasks.max(1));
+    let out_ptr = SharedPtr(out.as_mut_ptr());
+    pool.run(parts, &|part| {
+        let mut weights = Vec::new();
+        for task in tasks * part / parts..tasks * (part + 1) / parts {
+            let (r, head) = (task / dims.heads, task % dims.heads);
+            let kv_offset = head / group * head_dim;
+            let q = &qkv[r * qkv_width + head * head_dim..][..head_dim];
+            let len = rows.lens[r] as usize;
+            assert!(len >= 1 && len <= rows.width, "a row attends over 1..=width slots");
+            let slots = &rows.slots[r * rows.width..][..len];
+            weights.clear();
+            let mut max = f32::NEG_INFINITY;
+            for &s in slots {
+                let k = std::slice::from_raw_parts(cache.k.add(slot(s, cache) * kv_size + kv_offset), head_dim);
+                let score = dot(q, k) * dims.scale;
+                max = max.max(score);
+                weights.push(score);
+            }
+            let mut total = 0.0;
+            for w in weights.iter_mut() {
+                *w = (*w - max).exp();
+                total += *w;
+            }
+            // SAFETY: each task writes its own head of its own row.
+            let o = std::slice::from_raw_parts_mut(out_ptr.get().add(r * q_size + head * head_dim), head_dim);
+            o.fill(0.0);
+            for (&s, &w) in slots.iter().zip(&weights) {
+                let v = std::slice::from_raw_parts(cache.v.add(slot(s, cache) * kv_size + kv_offset), head_dim);
+                o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            }
+            o.iter_mut().for_each(|o| *o /= total);
+        }
+    });
+}
+
+/// sum a[i] * b[i] in eight independent lanes, which the compiler vectorizes.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in a8.zip(b8) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}

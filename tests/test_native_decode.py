@@ -1,0 +1,108 @@
+"""8da4w decode steps through rust/decode_layer.rs (pyserve/model/native_decode.py):
+the same logits as the torch layers, the embedded model's answers through
+the engine, and the layouts it leaves to torch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import GenerateRequest, SamplingParams
+from pyserve.model import native_decode
+from pyserve.model.attention.torch_backend import TorchAttention
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.loader import load_model
+from pyserve.model.quant import parse_quant
+from pyserve.server_args import ServerArgs
+from tests.tiny_models import build_tiny_model
+
+PROMPT_LENGTHS = (5, 11, 8)  # unequal: the decode step pads the shorter rows' slots
+
+
+def _decode_logits(model, config, native: bool) -> torch.Tensor:
+    """Logits of one decode step over three sequences prefilled by the torch
+    layers, the step's layers native or not."""
+    kv = KVBuffer(config.num_hidden_layers, 64, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    attn = TorchAttention(kv)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    slots, next_slot = [], 1  # slot 0 pads
+    ids, positions, fresh = [], [], []
+    for p in prompts:
+        new = torch.arange(next_slot, next_slot + len(p))
+        next_slot += len(p)
+        slots.append(new)
+        fresh.append(new)
+        ids += p
+        positions += range(len(p))
+    ends = torch.tensor(PROMPT_LENGTHS).cumsum(0) - 1
+    model.native_decode = None
+    with torch.inference_mode():
+        prefill = model(ForwardBatch.build(ids, positions, torch.cat(fresh), list(PROMPT_LENGTHS), slots,
+                                           ends.tolist(), False, "cpu"), attn)
+        new = torch.arange(next_slot, next_slot + len(prompts))
+        slots = [torch.cat([s, new[i : i + 1]]) for i, s in enumerate(slots)]
+        step = ForwardBatch.build(prefill.argmax(-1).tolist(), list(PROMPT_LENGTHS), new, [1] * len(prompts),
+                                  slots, list(range(len(prompts))), True, "cpu")
+        model.native_decode = native_decode.NativeDecode(model) if native else None
+        return model(step, attn)
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    pytest.param("llama", {}, id="llama-gqa"),
+    pytest.param("qwen2", {"num_key_value_heads": 1}, id="qwen2-qkv-bias"),
+    pytest.param("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, id="llama-scaled-rope"),
+])
+def test_native_decode_step_gives_the_torch_layers_logits(tmp_path, default_model_dir, arch, overrides):
+    """Norms, rotary, grouped KV heads, the q/k/v bias, the KV write and each
+    row's own slots: a wrong one moves the logits far past the tolerance.
+    Not bit-exact: the two paths sum floats in other orders (measured:
+    3e-7 of the largest logit)."""
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, **overrides)
+    model, config = load_model(model_dir, torch.float32, "cpu", parse_quant("8da4w"))
+    assert native_decode.unfit_reason(model) is None
+    torch_logits = _decode_logits(model, config, native=False)
+    native_logits = _decode_logits(model, config, native=True)
+    assert native_logits.shape == torch_logits.shape == (len(PROMPT_LENGTHS), config.vocab_size)
+    scale = torch_logits.abs().max()
+    assert (native_logits - torch_logits).abs().max() < 1e-4 * scale
+    assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).all()
+
+
+def test_layouts_the_native_layer_does_not_run_keep_torch(tmp_path, default_model_dir):
+    qwen3 = build_tiny_model(tmp_path / "qwen3", "qwen3", tokenizer_dir=default_model_dir)
+    assert "q and k" in native_decode.unfit_reason(load_model(qwen3, torch.float32, "cpu", parse_quant("8da4w"))[0])
+    llama = build_tiny_model(tmp_path / "llama", "llama", tokenizer_dir=default_model_dir)
+    assert "Q4_1" in native_decode.unfit_reason(load_model(llama, torch.float32, "cpu", parse_quant("int4wo-32"))[0])
+
+
+def test_engine_decodes_the_embedded_model_natively_and_answers_like_float32(default_model_dir):
+    """Through the engine (--enable-torch-compile too: nothing is left to
+    compile), greedy answers start as float32's."""
+    from pyserve._rust import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):", "Q: What is 2+2?\nA:"]]
+
+    async def answers(**options):
+        engine = Engine(ServerArgs(model_path=str(default_model_dir), max_total_tokens=2048, **options))
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+            async def one(ids):
+                return [t async for out in engine.generate(GenerateRequest(ids, params)) for t in out.token_ids]
+
+            return await asyncio.gather(*[one(p) for p in prompts]), engine.runner.model
+        finally:
+            await engine.shutdown()
+
+    reference, _ = asyncio.run(answers(torchao_config="none"))
+    native, model = asyncio.run(answers(torchao_config="8da4w", enable_torch_compile=True))
+    assert model.native_decode is not None and model._compiled_decode_layer is None
+    agree = sum(a == b for ref, got in zip(reference, native) for a, b in zip(ref, got))
+    assert agree >= 10, (reference, native)  # of 12
