@@ -13,9 +13,10 @@ tokens are counted as text chunks for every server.
 
 llama.cpp serves the embedded model's GGUF file itself; pyserve serves the
 directory it converts from that file: with its default (--torchao-config
-auto: the file's own 4-bit groups through the 8da4w block kernels), with
---enable-torch-compile on top, with torch's int4 kernel and compile (the
-previous default), and in float32 (the reference path).
+auto: the file's own 4-bit groups through the 8da4w block kernels, decode
+steps in pyserve's native decode layer), with torch's int4 kernel and
+--enable-torch-compile (the default before 8da4w), and in float32 (the
+reference path).
 vLLM's CPU build serves that directory too, in float32, through links to its
 HF files only: pyserve keeps its 4-bit copy (model.int4wo-32.safetensors)
 beside model.safetensors, and vLLM would load every *.safetensors it finds
@@ -142,7 +143,6 @@ def commands(args, model_dir: Path, gguf: Path, storage: str, hf_dir: Path) -> d
                 "--port", "{port}", "--dtype", "float32", "--max-model-len", "4096"]
     return {
         "pyserve (auto: 8da4w)": pyserve,
-        "pyserve (8da4w + compile)": pyserve + ["--enable-torch-compile"],
         "pyserve (int4wo-32 + compile)": pyserve + ["--torchao-config", "int4wo-32", "--enable-torch-compile"],
         "pyserve (float32)": pyserve + ["--torchao-config", "none"],
         "llama.cpp server": llamacpp,

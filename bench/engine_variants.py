@@ -6,8 +6,9 @@ per layout, in this one process, so the ratios hold on a noisy machine. The
 overlap row shows what scheduling step N+1 while step N runs buys; the page
 rows show what larger KV pages cost or save.
 
---cpu-speed runs each --torchao-config mode, compile off and on, at batch 1
-and batch 8 (that many prompts of 32 tokens, 64 output tokens each, so the
+--cpu-speed runs each --torchao-config mode, compile off and on (8da4w:
+its native decode layer, and the torch layers compiled), at batch 1 and
+batch 8 (that many prompts of 32 tokens, 64 output tokens each, so the
 steps are decode steps but one prefill): ms/step is the decode step time.
 
     python bench/engine_variants.py                          # embedded model, CPU
@@ -21,6 +22,8 @@ import asyncio
 import platform
 import sys
 import time
+from contextlib import nullcontext
+from unittest.mock import patch
 from pathlib import Path
 
 import torch
@@ -39,11 +42,14 @@ CPU_SPEED_LAYOUTS = {
     "float32 (none)": {"torchao_config": "none"},
     "int8wo": {"torchao_config": "int8wo"},
     "int4wo-32": {"torchao_config": "int4wo-32"},
-    "8da4w (auto)": {"torchao_config": "auto"},
+    "8da4w (auto, native)": {"torchao_config": "auto"},
     "float32 + compile": {"torchao_config": "none", "enable_torch_compile": True},
     "int4wo-32 + compile": {"torchao_config": "int4wo-32", "enable_torch_compile": True},
-    "8da4w + compile": {"torchao_config": "auto", "enable_torch_compile": True},
+    "8da4w, torch + compile": {"torchao_config": "auto", "enable_torch_compile": True},
 }
+# Layouts whose decode steps keep the torch layers where the native decode
+# layer (pyserve/model/native_decode.py) would run: what it replaces.
+TORCH_LAYERS = {"8da4w, torch + compile"}
 CUDA_LAYOUTS = {
     "no CUDA graph": {"disable_cuda_graph": True},
     "no CUDA graph, no overlap": {"disable_cuda_graph": True, "disable_overlap_schedule": True},
@@ -82,6 +88,7 @@ async def cpu_speed(args) -> None:
     """Every CPU_SPEED_LAYOUTS engine is started once (compiling, if asked,
     before timing starts), then rounds interleave them at batch 1 and 8."""
     from pyserve.engine.engine import Engine
+    from pyserve.engine.rank_model import RankModel
     from pyserve.engine.request import GenerateRequest, SamplingParams
     from pyserve.model.config import ModelConfig
     from pyserve.server_args import ServerArgs
@@ -96,7 +103,9 @@ async def cpu_speed(args) -> None:
     for name, layout in CPU_SPEED_LAYOUTS.items():
         engines[name] = Engine(ServerArgs(model_path=args.model, device=args.device, max_total_tokens=4096,
                                           **layout))
-        await engines[name].start()
+        with patch.object(RankModel, "_use_native_decode", lambda self: False) if name in TORCH_LAYERS \
+                else nullcontext():
+            await engines[name].start()
 
     async def timed(engine, workload) -> float:
         """Seconds per forward step of the workload, EOS ignored."""

@@ -221,3 +221,61 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     lanes.iter().sum::<f32>() + tail
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotate_turns_each_pair_by_its_angle() {
+        let angle = [0.3f32, -1.1];
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angle.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let mut head = [1.0, 2.0, 0.5, -1.0]; // pairs (1, 0.5) and (2, -1)
+        rotate(&mut head, &cos, &sin);
+        for (i, a) in angle.iter().enumerate() {
+            let (x1, x2) = ([1.0f32, 2.0][i], [0.5f32, -1.0][i]);
+            assert!((head[i] - (x1 * a.cos() - x2 * a.sin())).abs() < 1e-6);
+            assert!((head[i + 2] - (x2 * a.cos() + x1 * a.sin())).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn add_and_norm_adds_the_residual_then_normalizes() {
+        let (x, mut residual, weight) = ([1.0f32, 2.0, 3.0, 4.0], [1.0f32, 0.0, -1.0, 0.0], [1.0f32, 2.0, 1.0, 0.5]);
+        let mut out = [0f32; 4];
+        add_and_norm(&x, &mut residual, &weight, 0.0, &mut out);
+        assert_eq!(residual, [2.0, 2.0, 2.0, 4.0]);
+        let rms = ((4.0 + 4.0 + 4.0 + 16.0) / 4.0f32).sqrt();
+        for i in 0..4 {
+            assert!((out[i] - weight[i] * residual[i] / rms).abs() < 1e-6);
+        }
+    }
+
+    /// Two rows over one shared KV head (two query heads each), the first
+    /// attending over 3 slots, the second over 1 (its list padded).
+    #[test]
+    fn attend_weighs_each_rows_own_slots() {
+        let dims = Dims { hidden: 8, heads: 2, kv_heads: 1, head_dim: 2, intermediate: 0, eps: 0.0, scale: 0.5 };
+        let mut k = [0.0f32, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 9.0, 9.0]; // 5 slots of [1 head, 2]
+        let mut v = [0.0f32, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        let cache = KvCache { k: k.as_mut_ptr(), v: v.as_mut_ptr(), slots: 5 };
+        let (cos, sin) = ([1.0f32; 2], [0.0f32; 2]);
+        let rows =
+            Rows { cos: &cos, sin: &sin, new_slot: &[3, 4], slots: &[1, 2, 3, 4, 0, 0], width: 3, lens: &[3, 1] };
+        // each row: q (2 heads x 2), k, v
+        let qkv = [1.0f32, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+        let mut out = [0f32; 8];
+        unsafe { attend(SpinPool::global(), 2, &dims, &rows, &cache, &qkv, &mut out) };
+        for (r, head, q) in [(0, 0, [1.0f32, 0.0]), (0, 1, [0.0, 2.0])] {
+            let slots = [1usize, 2, 3];
+            let scores: Vec<f32> = slots.iter().map(|&s| 0.5 * (q[0] * k[2 * s] + q[1] * k[2 * s + 1])).collect();
+            let total: f32 = scores.iter().map(|s| s.exp()).sum();
+            for d in 0..2 {
+                let want: f32 = slots.iter().zip(&scores).map(|(&s, w)| w.exp() / total * v[2 * s + d]).sum();
+                assert!((out[r * 4 + head * 2 + d] - want).abs() < 1e-5, "row {r} head {head}");
+            }
+        }
+        // the second row sees only slot 4: its value, whatever the scores
+        assert_eq!(&out[4..], &[7.0, 8.0, 7.0, 8.0]);
+    }
+}
