@@ -78,6 +78,7 @@ def test_layouts_the_native_layer_does_not_run_keep_torch(tmp_path, default_mode
     assert "q and k" in native_decode.unfit_reason(load_model(qwen3, torch.float32, "cpu", parse_quant("8da4w"))[0])
     llama = build_tiny_model(tmp_path / "llama", "llama", tokenizer_dir=default_model_dir)
     assert "Q4_1" in native_decode.unfit_reason(load_model(llama, torch.float32, "cpu", parse_quant("int4wo-32"))[0])
+    assert "bfloat16" in native_decode.unfit_reason(load_model(llama, torch.bfloat16, "cpu", parse_quant("8da4w"))[0])
 
 
 def test_engine_decodes_the_embedded_model_natively_and_answers_like_float32(default_model_dir):

@@ -32,6 +32,9 @@ def unfit_reason(model) -> str | None:
             return "o_proj or the MLP has a bias"
         if attn.q_norm is not None:
             return "it normalizes q and k per head"
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.float32 for w in norms):
+            return f"the model runs in {norms[0].dtype}, the native layer in float32"
     return None
 
 
@@ -48,16 +51,15 @@ class NativeDecode:
         self.dims = (config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                      model.layers[0].mlp.intermediate_size, float(config.rms_norm_eps), float(first.scale))
         self.layers = []
-        self._biases = []  # float32 copies the addresses point into, kept alive here
+        self._kept = []  # the tensors the addresses point into, kept alive here
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
-                raise ValueError("the native decode layer needs float32 norm weights")
+            norms = (layer.input_layernorm.weight.contiguous(), layer.post_attention_layernorm.weight.contiguous())
+            self._kept.extend(norms)
             bias = attn.qkv_proj.bias
             if bias is not None:
                 bias = bias.float().contiguous()
-                self._biases.append(bias)
+                self._kept.append(bias)
             self.layers.append((
                 tuple(w.data_ptr() for w in norms),
                 (_q4_1(attn.qkv_proj), _q4_1(attn.o_proj), _q4_1(mlp.gate_up_proj), _q4_1(mlp.down_proj)),
