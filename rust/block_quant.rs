@@ -93,6 +93,16 @@ pub trait BlockWeights: Sync {
     fn rows(&self, blocks: usize) -> usize;
     /// row `n` of the weights dotted with each of `xs` (at most 4 rows).
     fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]);
+    /// Rows `n` and `n + 1` dotted with one activation row `x`.
+    fn dot_pair(&self, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2];
+}
+
+/// `dot_pair` as two `dot` calls: the path without AVX2.
+fn two_dots(weights: &impl BlockWeights, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+    let mut sums = [[0f32; 4]; 2];
+    weights.dot(n, blocks, &[x], &mut sums[0]);
+    weights.dot(n + 1, blocks, &[x], &mut sums[1]);
+    [sums[0][0], sums[1][0]]
 }
 
 impl BlockWeights for Q4_1<'_> {
@@ -100,9 +110,17 @@ impl BlockWeights for Q4_1<'_> {
         self.scales.len() / blocks
     }
 
+    fn dot_pair(&self, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: as in `dot`.
+            return unsafe { avx2::q4_1_pair([self.row(n, blocks), self.row(n + 1, blocks)], x) };
+        }
+        two_dots(self, n, blocks, x)
+    }
+
     fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
-        let nibbles = &self.nibbles[n * blocks * BLOCK / 2..(n + 1) * blocks * BLOCK / 2];
-        let (scales, mins) = (&self.scales[n * blocks..(n + 1) * blocks], &self.mins[n * blocks..(n + 1) * blocks]);
+        let (nibbles, scales, mins) = self.row(n, blocks);
         #[cfg(target_arch = "x86_64")]
         if avx2() {
             // SAFETY: the CPU has AVX2 and FMA; slices are sized by `blocks`.
@@ -127,14 +145,36 @@ impl BlockWeights for Q4_1<'_> {
     }
 }
 
+impl Q4_1<'_> {
+    fn row(&self, n: usize, blocks: usize) -> (&[u8], &[f32], &[f32]) {
+        let b = n * blocks;
+        (&self.nibbles[b * BLOCK / 2..(b + blocks) * BLOCK / 2], &self.scales[b..b + blocks], &self.mins[b..b + blocks])
+    }
+}
+
+impl Q8_0<'_> {
+    fn row(&self, n: usize, blocks: usize) -> (&[i8], &[f32]) {
+        let b = n * blocks;
+        (&self.codes[b * BLOCK..(b + blocks) * BLOCK], &self.scales[b..b + blocks])
+    }
+}
+
 impl BlockWeights for Q8_0<'_> {
     fn rows(&self, blocks: usize) -> usize {
         self.scales.len() / blocks
     }
 
+    fn dot_pair(&self, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: as in `dot`.
+            return unsafe { avx2::q8_0_pair([self.row(n, blocks), self.row(n + 1, blocks)], x) };
+        }
+        two_dots(self, n, blocks, x)
+    }
+
     fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
-        let codes = &self.codes[n * blocks * BLOCK..(n + 1) * blocks * BLOCK];
-        let scales = &self.scales[n * blocks..(n + 1) * blocks];
+        let (codes, scales) = self.row(n, blocks);
         out.fill(0.0);
         #[cfg(target_arch = "x86_64")]
         if avx2() {
@@ -168,7 +208,18 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl
     let parts = parts.clamp(1, pool.threads());
     pool.run(parts, &|part| {
         let mut sums = [0f32; 4];
-        for col in n * part / parts..n * (part + 1) / parts {
+        let mut cols = n * part / parts..n * (part + 1) / parts;
+        if m == 1 {
+            // One activation row: weight rows in pairs, each activation
+            // block loaded once for two.
+            while cols.len() >= 2 {
+                let pair = weights.dot_pair(cols.start, blocks, rows[0]);
+                // SAFETY: as below.
+                unsafe { std::ptr::copy_nonoverlapping(pair.as_ptr(), out_ptr.get().add(cols.start), 2) };
+                cols.start += 2;
+            }
+        }
+        for col in cols {
             for (tile, group) in rows.chunks(4).enumerate() {
                 weights.dot(col, blocks, group, &mut sums);
                 for (i, s) in sums.iter().take(group.len()).enumerate() {
@@ -258,6 +309,61 @@ mod avx2 {
         for (o, s) in out.iter_mut().zip(sums).take(xs.len()) {
             *o += s;
         }
+    }
+
+    /// Two Q4_1 weight rows (nibbles, scales, mins) dotted with one
+    /// activation row, plus each row's minimums' share.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_1_pair(w: [(&[u8], &[f32], &[f32]); 2], x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+        let low = _mm_set1_epi8(0x0F);
+        let sums = pair_tile([w[0].1, w[1].1], x, |c, b| {
+            let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
+            (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
+        });
+        [0, 1].map(|c| sums[c] + dot_f32(w[c].2, x.2))
+    }
+
+    /// Two Q8_0 weight rows (codes, scales) dotted with one activation row.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_0_pair(w: [(&[i8], &[f32]); 2], x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+        pair_tile([w[0].1, w[1].1], x, |c, b| {
+            let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
+            (_mm256_sign_epi8(codes, codes), Some(codes))
+        })
+    }
+
+    /// As `tile` for two weight rows and one activation row: each
+    /// activation block is loaded once for both rows, and four accumulators
+    /// (two per row) are in flight. `weight(c, b)` gives row c's block b.
+    #[inline(always)]
+    unsafe fn pair_tile(
+        scales: [&[f32]; 2],
+        x: (&[i8], &[f32], &[f32]),
+        weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
+    ) -> [f32; 2] {
+        let blocks = scales[0].len();
+        let mut acc = [[_mm256_setzero_ps(); 2]; 2];
+        let mut b = 0;
+        while b < blocks {
+            for (half, acc_index) in [(b, 0), (b + 1, 1)] {
+                if half == blocks {
+                    break;
+                }
+                let codes = _mm256_loadu_si256(x.0.as_ptr().add(half * BLOCK) as *const __m256i);
+                let x_scale = *x.1.get_unchecked(half);
+                for (c, row_scales) in scales.iter().enumerate() {
+                    let (w, sign) = weight(c, half);
+                    let signed = match sign {
+                        Some(sign) => _mm256_sign_epi8(codes, sign),
+                        None => codes,
+                    };
+                    let scale = _mm256_set1_ps(*row_scales.get_unchecked(half) * x_scale);
+                    acc[c][acc_index] = _mm256_fmadd_ps(scale, byte_dot(w, signed), acc[c][acc_index]);
+                }
+            }
+            b += 2;
+        }
+        [0, 1].map(|c| sum_lanes(_mm256_add_ps(acc[c][0], acc[c][1])))
     }
 
     /// out[i] = the scaled code dot products of one Q8_0 row with xs[i].
@@ -376,6 +482,27 @@ mod tests {
             matmul(&SpinPool::new(3), 3, &x, k, &Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins }, &mut out);
             close(&out, &reference(&x, &dense, k), 0.02);
         }
+    }
+
+    fn pair_is_two_dots(weights: &impl BlockWeights, k: usize) {
+        let xs = QuantizedRows::new(&values(k, 10), k);
+        let pair = weights.dot_pair(0, k / BLOCK, xs.row(0));
+        for (row, got) in pair.iter().enumerate() {
+            let mut one = [0f32; 4];
+            weights.dot(row, k / BLOCK, &[xs.row(0)], &mut one);
+            assert_eq!(*got, one[0]);
+        }
+    }
+
+    /// 5 blocks a row: the pairs of blocks and the odd one.
+    #[test]
+    fn weight_rows_in_pairs_give_each_rows_own_dot_product() {
+        let k = 160;
+        let nibbles: Vec<u8> = (0..k).map(|i| (i * 37 % 256) as u8).collect();
+        let (scales, mins) = (values(2 * k / BLOCK, 8), values(2 * k / BLOCK, 9));
+        pair_is_two_dots(&Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins }, k);
+        let codes: Vec<i8> = values(2 * k, 11).iter().map(|v| (v * 127.0) as i8).collect();
+        pair_is_two_dots(&Q8_0 { codes: &codes, scales: &scales }, k);
     }
 
     #[test]
