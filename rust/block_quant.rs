@@ -129,8 +129,6 @@ impl BlockWeights for Q4_1<'_> {
         for (x, o) in xs.iter().zip(out.iter_mut()) {
             // The minimum's share: sum over blocks of m * d_x * sum(q_x).
             *o = mins.iter().zip(x.2).map(|(m, s)| m * s).sum();
-        }
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
             for b in 0..blocks {
                 let codes = &x.0[b * BLOCK..(b + 1) * BLOCK];
                 let bytes = &nibbles[b * BLOCK / 2..(b + 1) * BLOCK / 2];

@@ -84,7 +84,7 @@ pub unsafe fn decode_layer(
     let (hidden, head_dim) = (dims.hidden, dims.head_dim);
     let n = rows.new_slot.len();
     assert!(x.len() == n * hidden && residual.len() == n * hidden, "x and residual are [rows, hidden]");
-    assert!(rows.lens.len() == n && rows.slots.len() == n * rows.width, "one slot list per row");
+    check_slots(rows, cache);
     let q_size = dims.heads * head_dim;
     let kv_size = dims.kv_heads * head_dim;
     let qkv_width = q_size + 2 * kv_size;
@@ -102,7 +102,7 @@ pub unsafe fn decode_layer(
         for head in row[..q_size + kv_size].chunks_exact_mut(head_dim) {
             rotate(head, cos, sin);
         }
-        let at = slot(rows.new_slot[r], cache) * kv_size;
+        let at = rows.new_slot[r] as usize * kv_size;
         std::ptr::copy_nonoverlapping(row[q_size..].as_ptr(), cache.k.add(at), kv_size);
         std::ptr::copy_nonoverlapping(row[q_size + kv_size..].as_ptr(), cache.v.add(at), kv_size);
     }
@@ -150,14 +150,23 @@ fn rotate(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// A slot index from the engine, checked against the cache's size.
-fn slot(value: i64, cache: &KvCache) -> usize {
-    assert!(value >= 0 && (value as usize) < cache.slots, "KV slot {value} outside the cache");
-    value as usize
+/// Checks, before anything is written, that every slot the step writes or
+/// reads lies inside the cache and each row reads 1..=width of its slots:
+/// the raw reads and writes below rely on it.
+fn check_slots(rows: &Rows, cache: &KvCache) {
+    let n = rows.new_slot.len();
+    assert!(rows.lens.len() == n && rows.slots.len() == n * rows.width, "one slot list per row");
+    let inside = |s: i64| s >= 0 && (s as usize) < cache.slots;
+    for (r, (&new, &len)) in rows.new_slot.iter().zip(rows.lens).enumerate() {
+        assert!(len >= 1 && len as usize <= rows.width, "a row attends over 1..=width slots");
+        let slots = &rows.slots[r * rows.width..][..len as usize];
+        assert!(inside(new) && slots.iter().all(|&s| inside(s)), "a KV slot outside the cache");
+    }
 }
 
 /// Softmax attention of each row's query heads over its sequence's cached
-/// k/v, rows x heads split among the pool's threads.
+/// k/v, rows x heads split among the pool's threads. The caller has run
+/// `check_slots`.
 unsafe fn attend(
     pool: &SpinPool,
     threads: usize,
@@ -181,13 +190,11 @@ unsafe fn attend(
             let (r, head) = (task / dims.heads, task % dims.heads);
             let kv_offset = head / group * head_dim;
             let q = &qkv[r * qkv_width + head * head_dim..][..head_dim];
-            let len = rows.lens[r] as usize;
-            assert!(len >= 1 && len <= rows.width, "a row attends over 1..=width slots");
-            let slots = &rows.slots[r * rows.width..][..len];
+            let slots = &rows.slots[r * rows.width..][..rows.lens[r] as usize];
             weights.clear();
             let mut max = f32::NEG_INFINITY;
             for &s in slots {
-                let k = std::slice::from_raw_parts(cache.k.add(slot(s, cache) * kv_size + kv_offset), head_dim);
+                let k = std::slice::from_raw_parts(cache.k.add(s as usize * kv_size + kv_offset), head_dim);
                 let score = dot(q, k) * dims.scale;
                 max = max.max(score);
                 weights.push(score);
@@ -201,7 +208,7 @@ unsafe fn attend(
             let o = std::slice::from_raw_parts_mut(out_ptr.get().add(r * q_size + head * head_dim), head_dim);
             o.fill(0.0);
             for (&s, &w) in slots.iter().zip(&weights) {
-                let v = std::slice::from_raw_parts(cache.v.add(slot(s, cache) * kv_size + kv_offset), head_dim);
+                let v = std::slice::from_raw_parts(cache.v.add(s as usize * kv_size + kv_offset), head_dim);
                 o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
             }
             o.iter_mut().for_each(|o| *o /= total);
@@ -251,6 +258,15 @@ mod tests {
         }
     }
 
+    #[test]
+    #[should_panic(expected = "outside the cache")]
+    fn a_slot_past_the_cache_is_refused_before_any_write() {
+        let mut kv = [0f32; 4];
+        let cache = KvCache { k: kv.as_mut_ptr(), v: kv.as_mut_ptr(), slots: 2 };
+        let rows = Rows { cos: &[], sin: &[], new_slot: &[1], slots: &[0, 2], width: 2, lens: &[2] };
+        check_slots(&rows, &cache);
+    }
+
     /// Two rows over one shared KV head (two query heads each), the first
     /// attending over 3 slots, the second over 1 (its list padded).
     #[test]
@@ -265,6 +281,7 @@ mod tests {
         // each row: q (2 heads x 2), k, v
         let qkv = [1.0f32, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0];
         let mut out = [0f32; 8];
+        check_slots(&rows, &cache);
         unsafe { attend(SpinPool::global(), 2, &dims, &rows, &cache, &qkv, &mut out) };
         for (r, head, q) in [(0, 0, [1.0f32, 0.0]), (0, 1, [0.0, 2.0])] {
             let slots = [1usize, 2, 3];
