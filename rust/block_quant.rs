@@ -18,7 +18,7 @@ use crate::spin_pool::SpinPool;
 /// Inputs sharing one scale, in weights and activations alike.
 pub const BLOCK: usize = 32;
 
-/// Rows of activations quantized per block: q = round(x / d) with
+/// Rows of activations quantized per block: q = round(x / d) (ties to even) with
 /// d = max|x| / 127, and sum = d * sum(q), which Q4_1's minimum multiplies.
 pub struct QuantizedRows {
     codes: Vec<i8>,
@@ -42,7 +42,7 @@ impl QuantizedRows {
         rows
     }
 
-    fn row(&self, r: usize) -> (&[i8], &[f32], &[f32]) {
+    fn row(&self, r: usize) -> ActivationRow<'_> {
         let b = r * self.blocks;
         (
             &self.codes[b * BLOCK..(b + self.blocks) * BLOCK],
@@ -60,17 +60,28 @@ fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [
     for (((x, codes), scale), sum) in
         x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).zip(sums.iter_mut())
     {
-        let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = max / 127.0;
-        let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut total = 0i32;
-        for (q, v) in codes.iter_mut().zip(x) {
-            *q = (v * inverse).round() as i8;
-            total += *q as i32;
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: the CPU has AVX2; both blocks hold BLOCK values.
+            (*scale, *sum) = unsafe { avx2::quantize_block(x, codes) };
+            continue;
         }
-        *scale = d;
-        *sum = d * total as f32;
+        (*scale, *sum) = quantize_block(x, codes);
     }
+}
+
+/// One block's codes; returns its scale d and d * the sum of its codes.
+fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, f32) {
+    let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = max / 127.0;
+    let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut total = 0i32;
+    for (q, v) in codes.iter_mut().zip(x) {
+        // Ties to even, as the AVX2 conversion rounds.
+        *q = (v * inverse).round_ties_even() as i8;
+        total += *q as i32;
+    }
+    (d, d * total as f32)
 }
 
 /// Q4_1 weights [n, k]: per block, 16 bytes whose low nibbles are inputs
@@ -92,17 +103,19 @@ pub trait BlockWeights: Sync {
     /// Output features; each row has `blocks` blocks.
     fn rows(&self, blocks: usize) -> usize;
     /// row `n` of the weights dotted with each of `xs` (at most 4 rows).
-    fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]);
-    /// Rows `n` and `n + 1` dotted with one activation row `x`.
-    fn dot_pair(&self, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2];
+    fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]);
+    /// Rows `n` and `n + 1` dotted with each of `xs` (at most 4 rows).
+    fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]);
 }
 
+/// One quantized activation row: its codes, and per block the scale and
+/// the scale times the sum of the codes.
+pub type ActivationRow<'a> = (&'a [i8], &'a [f32], &'a [f32]);
+
 /// `dot_pair` as two `dot` calls: the path without AVX2.
-fn two_dots(weights: &impl BlockWeights, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
-    let mut sums = [[0f32; 4]; 2];
-    weights.dot(n, blocks, &[x], &mut sums[0]);
-    weights.dot(n + 1, blocks, &[x], &mut sums[1]);
-    [sums[0][0], sums[1][0]]
+fn two_dots(weights: &impl BlockWeights, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
+    weights.dot(n, blocks, xs, &mut out[0]);
+    weights.dot(n + 1, blocks, xs, &mut out[1]);
 }
 
 impl BlockWeights for Q4_1<'_> {
@@ -110,16 +123,16 @@ impl BlockWeights for Q4_1<'_> {
         self.scales.len() / blocks
     }
 
-    fn dot_pair(&self, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+    fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
         #[cfg(target_arch = "x86_64")]
         if avx2() {
             // SAFETY: as in `dot`.
-            return unsafe { avx2::q4_1_pair([self.row(n, blocks), self.row(n + 1, blocks)], x) };
+            return unsafe { avx2::q4_1_pair([self.row(n, blocks), self.row(n + 1, blocks)], xs, out) };
         }
-        two_dots(self, n, blocks, x)
+        two_dots(self, n, blocks, xs, out)
     }
 
-    fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+    fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]) {
         let (nibbles, scales, mins) = self.row(n, blocks);
         #[cfg(target_arch = "x86_64")]
         if avx2() {
@@ -162,16 +175,16 @@ impl BlockWeights for Q8_0<'_> {
         self.scales.len() / blocks
     }
 
-    fn dot_pair(&self, n: usize, blocks: usize, x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+    fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
         #[cfg(target_arch = "x86_64")]
         if avx2() {
             // SAFETY: as in `dot`.
-            return unsafe { avx2::q8_0_pair([self.row(n, blocks), self.row(n + 1, blocks)], x) };
+            return unsafe { avx2::q8_0_pair([self.row(n, blocks), self.row(n + 1, blocks)], xs, out) };
         }
-        two_dots(self, n, blocks, x)
+        two_dots(self, n, blocks, xs, out)
     }
 
-    fn dot(&self, n: usize, blocks: usize, xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+    fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]) {
         let (codes, scales) = self.row(n, blocks);
         out.fill(0.0);
         #[cfg(target_arch = "x86_64")]
@@ -204,25 +217,31 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl
     let rows: Vec<_> = (0..m).map(|r| xs.row(r)).collect();
     let out_ptr = SharedPtr(out.as_mut_ptr());
     let parts = parts.clamp(1, pool.threads());
+    // SAFETY: each task writes its own columns, inside `out`.
+    let write = |row: usize, col: usize, value: f32| unsafe { *out_ptr.get().add(row * n + col) = value };
     pool.run(parts, &|part| {
-        let mut sums = [0f32; 4];
         let mut cols = n * part / parts..n * (part + 1) / parts;
-        if m == 1 {
-            // One activation row: weight rows in pairs, each activation
-            // block loaded once for two.
-            while cols.len() >= 2 {
-                let pair = weights.dot_pair(cols.start, blocks, rows[0]);
-                // SAFETY: as below.
-                unsafe { std::ptr::copy_nonoverlapping(pair.as_ptr(), out_ptr.get().add(cols.start), 2) };
-                cols.start += 2;
+        // Weight rows in pairs and activation rows in fours: each weight
+        // block is decoded once for four rows, each activation block
+        // loaded once for two weight rows.
+        let mut pair = [[0f32; 4]; 2];
+        while cols.len() >= 2 {
+            for (tile, group) in rows.chunks(4).enumerate() {
+                weights.dot_pair(cols.start, blocks, group, &mut pair);
+                for (c, sums) in pair.iter().enumerate() {
+                    for (i, s) in sums.iter().take(group.len()).enumerate() {
+                        write(tile * 4 + i, cols.start + c, *s);
+                    }
+                }
             }
+            cols.start += 2;
         }
+        let mut sums = [0f32; 4];
         for col in cols {
             for (tile, group) in rows.chunks(4).enumerate() {
                 weights.dot(col, blocks, group, &mut sums);
                 for (i, s) in sums.iter().take(group.len()).enumerate() {
-                    // SAFETY: each task writes its own columns, inside `out`.
-                    unsafe { *out_ptr.get().add((tile * 4 + i) * n + col) = *s };
+                    write(tile * 4 + i, col, *s);
                 }
             }
         }
@@ -243,7 +262,7 @@ impl SharedPtr {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::BLOCK;
+    use super::{ActivationRow, BLOCK};
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -278,23 +297,44 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
     }
 
+    /// `quantize_block` in eight lanes.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, f32) {
+        let values: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+        let sign = _mm256_set1_ps(-0.0);
+        let [a, b, c, d] = values.map(|v| _mm256_andnot_ps(sign, v));
+        let max8 = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));
+        let max4 = _mm_max_ps(_mm256_castps256_ps128(max8), _mm256_extractf128_ps(max8, 1));
+        let max2 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+        let max = _mm_cvtss_f32(_mm_max_ss(max2, _mm_movehdup_ps(max2)));
+        let scale = max / 127.0;
+        let inverse = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
+        // Rounded to the nearest integer, ties to even (MXCSR's default).
+        let [q0, q1, q2, q3] = values.map(|v| _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse)));
+        let total8 = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+        let total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
+        let total2 = _mm_add_epi32(total4, _mm_unpackhi_epi64(total4, total4));
+        let total = _mm_cvtsi128_si32(_mm_add_epi32(total2, _mm_shuffle_epi32(total2, 1)));
+        // The packs work within 128-bit lanes: the codes come out in
+        // pieces of 4 as q0a q1a q2a q3a q0b q1b q2b q3b (a and b the
+        // halves of each vector), which one permutation puts in order.
+        let words = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        let ordered = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(codes.as_mut_ptr() as *mut __m256i, ordered);
+        (scale, scale * total as f32)
+    }
+
     /// One activation row's codes and scales, as raw pointers.
     type Row = (*const i8, *const f32);
 
-    fn rows<const R: usize>(xs: &[(&[i8], &[f32], &[f32])]) -> [Row; R] {
+    fn rows<const R: usize>(xs: &[ActivationRow]) -> [Row; R] {
         std::array::from_fn(|r| (xs[r].0.as_ptr(), xs[r].1.as_ptr()))
     }
 
     /// out[i] = one Q4_1 row dotted with xs[i]: the scaled code products
     /// plus the minimums' share, sum over blocks of m * d_x * sum(q_x).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1_dot(
-        nibbles: &[u8],
-        scales: &[f32],
-        mins: &[f32],
-        xs: &[(&[i8], &[f32], &[f32])],
-        out: &mut [f32; 4],
-    ) {
+    pub unsafe fn q4_1_dot(nibbles: &[u8], scales: &[f32], mins: &[f32], xs: &[ActivationRow], out: &mut [f32; 4]) {
         for (x, o) in xs.iter().zip(out.iter_mut()) {
             *o = dot_f32(mins, x.2);
         }
@@ -309,25 +349,83 @@ mod avx2 {
         }
     }
 
-    /// Two Q4_1 weight rows (nibbles, scales, mins) dotted with one
-    /// activation row, plus each row's minimums' share.
+    /// Two Q4_1 weight rows (nibbles, scales, mins) dotted with each of
+    /// `xs` (1 to 4 rows), plus each product's minimums' share.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1_pair(w: [(&[u8], &[f32], &[f32]); 2], x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
+    pub unsafe fn q4_1_pair(w: [(&[u8], &[f32], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
         let low = _mm_set1_epi8(0x0F);
-        let sums = pair_tile([w[0].1, w[1].1], x, |c, b| {
+        let scales = [w[0].1, w[1].1];
+        pairs(scales, xs, out, |c, b| {
             let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
             (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
         });
-        [0, 1].map(|c| sums[c] + dot_f32(w[c].2, x.2))
+        for (c, sums) in out.iter_mut().enumerate() {
+            for (s, x) in sums.iter_mut().zip(xs) {
+                *s += dot_f32(w[c].2, x.2);
+            }
+        }
     }
 
-    /// Two Q8_0 weight rows (codes, scales) dotted with one activation row.
+    /// Two Q8_0 weight rows (codes, scales) dotted with each of `xs`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_0_pair(w: [(&[i8], &[f32]); 2], x: (&[i8], &[f32], &[f32])) -> [f32; 2] {
-        pair_tile([w[0].1, w[1].1], x, |c, b| {
+    pub unsafe fn q8_0_pair(w: [(&[i8], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
+        pairs([w[0].1, w[1].1], xs, out, |c, b| {
             let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
             (_mm256_sign_epi8(codes, codes), Some(codes))
-        })
+        });
+    }
+
+    /// Two weight rows dotted with 1 to 4 activation rows; `weight(c, b)`
+    /// gives row c's block b as in `tile`.
+    #[inline(always)]
+    unsafe fn pairs(
+        scales: [&[f32]; 2],
+        xs: &[ActivationRow],
+        out: &mut [[f32; 4]; 2],
+        weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
+    ) {
+        *out = match xs.len() {
+            1 => pair_tile(scales, xs[0], weight).map(|s| widen([s])),
+            2 => pairs_tile::<2>(scales, rows(xs), weight).map(widen),
+            3 => pairs_tile::<3>(scales, rows(xs), weight).map(widen),
+            _ => pairs_tile::<4>(scales, rows(xs), weight),
+        };
+    }
+
+    /// Two weight rows and R activation rows (2 to 4): each weight block
+    /// is decoded once for the R rows and each activation block loaded once
+    /// for both weight rows; 2R accumulators are in flight. The even blocks
+    /// are summed first, then the odd ones, and the two sums added: the
+    /// order of `tile` and `pair_tile`, so that a row's products come out
+    /// the same to the bit whichever rows share its step.
+    #[inline(always)]
+    unsafe fn pairs_tile<const R: usize>(
+        scales: [&[f32]; 2],
+        xs: [Row; R],
+        weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
+    ) -> [[f32; R]; 2] {
+        let blocks = scales[0].len();
+        let mut sums = [[[_mm256_setzero_ps(); R]; 2]; 2];
+        for (parity, acc) in sums.iter_mut().enumerate() {
+            for b in (parity..blocks).step_by(2) {
+                let w = [weight(0, b), weight(1, b)];
+                let w_scale = [0, 1].map(|c| _mm256_set1_ps(*scales[c].get_unchecked(b)));
+                for r in 0..R {
+                    let codes = _mm256_loadu_si256(xs[r].0.add(b * BLOCK) as *const __m256i);
+                    let x_scale = _mm256_set1_ps(*xs[r].1.add(b));
+                    for c in 0..2 {
+                        let signed = match w[c].1 {
+                            Some(sign) => _mm256_sign_epi8(codes, sign),
+                            None => codes,
+                        };
+                        let scale = _mm256_mul_ps(w_scale[c], x_scale);
+                        acc[c][r] = _mm256_fmadd_ps(scale, byte_dot(w[c].0, signed), acc[c][r]);
+                    }
+                }
+            }
+        }
+        let [even, odd] = sums;
+        std::array::from_fn(|c| std::array::from_fn(|r| sum_lanes(_mm256_add_ps(even[c][r], odd[c][r]))))
     }
 
     /// As `tile` for two weight rows and one activation row: each
@@ -336,7 +434,7 @@ mod avx2 {
     #[inline(always)]
     unsafe fn pair_tile(
         scales: [&[f32]; 2],
-        x: (&[i8], &[f32], &[f32]),
+        x: ActivationRow,
         weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
     ) -> [f32; 2] {
         let blocks = scales[0].len();
@@ -366,7 +464,7 @@ mod avx2 {
 
     /// out[i] = the scaled code dot products of one Q8_0 row with xs[i].
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_0_dot(codes: &[i8], scales: &[f32], xs: &[(&[i8], &[f32], &[f32])], out: &mut [f32; 4]) {
+    pub unsafe fn q8_0_dot(codes: &[i8], scales: &[f32], xs: &[ActivationRow], out: &mut [f32; 4]) {
         *out = match xs.len() {
             1 => widen(q8_0_tile::<1>(codes, scales, rows(xs))),
             2 => widen(q8_0_tile::<2>(codes, scales, rows(xs))),
@@ -483,12 +581,16 @@ mod tests {
     }
 
     fn pair_is_two_dots(weights: &impl BlockWeights, k: usize) {
-        let xs = QuantizedRows::new(&values(k, 10), k);
-        let pair = weights.dot_pair(0, k / BLOCK, xs.row(0));
-        for (row, got) in pair.iter().enumerate() {
-            let mut one = [0f32; 4];
-            weights.dot(row, k / BLOCK, &[xs.row(0)], &mut one);
-            assert_eq!(*got, one[0]);
+        let xs = QuantizedRows::new(&values(4 * k, 10), k);
+        for count in 1..=4 {
+            let rows: Vec<_> = (0..count).map(|r| xs.row(r)).collect();
+            let mut pair = [[0f32; 4]; 2];
+            weights.dot_pair(0, k / BLOCK, &rows, &mut pair);
+            for (n, got) in pair.iter().enumerate() {
+                let mut one = [0f32; 4];
+                weights.dot(n, k / BLOCK, &rows, &mut one);
+                assert_eq!(got[..count], one[..count], "{count} rows");
+            }
         }
     }
 
@@ -514,6 +616,19 @@ mod tests {
             let mut out = vec![0.0; m * n];
             matmul(&SpinPool::new(3), 3, &x, k, &Q8_0 { codes: &codes, scales: &scales }, &mut out);
             close(&out, &reference(&x, &dense, k), 0.02);
+        }
+    }
+
+    #[test]
+    fn activation_blocks_quantize_alike_on_every_path() {
+        let x = values(8 * BLOCK, 12);
+        let rows = QuantizedRows::new(&x, 2 * BLOCK);
+        for (b, block) in x.chunks(BLOCK).enumerate() {
+            let mut codes = [0i8; BLOCK];
+            assert_eq!(quantize_block(block, &mut codes), (rows.scales[b], rows.sums[b]));
+            assert_eq!(codes[..], rows.codes[b * BLOCK..(b + 1) * BLOCK]);
+            let max = codes.iter().map(|q| q.unsigned_abs()).max();
+            assert_eq!(max, Some(127), "the largest value maps to 127");
         }
     }
 

@@ -40,6 +40,19 @@ def test_kernel_is_the_product_of_its_blocks(layer_class, rows):
 
 
 @pytest.mark.parametrize("layer_class", [Q4_1Linear, Q8_0Linear])
+def test_a_row_gets_the_same_product_alone_and_in_any_batch(layer_class):
+    """Greedy decoding must not depend on which requests share a step: the
+    kernels tile rows by fours and weight rows by twos, and each tile must
+    sum a row's blocks in the same order (an odd weight row count too)."""
+    g = torch.Generator().manual_seed(7)
+    layer = layer_class.quantize(torch.randn(73, 160, generator=g) * 0.1)
+    x = torch.randn(11, 160, generator=g)
+    batched = layer(x)
+    for start, stop in [(0, 1), (3, 5), (2, 9), (0, 11)]:
+        assert torch.equal(layer(x[start:stop]), batched[start:stop])
+
+
+@pytest.mark.parametrize("layer_class", [Q4_1Linear, Q8_0Linear])
 def test_long_inputs_take_the_dense_product(layer_class):
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(64, generator=g)
