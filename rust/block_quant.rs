@@ -106,6 +106,8 @@ pub trait BlockWeights: Sync {
     fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]);
     /// Rows `n` and `n + 1` dotted with each of `xs` (at most 4 rows).
     fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]);
+    /// Row `n` as floats, `blocks * BLOCK` of them.
+    fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]);
 }
 
 /// One quantized activation row: its codes, and per block the scale and
@@ -121,6 +123,10 @@ fn two_dots(weights: &impl BlockWeights, n: usize, blocks: usize, xs: &[Activati
 impl BlockWeights for Q4_1<'_> {
     fn rows(&self, blocks: usize) -> usize {
         self.scales.len() / blocks
+    }
+
+    fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
+        self.dequantize(n, blocks, out)
     }
 
     fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
@@ -157,6 +163,19 @@ impl BlockWeights for Q4_1<'_> {
 }
 
 impl Q4_1<'_> {
+    fn dequantize(&self, n: usize, blocks: usize, out: &mut [f32]) {
+        let (nibbles, scales, mins) = self.row(n, blocks);
+        for (((block, bytes), d), m) in
+            out.chunks_exact_mut(BLOCK).zip(nibbles.chunks_exact(BLOCK / 2)).zip(scales).zip(mins)
+        {
+            let (low, high) = block.split_at_mut(BLOCK / 2);
+            for ((l, h), byte) in low.iter_mut().zip(high).zip(bytes) {
+                *l = d * (byte & 0x0F) as f32 + m;
+                *h = d * (byte >> 4) as f32 + m;
+            }
+        }
+    }
+
     fn row(&self, n: usize, blocks: usize) -> (&[u8], &[f32], &[f32]) {
         let b = n * blocks;
         (&self.nibbles[b * BLOCK / 2..(b + blocks) * BLOCK / 2], &self.scales[b..b + blocks], &self.mins[b..b + blocks])
@@ -164,6 +183,15 @@ impl Q4_1<'_> {
 }
 
 impl Q8_0<'_> {
+    fn dequantize(&self, n: usize, blocks: usize, out: &mut [f32]) {
+        let (codes, scales) = self.row(n, blocks);
+        for ((block, codes), d) in out.chunks_exact_mut(BLOCK).zip(codes.chunks_exact(BLOCK)).zip(scales) {
+            for (w, q) in block.iter_mut().zip(codes) {
+                *w = d * *q as f32;
+            }
+        }
+    }
+
     fn row(&self, n: usize, blocks: usize) -> (&[i8], &[f32]) {
         let b = n * blocks;
         (&self.codes[b * BLOCK..(b + blocks) * BLOCK], &self.scales[b..b + blocks])
@@ -173,6 +201,10 @@ impl Q8_0<'_> {
 impl BlockWeights for Q8_0<'_> {
     fn rows(&self, blocks: usize) -> usize {
         self.scales.len() / blocks
+    }
+
+    fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
+        self.dequantize(n, blocks, out)
     }
 
     fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
@@ -244,6 +276,25 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl
                     write(tile * 4 + i, col, *s);
                 }
             }
+        }
+    });
+}
+
+/// The weights as floats, `out` [n, k], rows split in `parts`: what a
+/// long prefill multiplies densely (a float GEMM's cost grows slower with
+/// the rows than the block kernels').
+pub fn dequantize(pool: &SpinPool, parts: usize, weights: &impl BlockWeights, k: usize, out: &mut [f32]) {
+    assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
+    let blocks = k / BLOCK;
+    let n = weights.rows(blocks);
+    assert_eq!(out.len(), n * k, "out is [rows of the weights, k]");
+    let out_ptr = SharedPtr(out.as_mut_ptr());
+    let parts = parts.clamp(1, pool.threads());
+    pool.run(parts, &|part| {
+        for row in n * part / parts..n * (part + 1) / parts {
+            // SAFETY: each task writes its own rows, inside `out`.
+            let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(row * k), k) };
+            weights.dequantize_row(row, blocks, out);
         }
     });
 }
@@ -572,12 +623,16 @@ mod tests {
             .chunks(BLOCK)
             .flat_map(|block| (0..BLOCK / 2).map(move |j| block[j] | (block[j + BLOCK / 2] << 4)))
             .collect();
+        let weights = Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins };
         for m in [1, 3, 6] {
             let x = values(m * k, 4 + m as u32);
             let mut out = vec![0.0; m * n];
-            matmul(&SpinPool::new(3), 3, &x, k, &Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins }, &mut out);
+            matmul(&SpinPool::new(3), 3, &x, k, &weights, &mut out);
             close(&out, &reference(&x, &dense, k), 0.02);
         }
+        let mut floats = vec![0.0; n * k];
+        dequantize(&SpinPool::new(3), 3, &weights, k, &mut floats);
+        assert_eq!(floats, dense);
     }
 
     fn pair_is_two_dots(weights: &impl BlockWeights, k: usize) {
@@ -611,12 +666,16 @@ mod tests {
         let codes: Vec<i8> = values(n * k, 5).iter().map(|v| (v * 127.0) as i8).collect();
         let scales = values(n * k / BLOCK, 6).iter().map(|v| v.abs() * 0.01 + 0.001).collect::<Vec<_>>();
         let dense: Vec<f32> = (0..n * k).map(|i| scales[i / BLOCK] * codes[i] as f32).collect();
+        let weights = Q8_0 { codes: &codes, scales: &scales };
         for m in [1, 5] {
             let x = values(m * k, 7 + m as u32);
             let mut out = vec![0.0; m * n];
-            matmul(&SpinPool::new(3), 3, &x, k, &Q8_0 { codes: &codes, scales: &scales }, &mut out);
+            matmul(&SpinPool::new(3), 3, &x, k, &weights, &mut out);
             close(&out, &reference(&x, &dense, k), 0.02);
         }
+        let mut floats = vec![0.0; n * k];
+        dequantize(&SpinPool::new(3), 3, &weights, k, &mut floats);
+        assert_eq!(floats, dense);
     }
 
     #[test]

@@ -367,6 +367,39 @@ fn matmul_q8_0(
     }
 }
 
+/// out[n, k] (float32) = the Q4_1 weight given as in `matmul_q4_1`.
+#[pyfunction]
+fn dequantize_q4_1(
+    py: Python<'_>,
+    nibbles: usize,
+    scales: usize,
+    mins: usize,
+    n: usize,
+    k: usize,
+    out: usize,
+    threads: usize,
+) {
+    let blocks = n * k / block_quant::BLOCK;
+    // SAFETY: as in matmul_q4_1.
+    unsafe {
+        let weights =
+            Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) };
+        let out = std::slice::from_raw_parts_mut(out as *mut f32, n * k);
+        py.allow_threads(|| block_quant::dequantize(SpinPool::global(), threads, &weights, k, out));
+    }
+}
+
+/// out[n, k] (float32) = the Q8_0 weight given as in `matmul_q8_0`.
+#[pyfunction]
+fn dequantize_q8_0(py: Python<'_>, codes: usize, scales: usize, n: usize, k: usize, out: usize, threads: usize) {
+    // SAFETY: as in matmul_q4_1.
+    unsafe {
+        let weights = Q8_0 { codes: view(codes, n * k), scales: view(scales, n * k / block_quant::BLOCK) };
+        let out = std::slice::from_raw_parts_mut(out as *mut f32, n * k);
+        py.allow_threads(|| block_quant::dequantize(SpinPool::global(), threads, &weights, k, out));
+    }
+}
+
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTokenizer>()?;
@@ -378,6 +411,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q8_0, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(decode_layer_q4_1, m)?)?;
     Ok(())
 }
