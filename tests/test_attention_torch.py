@@ -104,6 +104,34 @@ def test_extend_over_cached_prefix(heads, kv_heads):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_long_extend_takes_all_threads_in_a_one_thread_step(monkeypatch):
+    """Steps on the block kernels run torch on one thread; new tokens over a
+    long cached prefix get the backend's threads for their SDPA (a short
+    extend does not), stay right, and leave the step's count as it was."""
+    from pyserve.model.attention import torch_backend
+
+    seen = []
+    sdpa = torch_backend.F.scaled_dot_product_attention
+
+    def recording(q, k, *args, **kwargs):
+        seen.append((q.shape[-2], torch.get_num_threads()))
+        return sdpa(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
+    h = Harness(8, 2)
+    h.attn = TorchAttention(h.pool, cpu_threads=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        h.step([400, 5])
+        out, expected = h.step([48, 3])  # 48 x 448 keys: long; 3 x 8: short
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert seen[-2:] == [(48, 2), (3, 1)]
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_batched_decode_of_ragged_sequences(heads, kv_heads):
     h = Harness(heads, kv_heads)

@@ -156,7 +156,7 @@ class RankModel:
             from pyserve.model.attention.triton_backend import TritonAttention
 
             return TritonAttention(self.kv_buffer, len(self.model.shard.q_heads), self.context_len)
-        return TorchAttention(self.kv_buffer)
+        return TorchAttention(self.kv_buffer, self.cpu_threads if self.device.type == "cpu" else 1)
 
     def _compile_decode(self) -> None:
         """--enable-torch-compile: compile the decode layers now, on dummy
@@ -194,7 +194,8 @@ class RankModel:
             # own threads spin after each of its ops, and on a busy core
             # each pool waits for the other (measured: twice the step time).
             # So such steps leave the cores to the kernels and run torch's
-            # ops (small at these sizes) on this thread.
+            # ops (small at these sizes) on this thread; only attention over
+            # a long cached prefix takes them back (TorchAttention).
             torch.set_num_threads(1)
             try:
                 return self.model(batch, self.attention)

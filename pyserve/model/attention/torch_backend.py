@@ -8,6 +8,7 @@ than 3-D inputs or repeating the kv heads.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,11 @@ from torch.nn.utils.rnn import pad_sequence
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
+
+
+# New tokens x keys from which an extend's SDPA gets all the CPU threads
+# (16 queries over 1,024 keys: ~0.7 ms on one thread of this machine).
+LONG_ATTENTION = 16 * 1024
 
 
 @dataclass
@@ -59,8 +65,14 @@ def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tens
 class TorchAttention(AttentionBackend):
     attend_decode = staticmethod(attend_single_tokens)
 
-    def __init__(self, kv_buffer: KVBuffer):
+    def __init__(self, kv_buffer: KVBuffer, cpu_threads: int = 1):
+        """`cpu_threads`: torch threads for a long extend's SDPA. Steps on
+        the 8da4w block kernels run torch on one thread (RankModel.forward),
+        but new tokens over a long cached prefix (a chat's next turn, a
+        shared system prompt) spend most of their step here: 45 tokens
+        after 1,300 cached, 208 -> 174 ms to the first token with two."""
         self.kv_buffer = kv_buffer
+        self.cpu_threads = cpu_threads
         self._batch: ForwardBatch | None = None
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
@@ -115,17 +127,32 @@ class TorchAttention(AttentionBackend):
             else:
                 ks, vs = k_cache[s.slots], v_cache[s.slots]
             # [tokens, heads, dim] -> [1, heads, tokens, dim]
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None],
-                ks.transpose(0, 1)[None],
-                vs.transpose(0, 1)[None],
-                attn_mask=s.mask,
-                is_causal=s.slots is None,
-                scale=scale,
-                enable_gqa=True,
-            )
+            with self._threads_for(s.num_new * ks.shape[0]):
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1)[None],
+                    ks.transpose(0, 1)[None],
+                    vs.transpose(0, 1)[None],
+                    attn_mask=s.mask,
+                    is_causal=s.slots is None,
+                    scale=scale,
+                    enable_gqa=True,
+                )
             out[rows] = o[0].transpose(0, 1)
         return out
+
+    @contextmanager
+    def _threads_for(self, work: int):
+        """All `cpu_threads` for an attention of `work` queries x keys from
+        LONG_ATTENTION on, where the step runs torch on fewer."""
+        threads = torch.get_num_threads()
+        if work < LONG_ATTENTION or threads >= self.cpu_threads:
+            yield
+            return
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _additive(self, sees: torch.Tensor) -> torch.Tensor:
         """A boolean "query sees key" mask as the additive one SDPA takes
