@@ -252,6 +252,22 @@ unsafe fn view<'a, T>(address: usize, len: usize) -> &'a [T] {
     std::slice::from_raw_parts(address as *const T, len)
 }
 
+/// A Q4_1 weight as addresses: (nibbles, scales, mins).
+type Q4_1Address = (usize, usize, usize);
+
+/// The Q4_1 weight [n, k] at `address`: nibbles (u8, n * k / 2), scales
+/// and mins (f32, n * k / 32). SAFETY: as for `view`.
+unsafe fn q4_1_at<'a>((nibbles, scales, mins): Q4_1Address, n: usize, k: usize) -> Q4_1<'a> {
+    let blocks = n * k / block_quant::BLOCK;
+    Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) }
+}
+
+/// The Q8_0 weight [n, k]: codes (i8, n * k) and scales (f32, n * k / 32).
+/// SAFETY: as for `view`.
+unsafe fn q8_0_at<'a>(codes: usize, scales: usize, n: usize, k: usize) -> Q8_0<'a> {
+    Q8_0 { codes: view(codes, n * k), scales: view(scales, n * k / block_quant::BLOCK) }
+}
+
 /// out[rows, n] = x[rows, k] @ w.T for Q4_1 weights w[n, k] given as
 /// nibbles (u8, n * k / 2), scales and mins (f32, n * k / 32). The
 /// arguments are addresses of float32/uint8 buffers; only
@@ -271,18 +287,13 @@ fn matmul_q4_1(
     out: usize,
     threads: usize,
 ) {
-    let blocks = n * k / block_quant::BLOCK;
     // SAFETY: see `view`; `out` is written only by this call.
     unsafe {
-        let weights =
-            Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) };
+        let weights = q4_1_at((nibbles, scales, mins), n, k);
         let (x, out) = (view::<f32>(x, rows * k), std::slice::from_raw_parts_mut(out as *mut f32, rows * n));
         py.allow_threads(|| block_quant::matmul(SpinPool::global(), threads, x, k, &weights, out));
     }
 }
-
-/// A Q4_1 weight as addresses: (nibbles, scales, mins).
-type Q4_1Address = (usize, usize, usize);
 
 /// decode_layer::decode_layer over addresses of float32 (int64 for slots)
 /// buffers; only pyserve.model.native_decode calls this, with the
@@ -308,11 +319,8 @@ fn decode_layer_q4_1(
     let (hidden, heads, kv_heads, head_dim, intermediate, eps, scale) = dims;
     let dims = decode_layer::Dims { hidden, heads, kv_heads, head_dim, intermediate, eps, scale };
     let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
-    let q4_1 = |(nibbles, scales, mins): Q4_1Address, n: usize, k: usize| {
-        let blocks = n * k / block_quant::BLOCK;
-        // SAFETY: see `view`.
-        unsafe { Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) } }
-    };
+    // SAFETY: see `view`.
+    let q4_1 = |address: Q4_1Address, n: usize, k: usize| unsafe { q4_1_at(address, n, k) };
     let (qkv, o, gate_up, down) = projections;
     let qkv_width = q_size + 2 * kv_size;
     let (cos, sin, new_slot, slots, width, lens) = step;
@@ -361,7 +369,7 @@ fn matmul_q8_0(
 ) {
     // SAFETY: as in matmul_q4_1.
     unsafe {
-        let weights = Q8_0 { codes: view(codes, n * k), scales: view(scales, n * k / block_quant::BLOCK) };
+        let weights = q8_0_at(codes, scales, n, k);
         let (x, out) = (view::<f32>(x, rows * k), std::slice::from_raw_parts_mut(out as *mut f32, rows * n));
         py.allow_threads(|| block_quant::matmul(SpinPool::global(), threads, x, k, &weights, out));
     }
@@ -379,11 +387,9 @@ fn dequantize_q4_1(
     out: usize,
     threads: usize,
 ) {
-    let blocks = n * k / block_quant::BLOCK;
     // SAFETY: as in matmul_q4_1.
     unsafe {
-        let weights =
-            Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) };
+        let weights = q4_1_at((nibbles, scales, mins), n, k);
         let out = std::slice::from_raw_parts_mut(out as *mut f32, n * k);
         py.allow_threads(|| block_quant::dequantize(SpinPool::global(), threads, &weights, k, out));
     }
@@ -394,7 +400,7 @@ fn dequantize_q4_1(
 fn dequantize_q8_0(py: Python<'_>, codes: usize, scales: usize, n: usize, k: usize, out: usize, threads: usize) {
     // SAFETY: as in matmul_q4_1.
     unsafe {
-        let weights = Q8_0 { codes: view(codes, n * k), scales: view(scales, n * k / block_quant::BLOCK) };
+        let weights = q8_0_at(codes, scales, n, k);
         let out = std::slice::from_raw_parts_mut(out as *mut f32, n * k);
         py.allow_threads(|| block_quant::dequantize(SpinPool::global(), threads, &weights, k, out));
     }
