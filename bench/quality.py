@@ -13,8 +13,9 @@ is loaded as the server loads it, and compared with its float32 self:
   own greedy output is identical to float32's.
 
 Every forward takes at most CHUNK tokens, one prompt at a time, so the
-quantized layers run the kernels serving runs them with (a forward of
-512 rows or more would take their dense float32 path instead).
+quantized layers run the kernels that serving's decode steps run (a
+forward of 128 rows or more, a long prompt's prefill, takes 8da4w's dense
+float32 path instead, and from 512 rows int4wo's).
 
     python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128
@@ -38,7 +39,7 @@ from pyserve.model.loader import load_model  # noqa: E402
 from pyserve.model.quant import parse_quant  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "quality_corpus.txt"
-CHUNK = 256  # tokens per forward: under the quantized layers' dense path (512 rows)
+CHUNK = 96  # tokens per forward: under block_quant.DENSE_FROM_ROWS (128 rows)
 _SUBJECTS = ["the moon", "a rainforest", "the printing press", "volcanoes", "honey bees",
              "the Roman empire", "electric cars", "the human heart", "chess", "the ocean tides"]
 _FRAMES = ["Write one sentence about {}.", "Here is a short fact about {}:", "Explain {} to a child.",
