@@ -96,16 +96,19 @@ def test_quantize_model_keeps_shapes_that_do_not_fit_dense():
 
 
 def test_compiled_graph_calls_the_kernels():
-    """Under torch.compile the products are opaque ops of the graph: same values, no graph break."""
+    """Under torch.compile the products and the dequantizers of the dense path
+    are opaque ops of the graph: same values, no graph break."""
     g = torch.Generator().manual_seed(4)
     layer, head = Q4_1Linear.quantize(torch.randn(64, 64, generator=g)), Q8_0Linear.quantize(torch.randn(96, 64, generator=g))
 
     def step(x):
         return head(torch.nn.functional.silu(layer(x)))
 
-    x = torch.randn(3, 64, generator=g)
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(step)(x)
-    assert explained.graph_break_count == 0
-    compiled = torch.compile(step, backend="eager")
-    assert torch.allclose(compiled(x), step(x), atol=1e-5)
+    # 3 rows take the block kernels, DENSE_FROM_ROWS the dequantized weights
+    for rows in (3, DENSE_FROM_ROWS):
+        x = torch.randn(rows, 64, generator=g)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(x)
+        assert explained.graph_break_count == 0
+        compiled = torch.compile(step, backend="eager")
+        assert torch.allclose(compiled(x), step(x), atol=1e-5)

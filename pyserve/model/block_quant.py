@@ -73,14 +73,33 @@ def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return out
 
 
-# The same products as torch ops, so that a compiled decode layer
-# (--enable-torch-compile) calls them as opaque steps instead of breaking
-# its graph; eager calls skip the op's dispatch (~20 µs a call).
+def _q4_1_dense(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The Q4_1 weight as float32 [n, k]."""
+    w = nibbles.new_empty(scales.shape[0], nibbles.shape[1] * 2, dtype=torch.float32)
+    _rust.dequantize_q4_1(nibbles.data_ptr(), scales.data_ptr(), mins.data_ptr(), *w.shape, w.data_ptr(),
+                          kernel_threads())
+    return w
+
+
+def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The Q8_0 weight as float32 [n, k]."""
+    w = codes.new_empty(codes.shape, dtype=torch.float32)
+    _rust.dequantize_q8_0(codes.data_ptr(), scales.data_ptr(), *w.shape, w.data_ptr(), kernel_threads())
+    return w
+
+
+# The same products and dequantizers as torch ops, so that a compiled decode
+# layer (--enable-torch-compile) calls them as opaque steps instead of
+# breaking its graph; eager calls skip the op's dispatch (~20 µs a call).
 _LIBRARY = torch.library.Library("pyserve", "DEF")
 _LIBRARY.define("matmul_q4_1(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
 _LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.define("dense_q4_1(Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
+_LIBRARY.define("dense_q8_0(Tensor codes, Tensor scales) -> Tensor")
 _LIBRARY.impl("matmul_q4_1", _q4_1_product, "CPU")
 _LIBRARY.impl("matmul_q8_0", _q8_0_product, "CPU")
+_LIBRARY.impl("dense_q4_1", _q4_1_dense, "CPU")
+_LIBRARY.impl("dense_q8_0", _q8_0_dense, "CPU")
 
 
 @torch.library.register_fake("pyserve::matmul_q4_1")
@@ -93,8 +112,18 @@ def _(x, codes, scales):
     return x.new_empty(x.shape[0], scales.shape[0])
 
 
-def _product(x: torch.Tensor, op, eager, *weights: torch.Tensor) -> torch.Tensor:
-    return op(x, *weights) if torch.compiler.is_compiling() else eager(x, *weights)
+@torch.library.register_fake("pyserve::dense_q4_1")
+def _(nibbles, scales, mins):
+    return nibbles.new_empty(scales.shape[0], nibbles.shape[1] * 2, dtype=torch.float32)
+
+
+@torch.library.register_fake("pyserve::dense_q8_0")
+def _(codes, scales):
+    return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
+def _call(op, eager, *tensors: torch.Tensor) -> torch.Tensor:
+    return op(*tensors) if torch.compiler.is_compiling() else eager(*tensors)
 
 
 def _check(cols: int) -> None:
@@ -162,13 +191,10 @@ class Q4_1Linear(_BlockLinear):
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer multiplies by."""
-        w = self.nibbles.new_empty(self.out_features, self.nibbles.shape[1] * 2, dtype=torch.float32)
-        _rust.dequantize_q4_1(self.nibbles.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(), *w.shape,
-                              w.data_ptr(), kernel_threads())
-        return w
+        return _call(torch.ops.pyserve.dense_q4_1, _q4_1_dense, self.nibbles, self.scales, self.mins)
 
     def block_product(self, rows: torch.Tensor) -> torch.Tensor:
-        return _product(rows, torch.ops.pyserve.matmul_q4_1, _q4_1_product, self.nibbles, self.scales, self.mins)
+        return _call(torch.ops.pyserve.matmul_q4_1, _q4_1_product, rows, self.nibbles, self.scales, self.mins)
 
 
 class Q8_0Linear(_BlockLinear):
@@ -194,9 +220,7 @@ class Q8_0Linear(_BlockLinear):
         return cls(codes.reshape(out, cols), scales, bias)
 
     def dense_weight(self) -> torch.Tensor:
-        w = self.codes.new_empty(self.codes.shape, dtype=torch.float32)
-        _rust.dequantize_q8_0(self.codes.data_ptr(), self.scales.data_ptr(), *w.shape, w.data_ptr(), kernel_threads())
-        return w
+        return _call(torch.ops.pyserve.dense_q8_0, _q8_0_dense, self.codes, self.scales)
 
     def block_product(self, rows: torch.Tensor) -> torch.Tensor:
-        return _product(rows, torch.ops.pyserve.matmul_q8_0, _q8_0_product, self.codes, self.scales)
+        return _call(torch.ops.pyserve.matmul_q8_0, _q8_0_product, rows, self.codes, self.scales)
