@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pyserve.model.block_quant import DENSE_FROM_ROWS, Q4_1Linear, Q8_0Linear
+from pyserve.model.block_quant import DENSE_FROM_ROWS, VOCAB_DENSE_FROM_ROWS, Q4_1Linear, Q8_0Linear
 from pyserve.model.quant import BLOCK_INT4, Int4Linear, int4_groups, quantize_model
 
 
@@ -57,7 +57,7 @@ def test_long_inputs_take_the_dense_product(layer_class):
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(64, generator=g)
     layer = layer_class.quantize(torch.randn(64, 64, generator=g), bias)
-    x = torch.randn(2, DENSE_FROM_ROWS // 2, 64, generator=g)  # batch dims are flattened
+    x = torch.randn(2, layer_class.dense_from_rows // 2, 64, generator=g)  # batch dims are flattened
     assert torch.allclose(layer(x), F.linear(x, layer.dense_weight(), bias), atol=1e-5)
 
 
@@ -104,8 +104,9 @@ def test_compiled_graph_calls_the_kernels():
     def step(x):
         return head(torch.nn.functional.silu(layer(x)))
 
-    # 3 rows take the block kernels, DENSE_FROM_ROWS the dequantized weights
-    for rows in (3, DENSE_FROM_ROWS):
+    # 3 rows take the block kernels; from DENSE_FROM_ROWS the Q4_1 layer its
+    # dequantized weight, from VOCAB_DENSE_FROM_ROWS the Q8_0 head too
+    for rows in (3, DENSE_FROM_ROWS, VOCAB_DENSE_FROM_ROWS):
         x = torch.randn(rows, 64, generator=g)
         torch._dynamo.reset()
         explained = torch._dynamo.explain(step)(x)
