@@ -126,7 +126,16 @@ impl BlockWeights for Q4_1<'_> {
     }
 
     fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
-        self.dequantize(n, blocks, out)
+        let (nibbles, scales, mins) = self.row(n, blocks);
+        for (((block, bytes), d), m) in
+            out.chunks_exact_mut(BLOCK).zip(nibbles.chunks_exact(BLOCK / 2)).zip(scales).zip(mins)
+        {
+            let (low, high) = block.split_at_mut(BLOCK / 2);
+            for ((l, h), byte) in low.iter_mut().zip(high).zip(bytes) {
+                *l = d * (byte & 0x0F) as f32 + m;
+                *h = d * (byte >> 4) as f32 + m;
+            }
+        }
     }
 
     fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
@@ -163,19 +172,6 @@ impl BlockWeights for Q4_1<'_> {
 }
 
 impl Q4_1<'_> {
-    fn dequantize(&self, n: usize, blocks: usize, out: &mut [f32]) {
-        let (nibbles, scales, mins) = self.row(n, blocks);
-        for (((block, bytes), d), m) in
-            out.chunks_exact_mut(BLOCK).zip(nibbles.chunks_exact(BLOCK / 2)).zip(scales).zip(mins)
-        {
-            let (low, high) = block.split_at_mut(BLOCK / 2);
-            for ((l, h), byte) in low.iter_mut().zip(high).zip(bytes) {
-                *l = d * (byte & 0x0F) as f32 + m;
-                *h = d * (byte >> 4) as f32 + m;
-            }
-        }
-    }
-
     fn row(&self, n: usize, blocks: usize) -> (&[u8], &[f32], &[f32]) {
         let b = n * blocks;
         (&self.nibbles[b * BLOCK / 2..(b + blocks) * BLOCK / 2], &self.scales[b..b + blocks], &self.mins[b..b + blocks])
@@ -183,15 +179,6 @@ impl Q4_1<'_> {
 }
 
 impl Q8_0<'_> {
-    fn dequantize(&self, n: usize, blocks: usize, out: &mut [f32]) {
-        let (codes, scales) = self.row(n, blocks);
-        for ((block, codes), d) in out.chunks_exact_mut(BLOCK).zip(codes.chunks_exact(BLOCK)).zip(scales) {
-            for (w, q) in block.iter_mut().zip(codes) {
-                *w = d * *q as f32;
-            }
-        }
-    }
-
     fn row(&self, n: usize, blocks: usize) -> (&[i8], &[f32]) {
         let b = n * blocks;
         (&self.codes[b * BLOCK..(b + blocks) * BLOCK], &self.scales[b..b + blocks])
@@ -204,7 +191,12 @@ impl BlockWeights for Q8_0<'_> {
     }
 
     fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
-        self.dequantize(n, blocks, out)
+        let (codes, scales) = self.row(n, blocks);
+        for ((block, codes), d) in out.chunks_exact_mut(BLOCK).zip(codes.chunks_exact(BLOCK)).zip(scales) {
+            for (w, q) in block.iter_mut().zip(codes) {
+                *w = d * *q as f32;
+            }
+        }
     }
 
     fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
