@@ -315,25 +315,6 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
     }
 
-    /// sum a[i] * b[i], eight lanes at a time (a serial sum would wait on
-    /// each add: as long as a short row's whole integer loop).
-    #[inline(always)]
-    unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= n {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc);
-            i += 8;
-        }
-        let mut total = sum_lanes(acc);
-        while i < n {
-            total += a[i] * b[i];
-            i += 1;
-        }
-        total
-    }
-
     /// 32 products of unsigned `w` and signed `x` bytes, summed to 8 floats.
     #[inline(always)]
     unsafe fn byte_dot(w: __m256i, x: __m256i) -> __m256 {
@@ -378,18 +359,14 @@ mod avx2 {
     /// plus the minimums' share, sum over blocks of m * d_x * sum(q_x).
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q4_1_dot(nibbles: &[u8], scales: &[f32], mins: &[f32], xs: &[ActivationRow], out: &mut [f32; 4]) {
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
-            *o = dot_f32(mins, x.2);
-        }
-        let sums = match xs.len() {
-            1 => widen(q4_1_tile::<1>(nibbles, scales, rows(xs))),
-            2 => widen(q4_1_tile::<2>(nibbles, scales, rows(xs))),
-            3 => widen(q4_1_tile::<3>(nibbles, scales, rows(xs))),
-            _ => q4_1_tile::<4>(nibbles, scales, rows(xs)),
+        let start = |r: usize| min_share(mins, xs[r].2);
+        let lanes = match xs.len() {
+            1 => widen(q4_1_tile::<1>(nibbles, scales, rows(xs), start)),
+            2 => widen(q4_1_tile::<2>(nibbles, scales, rows(xs), start)),
+            3 => widen(q4_1_tile::<3>(nibbles, scales, rows(xs), start)),
+            _ => q4_1_tile::<4>(nibbles, scales, rows(xs), start),
         };
-        for (o, s) in out.iter_mut().zip(sums).take(xs.len()) {
-            *o += s;
-        }
+        store_row_sums(lanes, out);
     }
 
     /// Two Q4_1 weight rows (nibbles, scales, mins) dotted with each of
@@ -398,61 +375,129 @@ mod avx2 {
     pub unsafe fn q4_1_pair(w: [(&[u8], &[f32], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
         let low = _mm_set1_epi8(0x0F);
         let scales = [w[0].1, w[1].1];
-        pairs(scales, xs, out, |c, b| {
+        let start = |c: usize, r: usize| min_share(w[c].2, xs[r].2);
+        let lanes = pairs(scales, xs, start, |c, b| {
             let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
             (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
         });
-        for (c, sums) in out.iter_mut().enumerate() {
-            for (s, x) in sums.iter_mut().zip(xs) {
-                *s += dot_f32(w[c].2, x.2);
-            }
+        store_sums(lanes, out);
+    }
+
+    /// sum over blocks of m * s, eight blocks to a lane group: the lanes a
+    /// Q4_1 product's accumulators start from, so that the minimums' share
+    /// needs no reduction of its own.
+    #[inline(always)]
+    unsafe fn min_share(mins: &[f32], sums: &[f32]) -> __m256 {
+        let blocks = mins.len().min(sums.len());
+        let mut acc = _mm256_setzero_ps();
+        let mut b = 0;
+        while b + 8 <= blocks {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins.as_ptr().add(b)), _mm256_loadu_ps(sums.as_ptr().add(b)), acc);
+            b += 8;
         }
+        let rest = blocks - b;
+        if rest > 0 && blocks >= 8 {
+            // The last eight blocks, of which the first 8 - rest are
+            // already counted: masked out of the minimums.
+            let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_set1_epi32(7 - rest as i32),
+            ));
+            let m = _mm256_and_ps(keep, _mm256_loadu_ps(mins.as_ptr().add(blocks - 8)));
+            acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums.as_ptr().add(blocks - 8)), acc);
+        } else if rest > 0 {
+            // Rows of fewer than eight blocks: masked loads read nothing past them.
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            acc =
+                _mm256_fmadd_ps(_mm256_maskload_ps(mins.as_ptr(), mask), _mm256_maskload_ps(sums.as_ptr(), mask), acc);
+        }
+        acc
     }
 
     /// Two Q8_0 weight rows (codes, scales) dotted with each of `xs`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q8_0_pair(w: [(&[i8], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-        pairs([w[0].1, w[1].1], xs, out, |c, b| {
-            let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
-            (_mm256_sign_epi8(codes, codes), Some(codes))
-        });
+        let lanes = pairs(
+            [w[0].1, w[1].1],
+            xs,
+            |_, _| _mm256_setzero_ps(),
+            |c, b| {
+                let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
+                (_mm256_sign_epi8(codes, codes), Some(codes))
+            },
+        );
+        store_sums(lanes, out);
     }
 
-    /// Two weight rows dotted with 1 to 4 activation rows; `weight(c, b)`
-    /// gives row c's block b as in `tile`.
+    // (A loop, not a closure: a closure outside a `target_feature`
+    // function would compile the reduction's intrinsics as calls.)
+    #[inline(always)]
+    unsafe fn store_row_sums(lanes: [__m256; 4], out: &mut [f32; 4]) {
+        for (o, v) in out.iter_mut().zip(lanes) {
+            *o = sum_lanes(v);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store_sums(lanes: [[__m256; 4]; 2], out: &mut [[f32; 4]; 2]) {
+        for (sums, lanes) in out.iter_mut().zip(lanes) {
+            store_row_sums(lanes, sums);
+        }
+    }
+
+    /// Two weight rows dotted with 1 to 4 activation rows, as lanes to sum
+    /// (rows past `xs` are zeros); `start(c, r)` gives the lanes weight row
+    /// c's product with xs[r] starts from, `weight(c, b)` row c's block b
+    /// as in `tile`.
     #[inline(always)]
     unsafe fn pairs(
         scales: [&[f32]; 2],
         xs: &[ActivationRow],
-        out: &mut [[f32; 4]; 2],
+        start: impl Fn(usize, usize) -> __m256,
         weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
-    ) {
-        *out = match xs.len() {
-            1 => pair_tile(scales, xs[0], weight).map(|s| widen([s])),
-            2 => pairs_tile::<2>(scales, rows(xs), weight).map(widen),
-            3 => pairs_tile::<3>(scales, rows(xs), weight).map(widen),
-            _ => pairs_tile::<4>(scales, rows(xs), weight),
-        };
+    ) -> [[__m256; 4]; 2] {
+        match xs.len() {
+            1 => {
+                let [a, b] = pair_tile(scales, xs[0], [start(0, 0), start(1, 0)], weight);
+                [widen([a]), widen([b])]
+            }
+            2 => {
+                let [a, b] = pairs_tile::<2>(scales, rows(xs), starts(start), weight);
+                [widen(a), widen(b)]
+            }
+            3 => {
+                let [a, b] = pairs_tile::<3>(scales, rows(xs), starts(start), weight);
+                [widen(a), widen(b)]
+            }
+            _ => pairs_tile::<4>(scales, rows(xs), starts(start), weight),
+        }
+    }
+
+    #[inline(always)]
+    fn starts<const R: usize>(start: impl Fn(usize, usize) -> __m256) -> [[__m256; R]; 2] {
+        std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)))
     }
 
     /// Two weight rows and R activation rows (2 to 4): each weight block
     /// is decoded once for the R rows and each activation block loaded once
     /// for both weight rows; 2R accumulators are in flight. The even blocks
-    /// are summed first, then the odd ones, and the two sums added: the
-    /// order of `tile` and `pair_tile`, so that a row's products come out
-    /// the same to the bit whichever rows share its step.
+    /// are summed first (onto `start`), then the odd ones, and the two sums
+    /// added: the order of `tile` and `pair_tile`, so that a row's products
+    /// come out the same to the bit whichever rows share its step.
     #[inline(always)]
     unsafe fn pairs_tile<const R: usize>(
         scales: [&[f32]; 2],
         xs: [Row; R],
+        start: [[__m256; R]; 2],
         weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
-    ) -> [[f32; R]; 2] {
+    ) -> [[__m256; R]; 2] {
         let blocks = scales[0].len();
-        let mut sums = [[[_mm256_setzero_ps(); R]; 2]; 2];
+        let mut sums = [start, [[_mm256_setzero_ps(); R]; 2]];
         for (parity, acc) in sums.iter_mut().enumerate() {
             for b in (parity..blocks).step_by(2) {
                 let w = [weight(0, b), weight(1, b)];
-                let w_scale = [0, 1].map(|c| _mm256_set1_ps(*scales[c].get_unchecked(b)));
+                let w_scale =
+                    [_mm256_set1_ps(*scales[0].get_unchecked(b)), _mm256_set1_ps(*scales[1].get_unchecked(b))];
                 for r in 0..R {
                     let codes = _mm256_loadu_si256(xs[r].0.add(b * BLOCK) as *const __m256i);
                     let x_scale = _mm256_set1_ps(*xs[r].1.add(b));
@@ -468,7 +513,7 @@ mod avx2 {
             }
         }
         let [even, odd] = sums;
-        std::array::from_fn(|c| std::array::from_fn(|r| sum_lanes(_mm256_add_ps(even[c][r], odd[c][r]))))
+        std::array::from_fn(|c| std::array::from_fn(|r| _mm256_add_ps(even[c][r], odd[c][r])))
     }
 
     /// As `tile` for two weight rows and one activation row: each
@@ -478,10 +523,11 @@ mod avx2 {
     unsafe fn pair_tile(
         scales: [&[f32]; 2],
         x: ActivationRow,
+        start: [__m256; 2],
         weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
-    ) -> [f32; 2] {
+    ) -> [__m256; 2] {
         let blocks = scales[0].len();
-        let mut acc = [[_mm256_setzero_ps(); 2]; 2];
+        let mut acc = [[start[0], _mm256_setzero_ps()], [start[1], _mm256_setzero_ps()]];
         let mut b = 0;
         while b < blocks {
             for (half, acc_index) in [(b, 0), (b + 1, 1)] {
@@ -502,36 +548,40 @@ mod avx2 {
             }
             b += 2;
         }
-        [0, 1].map(|c| sum_lanes(_mm256_add_ps(acc[c][0], acc[c][1])))
+        [_mm256_add_ps(acc[0][0], acc[0][1]), _mm256_add_ps(acc[1][0], acc[1][1])]
     }
 
     /// out[i] = the scaled code dot products of one Q8_0 row with xs[i].
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q8_0_dot(codes: &[i8], scales: &[f32], xs: &[ActivationRow], out: &mut [f32; 4]) {
-        *out = match xs.len() {
+        let lanes = match xs.len() {
             1 => widen(q8_0_tile::<1>(codes, scales, rows(xs))),
             2 => widen(q8_0_tile::<2>(codes, scales, rows(xs))),
             3 => widen(q8_0_tile::<3>(codes, scales, rows(xs))),
             _ => q8_0_tile::<4>(codes, scales, rows(xs)),
         };
+        store_row_sums(lanes, out);
     }
 
-    fn widen<const R: usize>(sums: [f32; R]) -> [f32; 4] {
-        std::array::from_fn(|r| if r < R { sums[r] } else { 0.0 })
+    #[inline(always)]
+    unsafe fn widen<const R: usize>(lanes: [__m256; R]) -> [__m256; 4] {
+        std::array::from_fn(|r| if r < R { lanes[r] } else { _mm256_setzero_ps() })
     }
 
     /// The dot products of one weight row with R activation rows, blocks
     /// in pairs: two accumulators per row hide the latency of the FMA
-    /// chain. `weight(b)` gives block b's 32 codes as unsigned bytes and
-    /// how to sign the activation codes (maddubs wants an unsigned left side).
+    /// chain; the even blocks' accumulator starts from `start(r)`.
+    /// `weight(b)` gives block b's 32 codes as unsigned bytes and how to
+    /// sign the activation codes (maddubs wants an unsigned left side).
     #[inline(always)]
     unsafe fn tile<const R: usize>(
         blocks: usize,
         scales: &[f32],
         xs: [Row; R],
+        start: impl Fn(usize) -> __m256,
         weight: impl Fn(usize) -> (__m256i, Option<__m256i>),
-    ) -> [f32; R] {
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    ) -> [__m256; R] {
+        let mut acc: [[__m256; 2]; R] = std::array::from_fn(|r| [start(r), _mm256_setzero_ps()]);
         let mut b = 0;
         while b < blocks {
             for (half, acc_index) in [(b, 0), (b + 1, 1)] {
@@ -550,24 +600,35 @@ mod avx2 {
             }
             b += 2;
         }
-        std::array::from_fn(|r| sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1])))
+        std::array::from_fn(|r| _mm256_add_ps(acc[r][0], acc[r][1]))
     }
 
     #[inline(always)]
-    unsafe fn q4_1_tile<const R: usize>(nibbles: &[u8], scales: &[f32], xs: [Row; R]) -> [f32; R] {
+    unsafe fn q4_1_tile<const R: usize>(
+        nibbles: &[u8],
+        scales: &[f32],
+        xs: [Row; R],
+        start: impl Fn(usize) -> __m256,
+    ) -> [__m256; R] {
         let low = _mm_set1_epi8(0x0F);
-        tile(scales.len(), scales, xs, |b| {
+        tile(scales.len(), scales, xs, start, |b| {
             let bytes = _mm_loadu_si128(nibbles.as_ptr().add(b * BLOCK / 2) as *const __m128i);
             (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
         })
     }
 
     #[inline(always)]
-    unsafe fn q8_0_tile<const R: usize>(codes: &[i8], scales: &[f32], xs: [Row; R]) -> [f32; R] {
-        tile(scales.len(), scales, xs, |b| {
-            let w = _mm256_loadu_si256(codes.as_ptr().add(b * BLOCK) as *const __m256i);
-            (_mm256_sign_epi8(w, w), Some(w))
-        })
+    unsafe fn q8_0_tile<const R: usize>(codes: &[i8], scales: &[f32], xs: [Row; R]) -> [__m256; R] {
+        tile(
+            scales.len(),
+            scales,
+            xs,
+            |_| _mm256_setzero_ps(),
+            |b| {
+                let w = _mm256_loadu_si256(codes.as_ptr().add(b * BLOCK) as *const __m256i);
+                (_mm256_sign_epi8(w, w), Some(w))
+            },
+        )
     }
 }
 
@@ -606,7 +667,15 @@ mod tests {
 
     #[test]
     fn q4_1_matches_the_dequantized_product() {
-        let (k, n) = (96, 40);
+        // Rows of fewer than eight blocks, of eight, and of eight and more
+        // with a remainder: the minimums' share takes each of its three paths.
+        for k in [96, 256, 576] {
+            q4_1_matches_at(k);
+        }
+    }
+
+    fn q4_1_matches_at(k: usize) {
+        let n = 40;
         let codes: Vec<u8> = values(n * k, 1).iter().map(|v| ((v + 1.0) * 7.99) as u8).collect();
         let scales = values(n * k / BLOCK, 2).iter().map(|v| v.abs() * 0.1 + 0.01).collect::<Vec<_>>();
         let mins = values(n * k / BLOCK, 3).iter().map(|v| v * 0.5).collect::<Vec<_>>();

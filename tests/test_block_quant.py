@@ -45,11 +45,12 @@ def test_a_row_gets_the_same_product_alone_and_in_any_batch(layer_class):
     kernels tile rows by fours and weight rows by twos, and each tile must
     sum a row's blocks in the same order (an odd weight row count too)."""
     g = torch.Generator().manual_seed(7)
-    layer = layer_class.quantize(torch.randn(73, 160, generator=g) * 0.1)
-    x = torch.randn(11, 160, generator=g)
-    batched = layer(x)
-    for start, stop in [(0, 1), (3, 5), (2, 9), (0, 11)]:
-        assert torch.equal(layer(x[start:stop]), batched[start:stop])
+    for cols in (160, 576):  # Q4_1's minimums take one path below 8 blocks, another from 8 on
+        layer = layer_class.quantize(torch.randn(73, cols, generator=g) * 0.1)
+        x = torch.randn(11, cols, generator=g)
+        batched = layer(x)
+        for start, stop in [(0, 1), (3, 5), (2, 9), (0, 11)]:
+            assert torch.equal(layer(x[start:stop]), batched[start:stop]), (cols, start, stop)
 
 
 @pytest.mark.parametrize("layer_class", [Q4_1Linear, Q8_0Linear])
