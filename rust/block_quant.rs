@@ -429,8 +429,8 @@ mod avx2 {
         store_sums(lanes, out);
     }
 
-    // (A loop, not a closure: a closure outside a `target_feature`
-    // function would compile the reduction's intrinsics as calls.)
+    // (A loop, not `array::map`: a closure passed to it was compiled
+    // outside the `target_feature` code, its intrinsics as calls.)
     #[inline(always)]
     unsafe fn store_row_sums(lanes: [__m256; 4], out: &mut [f32; 4]) {
         for (o, v) in out.iter_mut().zip(lanes) {
@@ -462,37 +462,33 @@ mod avx2 {
                 [widen([a]), widen([b])]
             }
             2 => {
-                let [a, b] = pairs_tile::<2>(scales, rows(xs), starts(start), weight);
+                let [a, b] = pairs_tile::<2>(scales, rows(xs), start, weight);
                 [widen(a), widen(b)]
             }
             3 => {
-                let [a, b] = pairs_tile::<3>(scales, rows(xs), starts(start), weight);
+                let [a, b] = pairs_tile::<3>(scales, rows(xs), start, weight);
                 [widen(a), widen(b)]
             }
-            _ => pairs_tile::<4>(scales, rows(xs), starts(start), weight),
+            _ => pairs_tile::<4>(scales, rows(xs), start, weight),
         }
-    }
-
-    #[inline(always)]
-    fn starts<const R: usize>(start: impl Fn(usize, usize) -> __m256) -> [[__m256; R]; 2] {
-        std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)))
     }
 
     /// Two weight rows and R activation rows (2 to 4): each weight block
     /// is decoded once for the R rows and each activation block loaded once
     /// for both weight rows; 2R accumulators are in flight. The even blocks
-    /// are summed first (onto `start`), then the odd ones, and the two sums
-    /// added: the order of `tile` and `pair_tile`, so that a row's products
-    /// come out the same to the bit whichever rows share its step.
+    /// are summed first (onto `start(c, r)`), then the odd ones, and the
+    /// two sums added: the order of `tile` and `pair_tile`, so that a row's
+    /// products come out the same to the bit whichever rows share its step.
     #[inline(always)]
     unsafe fn pairs_tile<const R: usize>(
         scales: [&[f32]; 2],
         xs: [Row; R],
-        start: [[__m256; R]; 2],
+        start: impl Fn(usize, usize) -> __m256,
         weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
     ) -> [[__m256; R]; 2] {
         let blocks = scales[0].len();
-        let mut sums = [start, [[_mm256_setzero_ps(); R]; 2]];
+        let even = std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)));
+        let mut sums = [even, [[_mm256_setzero_ps(); R]; 2]];
         for (parity, acc) in sums.iter_mut().enumerate() {
             for b in (parity..blocks).step_by(2) {
                 let w = [weight(0, b), weight(1, b)];
