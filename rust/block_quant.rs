@@ -376,6 +376,11 @@ mod avx2 {
         let low = _mm_set1_epi8(0x0F);
         let scales = [w[0].1, w[1].1];
         let start = |c: usize, r: usize| min_share(w[c].2, xs[r].2);
+        if xs.len() == 4 {
+            let even = std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)));
+            let lanes = four_rows(Codes::Q4_1, [w[0].0.as_ptr(), w[1].0.as_ptr()], scales, rows(xs), even);
+            return store_sums(lanes, out);
+        }
         let lanes = pairs(scales, xs, start, |c, b| {
             let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
             (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
@@ -417,15 +422,21 @@ mod avx2 {
     /// Two Q8_0 weight rows (codes, scales) dotted with each of `xs`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q8_0_pair(w: [(&[i8], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-        let lanes = pairs(
-            [w[0].1, w[1].1],
-            xs,
-            |_, _| _mm256_setzero_ps(),
-            |c, b| {
-                let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
-                (_mm256_sign_epi8(codes, codes), Some(codes))
-            },
-        );
+        let scales = [w[0].1, w[1].1];
+        let lanes = if xs.len() == 4 {
+            let codes = [w[0].0.as_ptr() as *const u8, w[1].0.as_ptr() as *const u8];
+            four_rows(Codes::Q8_0, codes, scales, rows(xs), [[_mm256_setzero_ps(); 4]; 2])
+        } else {
+            pairs(
+                scales,
+                xs,
+                |_, _| _mm256_setzero_ps(),
+                |c, b| {
+                    let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
+                    (_mm256_sign_epi8(codes, codes), Some(codes))
+                },
+            )
+        };
         store_sums(lanes, out);
     }
 
@@ -445,10 +456,10 @@ mod avx2 {
         }
     }
 
-    /// Two weight rows dotted with 1 to 4 activation rows, as lanes to sum
+    /// Two weight rows dotted with 1 to 3 activation rows, as lanes to sum
     /// (rows past `xs` are zeros); `start(c, r)` gives the lanes weight row
     /// c's product with xs[r] starts from, `weight(c, b)` row c's block b
-    /// as in `tile`.
+    /// as in `tile`. (Four rows: `four_rows`.)
     #[inline(always)]
     unsafe fn pairs(
         scales: [&[f32]; 2],
@@ -465,15 +476,14 @@ mod avx2 {
                 let [a, b] = pairs_tile::<2>(scales, rows(xs), start, weight);
                 [widen(a), widen(b)]
             }
-            3 => {
+            _ => {
                 let [a, b] = pairs_tile::<3>(scales, rows(xs), start, weight);
                 [widen(a), widen(b)]
             }
-            _ => pairs_tile::<4>(scales, rows(xs), start, weight),
         }
     }
 
-    /// Two weight rows and R activation rows (2 to 4): each weight block
+    /// Two weight rows and R activation rows (2 or 3): each weight block
     /// is decoded once for the R rows and each activation block loaded once
     /// for both weight rows; 2R accumulators are in flight. The even blocks
     /// are summed first (onto `start(c, r)`), then the odd ones, and the
@@ -511,6 +521,213 @@ mod avx2 {
         let [even, odd] = sums;
         std::array::from_fn(|c| std::array::from_fn(|r| _mm256_add_ps(even[c][r], odd[c][r])))
     }
+
+    /// The weight blocks `four_rows` reads.
+    #[derive(Clone, Copy)]
+    enum Codes {
+        Q4_1,
+        Q8_0,
+    }
+
+    /// `pairs_tile` for four activation rows, in assembly: two weight rows
+    /// (their codes and scales), the even blocks summed onto `even` and the
+    /// odd ones onto zeros, with the same operations in the same order as
+    /// `tile`, so the same bits. LLVM's version of this loop keeps more
+    /// values live than AVX2's 16 vector registers and spilled
+    /// accumulators every block; here the eight accumulators, the two
+    /// weight blocks, their scales, an activation block and its scale fill
+    /// the 16 exactly. Measured on one thread: 3.24 -> 2.65 cycles per 32
+    /// products at k = 1,536; a layer's four Q4_1 products 1.08-1.10x, the
+    /// Q8_0 vocabulary projection 1.13-1.17x.
+    /// The slices and rows hold `scales[0].len()` blocks each.
+    #[inline(always)]
+    unsafe fn four_rows(
+        codes: Codes,
+        weights: [*const u8; 2],
+        scales: [&[f32]; 2],
+        xs: [Row; 4],
+        even: [[__m256; 4]; 2],
+    ) -> [[__m256; 4]; 2] {
+        let odd = four_rows_pass(codes, weights, scales, xs, 1, [[_mm256_setzero_ps(); 4]; 2]);
+        let even = four_rows_pass(codes, weights, scales, xs, 0, even);
+        std::array::from_fn(|c| std::array::from_fn(|r| _mm256_add_ps(even[c][r], odd[c][r])))
+    }
+
+    // Pieces of `four_rows_pass`'s loop. {i} is the byte offset of the
+    // block's scale (4 per block), so [p + {i}*4] is a Q4_1 block's
+    // nibbles and [p + {i}*8] a block of 32 codes.
+
+    /// Q4_1 block of row `w` into ymm`dst`: low nibbles are inputs 0..15,
+    /// high nibbles 16..31.
+    #[rustfmt::skip]
+    macro_rules! nibbles {
+        ($dst:literal, $tmp:literal, $w:literal) => {
+            concat!(
+                "vmovdqu xmm", $tmp, ", xmmword ptr [{", $w, "} + {i}*4]\n",
+                "vpsrlw xmm", $dst, ", xmm", $tmp, ", 4\n",
+                "vpand xmm", $dst, ", xmm", $dst, ", xmmword ptr [rip + {low}]\n",
+                "vpand xmm", $tmp, ", xmm", $tmp, ", xmmword ptr [rip + {low}]\n",
+                "vinserti128 ymm", $dst, ", ymm", $tmp, ", xmm", $dst, ", 1\n",
+            )
+        };
+    }
+
+    /// Q8_0 block of row `w` into ymm`dst` as magnitudes (maddubs wants an
+    /// unsigned left side; `signed` moves the signs onto the activations).
+    #[rustfmt::skip]
+    macro_rules! magnitudes {
+        ($dst:literal, $w:literal) => {
+            concat!(
+                "vmovdqu ymm", $dst, ", ymmword ptr [{", $w, "} + {i}*8]\n",
+                "vpsignb ymm", $dst, ", ymm", $dst, ", ymm", $dst, "\n",
+            )
+        };
+    }
+
+    /// Block scales of both weight rows into ymm10 and ymm11.
+    macro_rules! weight_scales {
+        () => {
+            concat!("vbroadcastss ymm10, dword ptr [{w0s} + {i}]\n", "vbroadcastss ymm11, dword ptr [{w1s} + {i}]\n")
+        };
+    }
+
+    /// Activation row `x`'s block into ymm12, its scale into ymm13.
+    #[rustfmt::skip]
+    macro_rules! activations {
+        ($x:literal, $s:literal) => {
+            concat!(
+                "vmovdqu ymm12, ymmword ptr [{", $x, "} + {i}*8]\n",
+                "vbroadcastss ymm13, dword ptr [{", $s, "} + {i}]\n",
+            )
+        };
+    }
+
+    /// The activation block with weight row `w`'s signs, into ymm14.
+    macro_rules! signed {
+        ($w:literal) => {
+            concat!("vpsignb ymm14, ymm12, ymmword ptr [{", $w, "} + {i}*8]\n")
+        };
+    }
+
+    /// ymm`acc` += (weight scale * activation scale) * the 32 byte
+    /// products of ymm`w` and `codes`, summed to eight lanes.
+    #[rustfmt::skip]
+    macro_rules! product {
+        ($acc:literal, $w:literal, $scale:literal, $codes:literal) => {
+            concat!(
+                "vpmaddubsw ymm14, ymm", $w, ", ", $codes, "\n",
+                "vpmaddwd ymm14, ymm14, ymmword ptr [rip + {ones}]\n",
+                "vcvtdq2ps ymm14, ymm14\n",
+                "vmulps ymm15, ymm", $scale, ", ymm13\n",
+                "vfmadd231ps ymm", $acc, ", ymm15, ymm14\n",
+            )
+        };
+    }
+
+    /// Activation row r (x`r`, s`r`) against both weight rows; its
+    /// accumulators are ymm`r` and ymm`r + 4`.
+    macro_rules! q4_1_row {
+        ($x:literal, $s:literal, $acc0:literal, $acc1:literal) => {
+            concat!(activations!($x, $s), product!($acc0, 8, 10, "ymm12"), product!($acc1, 9, 11, "ymm12"))
+        };
+    }
+
+    #[rustfmt::skip]
+    macro_rules! q8_0_row {
+        ($x:literal, $s:literal, $acc0:literal, $acc1:literal) => {
+            concat!(
+                activations!($x, $s),
+                signed!("w0"),
+                product!($acc0, 8, 10, "ymm14"),
+                signed!("w1"),
+                product!($acc1, 9, 11, "ymm14"),
+            )
+        };
+    }
+
+    /// Blocks `parity`, `parity` + 2, ... of `four_rows`, added onto `acc`
+    /// (acc[c][r]: weight row c with activation row r).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn four_rows_pass(
+        codes: Codes,
+        weights: [*const u8; 2],
+        scales: [&[f32]; 2],
+        xs: [Row; 4],
+        parity: usize,
+        acc: [[__m256; 4]; 2],
+    ) -> [[__m256; 4]; 2] {
+        let blocks = scales[0].len();
+        if blocks <= parity {
+            return acc;
+        }
+        let steps = (blocks - parity + 1) / 2;
+        // Every pointer goes to just past the pass's last block and {i}
+        // counts up from -8 * steps to 0: one register is both the offset
+        // and the loop's test.
+        let end = parity + 2 * steps;
+        let past = |p: *const u8, block_bytes: usize| p.wrapping_add(end * block_bytes) as usize;
+        let code_bytes = match codes {
+            Codes::Q4_1 => BLOCK / 2,
+            Codes::Q8_0 => BLOCK,
+        };
+        let w = weights.map(|p| past(p, code_bytes));
+        let ws = scales.map(|s| past(s.as_ptr() as *const u8, 4));
+        let x = xs.map(|(codes, _)| past(codes as *const u8, BLOCK));
+        let s = xs.map(|(_, scales)| past(scales as *const u8, 4));
+        let [[mut a0, mut a1, mut a2, mut a3], [mut a4, mut a5, mut a6, mut a7]] = acc;
+        // SAFETY (the loop's reads): offsets -8 * steps .. 0 from the
+        // pointers past block `end - 1` reach blocks parity, parity + 2,
+        // ..., end - 2, all inside the rows four_rows's caller passes.
+        macro_rules! pass {
+            ($blocks:expr, $($constants:tt)*) => {
+                std::arch::asm!(
+                    concat!("2:\n", $blocks, "add {i}, 8\n", "jnz 2b\n"),
+                    i = inout(reg) -8 * steps as isize => _,
+                    w0 = in(reg) w[0], w1 = in(reg) w[1], w0s = in(reg) ws[0], w1s = in(reg) ws[1],
+                    x0 = in(reg) x[0], x1 = in(reg) x[1], x2 = in(reg) x[2], x3 = in(reg) x[3],
+                    s0 = in(reg) s[0], s1 = in(reg) s[1], s2 = in(reg) s[2], s3 = in(reg) s[3],
+                    $($constants)*
+                    inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+                    inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
+                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                    options(pure, readonly, nostack),
+                )
+            };
+        }
+        match codes {
+            Codes::Q4_1 => pass!(
+                concat!(
+                    nibbles!(8, 14, "w0"),
+                    nibbles!(9, 15, "w1"),
+                    weight_scales!(),
+                    q4_1_row!("x0", "s0", 0, 4),
+                    q4_1_row!("x1", "s1", 1, 5),
+                    q4_1_row!("x2", "s2", 2, 6),
+                    q4_1_row!("x3", "s3", 3, 7),
+                ),
+                low = sym LOW_NIBBLES, ones = sym ONE_WORDS,
+            ),
+            Codes::Q8_0 => pass!(
+                concat!(
+                    magnitudes!(8, "w0"),
+                    magnitudes!(9, "w1"),
+                    weight_scales!(),
+                    q8_0_row!("x0", "s0", 0, 4),
+                    q8_0_row!("x1", "s1", 1, 5),
+                    q8_0_row!("x2", "s2", 2, 6),
+                    q8_0_row!("x3", "s3", 3, 7),
+                ),
+                ones = sym ONE_WORDS,
+            ),
+        }
+        [[a0, a1, a2, a3], [a4, a5, a6, a7]]
+    }
+
+    #[repr(align(32))]
+    struct Aligned<T>(T);
+    static LOW_NIBBLES: Aligned<[u8; 16]> = Aligned([0x0F; 16]);
+    static ONE_WORDS: Aligned<[i16; 16]> = Aligned([1; 16]);
 
     /// As `tile` for two weight rows and one activation row: each
     /// activation block is loaded once for both rows, and four accumulators
