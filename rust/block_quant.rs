@@ -227,7 +227,7 @@ impl BlockWeights for Q8_0<'_> {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
+pub(crate) fn avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
@@ -304,12 +304,12 @@ impl SharedPtr {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::{ActivationRow, BLOCK};
     use std::arch::x86_64::*;
 
     #[inline(always)]
-    unsafe fn sum_lanes(v: __m256) -> f32 {
+    pub(crate) unsafe fn sum_lanes(v: __m256) -> f32 {
         let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
