@@ -292,13 +292,18 @@ pub fn dequantize(pool: &SpinPool, parts: usize, weights: &impl BlockWeights, k:
 }
 
 /// A buffer's start, shared by tasks that read it or write disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedPtr(pub(crate) *mut f32);
-unsafe impl Send for SharedPtr {}
-unsafe impl Sync for SharedPtr {}
+pub(crate) struct SharedPtr<T>(pub(crate) *mut T);
+impl<T> Clone for SharedPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedPtr<T> {}
+unsafe impl<T> Send for SharedPtr<T> {}
+unsafe impl<T> Sync for SharedPtr<T> {}
 
-impl SharedPtr {
-    pub(crate) fn get(self) -> *mut f32 {
+impl<T> SharedPtr<T> {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }

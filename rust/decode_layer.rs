@@ -164,9 +164,18 @@ fn check_slots(rows: &Rows, cache: &KvCache) {
     }
 }
 
+/// Slots a piece of one row's attention covers at most: a longer context
+/// is split into pieces (each with its own softmax, merged afterwards) so
+/// that a single row's few KV heads still occupy every thread. The count
+/// depends only on the row's length, so a row's output does not depend
+/// on the batch or the threads.
+const SLOTS_PER_PIECE: usize = 1024;
+
 /// Softmax attention of each row's query heads over its sequence's cached
-/// k/v, rows x heads split among the pool's threads. The caller has run
-/// `check_slots`.
+/// k/v. A task is a piece of a row's slots for one KV head and its group
+/// of query heads (the group reads the head's k/v together, while they are
+/// in cache); tasks are split among the pool's threads, and the pieces of
+/// a row's head merged after. The caller has run `check_slots`.
 unsafe fn attend(
     pool: &SpinPool,
     threads: usize,
@@ -181,32 +190,71 @@ unsafe fn attend(
     let kv_size = dims.kv_heads * head_dim;
     let qkv_width = q_size + 2 * kv_size;
     let group = dims.heads / dims.kv_heads;
-    // A task is a row's KV head with its group of query heads: the group
-    // reads the head's k/v together, while they are in cache.
-    let tasks = rows.new_slot.len() * dims.kv_heads;
-    let parts = threads.clamp(1, pool.threads()).min(tasks.max(1));
-    let out_ptr = SharedPtr(out.as_mut_ptr());
+    let mut tasks = Vec::new(); // (row, kv head, slots)
+    for r in 0..rows.new_slot.len() {
+        let slots = &rows.slots[r * rows.width..][..rows.lens[r] as usize];
+        let pieces = slots.len().div_ceil(SLOTS_PER_PIECE);
+        for kv_head in 0..dims.kv_heads {
+            for piece in 0..pieces {
+                let range = slots.len() * piece / pieces..slots.len() * (piece + 1) / pieces;
+                tasks.push((r, kv_head, &slots[range]));
+            }
+        }
+    }
+    // Each task's unnormalized weighted sums and (max score, sum of exp)
+    // per query head.
+    let mut partial = vec![0f32; tasks.len() * group * head_dim];
+    let mut stats = vec![(0f32, 0f32); tasks.len() * group];
+    let (partial_ptr, stats_ptr) = (SharedPtr(partial.as_mut_ptr()), SharedPtr(stats.as_mut_ptr()));
+    let parts = threads.clamp(1, pool.threads()).min(tasks.len().max(1));
     pool.run(parts, &|part| {
         let mut weights = Vec::new();
-        for task in tasks * part / parts..tasks * (part + 1) / parts {
-            let (r, kv_head) = (task / dims.kv_heads, task % dims.kv_heads);
+        for t in tasks.len() * part / parts..tasks.len() * (part + 1) / parts {
+            let (r, kv_head, slots) = tasks[t];
             let kv_offset = kv_head * head_dim;
             let head_cache = HeadCache { k: cache.k.add(kv_offset), v: cache.v.add(kv_offset), stride: kv_size };
-            let first = kv_head * group * head_dim;
-            let qs = &qkv[r * qkv_width + first..][..group * head_dim];
-            let slots = &rows.slots[r * rows.width..][..rows.lens[r] as usize];
-            // SAFETY: each task writes its own heads of its own row.
-            let o = std::slice::from_raw_parts_mut(out_ptr.get().add(r * q_size + first), group * head_dim);
+            let qs = &qkv[r * qkv_width + kv_head * group * head_dim..][..group * head_dim];
+            // SAFETY: each task writes its own part of `partial` and `stats`.
+            let o = std::slice::from_raw_parts_mut(partial_ptr.get().add(t * group * head_dim), group * head_dim);
+            let head_stats = std::slice::from_raw_parts_mut(stats_ptr.get().add(t * group), group);
             #[cfg(target_arch = "x86_64")]
             if head_dim % 8 == 0 && block_quant::avx2() {
-                avx2::attend_group(qs, head_dim, &head_cache, slots, dims.scale, &mut weights, o);
+                avx2::attend_group(qs, head_dim, &head_cache, slots, dims.scale, &mut weights, o, head_stats);
                 continue;
             }
-            for (q, o) in qs.chunks_exact(head_dim).zip(o.chunks_exact_mut(head_dim)) {
-                attend_head(q, &head_cache, slots, dims.scale, &mut weights, o);
+            for ((q, o), stat) in qs.chunks_exact(head_dim).zip(o.chunks_exact_mut(head_dim)).zip(head_stats) {
+                *stat = attend_head(q, &head_cache, slots, dims.scale, &mut weights, o);
             }
         }
     });
+    // The pieces of a row's KV head are consecutive tasks.
+    let mut t = 0;
+    while t < tasks.len() {
+        let (r, kv_head, _) = tasks[t];
+        let pieces = tasks[t..].iter().take_while(|&&(r2, h2, _)| (r2, h2) == (r, kv_head)).count();
+        for h in 0..group {
+            let o = &mut out[r * q_size + (kv_head * group + h) * head_dim..][..head_dim];
+            let head_pieces = (t..t + pieces).map(|p| (stats[p * group + h], &partial[(p * group + h) * head_dim..]));
+            merge(head_pieces, o);
+        }
+        t += pieces;
+    }
+}
+
+/// o = one softmax's weighted sum from its pieces' (max, sum of exp) and
+/// unnormalized sums, each rescaled to the largest max.
+fn merge<'a>(pieces: impl Iterator<Item = ((f32, f32), &'a [f32])> + Clone, o: &mut [f32]) {
+    let max = pieces.clone().fold(f32::NEG_INFINITY, |m, ((piece_max, _), _)| m.max(piece_max));
+    o.fill(0.0);
+    let mut total = 0.0;
+    for ((piece_max, piece_total), sums) in pieces {
+        // exp(0) is exactly 1: a softmax of one piece is its own sums.
+        let factor = (piece_max - max).exp();
+        total += piece_total * factor;
+        o.iter_mut().zip(sums).for_each(|(o, v)| *o += v * factor);
+    }
+    let inverse = 1.0 / total;
+    o.iter_mut().for_each(|o| *o *= inverse);
 }
 
 /// One KV head's rows in the cache: slot s's k is `k + s * stride`.
@@ -216,9 +264,17 @@ struct HeadCache {
     stride: usize,
 }
 
-/// o = softmax(q . k_s * scale) weighted sum of v_s over `slots`;
-/// `weights` is scratch.
-unsafe fn attend_head(q: &[f32], cache: &HeadCache, slots: &[i64], scale: f32, weights: &mut Vec<f32>, o: &mut [f32]) {
+/// o = sum over `slots` of exp(q . k_s * scale - max) v_s, the softmax's
+/// weighted sum before its division; returns (max, the sum of the
+/// exponentials). `weights` is scratch.
+unsafe fn attend_head(
+    q: &[f32],
+    cache: &HeadCache,
+    slots: &[i64],
+    scale: f32,
+    weights: &mut Vec<f32>,
+    o: &mut [f32],
+) -> (f32, f32) {
     let head_dim = q.len();
     weights.clear();
     let mut max = f32::NEG_INFINITY;
@@ -238,7 +294,7 @@ unsafe fn attend_head(q: &[f32], cache: &HeadCache, slots: &[i64], scale: f32, w
         let v = std::slice::from_raw_parts(cache.v.add(s as usize * cache.stride), head_dim);
         o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
     }
-    o.iter_mut().for_each(|o| *o /= total);
+    (max, total)
 }
 
 /// `attend_head` in AVX2 for a group of query heads sharing a KV head,
@@ -256,8 +312,9 @@ mod avx2 {
     /// 64 rows of 128 floats are 32 KB, which stay in L1 and L2.
     const SLOT_TILE: usize = 64;
 
-    /// Each head of `qs` (heads of `head_dim` values) attends over `slots`
-    /// of `cache`, into the same heads of `out`; `weights` is scratch.
+    /// `attend_head` for each head of `qs` (heads of `head_dim` values),
+    /// into the same heads of `out` and `stats`; `weights` is scratch.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn attend_group(
         qs: &[f32],
@@ -267,6 +324,7 @@ mod avx2 {
         scale: f32,
         weights: &mut Vec<f32>,
         out: &mut [f32],
+        stats: &mut [(f32, f32)],
     ) {
         let (heads, len) = (qs.len() / head_dim, slots.len());
         weights.clear();
@@ -279,10 +337,9 @@ mod avx2 {
                 }
             }
         }
-        let mut totals = Vec::with_capacity(heads);
-        for scores in weights.chunks_exact_mut(len) {
+        for (scores, stat) in weights.chunks_exact_mut(len).zip(stats.iter_mut()) {
             let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            totals.push(exponentials(scores, max));
+            *stat = (max, exponentials(scores, max));
         }
         out.fill(0.0);
         for (tile, tile_slots) in slots.chunks(SLOT_TILE).enumerate() {
@@ -301,10 +358,6 @@ mod avx2 {
                     }
                 }
             }
-        }
-        for (o, total) in out.chunks_exact_mut(head_dim).zip(totals) {
-            let inverse = 1.0 / total;
-            o.iter_mut().for_each(|o| *o *= inverse);
         }
     }
 
@@ -479,14 +532,62 @@ mod tests {
             let cache = HeadCache { k: k[head_dim..].as_ptr(), v: v[head_dim..].as_ptr(), stride };
             for len in [1, 7, 150] {
                 let slots: Vec<i64> = (0..len).map(|i| (i * 17 % cached) as i64).collect();
-                let (mut fast, mut weights) = (vec![0f32; heads * head_dim], Vec::new());
-                unsafe { avx2::attend_group(&qs, head_dim, &cache, &slots, 0.125, &mut weights, &mut fast) };
-                for (q, fast) in qs.chunks_exact(head_dim).zip(fast.chunks_exact(head_dim)) {
+                let (mut fast, mut fast_stats) = (vec![0f32; heads * head_dim], vec![(0f32, 0f32); heads]);
+                let mut weights = Vec::new();
+                unsafe {
+                    avx2::attend_group(&qs, head_dim, &cache, &slots, 0.125, &mut weights, &mut fast, &mut fast_stats)
+                };
+                for ((q, fast), fast_stats) in
+                    qs.chunks_exact(head_dim).zip(fast.chunks_exact(head_dim)).zip(&fast_stats)
+                {
                     let mut plain = vec![0f32; head_dim];
-                    unsafe { attend_head(q, &cache, &slots, 0.125, &mut weights, &mut plain) };
+                    let (max, total) = unsafe { attend_head(q, &cache, &slots, 0.125, &mut weights, &mut plain) };
+                    assert!((max - fast_stats.0).abs() < 1e-5, "head_dim {head_dim}, {len} slots");
+                    assert!((total - fast_stats.1).abs() < 1e-5 * total, "head_dim {head_dim}, {len} slots");
                     for (a, b) in plain.iter().zip(fast) {
-                        assert!((a - b).abs() < 1e-5, "head_dim {head_dim}, {len} slots: {a} vs {b}");
+                        assert!((a - b).abs() < 1e-5 * total, "head_dim {head_dim}, {len} slots: {a} vs {b}");
                     }
+                }
+            }
+        }
+    }
+
+    /// A row of 2,600 slots is three pieces (SLOTS_PER_PIECE) whose
+    /// softmaxes are merged: the result is the whole softmax, computed here
+    /// in f64, for heads on the AVX2 path (8 values) and off it (6).
+    #[test]
+    fn a_long_rows_pieces_merge_into_one_softmax() {
+        let (len, heads) = (2600usize, 2);
+        for head_dim in [8, 6] {
+            let dims = Dims { hidden: 0, heads, kv_heads: 1, head_dim, intermediate: 0, eps: 0.0, scale: 0.3 };
+            let wave = |i: usize, d: usize| ((i * 7 + d * 3) % 23) as f32 / 23.0 * 4.0 - 2.0;
+            let mut k: Vec<f32> = (0..len * head_dim).map(|i| wave(i, 1)).collect();
+            let mut v: Vec<f32> = (0..len * head_dim).map(|i| wave(i, 2)).collect();
+            let cache = KvCache { k: k.as_mut_ptr(), v: v.as_mut_ptr(), slots: len };
+            let slots: Vec<i64> = (0..len as i64).rev().collect();
+            let half = head_dim / 2;
+            let (cos, sin) = (vec![1.0f32; half], vec![0.0f32; half]);
+            let rows = Rows { cos: &cos, sin: &sin, new_slot: &[0], slots: &slots, width: len, lens: &[len as i64] };
+            let qkv: Vec<f32> = (0..(heads + 2) * head_dim).map(|i| wave(i, 5)).collect();
+            let mut out = vec![0f32; heads * head_dim];
+            check_slots(&rows, &cache);
+            unsafe { attend(SpinPool::global(), 2, &dims, &rows, &cache, &qkv, &mut out) };
+            for head in 0..heads {
+                let q = &qkv[head * head_dim..][..head_dim];
+                let scores: Vec<f64> = (0..len)
+                    .map(|s| (0..head_dim).map(|d| (q[d] * k[s * head_dim + d]) as f64).sum::<f64>() * 0.3)
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                for d in 0..head_dim {
+                    let want: f64 = scores
+                        .iter()
+                        .enumerate()
+                        .map(|(s, x)| (x - max).exp() * v[s * head_dim + d] as f64)
+                        .sum::<f64>()
+                        / total;
+                    let got = out[head * head_dim + d] as f64;
+                    assert!((got - want).abs() < 1e-4, "head_dim {head_dim}, head {head}, {d}: {got} vs {want}");
                 }
             }
         }
