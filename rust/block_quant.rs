@@ -649,6 +649,53 @@ pub(crate) mod avx2 {
         };
     }
 
+    /// A pass of the assembly loops over blocks parity, parity + 2, ...:
+    /// every pointer goes to just past its last block and {i} counts up
+    /// from -8 * steps to 0, so one register is both the offset and the
+    /// loop's test.
+    struct Pass {
+        steps: usize,
+        end: usize,
+    }
+
+    impl Pass {
+        /// None when the pass has no block.
+        fn new(blocks: usize, parity: usize) -> Option<Pass> {
+            let steps = blocks.checked_sub(parity)?.div_ceil(2);
+            (steps > 0).then_some(Pass { steps, end: parity + 2 * steps })
+        }
+
+        fn past(&self, p: *const u8, block_bytes: usize) -> usize {
+            p.wrapping_add(self.end * block_bytes) as usize
+        }
+
+        /// The two weight rows' codes and scales, past the pass.
+        fn weights(&self, codes: Codes, weights: [*const u8; 2], scales: [&[f32]; 2]) -> ([usize; 2], [usize; 2]) {
+            let code_bytes = match codes {
+                Codes::Q4_1 => BLOCK / 2,
+                Codes::Q8_0 => BLOCK,
+            };
+            (weights.map(|p| self.past(p, code_bytes)), scales.map(|s| self.past(s.as_ptr() as *const u8, 4)))
+        }
+    }
+
+    /// The loop of a `Pass` over `steps` pairs of blocks: `blocks` is the
+    /// body's template, the operands after it the activations', the
+    /// constants' and the accumulators'; ymm8-15 are the body's scratch.
+    macro_rules! block_loop {
+        ($steps:expr, $w:expr, $ws:expr, $blocks:expr, $($operands:tt)*) => {
+            std::arch::asm!(
+                concat!("2:\n", $blocks, "add {i}, 8\n", "jnz 2b\n"),
+                i = inout(reg) -8 * $steps as isize => _,
+                w0 = in(reg) $w[0], w1 = in(reg) $w[1], w0s = in(reg) $ws[0], w1s = in(reg) $ws[1],
+                $($operands)*
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(pure, readonly, nostack),
+            )
+        };
+    }
+
     /// Blocks `parity`, `parity` + 2, ... of `four_rows`, added onto `acc`
     /// (acc[c][r]: weight row c with activation row r).
     #[target_feature(enable = "avx2,fma")]
@@ -660,42 +707,25 @@ pub(crate) mod avx2 {
         parity: usize,
         acc: [[__m256; 4]; 2],
     ) -> [[__m256; 4]; 2] {
-        let blocks = scales[0].len();
-        if blocks <= parity {
+        let Some(pass) = Pass::new(scales[0].len(), parity) else {
             return acc;
-        }
-        let steps = (blocks - parity + 1) / 2;
-        // Every pointer goes to just past the pass's last block and {i}
-        // counts up from -8 * steps to 0: one register is both the offset
-        // and the loop's test.
-        let end = parity + 2 * steps;
-        let past = |p: *const u8, block_bytes: usize| p.wrapping_add(end * block_bytes) as usize;
-        let code_bytes = match codes {
-            Codes::Q4_1 => BLOCK / 2,
-            Codes::Q8_0 => BLOCK,
         };
-        let w = weights.map(|p| past(p, code_bytes));
-        let ws = scales.map(|s| past(s.as_ptr() as *const u8, 4));
-        let x = xs.map(|(codes, _)| past(codes as *const u8, BLOCK));
-        let s = xs.map(|(_, scales)| past(scales as *const u8, 4));
+        let (w, ws) = pass.weights(codes, weights, scales);
+        let x = xs.map(|(codes, _)| pass.past(codes as *const u8, BLOCK));
+        let s = xs.map(|(_, scales)| pass.past(scales as *const u8, 4));
         let [[mut a0, mut a1, mut a2, mut a3], [mut a4, mut a5, mut a6, mut a7]] = acc;
         // SAFETY (the loop's reads): offsets -8 * steps .. 0 from the
         // pointers past block `end - 1` reach blocks parity, parity + 2,
         // ..., end - 2, all inside the rows four_rows's caller passes.
         macro_rules! pass {
             ($blocks:expr, $($constants:tt)*) => {
-                std::arch::asm!(
-                    concat!("2:\n", $blocks, "add {i}, 8\n", "jnz 2b\n"),
-                    i = inout(reg) -8 * steps as isize => _,
-                    w0 = in(reg) w[0], w1 = in(reg) w[1], w0s = in(reg) ws[0], w1s = in(reg) ws[1],
+                block_loop!(
+                    pass.steps, w, ws, $blocks,
                     x0 = in(reg) x[0], x1 = in(reg) x[1], x2 = in(reg) x[2], x3 = in(reg) x[3],
                     s0 = in(reg) s[0], s1 = in(reg) s[1], s2 = in(reg) s[2], s3 = in(reg) s[3],
                     $($constants)*
                     inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
                     inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
-                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                    options(pure, readonly, nostack),
                 )
             };
         }
@@ -758,34 +788,20 @@ pub(crate) mod avx2 {
         parity: usize,
         acc: [__m256; 2],
     ) -> [__m256; 2] {
-        let blocks = scales[0].len();
-        if blocks <= parity {
+        let Some(pass) = Pass::new(scales[0].len(), parity) else {
             return acc;
-        }
-        let steps = (blocks - parity + 1) / 2;
-        let end = parity + 2 * steps;
-        let past = |p: *const u8, block_bytes: usize| p.wrapping_add(end * block_bytes) as usize;
-        let code_bytes = match codes {
-            Codes::Q4_1 => BLOCK / 2,
-            Codes::Q8_0 => BLOCK,
         };
-        let w = weights.map(|p| past(p, code_bytes));
-        let ws = scales.map(|s| past(s.as_ptr() as *const u8, 4));
-        let (x0, s0) = (past(x.0 as *const u8, BLOCK), past(x.1 as *const u8, 4));
+        let (w, ws) = pass.weights(codes, weights, scales);
+        let (x0, s0) = (pass.past(x.0 as *const u8, BLOCK), pass.past(x.1 as *const u8, 4));
         let [mut a0, mut a1] = acc;
         // SAFETY: as in four_rows_pass.
         macro_rules! pass {
             ($blocks:expr, $($constants:tt)*) => {
-                std::arch::asm!(
-                    concat!("2:\n", $blocks, "add {i}, 8\n", "jnz 2b\n"),
-                    i = inout(reg) -8 * steps as isize => _,
-                    w0 = in(reg) w[0], w1 = in(reg) w[1], w0s = in(reg) ws[0], w1s = in(reg) ws[1],
+                block_loop!(
+                    pass.steps, w, ws, $blocks,
                     x0 = in(reg) x0, s0 = in(reg) s0,
                     $($constants)*
                     inout("ymm0") a0, inout("ymm1") a1,
-                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                    options(pure, readonly, nostack),
                 )
             };
         }
