@@ -382,18 +382,18 @@ pub(crate) mod avx2 {
         let scales = [w[0].1, w[1].1];
         let start = |c: usize, r: usize| min_share(w[c].2, xs[r].2);
         let nibbles = [w[0].0.as_ptr(), w[1].0.as_ptr()];
-        if xs.len() == 4 {
+        let lanes = if xs.len() == 4 {
             let even = std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)));
-            return store_sums(four_rows(Codes::Q4_1, nibbles, scales, rows(xs), even), out);
-        }
-        if xs.len() == 1 {
+            four_rows(Codes::Q4_1, nibbles, scales, rows(xs), even)
+        } else if xs.len() == 1 {
             let [a, b] = one_row(Codes::Q4_1, nibbles, scales, rows::<1>(xs)[0], [start(0, 0), start(1, 0)]);
-            return store_sums([widen([a]), widen([b])], out);
-        }
-        let lanes = pairs(scales, xs, start, |c, b| {
-            let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
-            (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
-        });
+            [widen([a]), widen([b])]
+        } else {
+            pairs(scales, xs, start, |c, b| {
+                let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
+                (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
+            })
+        };
         store_sums(lanes, out);
     }
 
@@ -526,7 +526,7 @@ pub(crate) mod avx2 {
         std::array::from_fn(|c| std::array::from_fn(|r| _mm256_add_ps(even[c][r], odd[c][r])))
     }
 
-    /// The weight blocks `four_rows` reads.
+    /// The weight blocks the assembly tiles (`four_rows`, `one_row`) read.
     #[derive(Clone, Copy)]
     enum Codes {
         Q4_1,

@@ -300,8 +300,9 @@ unsafe fn attend_head(
 /// `attend_head` in AVX2 for a group of query heads sharing a KV head,
 /// heads of a multiple of 8 values. The scalar build (SSE, a libm call per
 /// exponential, the k/v read again for each head of the group) made a
-/// long context's attention most of a decode step: 8.3 ms at 32 cached
-/// tokens, 22.9 at 1,300 and 39.9 at 3,000; with this, 14.8 and 22.2.
+/// long context's attention most of a decode step (bench/long_context.py:
+/// 8.2 ms at 32 cached tokens, 20.7 at 1,300 and 37.0 at 3,000; with this
+/// and the split into pieces, 7.5, 12.6 and 19.0).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::HeadCache;
@@ -436,7 +437,7 @@ mod avx2 {
         }
     }
 
-    /// e^x for x <= 0 (scores minus their maximum), within about 2 ulp:
+    /// e^x for x <= 0 (scores minus their maximum), within 4 ulp (tested):
     /// x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to
     /// r^7 / 7! (the next term is below 2^-27 of it), times 2^n built in
     /// the exponent bits. Below -87 (e^x under f32's normal range) it
