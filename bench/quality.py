@@ -13,9 +13,12 @@ is loaded as the server loads it, and compared with its float32 self:
   own greedy output is identical to float32's.
 
 Every forward takes at most CHUNK tokens, one prompt at a time, so the
-quantized layers run the kernels that serving's decode steps run (a
-forward of 128 rows or more, a long prompt's prefill, takes 8da4w's dense
-float32 path instead, and from 512 rows int4wo's).
+int4wo layers run the kernel that serving's decode steps run (from 512
+rows, a long prompt's prefill, they multiply by a dense float32 copy
+instead). 8da4w rounds its activations to 8 bits per block of 32 at
+every row count, prefill and decode alike; its prefill tiles
+(rust/block_gemm.rs) and its decode kernels sum the same integer block
+products in different orders.
 
     python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128
@@ -39,7 +42,7 @@ from pyserve.model.loader import load_model  # noqa: E402
 from pyserve.model.quant import parse_quant  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "quality_corpus.txt"
-CHUNK = 96  # tokens per forward: under block_quant.DENSE_FROM_ROWS (128 rows)
+CHUNK = 96  # tokens per forward: under Int4Linear.DENSE_FROM_ROWS (512 rows)
 _SUBJECTS = ["the moon", "a rainforest", "the printing press", "volcanoes", "honey bees",
              "the Roman empire", "electric cars", "the human heart", "chess", "the ocean tides"]
 _FRAMES = ["Write one sentence about {}.", "Here is a short fact about {}:", "Explain {} to a child.",

@@ -42,7 +42,7 @@ impl QuantizedRows {
         rows
     }
 
-    fn row(&self, r: usize) -> ActivationRow<'_> {
+    pub(crate) fn row(&self, r: usize) -> ActivationRow<'_> {
         let b = r * self.blocks;
         (
             &self.codes[b * BLOCK..(b + self.blocks) * BLOCK],
@@ -51,7 +51,7 @@ impl QuantizedRows {
         )
     }
 
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.scales.len() / self.blocks
     }
 }

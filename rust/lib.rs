@@ -1,6 +1,7 @@
 //! pyserve._rust: the text work of pyserve. Plain Rust types do the work and
 //! are tested without Python; `python.rs` wraps them for Python.
 
+pub mod block_gemm;
 pub mod block_quant;
 mod byte_level;
 pub mod chat;

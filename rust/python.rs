@@ -9,6 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
+use crate::block_gemm;
 use crate::block_quant::{self, Q4_1, Q8_0};
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
@@ -271,8 +272,9 @@ unsafe fn q8_0_at<'a>(codes: usize, scales: usize, n: usize, k: usize) -> Q8_0<'
 /// out[rows, n] = x[rows, k] @ w.T for Q4_1 weights w[n, k] given as
 /// nibbles (u8, n * k / 2), scales and mins (f32, n * k / 32). The
 /// arguments are addresses of float32/uint8 buffers; only
-/// pyserve.model.quant calls this, after checking shapes and dtypes.
+/// pyserve.model.block_quant calls this, after checking shapes and dtypes.
 /// `threads` share the columns (the caller's thread among them).
+/// block_gemm's tiles compute it for any row count.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn matmul_q4_1(
@@ -291,7 +293,7 @@ fn matmul_q4_1(
     unsafe {
         let weights = q4_1_at((nibbles, scales, mins), n, k);
         let (x, out) = (view::<f32>(x, rows * k), std::slice::from_raw_parts_mut(out as *mut f32, rows * n));
-        py.allow_threads(|| block_quant::matmul(SpinPool::global(), threads, x, k, &weights, out));
+        py.allow_threads(|| block_gemm::matmul(SpinPool::global(), threads, x, k, &weights, out));
     }
 }
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pyserve.model.block_quant import DENSE_FROM_ROWS, VOCAB_DENSE_FROM_ROWS, Q4_1Linear, Q8_0Linear
+from pyserve.model.block_quant import VOCAB_DENSE_FROM_ROWS, Q4_1Linear, Q8_0Linear
 from pyserve.model.quant import BLOCK_INT4, Int4Linear, int4_groups, quantize_model
 
 
@@ -24,10 +24,10 @@ def activation_rounding(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layer_class", [Q4_1Linear, Q8_0Linear])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 40, 130])
 def test_kernel_is_the_product_of_its_blocks(layer_class, rows):
-    """Every row count (the kernels take activation rows four at a time)
-    against a float64 product of the dense weight and the rounded activations."""
+    """Every row count (the kernels take activation rows four at a time),
+    a prefill's 130 too, against a float64 product of the dense weight and the rounded activations."""
     g = torch.Generator().manual_seed(rows)
     layer = layer_class.quantize(torch.randn(72, 96, generator=g) * 0.1)
     x = torch.randn(rows, 96, generator=g)
@@ -42,8 +42,9 @@ def test_kernel_is_the_product_of_its_blocks(layer_class, rows):
 @pytest.mark.parametrize("layer_class", [Q4_1Linear, Q8_0Linear])
 def test_a_row_gets_the_same_product_alone_and_in_any_batch(layer_class):
     """Greedy decoding must not depend on which requests share a step: the
-    kernels tile rows by fours and weight rows by twos, and each tile must
-    sum a row's blocks in the same order (an odd weight row count too)."""
+    kernels tile rows by fours and weight rows by twos (Q8_0) or eights
+    (Q4_1), and each tile must sum a row's blocks in the same order (a
+    weight row count that fills neither, too)."""
     g = torch.Generator().manual_seed(7)
     for cols in (160, 576):  # Q4_1's minimums take one path below 8 blocks, another from 8 on
         layer = layer_class.quantize(torch.randn(73, cols, generator=g) * 0.1)
@@ -53,12 +54,11 @@ def test_a_row_gets_the_same_product_alone_and_in_any_batch(layer_class):
             assert torch.equal(layer(x[start:stop]), batched[start:stop]), (cols, start, stop)
 
 
-@pytest.mark.parametrize("layer_class", [Q4_1Linear, Q8_0Linear])
-def test_long_inputs_take_the_dense_product(layer_class):
+def test_long_vocabulary_inputs_take_the_dense_product():
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(64, generator=g)
-    layer = layer_class.quantize(torch.randn(64, 64, generator=g), bias)
-    x = torch.randn(2, layer_class.dense_from_rows // 2, 64, generator=g)  # batch dims are flattened
+    layer = Q8_0Linear.quantize(torch.randn(64, 64, generator=g), bias)
+    x = torch.randn(2, VOCAB_DENSE_FROM_ROWS // 2, 64, generator=g)  # batch dims are flattened
     assert torch.allclose(layer(x), F.linear(x, layer.dense_weight(), bias), atol=1e-5)
 
 
@@ -97,17 +97,16 @@ def test_quantize_model_keeps_shapes_that_do_not_fit_dense():
 
 
 def test_compiled_graph_calls_the_kernels():
-    """Under torch.compile the products and the dequantizers of the dense path
-    are opaque ops of the graph: same values, no graph break."""
+    """Under torch.compile the products and the Q8_0 dequantizer of the dense
+    path are opaque ops of the graph: same values, no graph break."""
     g = torch.Generator().manual_seed(4)
     layer, head = Q4_1Linear.quantize(torch.randn(64, 64, generator=g)), Q8_0Linear.quantize(torch.randn(96, 64, generator=g))
 
     def step(x):
         return head(torch.nn.functional.silu(layer(x)))
 
-    # 3 rows take the block kernels; from DENSE_FROM_ROWS the Q4_1 layer its
-    # dequantized weight, from VOCAB_DENSE_FROM_ROWS the Q8_0 head too
-    for rows in (3, DENSE_FROM_ROWS, VOCAB_DENSE_FROM_ROWS):
+    # 3 rows, a prefill's 130, and from VOCAB_DENSE_FROM_ROWS the Q8_0 head's dense weight
+    for rows in (3, 130, VOCAB_DENSE_FROM_ROWS):
         x = torch.randn(rows, 64, generator=g)
         torch._dynamo.reset()
         explained = torch._dynamo.explain(step)(x)

@@ -204,12 +204,9 @@ class RankModel:
         return self.model(batch, self.attention)
 
     def _block_kernel_step(self, batch: ForwardBatch) -> bool:
-        """Whether the step's linear layers run block_quant's kernels (8da4w):
-        under DENSE_FROM_ROWS rows, or a decode step of the native layers,
-        whose products are all block kernels (the vocabulary projection's
-        too, under VOCAB_DENSE_FROM_ROWS rows)."""
+        """Whether the step's products all run pyserve's Rust kernels (8da4w):
+        the Q4_1 layers do at any row count, the vocabulary projection under
+        VOCAB_DENSE_FROM_ROWS rows of logits."""
         if self.quant is None or not self.quant.int8_activations or self.cpu_threads == 1:
             return False
-        rows = batch.input_ids.numel()
-        native_decode = batch.is_decode and self.model.native_decode is not None
-        return rows < block_quant.DENSE_FROM_ROWS or (native_decode and rows < block_quant.VOCAB_DENSE_FROM_ROWS)
+        return batch.logits_indices.numel() < block_quant.VOCAB_DENSE_FROM_ROWS

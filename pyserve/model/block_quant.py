@@ -12,14 +12,16 @@ without AVX-512 that is what makes a decode step fast, where torch's int4
 kernel widens the codes to floats. bench/quality.py measures what the
 activation rounding costs.
 
-From DENSE_FROM_ROWS rows on (prefills) a layer multiplies by its weight
-dequantized to float32 instead (by the Rust kernels, into a fresh buffer
-each call): a dense GEMM's cost grows more slowly with the rows than the
-block kernel's. The crossover was measured through the engine on this
-2-core AVX2 machine, a prompt's time to first token in interleaved runs
-(best of three): the block kernels won at 45 and 64 rows (133 vs 213,
-182 vs 245 ms), the two tied at 96-128, and the dense product won from
-there on (256 rows: 555 vs 726 ms; 384: 736 vs 1,134 ms).
+Prefills multiply their many rows by the Q4_1 layers with the same
+numerics in another layout (rust/block_gemm.rs: 8 weight rows interleaved
+per tile, 1.7-1.8x the float32 GEMM of the dequantized weight on this
+2-core AVX2 machine at 128-512 rows, 2.4x the decode kernels at 45), and
+so does every row count here, down to one: a row's product must not
+depend on how many rows share the call, or greedy decoding through these
+layers (tensor-parallel ranks) would depend on the batch. Decode steps of
+one rank run rust/decode_layer.rs, whose products are the decode kernels'.
+The vocabulary projection (Q8_0) sees only the last rows of a prefill and
+keeps the decode kernel up to VOCAB_DENSE_FROM_ROWS rows.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from torch import nn
 from pyserve import _rust
 
 BLOCK = 32  # inputs per block, in weights and activations alike
-DENSE_FROM_ROWS = 128
 # The vocabulary projection's own crossover: its dense weight is the whole
 # vocabulary (113 MB for the embedded model) in a fresh buffer each call.
 # Prefill steps hand it only their last rows; a decode step of 160 rows
@@ -63,7 +64,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_1_product(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] float32 @ the Q4_1 weight [n, k].T"""
+    """x [rows, k] float32 @ the Q4_1 weight [n, k].T, by block_gemm's tiles"""
     out = x.new_empty(x.shape[0], scales.shape[0])
     _rust.matmul_q4_1(x.data_ptr(), x.shape[0], x.shape[1], nibbles.data_ptr(), scales.data_ptr(),
                       mins.data_ptr(), scales.shape[0], out.data_ptr(), kernel_threads())
@@ -99,11 +100,9 @@ def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 _LIBRARY = torch.library.Library("pyserve", "DEF")
 _LIBRARY.define("matmul_q4_1(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
 _LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales) -> Tensor")
-_LIBRARY.define("dense_q4_1(Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
 _LIBRARY.define("dense_q8_0(Tensor codes, Tensor scales) -> Tensor")
 _LIBRARY.impl("matmul_q4_1", _q4_1_product, "CPU")
 _LIBRARY.impl("matmul_q8_0", _q8_0_product, "CPU")
-_LIBRARY.impl("dense_q4_1", _q4_1_dense, "CPU")
 _LIBRARY.impl("dense_q8_0", _q8_0_dense, "CPU")
 
 
@@ -115,11 +114,6 @@ def _(x, nibbles, scales, mins):
 @torch.library.register_fake("pyserve::matmul_q8_0")
 def _(x, codes, scales):
     return x.new_empty(x.shape[0], scales.shape[0])
-
-
-@torch.library.register_fake("pyserve::dense_q4_1")
-def _(nibbles, scales, mins):
-    return nibbles.new_empty(scales.shape[0], nibbles.shape[1] * 2, dtype=torch.float32)
 
 
 @torch.library.register_fake("pyserve::dense_q8_0")
@@ -149,34 +143,22 @@ def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, to
 
 
 class _BlockLinear(nn.Module):
-    """y = x @ w.T + bias: the block kernel below `dense_from_rows` rows,
-    the dense float32 weight from there on."""
+    """y = x @ w.T + bias over 2-D rows of x."""
 
     out_features: int
     bias: torch.Tensor | None
-    dense_from_rows: int
 
-    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def dense_weight(self) -> torch.Tensor:
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x)
-        if rows.shape[0] >= self.dense_from_rows:
-            y = F.linear(rows, self.dense_weight())
-        else:
-            y = self.block_product(rows)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = self.product(_rows(x)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 class Q4_1Linear(_BlockLinear):
     """y = x @ w.T + bias, w[n, k] = scale[n, b] * q[n, k] + min[n, b] for
     the block b = k // 32, q in 0..15."""
-
-    dense_from_rows = DENSE_FROM_ROWS
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
         """codes: uint8 [out, in] (0..15); scales, mins: [out, in / 32]."""
@@ -199,17 +181,15 @@ class Q4_1Linear(_BlockLinear):
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer multiplies by."""
-        return _call(torch.ops.pyserve.dense_q4_1, _q4_1_dense, self.nibbles, self.scales, self.mins)
+        return _q4_1_dense(self.nibbles, self.scales, self.mins)
 
-    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
         return _call(torch.ops.pyserve.matmul_q4_1, _q4_1_product, rows, self.nibbles, self.scales, self.mins)
 
 
 class Q8_0Linear(_BlockLinear):
     """y = x @ w.T + bias, w[n, k] = scale[n, k // 32] * q[n, k], q int8:
     the vocabulary projection."""
-
-    dense_from_rows = VOCAB_DENSE_FROM_ROWS
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -233,5 +213,8 @@ class Q8_0Linear(_BlockLinear):
     def dense_weight(self) -> torch.Tensor:
         return _call(torch.ops.pyserve.dense_q8_0, _q8_0_dense, self.codes, self.scales)
 
-    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The decode kernel below VOCAB_DENSE_FROM_ROWS rows, the dense weight from there on."""
+        if rows.shape[0] >= VOCAB_DENSE_FROM_ROWS:
+            return F.linear(rows, self.dense_weight())
         return _call(torch.ops.pyserve.matmul_q8_0, _q8_0_product, rows, self.codes, self.scales)
