@@ -32,7 +32,6 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q4_1
         let blocks = k / BLOCK;
         let (m, n) = (xs.len(), weights.scales.len() / blocks);
         assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
-        let rows: Vec<_> = (0..m).map(|r| xs.row(r)).collect();
         let out_ptr = block_quant::SharedPtr(out.as_mut_ptr());
         let tiles = n.div_ceil(TILE_ROWS);
         let parts = parts.clamp(1, pool.threads()).min(tiles);
@@ -43,9 +42,9 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q4_1
                 let count = TILE_ROWS.min(n - first);
                 // SAFETY: the CPU has AVX2; the tile's weight rows are inside `weights`.
                 unsafe { tile.load(weights, first, count) };
-                for (group, chunk) in rows.chunks(4).enumerate() {
+                for row in (0..m).step_by(4) {
                     // SAFETY: each task writes only its own tiles' columns, inside `out`.
-                    unsafe { tile.multiply(chunk, out_ptr.get().add(group * 4 * n + first), n, count) };
+                    unsafe { tile.multiply(&xs, row..m.min(row + 4), out_ptr.get().add(row * n + first), n, count) };
                 }
             }
         });
@@ -57,8 +56,9 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q4_1
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Q4_1, TILE_ROWS};
-    use crate::block_quant::{ActivationRow, BLOCK};
+    use crate::block_quant::{QuantizedRows, BLOCK};
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     /// 8 weight rows interleaved: per block, 8 vectors, the s-th holding
     /// codes 4s..4s+3 of each row in turn; and per block the rows' scales
@@ -110,28 +110,43 @@ mod avx2 {
             }
         }
 
-        /// out[r, 0..count] (rows `n` apart) = each activation row (at most
-        /// 4) dotted with the tile's weight rows.
+        /// out[r, 0..count] (rows `n` apart) = activation rows `rows` (at
+        /// most 4) dotted with the tile's weight rows.
         #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn multiply(&self, xs: &[ActivationRow], out: *mut f32, n: usize, count: usize) {
-            match xs.len() {
-                4 => self.rows::<4>(xs, out, n, count),
-                3 => self.rows::<3>(xs, out, n, count),
-                2 => self.rows::<2>(xs, out, n, count),
-                _ => self.rows::<1>(xs, out, n, count),
+        pub unsafe fn multiply(&self, xs: &QuantizedRows, rows: Range<usize>, out: *mut f32, n: usize, count: usize) {
+            let blocks = self.blocks;
+            assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len());
+            // The rows' codes, scales and sums, each row `blocks` blocks after the last.
+            let at = (
+                xs.codes.as_ptr().add(rows.start * blocks * BLOCK),
+                xs.scales.as_ptr().add(rows.start * blocks),
+                xs.sums.as_ptr().add(rows.start * blocks),
+            );
+            match rows.len() {
+                4 => self.rows::<4>(at, out, n, count),
+                3 => self.rows::<3>(at, out, n, count),
+                2 => self.rows::<2>(at, out, n, count),
+                _ => self.rows::<1>(at, out, n, count),
             }
         }
 
         #[target_feature(enable = "avx2,fma")]
-        unsafe fn rows<const R: usize>(&self, xs: &[ActivationRow], out: *mut f32, n: usize, count: usize) {
+        unsafe fn rows<const R: usize>(
+            &self,
+            (codes, x_scales, x_sums): (*const i8, *const f32, *const f32),
+            out: *mut f32,
+            n: usize,
+            count: usize,
+        ) {
+            let (blocks, k) = (self.blocks, self.blocks * BLOCK);
             let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_ps(); R];
-            for b in 0..self.blocks {
+            for b in 0..blocks {
                 let mut dots = [_mm256_setzero_si256(); R];
                 for s in 0..BLOCK / 4 {
                     let w = self.codes[b * 8 + s];
                     for r in 0..R {
-                        let four = (xs[r].0.as_ptr().add(b * BLOCK + 4 * s) as *const i32).read_unaligned();
+                        let four = (codes.add(r * k + b * BLOCK + 4 * s) as *const i32).read_unaligned();
                         dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
                     }
                 }
@@ -139,9 +154,9 @@ mod avx2 {
                 let mins = _mm256_loadu_ps(self.mins.as_ptr().add(b * TILE_ROWS));
                 for r in 0..R {
                     let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r], ones));
-                    let scale = _mm256_mul_ps(scales, _mm256_set1_ps(*xs[r].1.get_unchecked(b)));
+                    let scale = _mm256_mul_ps(scales, _mm256_set1_ps(*x_scales.add(r * blocks + b)));
                     acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
-                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*xs[r].2.get_unchecked(b)), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*x_sums.add(r * blocks + b)), acc[r]);
                 }
             }
             for (r, sums) in acc.iter().enumerate() {

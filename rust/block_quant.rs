@@ -21,10 +21,10 @@ pub const BLOCK: usize = 32;
 /// Rows of activations quantized per block: q = round(x / d) (ties to even) with
 /// d = max|x| / 127, and sum = d * sum(q), which Q4_1's minimum multiplies.
 pub struct QuantizedRows {
-    codes: Vec<i8>,
-    scales: Vec<f32>,
-    sums: Vec<f32>,
-    blocks: usize,
+    pub(crate) codes: Vec<i8>,
+    pub(crate) scales: Vec<f32>,
+    pub(crate) sums: Vec<f32>,
+    pub(crate) blocks: usize,
 }
 
 impl QuantizedRows {
