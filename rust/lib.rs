@@ -7,6 +7,7 @@ mod byte_level;
 pub mod chat;
 pub mod decode_layer;
 pub mod detokenizer;
+pub mod extend_attention;
 pub mod spin_pool;
 pub mod stop;
 pub mod stop_regex;

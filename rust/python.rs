@@ -16,6 +16,7 @@ use crate::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
 use crate::decode_layer;
 use crate::detokenizer::DecodeStream as Stream;
+use crate::extend_attention::{self, Extend};
 use crate::spin_pool::SpinPool;
 use crate::stop::StopMatcher as Matcher;
 use crate::tokenizer::Tokenizer as Tok;
@@ -297,6 +298,43 @@ fn matmul_q4_1(
     }
 }
 
+/// extend_attention::attend over addresses: q and out [tokens, heads *
+/// head_dim], a layer's k and v cache [cache_slots, kv_heads * head_dim]
+/// (float32), the sequence's slots (int64, its new tokens' last); only
+/// pyserve.model.attention.cpu_extend calls this, after checking them.
+/// dims: (heads, kv_heads, head_dim, scale).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn attend_extend(
+    py: Python<'_>,
+    q: usize,
+    tokens: usize,
+    cache: (usize, usize, usize),
+    slots: (usize, usize),
+    dims: (usize, usize, usize, f32),
+    out: usize,
+    threads: usize,
+) {
+    let (heads, kv_heads, head_dim, scale) = dims;
+    let (k, v, cache_slots) = cache;
+    let kv_width = kv_heads * head_dim;
+    // SAFETY: see `view`; `out` is written only by this call.
+    unsafe {
+        let e = Extend {
+            q: view(q, tokens * heads * head_dim),
+            k: view(k, cache_slots * kv_width),
+            v: view(v, cache_slots * kv_width),
+            slots: view(slots.0, slots.1),
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+        };
+        let out = std::slice::from_raw_parts_mut(out as *mut f32, tokens * heads * head_dim);
+        py.allow_threads(|| extend_attention::attend(SpinPool::global(), threads, &e, out));
+    }
+}
+
 /// decode_layer::decode_layer over addresses of float32 (int64 for slots)
 /// buffers; only pyserve.model.native_decode calls this, with the
 /// tensors of a decode step and of the layer, after checking them.
@@ -418,6 +456,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(attend_extend, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_q8_0, m)?)?;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pyserve.model.attention import cpu_extend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.engine.page_allocator import PageAllocator
 from pyserve.model.kv_buffer import KVBuffer
@@ -31,7 +32,7 @@ def reference_attention(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
 class Harness:
     """A pool, a backend, and the true K/V of every sequence so far."""
 
-    def __init__(self, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
+    def __init__(self, heads: int, kv_heads: int, dtype=torch.float32, seed: int = 0, native_extend: bool = False):
         self.heads, self.kv_heads, self.dtype = heads, kv_heads, dtype
         self.pool = KVBuffer(LAYERS, SLOTS, kv_heads, DIM, dtype, "cpu")
         self.pages = PageAllocator(SLOTS)
@@ -39,7 +40,7 @@ class Harness:
         g = torch.Generator().manual_seed(seed)
         everything = self.pages.alloc(self.pages.capacity)
         self.pages.free(everything[torch.randperm(everything.numel(), generator=g)])
-        self.attn = TorchAttention(self.pool)
+        self.attn = TorchAttention(self.pool, native_extend=native_extend)
         self.gen = g
         self.slots: list[torch.Tensor] = []
         self.keys: list[torch.Tensor] = []
@@ -86,22 +87,47 @@ class Harness:
         return out, expected
 
 
+# Extends through torch's SDPA, and through cpu_extend.py's Rust kernel (8da4w steps).
+EXTEND_PATHS = [False, pytest.param(True, id="native", marks=pytest.mark.skipif(
+    not cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu")), reason="the native extend needs AVX2"))]
+
+
+@pytest.mark.parametrize("native_extend", EXTEND_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
-def test_ragged_prefill(heads, kv_heads):
-    h = Harness(heads, kv_heads)
+def test_ragged_prefill(heads, kv_heads, native_extend):
+    h = Harness(heads, kv_heads, native_extend=native_extend)
     out, expected = h.step([1, 7, 33, 4])
     assert out.shape == (45, heads, DIM)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("native_extend", EXTEND_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_extend_over_cached_prefix(heads, kv_heads):
-    h = Harness(heads, kv_heads)
+def test_extend_over_cached_prefix(heads, kv_heads, native_extend):
+    h = Harness(heads, kv_heads, native_extend=native_extend)
     h.step([5, 1, 12, 3])
     # Sequence 4 is new (no prefix) in the same batch as extends over prefixes;
     # sequence 1 extends by a single token outside a decode step.
     out, expected = h.step([4, 1, 9, 6, 3])
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu")), reason="needs AVX2")
+def test_native_extend_spans_many_key_tiles_and_tasks():
+    """A long prefix (tiles of 64 keys, the last one partial) under a chunk
+    of several 16-token tasks, a KV head's group of 3 query heads."""
+    h = Harness(9, 3, native_extend=True)
+    h.step([300, 2])
+    out, expected = h.step([37, 2])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_native_extend_refuses_what_does_not_fit_its_cache():
+    k = torch.zeros(8, 2, DIM)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_extend.attend(torch.zeros(3, 3, DIM), k, k.clone(), torch.arange(4), 1.0)  # 3 heads over 2 KV heads
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_extend.attend(torch.zeros(5, 2, DIM), k, k.clone(), torch.arange(4), 1.0)  # more tokens than slots
 
 
 def test_a_long_extend_takes_all_threads_in_a_one_thread_step(monkeypatch):

@@ -17,6 +17,7 @@ import torch
 
 from pyserve.model import block_quant, native_decode
 from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention import cpu_extend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
@@ -156,7 +157,11 @@ class RankModel:
             from pyserve.model.attention.triton_backend import TritonAttention
 
             return TritonAttention(self.kv_buffer, len(self.model.shard.q_heads), self.context_len)
-        return TorchAttention(self.kv_buffer, self.cpu_threads if self.device.type == "cpu" else 1)
+        if self.device.type != "cpu":
+            return TorchAttention(self.kv_buffer)
+        # 8da4w steps run torch on one thread (forward), leaving the cores to pyserve's kernels.
+        native_extend = self.quant is not None and self.quant.int8_activations and cpu_extend.fits(self.kv_buffer)
+        return TorchAttention(self.kv_buffer, self.cpu_threads, native_extend)
 
     def _compile_decode(self) -> None:
         """--enable-torch-compile: compile the decode layers now, on dummy

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from pyserve.model.attention import cpu_extend
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
@@ -29,8 +30,8 @@ LONG_ATTENTION = 16 * 1024
 class _ExtendSeq:
     start: int  # first row of this sequence in q/k/v
     num_new: int
-    slots: torch.Tensor | None  # [seq_len] to gather; None: no cached prefix, use k/v as given
-    mask: torch.Tensor | None  # [num_new, seq_len] additive (see _additive); None: causal (no prefix) or sees all
+    slots: torch.Tensor  # [seq_len], the new tokens' last
+    mask: torch.Tensor | None  # [num_new, seq_len] additive (see _additive); None: no cached prefix (causal)
 
 
 @dataclass
@@ -72,14 +73,17 @@ def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tens
 class TorchAttention(AttentionBackend):
     attend_decode = staticmethod(attend_single_tokens)
 
-    def __init__(self, kv_buffer: KVBuffer, cpu_threads: int = 1):
+    def __init__(self, kv_buffer: KVBuffer, cpu_threads: int = 1, native_extend: bool = False):
         """`cpu_threads`: torch threads for a long extend's SDPA. Steps on
         the 8da4w block kernels run torch on one thread (RankModel.forward),
         but new tokens over a long cached prefix (a chat's next turn, a
         shared system prompt) spend most of their step here: 45 tokens
-        after 1,300 cached, 208 -> 174 ms to the first token with two."""
+        after 1,300 cached, 208 -> 174 ms to the first token with two.
+        `native_extend`: extends run cpu_extend.py's kernel instead (8da4w
+        steps on a CPU it fits)."""
         self.kv_buffer = kv_buffer
         self.cpu_threads = cpu_threads
+        self.native_extend = native_extend
         self._batch: ForwardBatch | None = None
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
@@ -96,7 +100,7 @@ class TorchAttention(AttentionBackend):
                 single_rows.append(start)
                 single_slots.append(slots)
             elif num_new == seq_len:
-                self._extend.append(_ExtendSeq(start, num_new, None, None))
+                self._extend.append(_ExtendSeq(start, num_new, slots, None))
             else:
                 # New token i sits at position seq_len - num_new + i and sees
                 # every position up to itself.
@@ -129,7 +133,10 @@ class TorchAttention(AttentionBackend):
             out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale)
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
-            if s.slots is None:
+            if self.native_extend:
+                out[rows] = cpu_extend.attend(q[rows], k_cache, v_cache, s.slots, scale)
+                continue
+            if s.mask is None:
                 ks, vs = k[rows], v[rows]
             else:
                 ks, vs = _gathered(k_cache, s.slots), _gathered(v_cache, s.slots)
@@ -140,7 +147,7 @@ class TorchAttention(AttentionBackend):
                     ks.transpose(0, 1)[None],
                     vs.transpose(0, 1)[None],
                     attn_mask=s.mask,
-                    is_causal=s.slots is None,
+                    is_causal=s.mask is None,
                     scale=scale,
                     enable_gqa=True,
                 )

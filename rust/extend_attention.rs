@@ -1,0 +1,375 @@
+//! Attention of a prefill chunk's new tokens over their sequence (its
+//! cached prefix and the chunk itself), read from the paged KV cache by
+//! slot, in float32 on the CPU: a chat's next turn, a shared system
+//! prompt's question.
+//!
+//! torch's CPU flash attention needs the sequence's k and v gathered into
+//! contiguous tensors first and multiplies 32-query blocks through MKL
+//! calls that pack their operands each time. Here a task takes 8 new
+//! tokens and one KV head, whose group of query heads makes up to 24
+//! query rows, and walks the keys in tiles of 64 slots: the tile's k read
+//! from the cache and transposed 8 x 8 at a time, its scores in register
+//! blocks (4 rows x 16 keys), the softmax kept online (running max and
+//! sum per row), then the weighted v (4 rows x 16 values).
+//!
+//! Query token t of T new ones sees the sequence's first L - T + t + 1
+//! slots (L slots in all, the new tokens' last): causal over the chunk.
+
+use crate::block_quant::{self, SharedPtr};
+use crate::spin_pool::SpinPool;
+
+/// New tokens per task.
+const TOKENS_PER_TASK: usize = 16;
+/// Keys multiplied together.
+const KEY_TILE: usize = 64;
+
+/// One sequence's new tokens and its cache.
+pub struct Extend<'a> {
+    /// Queries [tokens, heads * head_dim].
+    pub q: &'a [f32],
+    /// A layer's k and v cache, [cache slots, kv_heads * head_dim] each.
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    /// The sequence's slots in order, the new tokens' last.
+    pub slots: &'a [i64],
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+impl Extend<'_> {
+    fn tokens(&self) -> usize {
+        self.q.len() / (self.heads * self.head_dim)
+    }
+
+    /// Slots that new token `t` sees.
+    fn visible(&self, t: usize) -> usize {
+        self.slots.len() - self.tokens() + t + 1
+    }
+
+    fn check(&self) {
+        let (kv_width, tokens) = (self.kv_heads * self.head_dim, self.tokens());
+        assert!(self.heads % self.kv_heads == 0 && self.q.len() == tokens * self.heads * self.head_dim);
+        assert!(tokens <= self.slots.len() && self.k.len() == self.v.len() && self.k.len() % kv_width == 0);
+        let cache_slots = (self.k.len() / kv_width) as u64;
+        assert!(self.slots.iter().all(|&s| (s as u64) < cache_slots), "a slot past the cache");
+    }
+}
+
+/// out [tokens, heads * head_dim] = each new token's attention, tasks split
+/// among `parts` threads of `pool`.
+pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) {
+    e.check();
+    assert_eq!(out.len(), e.q.len());
+    #[cfg(target_arch = "x86_64")]
+    if e.head_dim % 8 == 0 && block_quant::avx2() {
+        let blocks = e.tokens().div_ceil(TOKENS_PER_TASK);
+        let tasks = blocks * e.kv_heads;
+        let out_ptr = SharedPtr(out.as_mut_ptr());
+        let parts = parts.clamp(1, pool.threads()).min(tasks.max(1));
+        pool.run(parts, &|part| {
+            let mut scratch = avx2::Scratch::new(e);
+            for task in tasks * part / parts..tasks * (part + 1) / parts {
+                let (kv_head, block) = (task % e.kv_heads, task / e.kv_heads);
+                let first = block * TOKENS_PER_TASK;
+                let tokens = first..e.tokens().min(first + TOKENS_PER_TASK);
+                // SAFETY: the CPU has AVX2; each task writes only its own
+                // tokens' heads of `out`.
+                unsafe { scratch.attend(e, kv_head, tokens, out_ptr.get()) };
+            }
+        });
+        return;
+    }
+    plain(e, out)
+}
+
+/// `attend` as plain loops: one query row at a time, the whole softmax at
+/// once. The path without AVX2, and the tests' reference.
+fn plain(e: &Extend, out: &mut [f32]) {
+    let (d, group, kv_width) = (e.head_dim, e.heads / e.kv_heads, e.kv_heads * e.head_dim);
+    let mut scores = Vec::new();
+    for t in 0..e.tokens() {
+        for h in 0..e.heads {
+            let q = &e.q[(t * e.heads + h) * d..][..d];
+            let at = |s: i64| s as usize * kv_width + (h / group) * d;
+            let seen = &e.slots[..e.visible(t)];
+            scores.clear();
+            scores.extend(
+                seen.iter().map(|&s| q.iter().zip(&e.k[at(s)..][..d]).map(|(a, b)| a * b).sum::<f32>() * e.scale),
+            );
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let total: f32 = scores
+                .iter_mut()
+                .map(|x| {
+                    *x = (*x - max).exp();
+                    *x
+                })
+                .sum();
+            let o = &mut out[(t * e.heads + h) * d..][..d];
+            o.fill(0.0);
+            for (&s, &w) in seen.iter().zip(&scores) {
+                o.iter_mut().zip(&e.v[at(s)..][..d]).for_each(|(o, v)| *o += w / total * v);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Extend, KEY_TILE, TOKENS_PER_TASK};
+    use crate::decode_layer::avx2::exponentials;
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// A task's buffers, reused by the thread's tasks: rows are (token,
+    /// query head of the group), padded to a multiple of 4.
+    pub struct Scratch {
+        q: Vec<f32>,      // [rows, d], scaled
+        k: Vec<f32>,      // [d, KEY_TILE]: the tile's k transposed, zeros past its keys
+        v: Vec<f32>,      // [KEY_TILE, d]
+        scores: Vec<f32>, // [rows, KEY_TILE], then the tile's weights
+        o: Vec<f32>,      // [rows, d], unnormalized
+        max: Vec<f32>,
+        total: Vec<f32>,
+    }
+
+    impl Scratch {
+        pub fn new(e: &Extend) -> Scratch {
+            let rows = TOKENS_PER_TASK * e.heads / e.kv_heads + 3;
+            let d = e.head_dim;
+            Scratch {
+                q: vec![0.0; rows * d],
+                k: vec![0.0; d * KEY_TILE],
+                v: vec![0.0; KEY_TILE * d],
+                scores: vec![0.0; rows * KEY_TILE],
+                o: vec![0.0; rows * d],
+                max: vec![0.0; rows],
+                total: vec![0.0; rows],
+            }
+        }
+
+        /// The attention of `tokens`' query heads of `kv_head`'s group, into
+        /// their places in `out`.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn attend(&mut self, e: &Extend, kv_head: usize, tokens: Range<usize>, out: *mut f32) {
+            let (d, group) = (e.head_dim, e.heads / e.kv_heads);
+            let rows = tokens.len() * group;
+            let padded = rows.div_ceil(4) * 4;
+            // Row r is token tokens.start + r / group, head kv_head * group + r % group.
+            let head = |r: usize| (tokens.start + r / group) * e.heads + kv_head * group + r % group;
+            self.q[..padded * d].fill(0.0);
+            for r in 0..rows {
+                for (q, x) in self.q[r * d..][..d].iter_mut().zip(&e.q[head(r) * d..][..d]) {
+                    *q = x * e.scale;
+                }
+            }
+            self.o[..padded * d].fill(0.0);
+            self.max[..rows].fill(f32::NEG_INFINITY);
+            self.total[..rows].fill(0.0);
+            self.scores[..padded * KEY_TILE].fill(0.0);
+            let seen = e.visible(tokens.end - 1);
+            for start in (0..seen).step_by(KEY_TILE) {
+                let keys = KEY_TILE.min(seen - start);
+                self.load_tile(e, kv_head, &e.slots[start..start + keys]);
+                self.k_products(padded, d);
+                for r in 0..rows {
+                    let scores = &mut self.scores[r * KEY_TILE..][..keys];
+                    // Keys past what this row's token sees weigh nothing.
+                    let sees = e.visible(tokens.start + r / group).saturating_sub(start).min(keys);
+                    scores[sees..].fill(f32::NEG_INFINITY);
+                    let tile_max = scores[..sees].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let max = self.max[r].max(tile_max);
+                    if sees == 0 {
+                        scores.fill(0.0);
+                        continue;
+                    }
+                    let rescale = (self.max[r] - max).exp();
+                    self.total[r] = self.total[r] * rescale + exponentials(scores, max);
+                    self.max[r] = max;
+                    if rescale != 1.0 {
+                        self.o[r * d..][..d].iter_mut().for_each(|o| *o *= rescale);
+                    }
+                }
+                self.v_products(padded, d, keys);
+            }
+            for r in 0..rows {
+                let inverse = 1.0 / self.total[r];
+                let o = std::slice::from_raw_parts_mut(out.add(head(r) * d), d);
+                o.iter_mut().zip(&self.o[r * d..][..d]).for_each(|(o, x)| *o = x * inverse);
+            }
+        }
+
+        /// The k and v of `slots` (at most a tile) for `kv_head`, k transposed.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn load_tile(&mut self, e: &Extend, kv_head: usize, slots: &[i64]) {
+            let (d, kv_width) = (e.head_dim, e.kv_heads * e.head_dim);
+            let at = |j: usize| slots.get(j).map(|&s| s as usize * kv_width + kv_head * d);
+            for j in (0..KEY_TILE).step_by(8) {
+                for i in (0..d).step_by(8) {
+                    let rows: [__m256; 8] = std::array::from_fn(|x| match at(j + x) {
+                        Some(row) => _mm256_loadu_ps(e.k.as_ptr().add(row + i)),
+                        None => _mm256_setzero_ps(),
+                    });
+                    for (x, column) in transpose(rows).into_iter().enumerate() {
+                        _mm256_storeu_ps(self.k.as_mut_ptr().add((i + x) * KEY_TILE + j), column);
+                    }
+                }
+            }
+            for (j, &s) in slots.iter().enumerate() {
+                let row = s as usize * kv_width + kv_head * d;
+                self.v[j * d..][..d].copy_from_slice(&e.v[row..][..d]);
+            }
+        }
+
+        /// scores[rows, KEY_TILE] = q . the tile's k, 4 rows x 16 keys at a time.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn k_products(&mut self, padded: usize, d: usize) {
+            let (q, k, scores) = (self.q.as_ptr(), self.k.as_ptr(), self.scores.as_mut_ptr());
+            for r in (0..padded).step_by(4) {
+                for c in (0..KEY_TILE).step_by(16) {
+                    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                    for i in 0..d {
+                        let keys =
+                            [_mm256_loadu_ps(k.add(i * KEY_TILE + c)), _mm256_loadu_ps(k.add(i * KEY_TILE + c + 8))];
+                        for (row, acc) in acc.iter_mut().enumerate() {
+                            let x = _mm256_set1_ps(*q.add((r + row) * d + i));
+                            acc[0] = _mm256_fmadd_ps(x, keys[0], acc[0]);
+                            acc[1] = _mm256_fmadd_ps(x, keys[1], acc[1]);
+                        }
+                    }
+                    for (row, acc) in acc.iter().enumerate() {
+                        let at = scores.add((r + row) * KEY_TILE + c);
+                        _mm256_storeu_ps(at, acc[0]);
+                        _mm256_storeu_ps(at.add(8), acc[1]);
+                    }
+                }
+            }
+        }
+
+        /// o[rows, d] += the tile's weights . its v (`keys` rows), 4 rows x
+        /// 16 values at a time.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn v_products(&mut self, padded: usize, d: usize, keys: usize) {
+            let (weights, v, o) = (self.scores.as_ptr(), self.v.as_ptr(), self.o.as_mut_ptr());
+            for r in (0..padded).step_by(4) {
+                for c in (0..d).step_by(16) {
+                    let wide = c + 16 <= d; // head_dim 8 * odd ends on one vector
+                    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                    for (row, acc) in acc.iter_mut().enumerate() {
+                        acc[0] = _mm256_loadu_ps(o.add((r + row) * d + c));
+                        if wide {
+                            acc[1] = _mm256_loadu_ps(o.add((r + row) * d + c + 8));
+                        }
+                    }
+                    for j in 0..keys {
+                        let values = v.add(j * d + c);
+                        let values = [
+                            _mm256_loadu_ps(values),
+                            if wide { _mm256_loadu_ps(values.add(8)) } else { _mm256_setzero_ps() },
+                        ];
+                        for (row, acc) in acc.iter_mut().enumerate() {
+                            let w = _mm256_set1_ps(*weights.add((r + row) * KEY_TILE + j));
+                            acc[0] = _mm256_fmadd_ps(w, values[0], acc[0]);
+                            acc[1] = _mm256_fmadd_ps(w, values[1], acc[1]);
+                        }
+                    }
+                    for (row, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(o.add((r + row) * d + c), acc[0]);
+                        if wide {
+                            _mm256_storeu_ps(o.add((r + row) * d + c + 8), acc[1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// An 8 x 8 block of floats (rows[x] holds row x) transposed.
+    #[inline(always)]
+    unsafe fn transpose(rows: [__m256; 8]) -> [__m256; 8] {
+        let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
+        let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+        let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+        let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+        let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+        // u_x holds column x (low half) and x + 4 (high half) of rows 0..4 or 4..8.
+        let (u0, u1) = (_mm256_shuffle_ps::<0x44>(t0, t2), _mm256_shuffle_ps::<0xEE>(t0, t2));
+        let (u2, u3) = (_mm256_shuffle_ps::<0x44>(t1, t3), _mm256_shuffle_ps::<0xEE>(t1, t3));
+        let (u4, u5) = (_mm256_shuffle_ps::<0x44>(t4, t6), _mm256_shuffle_ps::<0xEE>(t4, t6));
+        let (u6, u7) = (_mm256_shuffle_ps::<0x44>(t5, t7), _mm256_shuffle_ps::<0xEE>(t5, t7));
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(count: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed;
+        (0..count)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tiles_give_the_plain_softmax() {
+        let pool = SpinPool::new(3);
+        // (new tokens, cached prefix, heads, kv heads, head dim): a chunk
+        // of one task and of several, tiles cut mid-row, a group of 3,
+        // plain multi-head, head_dim 72 (a half vector at the end).
+        for (tokens, prefix, heads, kv_heads, d) in
+            [(45, 1300, 9, 3, 64), (5, 0, 4, 4, 32), (17, 70, 6, 2, 72), (1, 3, 2, 1, 8)]
+        {
+            let kv_width = kv_heads * d;
+            let cache_slots = prefix + tokens + 9;
+            let (k, v) = (values(cache_slots * kv_width, 1), values(cache_slots * kv_width, 2));
+            let q: Vec<f32> = values(tokens * heads * d, 3).iter().map(|x| x * 4.0).collect();
+            // The sequence's slots, scattered over the cache as pages are.
+            let slots: Vec<i64> = (0..prefix + tokens).map(|i| ((i * 7 + 3) % cache_slots) as i64).collect();
+            let e = Extend { q: &q, k: &k, v: &v, slots: &slots, heads, kv_heads, head_dim: d, scale: 0.125 };
+            let (mut got, mut want) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            attend(&pool, 3, &e, &mut got);
+            plain(&e, &mut want);
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 2e-5, "{tokens} tokens after {prefix}, d {d}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_token_sees_nothing_after_itself() {
+        // The first new token, with no prefix, attends to itself alone.
+        let (d, tokens) = (8, 3);
+        let (k, v) = (values(tokens * d, 4), values(tokens * d, 5));
+        let q = values(tokens * d, 6);
+        let slots: Vec<i64> = (0..tokens as i64).collect();
+        let e = Extend { q: &q, k: &k, v: &v, slots: &slots, heads: 1, kv_heads: 1, head_dim: d, scale: 1.0 };
+        let mut out = vec![0f32; q.len()];
+        attend(&SpinPool::new(1), 1, &e, &mut out);
+        for (o, x) in out[..d].iter().zip(&v[..d]) {
+            assert!((o - x).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "a slot past the cache")]
+    fn a_slot_past_the_cache_is_refused() {
+        let (k, v, q) = (vec![0f32; 16], vec![0f32; 16], vec![0f32; 8]);
+        let e = Extend { q: &q, k: &k, v: &v, slots: &[0, 2], heads: 1, kv_heads: 1, head_dim: 8, scale: 1.0 };
+        attend(&SpinPool::new(1), 1, &e, &mut vec![0f32; 8]);
+    }
+}
