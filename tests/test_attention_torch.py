@@ -41,6 +41,7 @@ class Harness:
         everything = self.pages.alloc(self.pages.capacity)
         self.pages.free(everything[torch.randperm(everything.numel(), generator=g)])
         self.attn = TorchAttention(self.pool, native_extend=native_extend)
+        self.native_extend = native_extend
         self.gen = g
         self.slots: list[torch.Tensor] = []
         self.keys: list[torch.Tensor] = []
@@ -79,7 +80,13 @@ class Harness:
         )
         scale = DIM**-0.5
         self.attn.prepare(batch)
-        out = self.attn.forward(q, k, v, layer_id, batch, scale)
+        threads = torch.get_num_threads()
+        if self.native_extend:
+            torch.set_num_threads(1)  # as RankModel runs 8da4w steps
+        try:
+            out = self.attn.forward(q, k, v, layer_id, batch, scale)
+        finally:
+            torch.set_num_threads(threads)
         expected = torch.cat([
             reference_attention(q[s : s + n], self.keys[i], self.values[i], first_pos[i], scale)
             for i, (s, n) in enumerate(zip(starts, new_lens))
@@ -92,33 +99,44 @@ EXTEND_PATHS = [False, pytest.param(True, id="native", marks=pytest.mark.skipif(
     not cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu")), reason="the native extend needs AVX2"))]
 
 
+@pytest.fixture
+def native_calls(monkeypatch) -> list:
+    """Records each call of the native extend kernel."""
+    calls, attend = [], cpu_extend.attend
+    monkeypatch.setattr(cpu_extend, "attend", lambda *args: calls.append(1) or attend(*args))
+    return calls
+
+
 @pytest.mark.parametrize("native_extend", EXTEND_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
-def test_ragged_prefill(heads, kv_heads, native_extend):
+def test_ragged_prefill(heads, kv_heads, native_extend, native_calls):
     h = Harness(heads, kv_heads, native_extend=native_extend)
     out, expected = h.step([1, 7, 33, 4])
+    assert len(native_calls) == (4 if native_extend else 0)
     assert out.shape == (45, heads, DIM)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("native_extend", EXTEND_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_extend_over_cached_prefix(heads, kv_heads, native_extend):
+def test_extend_over_cached_prefix(heads, kv_heads, native_extend, native_calls):
     h = Harness(heads, kv_heads, native_extend=native_extend)
     h.step([5, 1, 12, 3])
     # Sequence 4 is new (no prefix) in the same batch as extends over prefixes;
     # sequence 1 extends by a single token outside a decode step.
     out, expected = h.step([4, 1, 9, 6, 3])
+    assert len(native_calls) == (4 + 4 if native_extend else 0)  # sequence 1 takes the one-token path
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu")), reason="needs AVX2")
-def test_native_extend_spans_many_key_tiles_and_tasks():
+def test_native_extend_spans_many_key_tiles_and_tasks(native_calls):
     """A long prefix (tiles of 64 keys, the last one partial) under a chunk
     of several 16-token tasks, a KV head's group of 3 query heads."""
     h = Harness(9, 3, native_extend=True)
     h.step([300, 2])
     out, expected = h.step([37, 2])
+    assert len(native_calls) == 4
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 

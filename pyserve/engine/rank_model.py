@@ -64,6 +64,14 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# 8da4w steps of this many rows and more (long prefill chunks) keep all of
+# torch's threads: their norms, rotary and SiLU over every row cost more
+# on one thread than the two pools' contention (a 1,000-token prompt
+# in-process, three runs each, alternated: medians 1,396 vs 1,551 ms to
+# its first token), and their attention is torch's SDPA on all threads.
+ONE_THREAD_BELOW_ROWS = 128
+
+
 class RankModel:
     def __init__(self, args: ServerArgs, model_dir: Path, device: torch.device, tp: TensorParallel = SINGLE,
                  ranks_on_this_node: int = 1):
@@ -209,9 +217,12 @@ class RankModel:
         return self.model(batch, self.attention)
 
     def _block_kernel_step(self, batch: ForwardBatch) -> bool:
-        """Whether the step's products all run pyserve's Rust kernels (8da4w):
-        the Q4_1 layers do at any row count, the vocabulary projection under
-        VOCAB_DENSE_FROM_ROWS rows of logits."""
+        """Whether the step leaves the cores to pyserve's kernels (8da4w):
+        under ONE_THREAD_BELOW_ROWS rows, or a decode step of the native
+        layers, whose products all run the kernels (the vocabulary
+        projection's too, under VOCAB_DENSE_FROM_ROWS rows)."""
         if self.quant is None or not self.quant.int8_activations or self.cpu_threads == 1:
             return False
-        return batch.logits_indices.numel() < block_quant.VOCAB_DENSE_FROM_ROWS
+        rows = batch.input_ids.numel()
+        native_decode = batch.is_decode and self.model.native_decode is not None
+        return rows < ONE_THREAD_BELOW_ROWS or (native_decode and rows < block_quant.VOCAB_DENSE_FROM_ROWS)

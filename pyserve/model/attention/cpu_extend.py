@@ -8,7 +8,7 @@ prompt 3.97 vs 4.88 ms, a 2,048-token one 58 vs 76 ms.
 
 The kernels' threads spin between calls, so the backend takes this path
 only where torch's own threads are parked: in the 8da4w steps that run
-torch on one thread (RankModel).
+torch on one thread (RankModel, under 128 rows).
 """
 
 from __future__ import annotations

@@ -79,8 +79,10 @@ class TorchAttention(AttentionBackend):
         but new tokens over a long cached prefix (a chat's next turn, a
         shared system prompt) spend most of their step here: 45 tokens
         after 1,300 cached, 208 -> 174 ms to the first token with two.
-        `native_extend`: extends run cpu_extend.py's kernel instead (8da4w
-        steps on a CPU it fits)."""
+        `native_extend`: in such one-thread steps extends run cpu_extend.py's
+        kernel instead (8da4w on a CPU it fits); with torch on all threads
+        its spinning helpers and torch's slowed each other (a 1,000-token
+        prompt: 1,515-1,565 vs 1,373-1,440 ms with SDPA)."""
         self.kv_buffer = kv_buffer
         self.cpu_threads = cpu_threads
         self.native_extend = native_extend
@@ -133,7 +135,7 @@ class TorchAttention(AttentionBackend):
             out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale)
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
-            if self.native_extend:
+            if self.native_extend and torch.get_num_threads() == 1:
                 out[rows] = cpu_extend.attend(q[rows], k_cache, v_cache, s.slots, scale)
                 continue
             if s.mask is None:
