@@ -201,16 +201,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(count: usize, seed: u32) -> Vec<f32> {
-        let mut state = seed;
-        (0..count)
-            .map(|_| {
-                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (state >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::block_quant::tests::values;
 
     /// Q4_1 weights [n, k] from random codes, scales and minimums.
     fn weights(n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {

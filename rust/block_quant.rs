@@ -905,11 +905,11 @@ pub(crate) mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A small deterministic generator, so the tests need no crate.
-    fn values(count: usize, seed: u32) -> Vec<f32> {
+    pub(crate) fn values(count: usize, seed: u32) -> Vec<f32> {
         let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
         (0..count)
             .map(|_| {
