@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -38,9 +39,19 @@ SERVER_DEFAULT_MAX_TOKENS = 200
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999): a port the
+    kernel handed out would be free again once this probe closes, and a
+    tensor-parallel server's gloo connections, opened before it binds its
+    HTTP port, could take it (seen once: "Address already in use")."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class ServerProcess:
