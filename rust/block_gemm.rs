@@ -1,4 +1,5 @@
-//! Q4_1 products for many activation rows at once: the prefill's layers.
+//! Q4_1 products for many activation rows at once: the torch layers' Q4_1
+//! products (prefills, mixed steps) at any row count.
 //!
 //! The numerics are block_quant's (activations quantized to 8 bits per
 //! block of 32, integer block dot products, each scaled by the two block

@@ -5,9 +5,9 @@
 //!
 //! torch's CPU flash attention needs the sequence's k and v gathered into
 //! contiguous tensors first and multiplies 32-query blocks through MKL
-//! calls that pack their operands each time. Here a task takes 8 new
-//! tokens and one KV head, whose group of query heads makes up to 24
-//! query rows, and walks the keys in tiles of 64 slots: the tile's k read
+//! calls that pack their operands each time. Here a task takes 16 new
+//! tokens and one KV head, whose group of query heads makes up to 48
+//! query rows (with 3 heads a group), and walks the keys in tiles of 64 slots: the tile's k read
 //! from the cache and transposed 8 x 8 at a time, its scores in register
 //! blocks (4 rows x 16 keys), the softmax kept online (running max and
 //! sum per row), then the weighted v (4 rows x 16 values).
