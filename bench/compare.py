@@ -6,8 +6,13 @@ then runs bench/baseline_hf.py on the same dataset with the same model,
 device and dtype, and prints one table with both and their ratio. The two
 never run at the same time, so neither slows the other.
 
+On a shared machine one pair of runs can meet it in different moods:
+--rounds N alternates the pair N times, each round on new prompts (seed
+--seed + round), and ends with each round's throughput ratio and the
+ratio of the medians.
+
     python bench/compare.py --num-prompts 16 --random-input-len 128 \\
-        --random-output-len 32 --random-range-ratio 1 --max-concurrency 8
+        --random-output-len 32 --random-range-ratio 1 --max-concurrency 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -67,13 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "none: float32 like transformers)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="pyserve compiles its decode steps (CPU; compiled at start-up, before timing)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate pyserve and transformers this many times, new prompts each round")
     p.add_argument("--output-json", help="write both reports and the table here")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    directory = baseline_hf.model_dir(args)  # resolved once, so both load the same files
+def run_pyserve(args: argparse.Namespace, directory: Path) -> dict:
+    """serving.py's benchmark against a pyserve started for it, then stopped."""
     with tempfile.TemporaryDirectory() as storage:  # the server's files/batches, thrown away
         server = ServerProcess("--model", str(directory), "--device", args.device, "--dtype", args.dtype,
                                "--file-storage-path", storage,
@@ -82,16 +89,28 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             # serving.py's options on top of ours: completions with text
             # prompts, the model name from /v1/models, no API key
-            ours = asyncio.run(serving.benchmark(argparse.Namespace(**vars(args) | {
+            return asyncio.run(serving.benchmark(argparse.Namespace(**vars(args) | {
                 "base_url": server.base_url, "backend": "completions", "model": None, "api_key": None})))
         finally:
             server.stop()
 
-    hf_args = argparse.Namespace(**vars(args) | {
-        "model_dir": str(directory),
-        "batch_size": args.hf_batch_size or args.max_concurrency or len(ours["requests"]),
-    })
-    hf = baseline_hf.run(hf_args)
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    directory = baseline_hf.model_dir(args)  # resolved once, so both load the same files
+    rounds = []
+    for number in range(args.rounds):
+        round_args = argparse.Namespace(**vars(args) | {"seed": args.seed + number})
+        ours = run_pyserve(round_args, directory)
+        hf = baseline_hf.run(argparse.Namespace(**vars(round_args) | {
+            "model_dir": str(directory),
+            "batch_size": args.hf_batch_size or args.max_concurrency or len(ours["requests"]),
+        }))
+        rounds.append((ours, hf))
+        if args.rounds > 1:
+            print(f"round {number + 1}: {ours['output_throughput']:.2f} vs {hf['output_throughput']:.2f} out tok/s, "
+                  f"{ours['output_throughput'] / hf['output_throughput']:.2f}x", file=sys.stderr)
+    ours, hf = rounds[0]
 
     table = format_table(ours, hf)
     print(f"model {directory.name}, device {hf['device']}, dtype {hf['dtype']}, "
@@ -101,9 +120,16 @@ def main(argv: list[str] | None = None) -> dict:
           f"{' --enable-torch-compile' if args.enable_torch_compile else ''}")
     print(table)
     print("ratio = pyserve / transformers: higher is better for tok/s and req/s, lower for E2E")
-    for error in ours["errors"]:
+    result = {"pyserve": ours, "transformers": hf, "table": table,
+              "ratios": [o["output_throughput"] / h["output_throughput"] for o, h in rounds]}
+    if args.rounds > 1:
+        medians = [statistics.median(side["output_throughput"] for side in sides) for sides in zip(*rounds)]
+        result["median_ratio"] = medians[0] / medians[1]
+        print(f"{args.rounds} rounds (the table is round 1's): out tok/s ratios "
+              + ", ".join(f"{r:.2f}x" for r in result["ratios"])
+              + f"; medians {medians[0]:.2f} vs {medians[1]:.2f}, {result['median_ratio']:.2f}x")
+    for error in (e for o, _ in rounds for e in o["errors"]):
         print(f"pyserve error: {error}")
-    result = {"pyserve": ours, "transformers": hf, "table": table}
     serving.save_json(result, args.output_json)
     return result
 

@@ -45,6 +45,16 @@ def test_baseline_hf_generates_the_asked_tokens(tiny_llama_dir, tmp_path):
     assert out.read_text().count('"prompt_tokens"') == 2
 
 
+def test_compare_rounds_alternate_on_new_prompts(tiny_llama_dir, capsys):
+    """--rounds 2: two pairs of runs, each round's ratio and the medians'."""
+    result = compare.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-concurrency", "2",
+                           "--disable-tqdm", "--rounds", "2", *TINY])
+    assert len(result["ratios"]) == 2 and all(r > 0 for r in result["ratios"])
+    printed = capsys.readouterr()
+    assert "2 rounds (the table is round 1's)" in printed.out and f"{result['median_ratio']:.2f}x" in printed.out
+    assert printed.err.count("out tok/s,") == 2
+
+
 def test_compare_prints_both_rows_and_ratios(tiny_llama_dir, tmp_path, capsys):
     result = compare.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-concurrency", "2",
                            "--disable-tqdm", "--output-json", str(tmp_path / "cmp.json"), *TINY])
