@@ -57,6 +57,7 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q4_1
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Q4_1, TILE_ROWS};
+    use crate::block_quant::avx2::{q4_1_codes, transpose};
     use crate::block_quant::{QuantizedRows, BLOCK};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -96,18 +97,17 @@ mod avx2 {
                     self.mins[b * TILE_ROWS + i] = weights.mins[(first + i) * blocks + b];
                 }
             }
-            let low = _mm_set1_epi8(0x0F);
             for b in 0..blocks {
-                // Each row's 32 codes as 8 groups of 4: ggml keeps inputs j
-                // and j + 16 in the low and high nibble of byte j.
-                let mut rows = [_mm256_setzero_si256(); TILE_ROWS];
+                // Each row's 32 codes as 8 groups of 4 (32-bit lanes), transposed.
+                let mut rows = [_mm256_setzero_ps(); TILE_ROWS];
                 for (i, row) in rows.iter_mut().enumerate().take(count) {
-                    let at = weights.nibbles.as_ptr().add(((first + i) * blocks + b) * BLOCK / 2);
-                    let bytes = _mm_loadu_si128(at as *const __m128i);
-                    let high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-                    *row = _mm256_set_m128i(high, _mm_and_si128(bytes, low));
+                    *row = _mm256_castsi256_ps(q4_1_codes(
+                        weights.nibbles.as_ptr().add(((first + i) * blocks + b) * BLOCK / 2),
+                    ));
                 }
-                self.codes[b * 8..b * 8 + 8].copy_from_slice(&transpose(rows));
+                for (s, column) in transpose(rows).into_iter().enumerate() {
+                    self.codes[b * 8 + s] = _mm256_castps_si256(column);
+                }
             }
         }
 
@@ -171,31 +171,6 @@ mod avx2 {
                 }
             }
         }
-    }
-
-    /// An 8 x 8 matrix of 32-bit elements (rows[i] holds row i) transposed.
-    #[target_feature(enable = "avx2")]
-    unsafe fn transpose(rows: [__m256i; 8]) -> [__m256i; 8] {
-        let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
-        let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
-        let (t2, t3) = (_mm256_unpacklo_epi32(r2, r3), _mm256_unpackhi_epi32(r2, r3));
-        let (t4, t5) = (_mm256_unpacklo_epi32(r4, r5), _mm256_unpackhi_epi32(r4, r5));
-        let (t6, t7) = (_mm256_unpacklo_epi32(r6, r7), _mm256_unpackhi_epi32(r6, r7));
-        // u_j holds element j (low half) and j + 4 (high half) of rows 0..4 or 4..8.
-        let (u0, u1) = (_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2));
-        let (u2, u3) = (_mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3));
-        let (u4, u5) = (_mm256_unpacklo_epi64(t4, t6), _mm256_unpackhi_epi64(t4, t6));
-        let (u6, u7) = (_mm256_unpacklo_epi64(t5, t7), _mm256_unpackhi_epi64(t5, t7));
-        [
-            _mm256_permute2x128_si256(u0, u4, 0x20),
-            _mm256_permute2x128_si256(u1, u5, 0x20),
-            _mm256_permute2x128_si256(u2, u6, 0x20),
-            _mm256_permute2x128_si256(u3, u7, 0x20),
-            _mm256_permute2x128_si256(u0, u4, 0x31),
-            _mm256_permute2x128_si256(u1, u5, 0x31),
-            _mm256_permute2x128_si256(u2, u6, 0x31),
-            _mm256_permute2x128_si256(u3, u7, 0x31),
-        ]
     }
 }
 

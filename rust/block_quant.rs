@@ -42,7 +42,7 @@ impl QuantizedRows {
         rows
     }
 
-    pub(crate) fn row(&self, r: usize) -> ActivationRow<'_> {
+    fn row(&self, r: usize) -> ActivationRow<'_> {
         let b = r * self.blocks;
         (
             &self.codes[b * BLOCK..(b + self.blocks) * BLOCK],
@@ -320,6 +320,39 @@ pub(crate) mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
     }
 
+    /// A Q4_1 block's 16 bytes at `block` as its 32 codes in input order
+    /// (ggml keeps inputs j and j + 16 in the low and high nibble of byte j).
+    #[inline(always)]
+    pub(crate) unsafe fn q4_1_codes(block: *const u8) -> __m256i {
+        let (bytes, low) = (_mm_loadu_si128(block as *const __m128i), _mm_set1_epi8(0x0F));
+        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low))
+    }
+
+    /// An 8 x 8 matrix of 32-bit lanes (rows[x] holds row x) transposed.
+    #[inline(always)]
+    pub(crate) unsafe fn transpose(rows: [__m256; 8]) -> [__m256; 8] {
+        let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
+        let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+        let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+        let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+        let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+        // u_x holds column x (low half) and x + 4 (high half) of rows 0..4 or 4..8.
+        let (u0, u1) = (_mm256_shuffle_ps::<0x44>(t0, t2), _mm256_shuffle_ps::<0xEE>(t0, t2));
+        let (u2, u3) = (_mm256_shuffle_ps::<0x44>(t1, t3), _mm256_shuffle_ps::<0xEE>(t1, t3));
+        let (u4, u5) = (_mm256_shuffle_ps::<0x44>(t4, t6), _mm256_shuffle_ps::<0xEE>(t4, t6));
+        let (u6, u7) = (_mm256_shuffle_ps::<0x44>(t5, t7), _mm256_shuffle_ps::<0xEE>(t5, t7));
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
     /// 32 products of unsigned `w` and signed `x` bytes, summed to 8 floats.
     #[inline(always)]
     unsafe fn byte_dot(w: __m256i, x: __m256i) -> __m256 {
@@ -378,7 +411,6 @@ pub(crate) mod avx2 {
     /// `xs` (1 to 4 rows), plus each product's minimums' share.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q4_1_pair(w: [(&[u8], &[f32], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-        let low = _mm_set1_epi8(0x0F);
         let scales = [w[0].1, w[1].1];
         let start = |c: usize, r: usize| min_share(w[c].2, xs[r].2);
         let nibbles = [w[0].0.as_ptr(), w[1].0.as_ptr()];
@@ -389,10 +421,7 @@ pub(crate) mod avx2 {
             let [a, b] = one_row(Codes::Q4_1, nibbles, scales, rows::<1>(xs)[0], [start(0, 0), start(1, 0)]);
             [widen([a]), widen([b])]
         } else {
-            pairs(scales, xs, start, |c, b| {
-                let bytes = _mm_loadu_si128(w[c].0.as_ptr().add(b * BLOCK / 2) as *const __m128i);
-                (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
-            })
+            pairs(scales, xs, start, |c, b| (q4_1_codes(w[c].0.as_ptr().add(b * BLOCK / 2)), None))
         };
         store_sums(lanes, out);
     }
@@ -882,11 +911,7 @@ pub(crate) mod avx2 {
         xs: [Row; R],
         start: impl Fn(usize) -> __m256,
     ) -> [__m256; R] {
-        let low = _mm_set1_epi8(0x0F);
-        tile(scales.len(), scales, xs, start, |b| {
-            let bytes = _mm_loadu_si128(nibbles.as_ptr().add(b * BLOCK / 2) as *const __m128i);
-            (_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low)), None)
-        })
+        tile(scales.len(), scales, xs, start, |b| (q4_1_codes(nibbles.as_ptr().add(b * BLOCK / 2)), None))
     }
 
     #[inline(always)]

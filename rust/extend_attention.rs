@@ -118,6 +118,7 @@ fn plain(e: &Extend, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Extend, KEY_TILE, TOKENS_PER_TASK};
+    use crate::block_quant::avx2::transpose;
     use crate::decode_layer::avx2::exponentials;
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -167,7 +168,6 @@ mod avx2 {
             self.o[..padded * d].fill(0.0);
             self.max[..rows].fill(f32::NEG_INFINITY);
             self.total[..rows].fill(0.0);
-            self.scores[..padded * KEY_TILE].fill(0.0);
             let seen = e.visible(tokens.end - 1);
             for start in (0..seen).step_by(KEY_TILE) {
                 let keys = KEY_TILE.min(seen - start);
@@ -177,13 +177,13 @@ mod avx2 {
                     let scores = &mut self.scores[r * KEY_TILE..][..keys];
                     // Keys past what this row's token sees weigh nothing.
                     let sees = e.visible(tokens.start + r / group).saturating_sub(start).min(keys);
-                    scores[sees..].fill(f32::NEG_INFINITY);
-                    let tile_max = scores[..sees].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let max = self.max[r].max(tile_max);
                     if sees == 0 {
                         scores.fill(0.0);
                         continue;
                     }
+                    scores[sees..].fill(f32::NEG_INFINITY);
+                    let tile_max = scores[..sees].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let max = self.max[r].max(tile_max);
                     let rescale = (self.max[r] - max).exp();
                     self.total[r] = self.total[r] * rescale + exponentials(scores, max);
                     self.max[r] = max;
@@ -283,31 +283,6 @@ mod avx2 {
                 }
             }
         }
-    }
-
-    /// An 8 x 8 block of floats (rows[x] holds row x) transposed.
-    #[inline(always)]
-    unsafe fn transpose(rows: [__m256; 8]) -> [__m256; 8] {
-        let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
-        let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
-        let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
-        let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
-        let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
-        // u_x holds column x (low half) and x + 4 (high half) of rows 0..4 or 4..8.
-        let (u0, u1) = (_mm256_shuffle_ps::<0x44>(t0, t2), _mm256_shuffle_ps::<0xEE>(t0, t2));
-        let (u2, u3) = (_mm256_shuffle_ps::<0x44>(t1, t3), _mm256_shuffle_ps::<0xEE>(t1, t3));
-        let (u4, u5) = (_mm256_shuffle_ps::<0x44>(t4, t6), _mm256_shuffle_ps::<0xEE>(t4, t6));
-        let (u6, u7) = (_mm256_shuffle_ps::<0x44>(t5, t7), _mm256_shuffle_ps::<0xEE>(t5, t7));
-        [
-            _mm256_permute2f128_ps::<0x20>(u0, u4),
-            _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6),
-            _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4),
-            _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6),
-            _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ]
     }
 }
 
