@@ -79,11 +79,11 @@ class Harness:
             device="cpu",
         )
         scale = DIM**-0.5
-        self.attn.prepare(batch)
         threads = torch.get_num_threads()
         if self.native_extend:
             torch.set_num_threads(1)  # as RankModel runs 8da4w steps
         try:
+            self.attn.prepare(batch)
             out = self.attn.forward(q, k, v, layer_id, batch, scale)
         finally:
             torch.set_num_threads(threads)
@@ -95,8 +95,9 @@ class Harness:
 
 
 # Extends through torch's SDPA, and through cpu_extend.py's Rust kernel (8da4w steps).
+NATIVE_FITS = cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu"))
 EXTEND_PATHS = [False, pytest.param(True, id="native", marks=pytest.mark.skipif(
-    not cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu")), reason="the native extend needs AVX2"))]
+    not NATIVE_FITS, reason="the native extend needs AVX2"))]
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ def test_extend_over_cached_prefix(heads, kv_heads, native_extend, native_calls)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu")), reason="needs AVX2")
+@pytest.mark.skipif(not NATIVE_FITS, reason="the native extend needs AVX2")
 def test_native_extend_spans_many_key_tiles_and_tasks(native_calls):
     """A long prefix (tiles of 64 keys, the last one partial) under a chunk
     of several 16-token tasks, a KV head's group of 3 query heads."""

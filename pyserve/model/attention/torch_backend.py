@@ -31,7 +31,9 @@ class _ExtendSeq:
     start: int  # first row of this sequence in q/k/v
     num_new: int
     slots: torch.Tensor  # [seq_len], the new tokens' last
-    mask: torch.Tensor | None  # [num_new, seq_len] additive (see _additive); None: no cached prefix (causal)
+    # [num_new, seq_len] additive (see _additive) for SDPA; None: no cached
+    # prefix (causal), or a step of the native kernel, which needs no mask
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -87,6 +89,7 @@ class TorchAttention(AttentionBackend):
         self.cpu_threads = cpu_threads
         self.native_extend = native_extend
         self._batch: ForwardBatch | None = None
+        self._native_step = False  # this step's extends run cpu_extend's kernel
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
 
@@ -94,6 +97,7 @@ class TorchAttention(AttentionBackend):
         self._batch = batch
         device = batch.input_ids.device
         per_seq = batch.kv_indices.split(batch.seq_lens)
+        self._native_step = self.native_extend and torch.get_num_threads() == 1
         self._extend = []
         single_rows, single_slots = [], []
         start = 0
@@ -102,6 +106,8 @@ class TorchAttention(AttentionBackend):
                 single_rows.append(start)
                 single_slots.append(slots)
             elif num_new == seq_len:
+                self._extend.append(_ExtendSeq(start, num_new, slots, None))
+            elif self._native_step:
                 self._extend.append(_ExtendSeq(start, num_new, slots, None))
             else:
                 # New token i sits at position seq_len - num_new + i and sees
@@ -135,7 +141,7 @@ class TorchAttention(AttentionBackend):
             out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale)
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
-            if self.native_extend and torch.get_num_threads() == 1:
+            if self._native_step:
                 out[rows] = cpu_extend.attend(q[rows], k_cache, v_cache, s.slots, scale)
                 continue
             if s.mask is None:
