@@ -1,174 +1,272 @@
-//! Q4_1 products for many activation rows at once: the torch layers' Q4_1
-//! products (prefills, mixed steps) at any row count.
+//! Q4_1 weights in pyserve's tile layout, and their products with rows of
+//! activations: every Q4_1 product of the 8da4w layers, decode steps
+//! (rust/decode_layer.rs) and prefills alike.
 //!
-//! The numerics are block_quant's (activations quantized to 8 bits per
-//! block of 32, integer block dot products, each scaled by the two block
-//! scales), so a prompt's rows are computed as its decode steps compute
-//! theirs. The layout differs: block_quant's kernels reduce one weight row
-//! at a time, paying a float conversion and two multiplies per block for
-//! each weight row and activation row. Here a tile of 8 weight rows is
-//! first interleaved, 4 codes of each row in turn, so one `maddubs` against
-//! 4 activation codes broadcast to all lanes feeds 8 weight rows at once,
-//! and the float work per block is shared by the 8: about half the
-//! instructions per product of block_quant's tiles, which is what makes
-//! this faster than the float32 GEMM the prefills used before.
+//! The numerics are ggml's Q4_1 x Q8 products (activations quantized to 8
+//! bits per block of 32, integer block dot products, each scaled by the two
+//! block scales), so the weights multiply as llama.cpp's would. The layout
+//! is pyserve's: a tile interleaves 8 weight rows, 4 codes of each row in
+//! turn, so one `maddubs` against 4 activation codes broadcast to all lanes
+//! feeds 8 weight rows at once, and the float work per block (a conversion,
+//! the scales' products, the minimum's share) is shared by the 8. A kernel
+//! that reduces one weight row at a time pays that float work per row, and
+//! a horizontal sum per row at the end; here each output is one lane.
+//!
+//! The tiles are packed once, when a layer is built (`pack`), into the
+//! bytes the products read in order: for each tile of 8 weight rows and
+//! each block of 32 inputs, 128 bytes of codes, then the rows' 8 scales and
+//! their 8 minimums (f32). The 128 bytes are 4 vectors; vector j holds, for
+//! each row in turn, its codes 4j..4j+3 in the low nibbles and codes
+//! 4j+16..4j+19 in the high ones. The same 4 bits a code as ggml's file,
+//! so a step reads as many weight bytes as llama.cpp's.
 //!
 //! A block's 8 partial `maddubs` results add up in 16 bits without
 //! overflow: each is at most 2 * 15 * 127 = 3,810 in magnitude (codes 0..15
 //! times activations within +-127), so 8 make at most 30,480.
 
-use crate::block_quant::{self, QuantizedRows, BLOCK, Q4_1};
+use crate::block_quant::{QuantizedRows, SharedPtr, BLOCK};
 use crate::spin_pool::SpinPool;
 
-/// Weight rows interleaved together.
+/// Weight rows interleaved in a tile.
 const TILE_ROWS: usize = 8;
+/// A tile's codes for one block: 8 rows of 32 codes, two to a byte.
+const CODE_BYTES: usize = TILE_ROWS * BLOCK / 2;
+/// A tile's bytes for one block: the codes, 8 scales and 8 minimums.
+const TILE_BLOCK_BYTES: usize = CODE_BYTES + 2 * TILE_ROWS * 4;
 
-/// out[m, n] = x[m, k] @ w.T for the Q4_1 weight `w` [n, k], the columns
-/// split in `parts` tiles of 8 weight rows. Without AVX2, block_quant's
-/// plain loops compute it.
-pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q4_1, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if block_quant::avx2() {
-        let xs = QuantizedRows::new(x, k);
-        let blocks = k / BLOCK;
-        let (m, n) = (xs.len(), weights.scales.len() / blocks);
-        assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
-        let out_ptr = block_quant::SharedPtr(out.as_mut_ptr());
-        let tiles = n.div_ceil(TILE_ROWS);
-        let parts = parts.clamp(1, pool.threads()).min(tiles);
-        pool.run(parts, &|part| {
-            let mut tile = avx2::Tile::new(blocks);
-            for t in tiles * part / parts..tiles * (part + 1) / parts {
-                let first = t * TILE_ROWS;
-                let count = TILE_ROWS.min(n - first);
-                // SAFETY: the CPU has AVX2; the tile's weight rows are inside `weights`.
-                unsafe { tile.load(weights, first, count) };
-                for row in (0..m).step_by(4) {
-                    // SAFETY: each task writes only its own tiles' columns, inside `out`.
-                    unsafe { tile.multiply(&xs, row..m.min(row + 4), out_ptr.get().add(row * n + first), n, count) };
-                }
-            }
-        });
-        return;
+/// Q4_1 weights [n, k] in the tile layout (see the module's comment):
+/// w[r, c] = scale[r, c / 32] * code[r, c] + min[r, c / 32], codes 0..15.
+pub struct Q4_1Tiles<'a> {
+    bytes: &'a [u8],
+    n: usize,
+    k: usize,
+}
+
+impl<'a> Q4_1Tiles<'a> {
+    /// The bytes of weights [n, k] in the tile layout.
+    pub fn size(n: usize, k: usize) -> usize {
+        assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
+        n.div_ceil(TILE_ROWS) * (k / BLOCK) * TILE_BLOCK_BYTES
     }
-    block_quant::matmul(pool, parts, x, k, weights, out)
+
+    /// `bytes`, as `pack` wrote them for weights [n, k].
+    pub fn new(bytes: &'a [u8], n: usize, k: usize) -> Q4_1Tiles<'a> {
+        assert_eq!(bytes.len(), Self::size(n, k), "tiles of a [{n}, {k}] weight");
+        Q4_1Tiles { bytes, n, k }
+    }
+
+    fn blocks(&self) -> usize {
+        self.k / BLOCK
+    }
+
+    fn tiles(&self) -> usize {
+        self.n.div_ceil(TILE_ROWS)
+    }
+
+    /// Tile t's bytes for block b.
+    fn block(&self, t: usize, b: usize) -> &[u8] {
+        let at = (t * self.blocks() + b) * TILE_BLOCK_BYTES;
+        &self.bytes[at..at + TILE_BLOCK_BYTES]
+    }
+
+    /// Weight row r's code for input c, its block's scale and minimum.
+    fn weight(&self, r: usize, c: usize) -> (u8, f32, f32) {
+        let block = self.block(r / TILE_ROWS, c / BLOCK);
+        let (row, i) = (r % TILE_ROWS, c % BLOCK);
+        let byte = block[code_byte(row, i)];
+        let code = if i % BLOCK < BLOCK / 2 { byte & 0x0F } else { byte >> 4 };
+        let float = |at: usize| f32::from_le_bytes(block[at + 4 * row..at + 4 * row + 4].try_into().unwrap());
+        (code, float(CODE_BYTES), float(CODE_BYTES + 4 * TILE_ROWS))
+    }
+}
+
+/// Where, in a tile's block, row `row`'s code `i` lies (its nibble: low for
+/// i < 16).
+fn code_byte(row: usize, i: usize) -> usize {
+    let i = i % (BLOCK / 2);
+    (i / 4) * 32 + row * 4 + i % 4
+}
+
+/// Packs weights [n, k] into `out` (`Q4_1Tiles::size(n, k)` bytes): codes
+/// 0..15, one a byte, [n, k]; scales and minimums [n, k / 32]. Rows past
+/// `n` in the last tile are zeros.
+pub fn pack(codes: &[u8], scales: &[f32], mins: &[f32], n: usize, k: usize, out: &mut [u8]) {
+    let blocks = k / BLOCK;
+    assert!(codes.len() == n * k && scales.len() == n * blocks && mins.len() == n * blocks);
+    assert_eq!(out.len(), Q4_1Tiles::size(n, k));
+    out.fill(0);
+    for r in 0..n {
+        let (t, row) = (r / TILE_ROWS, r % TILE_ROWS);
+        for b in 0..blocks {
+            let block = &mut out[(t * blocks + b) * TILE_BLOCK_BYTES..][..TILE_BLOCK_BYTES];
+            for i in 0..BLOCK {
+                let code = codes[r * k + b * BLOCK + i];
+                assert!(code < 16, "Q4_1 codes are 0..15, not {code}");
+                block[code_byte(row, i)] |= if i < BLOCK / 2 { code } else { code << 4 };
+            }
+            let (scale, min) = (scales[r * blocks + b], mins[r * blocks + b]);
+            block[CODE_BYTES + 4 * row..][..4].copy_from_slice(&scale.to_le_bytes());
+            block[CODE_BYTES + 4 * (TILE_ROWS + row)..][..4].copy_from_slice(&min.to_le_bytes());
+        }
+    }
+}
+
+/// out[n, k] = the weights as floats.
+pub fn dequantize(weights: &Q4_1Tiles, out: &mut [f32]) {
+    let (n, k) = (weights.n, weights.k);
+    assert_eq!(out.len(), n * k, "out is [rows of the weights, k]");
+    for (r, row) in out.chunks_exact_mut(k).enumerate() {
+        for (c, w) in row.iter_mut().enumerate() {
+            let (code, scale, min) = weights.weight(r, c);
+            *w = scale * code as f32 + min;
+        }
+    }
+}
+
+/// out[m, n] = x[m, k] @ w.T, the columns split in `parts` runs of tiles
+/// (at most the pool's threads). Without AVX2, a plain loop computes the
+/// same sums in the same order.
+pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q4_1Tiles, out: &mut [f32]) {
+    let xs = QuantizedRows::new(x, weights.k);
+    let (m, n) = (xs.len(), weights.n);
+    assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
+    let out_ptr = SharedPtr(out.as_mut_ptr());
+    let tiles = weights.tiles();
+    let parts = parts.clamp(1, pool.threads()).min(tiles);
+    pool.run(parts, &|part| {
+        for t in tiles * part / parts..tiles * (part + 1) / parts {
+            let first = t * TILE_ROWS;
+            let count = TILE_ROWS.min(n - first);
+            for row in (0..m).step_by(4) {
+                let rows = row..m.min(row + 4);
+                // SAFETY: each task writes only its own tiles' columns, inside `out`.
+                let out = unsafe { out_ptr.get().add(row * n + first) };
+                #[cfg(target_arch = "x86_64")]
+                if crate::block_quant::avx2() {
+                    // SAFETY: the CPU has AVX2 and FMA; the tile and the rows are inside their buffers.
+                    unsafe { avx2::multiply(weights, t, &xs, rows, out, n, count) };
+                    continue;
+                }
+                // SAFETY: as above.
+                unsafe { plain_multiply(weights, t, &xs, rows, out, n, count) };
+            }
+        }
+    });
+}
+
+/// `avx2::multiply` in plain loops: per block, the integer dot product,
+/// then acc += dot * (weight scale * activation scale) and acc += minimum
+/// * the activations' sum, each a fused multiply-add as there.
+unsafe fn plain_multiply(
+    weights: &Q4_1Tiles,
+    t: usize,
+    xs: &QuantizedRows,
+    rows: std::ops::Range<usize>,
+    out: *mut f32,
+    n: usize,
+    count: usize,
+) {
+    let blocks = weights.blocks();
+    for (i, r) in rows.enumerate() {
+        for row in 0..count {
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let mut dot = 0i32;
+                let mut scales = (0.0, 0.0);
+                for c in 0..BLOCK {
+                    let (code, scale, min) = weights.weight(t * TILE_ROWS + row, b * BLOCK + c);
+                    dot += code as i32 * xs.codes[(r * blocks + b) * BLOCK + c] as i32;
+                    scales = (scale, min);
+                }
+                let scale = scales.0 * xs.scales[r * blocks + b];
+                acc = (dot as f32).mul_add(scale, acc);
+                acc = scales.1.mul_add(xs.sums[r * blocks + b], acc);
+            }
+            *out.add(i * n + row) = acc;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Q4_1, TILE_ROWS};
-    use crate::block_quant::avx2::{q4_1_codes, transpose};
+    use super::{Q4_1Tiles, CODE_BYTES, TILE_ROWS};
     use crate::block_quant::{QuantizedRows, BLOCK};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// 8 weight rows interleaved: per block, 8 vectors, the s-th holding
-    /// codes 4s..4s+3 of each row in turn; and per block the rows' scales
-    /// and minimums side by side.
-    pub struct Tile {
-        codes: Vec<__m256i>,
-        scales: Vec<f32>,
-        mins: Vec<f32>,
-        blocks: usize,
+    /// out[r, 0..count] (rows `n` apart) = activation rows `rows` (at most
+    /// 4) dotted with tile t's weight rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn multiply(
+        weights: &Q4_1Tiles,
+        t: usize,
+        xs: &QuantizedRows,
+        rows: Range<usize>,
+        out: *mut f32,
+        n: usize,
+        count: usize,
+    ) {
+        let blocks = weights.blocks();
+        assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len() && t < weights.tiles());
+        let tile = weights.block(t, 0).as_ptr();
+        // The rows' codes, scales and sums, each row `blocks` blocks after the last.
+        let at = (
+            xs.codes.as_ptr().add(rows.start * blocks * BLOCK),
+            xs.scales.as_ptr().add(rows.start * blocks),
+            xs.sums.as_ptr().add(rows.start * blocks),
+        );
+        match rows.len() {
+            4 => tile_rows::<4>(tile, blocks, at, out, n, count),
+            3 => tile_rows::<3>(tile, blocks, at, out, n, count),
+            2 => tile_rows::<2>(tile, blocks, at, out, n, count),
+            _ => tile_rows::<1>(tile, blocks, at, out, n, count),
+        }
     }
 
-    impl Tile {
-        pub fn new(blocks: usize) -> Tile {
-            // SAFETY: an all-zero vector is a valid __m256i.
-            let zero = unsafe { _mm256_setzero_si256() };
-            Tile {
-                codes: vec![zero; blocks * BLOCK / 4],
-                scales: vec![0.0; blocks * TILE_ROWS],
-                mins: vec![0.0; blocks * TILE_ROWS],
-                blocks,
-            }
-        }
-
-        /// Interleaves weight rows first..first + count (count <= 8; missing
-        /// rows are zeros).
-        #[target_feature(enable = "avx2")]
-        pub unsafe fn load(&mut self, weights: &Q4_1, first: usize, count: usize) {
-            let blocks = self.blocks;
-            self.scales.fill(0.0);
-            self.mins.fill(0.0);
-            for i in 0..count {
-                for b in 0..blocks {
-                    self.scales[b * TILE_ROWS + i] = weights.scales[(first + i) * blocks + b];
-                    self.mins[b * TILE_ROWS + i] = weights.mins[(first + i) * blocks + b];
-                }
-            }
-            for b in 0..blocks {
-                // Each row's 32 codes as 8 groups of 4 (32-bit lanes), transposed.
-                let mut rows = [_mm256_setzero_ps(); TILE_ROWS];
-                for (i, row) in rows.iter_mut().enumerate().take(count) {
-                    *row = _mm256_castsi256_ps(q4_1_codes(
-                        weights.nibbles.as_ptr().add(((first + i) * blocks + b) * BLOCK / 2),
-                    ));
-                }
-                for (s, column) in transpose(rows).into_iter().enumerate() {
-                    self.codes[b * 8 + s] = _mm256_castps_si256(column);
-                }
-            }
-        }
-
-        /// out[r, 0..count] (rows `n` apart) = activation rows `rows` (at
-        /// most 4) dotted with the tile's weight rows.
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn multiply(&self, xs: &QuantizedRows, rows: Range<usize>, out: *mut f32, n: usize, count: usize) {
-            let blocks = self.blocks;
-            assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len());
-            // The rows' codes, scales and sums, each row `blocks` blocks after the last.
-            let at = (
-                xs.codes.as_ptr().add(rows.start * blocks * BLOCK),
-                xs.scales.as_ptr().add(rows.start * blocks),
-                xs.sums.as_ptr().add(rows.start * blocks),
-            );
-            match rows.len() {
-                4 => self.rows::<4>(at, out, n, count),
-                3 => self.rows::<3>(at, out, n, count),
-                2 => self.rows::<2>(at, out, n, count),
-                _ => self.rows::<1>(at, out, n, count),
-            }
-        }
-
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn rows<const R: usize>(
-            &self,
-            (codes, x_scales, x_sums): (*const i8, *const f32, *const f32),
-            out: *mut f32,
-            n: usize,
-            count: usize,
-        ) {
-            let (blocks, k) = (self.blocks, self.blocks * BLOCK);
-            let ones = _mm256_set1_epi16(1);
-            let mut acc = [_mm256_setzero_ps(); R];
-            for b in 0..blocks {
-                let mut dots = [_mm256_setzero_si256(); R];
-                for s in 0..BLOCK / 4 {
-                    let w = self.codes[b * 8 + s];
-                    for r in 0..R {
-                        let four = (codes.add(r * k + b * BLOCK + 4 * s) as *const i32).read_unaligned();
-                        dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_rows<const R: usize>(
+        tile: *const u8,
+        blocks: usize,
+        (codes, x_scales, x_sums): (*const i8, *const f32, *const f32),
+        out: *mut f32,
+        n: usize,
+        count: usize,
+    ) {
+        let k = blocks * BLOCK;
+        let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..blocks {
+            let block = tile.add(b * super::TILE_BLOCK_BYTES);
+            let mut dots = [_mm256_setzero_si256(); R];
+            for j in 0..4 {
+                let packed = _mm256_loadu_si256(block.add(32 * j) as *const __m256i);
+                // Codes 4j..4j+3 and 4j+16..4j+19 of each row.
+                let halves = [_mm256_and_si256(packed, low), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low)];
+                for (h, w) in halves.into_iter().enumerate() {
+                    for (r, dot) in dots.iter_mut().enumerate() {
+                        let x = codes.add(r * k + b * BLOCK + 4 * j + h * BLOCK / 2);
+                        let four = _mm256_set1_epi32((x as *const i32).read_unaligned());
+                        *dot = _mm256_add_epi16(*dot, _mm256_maddubs_epi16(w, four));
                     }
                 }
-                let scales = _mm256_loadu_ps(self.scales.as_ptr().add(b * TILE_ROWS));
-                let mins = _mm256_loadu_ps(self.mins.as_ptr().add(b * TILE_ROWS));
-                for r in 0..R {
-                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r], ones));
-                    let scale = _mm256_mul_ps(scales, _mm256_set1_ps(*x_scales.add(r * blocks + b)));
-                    acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
-                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*x_sums.add(r * blocks + b)), acc[r]);
-                }
             }
-            for (r, sums) in acc.iter().enumerate() {
-                let row = out.add(r * n);
-                if count == TILE_ROWS {
-                    _mm256_storeu_ps(row, *sums);
-                } else {
-                    let mut lanes = [0f32; TILE_ROWS];
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), *sums);
-                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), row, count);
-                }
+            let scales = _mm256_loadu_ps(block.add(CODE_BYTES) as *const f32);
+            let mins = _mm256_loadu_ps(block.add(CODE_BYTES + 4 * TILE_ROWS) as *const f32);
+            for r in 0..R {
+                let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r], ones));
+                let scale = _mm256_mul_ps(scales, _mm256_set1_ps(*x_scales.add(r * blocks + b)));
+                acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*x_sums.add(r * blocks + b)), acc[r]);
+            }
+        }
+        for (r, sums) in acc.iter().enumerate() {
+            let row = out.add(r * n);
+            if count == TILE_ROWS {
+                _mm256_storeu_ps(row, *sums);
+            } else {
+                let mut lanes = [0f32; TILE_ROWS];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), *sums);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), row, count);
             }
         }
     }
@@ -179,32 +277,100 @@ mod tests {
     use super::*;
     use crate::block_quant::tests::values;
 
-    /// Q4_1 weights [n, k] from random codes, scales and minimums.
+    /// Weights [n, k]: codes 0..15 one a byte, scales and minimums.
     fn weights(n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
-        let nibbles = values(n * k / 2, 7).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
+        let codes = values(n * k, 7).iter().map(|v| ((v + 1.0) * 7.99) as u8).collect();
         let scales = values(n * k / BLOCK, 8).iter().map(|v| 0.01 + v.abs() * 0.05).collect();
         let mins = values(n * k / BLOCK, 9).iter().map(|v| v * 0.3).collect();
-        (nibbles, scales, mins)
+        (codes, scales, mins)
+    }
+
+    fn packed(codes: &[u8], scales: &[f32], mins: &[f32], n: usize, k: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; Q4_1Tiles::size(n, k)];
+        pack(codes, scales, mins, n, k, &mut bytes);
+        bytes
     }
 
     #[test]
-    fn interleaved_tiles_give_block_quants_products() {
+    fn packed_tiles_dequantize_to_their_weights() {
+        // 20 rows: two whole tiles and one of 4.
+        let (n, k) = (20, 96);
+        let (codes, scales, mins) = weights(n, k);
+        let bytes = packed(&codes, &scales, &mins, n, k);
+        let mut dense = vec![0f32; n * k];
+        dequantize(&Q4_1Tiles::new(&bytes, n, k), &mut dense);
+        for (i, w) in dense.iter().enumerate() {
+            let b = i / BLOCK;
+            assert_eq!(*w, scales[b] * codes[i] as f32 + mins[b], "weight {i}");
+        }
+    }
+
+    /// The product of quantized activations and the dequantized weights,
+    /// in f64: what the kernels compute up to f32 rounding.
+    fn reference(x: &[f32], dense: &[f32], k: usize) -> Vec<f64> {
+        let xs = QuantizedRows::new(x, k);
+        let n = dense.len() / k;
+        let mut out = vec![];
+        for r in 0..x.len() / k {
+            for c in 0..n {
+                out.push(
+                    (0..k)
+                        .map(|i| {
+                            let activation = xs.codes[r * k + i] as f64 * xs.scales[(r * k + i) / BLOCK] as f64;
+                            activation * dense[c * k + i] as f64
+                        })
+                        .sum(),
+                );
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn products_are_the_quantized_activations_times_the_weights() {
         let pool = SpinPool::new(3);
-        // 20 weight rows: two whole tiles and one of 4; 1 to 9 activation rows.
         for (n, k) in [(20, 96), (8, 1536), (3, 32)] {
-            let (nibbles, scales, mins) = weights(n, k);
-            let w = Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins };
+            let (codes, scales, mins) = weights(n, k);
+            let bytes = packed(&codes, &scales, &mins, n, k);
+            let tiles = Q4_1Tiles::new(&bytes, n, k);
+            let mut dense = vec![0f32; n * k];
+            dequantize(&tiles, &mut dense);
             for m in [1, 4, 5, 9] {
                 let mut x = values(m * k, m as u32);
                 x[3] = 40.0; // an outlier block, as real activations have
-                let (mut got, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
-                matmul(&pool, 3, &x, k, &w, &mut got);
-                block_quant::matmul(&pool, 1, &x, k, &w, &mut want);
-                for (g, e) in got.iter().zip(&want) {
-                    // The same integer block products, summed in another order.
-                    assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "n {n} k {k} m {m}: {g} vs {e}");
+                let mut got = vec![0f32; m * n];
+                matmul(&pool, 3, &x, &tiles, &mut got);
+                for (g, e) in got.iter().zip(reference(&x, &dense, k)) {
+                    assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "n {n} k {k} m {m}: {g} vs {e}");
                 }
+                // Without AVX2: the same operations in the same order.
+                let mut plain = vec![0f32; m * n];
+                let xs = QuantizedRows::new(&x, k);
+                for t in 0..tiles.tiles() {
+                    for row in (0..m).step_by(4) {
+                        let count = TILE_ROWS.min(n - t * TILE_ROWS);
+                        let out = plain[row * n + t * TILE_ROWS..].as_mut_ptr();
+                        unsafe { plain_multiply(&tiles, t, &xs, row..m.min(row + 4), out, n, count) };
+                    }
+                }
+                assert_eq!(got, plain, "n {n} k {k} m {m}");
             }
+        }
+    }
+
+    #[test]
+    fn a_rows_product_does_not_depend_on_the_rows_beside_it() {
+        let (n, k) = (16, 256);
+        let (codes, scales, mins) = weights(n, k);
+        let bytes = packed(&codes, &scales, &mins, n, k);
+        let tiles = Q4_1Tiles::new(&bytes, n, k);
+        let x = values(7 * k, 3);
+        let mut all = vec![0f32; 7 * n];
+        matmul(&SpinPool::new(2), 2, &x, &tiles, &mut all);
+        for r in 0..7 {
+            let mut one = vec![0f32; n];
+            matmul(&SpinPool::new(1), 1, &x[r * k..(r + 1) * k], &tiles, &mut one);
+            assert_eq!(one, all[r * n..(r + 1) * n], "row {r}");
         }
     }
 
@@ -213,15 +379,20 @@ mod tests {
         // Every code 15 and every activation at full scale: 8 maddubs
         // results of 3,810 each share a 16-bit lane.
         let (n, k) = (8, 64);
-        let nibbles = vec![0xFFu8; n * k / 2];
-        let (scales, mins) = (vec![1.0f32; n * k / BLOCK], vec![0.0f32; n * k / BLOCK]);
-        let w = Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins };
+        let bytes = packed(&vec![15u8; n * k], &vec![1.0; n * k / BLOCK], &vec![0.0; n * k / BLOCK], n, k);
         let pool = SpinPool::new(1);
         for sign in [1.0f32, -1.0] {
             let x = vec![sign; k];
             let mut out = vec![0f32; n];
-            matmul(&pool, 1, &x, k, &w, &mut out);
+            matmul(&pool, 1, &x, &Q4_1Tiles::new(&bytes, n, k), &mut out);
             assert!(out.iter().all(|v| (v - sign * 15.0 * k as f32).abs() < 1e-2), "{out:?}");
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "codes are 0..15")]
+    fn a_code_past_four_bits_is_refused() {
+        let (n, k) = (1, 32);
+        packed(&vec![16u8; k], &[1.0], &[0.0], n, k);
     }
 }

@@ -1,17 +1,16 @@
-//! Matrix products with block-quantized weights, for the CPU decode path.
+//! Activations quantized per block, and Q8_0 products: the vocabulary
+//! projection of the 8da4w layout, on the CPU.
 //!
-//! Weights come in ggml's blocks of 32 inputs: Q4_1 (4-bit codes q, a
-//! scale d and a minimum m per block: w = d * q + m) and Q8_0 (8-bit codes
-//! and a scale: w = d * q). The activations are quantized on the fly to 8
-//! bits per block of 32, so that one block's dot product is integer
+//! Weights come in ggml's blocks of 32 inputs. Q8_0 holds 8-bit codes and
+//! a scale per block: w = d * q. The activations are quantized on the fly
+//! to 8 bits per block of 32 (`QuantizedRows`, which rust/block_gemm.rs's
+//! Q4_1 products share), so that one block's dot product is integer
 //! arithmetic: AVX2's `maddubs` multiplies 32 byte pairs in one
 //! instruction, where a kernel that widens the codes to floats first does
 //! four times the work. That is what makes a small model's decode step on
-//! a CPU without AVX-512 fast; torch's int4 CPU kernel widens to floats.
+//! a CPU without AVX-512 fast; torch's CPU kernels widen to floats.
 //!
-//! No crate offers these kernels for 4-bit codes with a minimum (candle's
-//! Q4_1 dot product is scalar), hence this module. Without AVX2 and FMA a
-//! plain loop computes the same sums.
+//! Without AVX2 and FMA a plain loop computes the same sums.
 
 use crate::spin_pool::SpinPool;
 
@@ -19,7 +18,7 @@ use crate::spin_pool::SpinPool;
 pub const BLOCK: usize = 32;
 
 /// Rows of activations quantized per block: q = round(x / d) (ties to even) with
-/// d = max|x| / 127, and sum = d * sum(q), which Q4_1's minimum multiplies.
+/// d = max|x| / 127, and sum = d * sum(q), which a Q4_1 block's minimum multiplies.
 pub struct QuantizedRows {
     pub(crate) codes: Vec<i8>,
     pub(crate) scales: Vec<f32>,
@@ -84,14 +83,6 @@ fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, f32) {
     (d, d * total as f32)
 }
 
-/// Q4_1 weights [n, k]: per block, 16 bytes whose low nibbles are inputs
-/// 0..15 and high nibbles 16..31 (ggml's order), a scale and a minimum.
-pub struct Q4_1<'a> {
-    pub nibbles: &'a [u8],
-    pub scales: &'a [f32],
-    pub mins: &'a [f32],
-}
-
 /// Q8_0 weights [n, k]: per block, 32 signed codes and a scale.
 pub struct Q8_0<'a> {
     pub codes: &'a [i8],
@@ -118,64 +109,6 @@ pub type ActivationRow<'a> = (&'a [i8], &'a [f32], &'a [f32]);
 fn two_dots(weights: &impl BlockWeights, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
     weights.dot(n, blocks, xs, &mut out[0]);
     weights.dot(n + 1, blocks, xs, &mut out[1]);
-}
-
-impl BlockWeights for Q4_1<'_> {
-    fn rows(&self, blocks: usize) -> usize {
-        self.scales.len() / blocks
-    }
-
-    fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
-        let (nibbles, scales, mins) = self.row(n, blocks);
-        for (((block, bytes), d), m) in
-            out.chunks_exact_mut(BLOCK).zip(nibbles.chunks_exact(BLOCK / 2)).zip(scales).zip(mins)
-        {
-            let (low, high) = block.split_at_mut(BLOCK / 2);
-            for ((l, h), byte) in low.iter_mut().zip(high).zip(bytes) {
-                *l = d * (byte & 0x0F) as f32 + m;
-                *h = d * (byte >> 4) as f32 + m;
-            }
-        }
-    }
-
-    fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-        #[cfg(target_arch = "x86_64")]
-        if avx2() {
-            // SAFETY: as in `dot`.
-            return unsafe { avx2::q4_1_pair([self.row(n, blocks), self.row(n + 1, blocks)], xs, out) };
-        }
-        two_dots(self, n, blocks, xs, out)
-    }
-
-    fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]) {
-        let (nibbles, scales, mins) = self.row(n, blocks);
-        #[cfg(target_arch = "x86_64")]
-        if avx2() {
-            // SAFETY: the CPU has AVX2 and FMA; slices are sized by `blocks`.
-            return unsafe { avx2::q4_1_dot(nibbles, scales, mins, xs, out) };
-        }
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
-            // The minimum's share: sum over blocks of m * d_x * sum(q_x).
-            *o = mins.iter().zip(x.2).map(|(m, s)| m * s).sum();
-            for b in 0..blocks {
-                let codes = &x.0[b * BLOCK..(b + 1) * BLOCK];
-                let bytes = &nibbles[b * BLOCK / 2..(b + 1) * BLOCK / 2];
-                let mut total = 0i32;
-                for j in 0..BLOCK / 2 {
-                    total += (bytes[j] & 0x0F) as i32 * codes[j] as i32;
-                    total += (bytes[j] >> 4) as i32 * codes[j + BLOCK / 2] as i32;
-                }
-                *o += scales[b] * x.1[b] * total as f32;
-            }
-        }
-    }
-}
-
-impl Q4_1<'_> {
-    fn row(&self, n: usize, blocks: usize) -> (&[u8], &[f32], &[f32]) {
-        let b = n * blocks;
-        (&self.nibbles[b * BLOCK / 2..(b + blocks) * BLOCK / 2], &self.scales[b..b + blocks], &self.mins[b..b + blocks])
-    }
 }
 
 impl Q8_0<'_> {
@@ -320,14 +253,6 @@ pub(crate) mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
     }
 
-    /// A Q4_1 block's 16 bytes at `block` as its 32 codes in input order
-    /// (ggml keeps inputs j and j + 16 in the low and high nibble of byte j).
-    #[inline(always)]
-    pub(crate) unsafe fn q4_1_codes(block: *const u8) -> __m256i {
-        let (bytes, low) = (_mm_loadu_si128(block as *const __m128i), _mm_set1_epi8(0x0F));
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low))
-    }
-
     /// An 8 x 8 matrix of 32-bit lanes (rows[x] holds row x) transposed.
     #[inline(always)]
     pub(crate) unsafe fn transpose(rows: [__m256; 8]) -> [__m256; 8] {
@@ -393,90 +318,33 @@ pub(crate) mod avx2 {
         std::array::from_fn(|r| (xs[r].0.as_ptr(), xs[r].1.as_ptr()))
     }
 
-    /// out[i] = one Q4_1 row dotted with xs[i]: the scaled code products
-    /// plus the minimums' share, sum over blocks of m * d_x * sum(q_x).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1_dot(nibbles: &[u8], scales: &[f32], mins: &[f32], xs: &[ActivationRow], out: &mut [f32; 4]) {
-        let start = |r: usize| min_share(mins, xs[r].2);
-        let lanes = match xs.len() {
-            1 => widen(q4_1_tile::<1>(nibbles, scales, rows(xs), start)),
-            2 => widen(q4_1_tile::<2>(nibbles, scales, rows(xs), start)),
-            3 => widen(q4_1_tile::<3>(nibbles, scales, rows(xs), start)),
-            _ => q4_1_tile::<4>(nibbles, scales, rows(xs), start),
-        };
-        store_row_sums(lanes, out);
-    }
-
-    /// Two Q4_1 weight rows (nibbles, scales, mins) dotted with each of
-    /// `xs` (1 to 4 rows), plus each product's minimums' share.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1_pair(w: [(&[u8], &[f32], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-        let scales = [w[0].1, w[1].1];
-        let start = |c: usize, r: usize| min_share(w[c].2, xs[r].2);
-        let nibbles = [w[0].0.as_ptr(), w[1].0.as_ptr()];
-        let lanes = if xs.len() == 4 {
-            let even = std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)));
-            four_rows(Codes::Q4_1, nibbles, scales, rows(xs), even)
-        } else if xs.len() == 1 {
-            let [a, b] = one_row(Codes::Q4_1, nibbles, scales, rows::<1>(xs)[0], [start(0, 0), start(1, 0)]);
-            [widen([a]), widen([b])]
-        } else {
-            pairs(scales, xs, start, |c, b| (q4_1_codes(w[c].0.as_ptr().add(b * BLOCK / 2)), None))
-        };
-        store_sums(lanes, out);
-    }
-
-    /// sum over blocks of m * s, eight blocks to a lane group: the lanes a
-    /// Q4_1 product's accumulators start from, so that the minimums' share
-    /// needs no reduction of its own.
+    /// A Q8_0 block as maddubs takes it: the codes' magnitudes (its left
+    /// side is unsigned), and the codes, whose signs go onto the activations.
     #[inline(always)]
-    unsafe fn min_share(mins: &[f32], sums: &[f32]) -> __m256 {
-        let blocks = mins.len().min(sums.len());
-        let mut acc = _mm256_setzero_ps();
-        let mut b = 0;
-        while b + 8 <= blocks {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins.as_ptr().add(b)), _mm256_loadu_ps(sums.as_ptr().add(b)), acc);
-            b += 8;
-        }
-        let rest = blocks - b;
-        if rest > 0 && blocks >= 8 {
-            // The last eight blocks, of which the first 8 - rest are
-            // already counted: masked out of the minimums.
-            let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                _mm256_set1_epi32(7 - rest as i32),
-            ));
-            let m = _mm256_and_ps(keep, _mm256_loadu_ps(mins.as_ptr().add(blocks - 8)));
-            acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums.as_ptr().add(blocks - 8)), acc);
-        } else if rest > 0 {
-            // Rows of fewer than eight blocks: masked loads read nothing past them.
-            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            acc =
-                _mm256_fmadd_ps(_mm256_maskload_ps(mins.as_ptr(), mask), _mm256_maskload_ps(sums.as_ptr(), mask), acc);
-        }
-        acc
+    unsafe fn magnitudes(codes: *const i8, b: usize) -> (__m256i, __m256i) {
+        let w = _mm256_loadu_si256(codes.add(b * BLOCK) as *const __m256i);
+        (_mm256_sign_epi8(w, w), w)
     }
 
     /// Two Q8_0 weight rows (codes, scales) dotted with each of `xs`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q8_0_pair(w: [(&[i8], &[f32]); 2], xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
         let scales = [w[0].1, w[1].1];
-        let codes = [w[0].0.as_ptr() as *const u8, w[1].0.as_ptr() as *const u8];
-        let lanes = if xs.len() == 4 {
-            four_rows(Codes::Q8_0, codes, scales, rows(xs), [[_mm256_setzero_ps(); 4]; 2])
-        } else if xs.len() == 1 {
-            let [a, b] = one_row(Codes::Q8_0, codes, scales, rows::<1>(xs)[0], [_mm256_setzero_ps(); 2]);
-            [widen([a]), widen([b])]
-        } else {
-            pairs(
-                scales,
-                xs,
-                |_, _| _mm256_setzero_ps(),
-                |c, b| {
-                    let codes = _mm256_loadu_si256(w[c].0.as_ptr().add(b * BLOCK) as *const __m256i);
-                    (_mm256_sign_epi8(codes, codes), Some(codes))
-                },
-            )
+        let codes = [w[0].0.as_ptr(), w[1].0.as_ptr()];
+        let lanes = match xs.len() {
+            4 => four_rows(codes, scales, rows(xs)),
+            1 => {
+                let [a, b] = one_row(codes, scales, rows::<1>(xs)[0]);
+                [widen([a]), widen([b])]
+            }
+            2 => {
+                let [a, b] = pairs_tile::<2>(codes, scales, rows(xs));
+                [widen(a), widen(b)]
+            }
+            _ => {
+                let [a, b] = pairs_tile::<3>(codes, scales, rows(xs));
+                [widen(a), widen(b)]
+            }
         };
         store_sums(lanes, out);
     }
@@ -497,56 +365,28 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// Two weight rows dotted with 2 or 3 activation rows, as lanes to sum
-    /// (rows past `xs` are zeros); `start(c, r)` gives the lanes weight row
-    /// c's product with xs[r] starts from, `weight(c, b)` row c's block b
-    /// as in `tile`. (One row: `one_row`; four: `four_rows`.)
-    #[inline(always)]
-    unsafe fn pairs(
-        scales: [&[f32]; 2],
-        xs: &[ActivationRow],
-        start: impl Fn(usize, usize) -> __m256,
-        weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
-    ) -> [[__m256; 4]; 2] {
-        if xs.len() == 2 {
-            let [a, b] = pairs_tile::<2>(scales, rows(xs), start, weight);
-            return [widen(a), widen(b)];
-        }
-        let [a, b] = pairs_tile::<3>(scales, rows(xs), start, weight);
-        [widen(a), widen(b)]
-    }
-
     /// Two weight rows and R activation rows (2 or 3): each weight block
-    /// is decoded once for the R rows and each activation block loaded once
-    /// for both weight rows; 2R accumulators are in flight. The even blocks
-    /// are summed first (onto `start(c, r)`), then the odd ones, and the
-    /// two sums added: the order of `tile` and `one_row`, so that a row's
-    /// products come out the same to the bit whichever rows share its step.
+    /// is loaded once for the R rows and each activation block once for
+    /// both weight rows; 2R accumulators are in flight. The even blocks
+    /// are summed first, then the odd ones, and the two sums added: the
+    /// order of `tile` and `one_row`, so that a row's products come out
+    /// the same to the bit whichever rows share its step.
     #[inline(always)]
-    unsafe fn pairs_tile<const R: usize>(
-        scales: [&[f32]; 2],
-        xs: [Row; R],
-        start: impl Fn(usize, usize) -> __m256,
-        weight: impl Fn(usize, usize) -> (__m256i, Option<__m256i>),
-    ) -> [[__m256; R]; 2] {
+    unsafe fn pairs_tile<const R: usize>(codes: [*const i8; 2], scales: [&[f32]; 2], xs: [Row; R]) -> [[__m256; R]; 2] {
         let blocks = scales[0].len();
-        let even = std::array::from_fn(|c| std::array::from_fn(|r| start(c, r)));
-        let mut sums = [even, [[_mm256_setzero_ps(); R]; 2]];
+        let mut sums = [[[_mm256_setzero_ps(); R]; 2]; 2];
         for (parity, acc) in sums.iter_mut().enumerate() {
             for b in (parity..blocks).step_by(2) {
-                let w = [weight(0, b), weight(1, b)];
+                let w = [magnitudes(codes[0], b), magnitudes(codes[1], b)];
                 let w_scale =
                     [_mm256_set1_ps(*scales[0].get_unchecked(b)), _mm256_set1_ps(*scales[1].get_unchecked(b))];
                 for r in 0..R {
-                    let codes = _mm256_loadu_si256(xs[r].0.add(b * BLOCK) as *const __m256i);
+                    let x = _mm256_loadu_si256(xs[r].0.add(b * BLOCK) as *const __m256i);
                     let x_scale = _mm256_set1_ps(*xs[r].1.add(b));
                     for c in 0..2 {
-                        let signed = match w[c].1 {
-                            Some(sign) => _mm256_sign_epi8(codes, sign),
-                            None => codes,
-                        };
                         let scale = _mm256_mul_ps(w_scale[c], x_scale);
-                        acc[c][r] = _mm256_fmadd_ps(scale, byte_dot(w[c].0, signed), acc[c][r]);
+                        let product = byte_dot(w[c].0, _mm256_sign_epi8(x, w[c].1));
+                        acc[c][r] = _mm256_fmadd_ps(scale, product, acc[c][r]);
                     }
                 }
             }
@@ -555,55 +395,26 @@ pub(crate) mod avx2 {
         std::array::from_fn(|c| std::array::from_fn(|r| _mm256_add_ps(even[c][r], odd[c][r])))
     }
 
-    /// The weight blocks the assembly tiles (`four_rows`, `one_row`) read.
-    #[derive(Clone, Copy)]
-    enum Codes {
-        Q4_1,
-        Q8_0,
-    }
-
     /// `pairs_tile` for four activation rows, in assembly: two weight rows
-    /// (their codes and scales), the even blocks summed onto `even` and the
-    /// odd ones onto zeros, with the same operations in the same order as
-    /// `tile`, so the same bits. LLVM's version of this loop keeps more
-    /// values live than AVX2's 16 vector registers and spilled
-    /// accumulators every block; here the eight accumulators, the two
-    /// weight blocks, their scales, an activation block and its scale fill
-    /// the 16 exactly. Measured on one thread: 3.24 -> 2.65 cycles per 32
-    /// products at k = 1,536; a layer's four Q4_1 products 1.08-1.10x, the
-    /// Q8_0 vocabulary projection 1.13-1.17x.
+    /// (their codes and scales), the even blocks summed and then the odd
+    /// ones, with the same operations in the same order as `tile`, so the
+    /// same bits. LLVM's version of this loop keeps more values live than
+    /// AVX2's 16 vector registers and spilled accumulators every block;
+    /// here the eight accumulators, the two weight blocks, their scales,
+    /// an activation block and its scale fill the 16 exactly. Measured on
+    /// one thread: 3.24 -> 2.65 cycles per 32 products at k = 1,536; the
+    /// vocabulary projection 1.13-1.17x.
     /// The slices and rows hold `scales[0].len()` blocks each.
     #[inline(always)]
-    unsafe fn four_rows(
-        codes: Codes,
-        weights: [*const u8; 2],
-        scales: [&[f32]; 2],
-        xs: [Row; 4],
-        even: [[__m256; 4]; 2],
-    ) -> [[__m256; 4]; 2] {
-        let odd = four_rows_pass(codes, weights, scales, xs, 1, [[_mm256_setzero_ps(); 4]; 2]);
-        let even = four_rows_pass(codes, weights, scales, xs, 0, even);
+    unsafe fn four_rows(codes: [*const i8; 2], scales: [&[f32]; 2], xs: [Row; 4]) -> [[__m256; 4]; 2] {
+        let zeros = [[_mm256_setzero_ps(); 4]; 2];
+        let odd = four_rows_pass(codes, scales, xs, 1, zeros);
+        let even = four_rows_pass(codes, scales, xs, 0, zeros);
         std::array::from_fn(|c| std::array::from_fn(|r| _mm256_add_ps(even[c][r], odd[c][r])))
     }
 
     // Pieces of `four_rows_pass`'s loop. {i} is the byte offset of the
-    // block's scale (4 per block), so [p + {i}*4] is a Q4_1 block's
-    // nibbles and [p + {i}*8] a block of 32 codes.
-
-    /// Q4_1 block of row `w` into ymm`dst`: low nibbles are inputs 0..15,
-    /// high nibbles 16..31.
-    #[rustfmt::skip]
-    macro_rules! nibbles {
-        ($dst:literal, $tmp:literal, $w:literal) => {
-            concat!(
-                "vmovdqu xmm", $tmp, ", xmmword ptr [{", $w, "} + {i}*4]\n",
-                "vpsrlw xmm", $dst, ", xmm", $tmp, ", 4\n",
-                "vpand xmm", $dst, ", xmm", $dst, ", xmmword ptr [rip + {low}]\n",
-                "vpand xmm", $tmp, ", xmm", $tmp, ", xmmword ptr [rip + {low}]\n",
-                "vinserti128 ymm", $dst, ", ymm", $tmp, ", xmm", $dst, ", 1\n",
-            )
-        };
-    }
+    // block's scale (4 per block), so [p + {i}*8] is a block of 32 codes.
 
     /// Q8_0 block of row `w` into ymm`dst` as magnitudes (maddubs wants an
     /// unsigned left side; `signed` moves the signs onto the activations).
@@ -643,12 +454,12 @@ pub(crate) mod avx2 {
     }
 
     /// ymm`acc` += (weight scale * activation scale) * the 32 byte
-    /// products of ymm`w` and `codes`, summed to eight lanes.
+    /// products of ymm`w` and ymm14, summed to eight lanes.
     #[rustfmt::skip]
     macro_rules! product {
-        ($acc:literal, $w:literal, $scale:literal, $codes:literal) => {
+        ($acc:literal, $w:literal, $scale:literal) => {
             concat!(
-                "vpmaddubsw ymm14, ymm", $w, ", ", $codes, "\n",
+                "vpmaddubsw ymm14, ymm", $w, ", ymm14\n",
                 "vpmaddwd ymm14, ymm14, ymmword ptr [rip + {ones}]\n",
                 "vcvtdq2ps ymm14, ymm14\n",
                 "vmulps ymm15, ymm", $scale, ", ymm13\n",
@@ -658,22 +469,16 @@ pub(crate) mod avx2 {
     }
 
     /// Activation row r (x`r`, s`r`) against both weight rows; its
-    /// accumulators are ymm`r` and ymm`r + 4`.
-    macro_rules! q4_1_row {
-        ($x:literal, $s:literal, $acc0:literal, $acc1:literal) => {
-            concat!(activations!($x, $s), product!($acc0, 8, 10, "ymm12"), product!($acc1, 9, 11, "ymm12"))
-        };
-    }
-
+    /// accumulators are ymm`acc0` and ymm`acc1`.
     #[rustfmt::skip]
-    macro_rules! q8_0_row {
+    macro_rules! row {
         ($x:literal, $s:literal, $acc0:literal, $acc1:literal) => {
             concat!(
                 activations!($x, $s),
                 signed!("w0"),
-                product!($acc0, 8, 10, "ymm14"),
+                product!($acc0, 8, 10),
                 signed!("w1"),
-                product!($acc1, 9, 11, "ymm14"),
+                product!($acc1, 9, 11),
             )
         };
     }
@@ -694,29 +499,26 @@ pub(crate) mod avx2 {
             (steps > 0).then_some(Pass { steps, end: parity + 2 * steps })
         }
 
-        fn past(&self, p: *const u8, block_bytes: usize) -> usize {
-            p.wrapping_add(self.end * block_bytes) as usize
+        fn past<T>(&self, p: *const T, block_bytes: usize) -> usize {
+            (p as *const u8).wrapping_add(self.end * block_bytes) as usize
         }
 
         /// The two weight rows' codes and scales, past the pass.
-        fn weights(&self, codes: Codes, weights: [*const u8; 2], scales: [&[f32]; 2]) -> ([usize; 2], [usize; 2]) {
-            let code_bytes = match codes {
-                Codes::Q4_1 => BLOCK / 2,
-                Codes::Q8_0 => BLOCK,
-            };
-            (weights.map(|p| self.past(p, code_bytes)), scales.map(|s| self.past(s.as_ptr() as *const u8, 4)))
+        fn weights(&self, codes: [*const i8; 2], scales: [&[f32]; 2]) -> ([usize; 2], [usize; 2]) {
+            (codes.map(|p| self.past(p, BLOCK)), scales.map(|s| self.past(s.as_ptr(), 4)))
         }
     }
 
     /// The loop of a `Pass` over `steps` pairs of blocks: `blocks` is the
-    /// body's template, the operands after it the activations', the
-    /// constants' and the accumulators'; ymm8-15 are the body's scratch.
+    /// body's template, the operands after it the activations' and the
+    /// accumulators'; ymm8-15 are the body's scratch.
     macro_rules! block_loop {
         ($steps:expr, $w:expr, $ws:expr, $blocks:expr, $($operands:tt)*) => {
             std::arch::asm!(
                 concat!("2:\n", $blocks, "add {i}, 8\n", "jnz 2b\n"),
                 i = inout(reg) -8 * $steps as isize => _,
                 w0 = in(reg) $w[0], w1 = in(reg) $w[1], w0s = in(reg) $ws[0], w1s = in(reg) $ws[1],
+                ones = sym ONE_WORDS,
                 $($operands)*
                 out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
                 out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
@@ -729,8 +531,7 @@ pub(crate) mod avx2 {
     /// (acc[c][r]: weight row c with activation row r).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn four_rows_pass(
-        codes: Codes,
-        weights: [*const u8; 2],
+        codes: [*const i8; 2],
         scales: [&[f32]; 2],
         xs: [Row; 4],
         parity: usize,
@@ -739,70 +540,41 @@ pub(crate) mod avx2 {
         let Some(pass) = Pass::new(scales[0].len(), parity) else {
             return acc;
         };
-        let (w, ws) = pass.weights(codes, weights, scales);
-        let x = xs.map(|(codes, _)| pass.past(codes as *const u8, BLOCK));
-        let s = xs.map(|(_, scales)| pass.past(scales as *const u8, 4));
+        let (w, ws) = pass.weights(codes, scales);
+        let x = xs.map(|(codes, _)| pass.past(codes, BLOCK));
+        let s = xs.map(|(_, scales)| pass.past(scales, 4));
         let [[mut a0, mut a1, mut a2, mut a3], [mut a4, mut a5, mut a6, mut a7]] = acc;
         // SAFETY (the loop's reads): offsets -8 * steps .. 0 from the
         // pointers past block `end - 1` reach blocks parity, parity + 2,
         // ..., end - 2, all inside the rows four_rows's caller passes.
-        macro_rules! pass {
-            ($blocks:expr, $($constants:tt)*) => {
-                block_loop!(
-                    pass.steps, w, ws, $blocks,
-                    x0 = in(reg) x[0], x1 = in(reg) x[1], x2 = in(reg) x[2], x3 = in(reg) x[3],
-                    s0 = in(reg) s[0], s1 = in(reg) s[1], s2 = in(reg) s[2], s3 = in(reg) s[3],
-                    $($constants)*
-                    inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
-                    inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
-                )
-            };
-        }
-        match codes {
-            Codes::Q4_1 => pass!(
-                concat!(
-                    nibbles!(8, 14, "w0"),
-                    nibbles!(9, 15, "w1"),
-                    weight_scales!(),
-                    q4_1_row!("x0", "s0", 0, 4),
-                    q4_1_row!("x1", "s1", 1, 5),
-                    q4_1_row!("x2", "s2", 2, 6),
-                    q4_1_row!("x3", "s3", 3, 7),
-                ),
-                low = sym LOW_NIBBLES, ones = sym ONE_WORDS,
+        block_loop!(
+            pass.steps, w, ws,
+            concat!(
+                magnitudes!(8, "w0"),
+                magnitudes!(9, "w1"),
+                weight_scales!(),
+                row!("x0", "s0", 0, 4),
+                row!("x1", "s1", 1, 5),
+                row!("x2", "s2", 2, 6),
+                row!("x3", "s3", 3, 7),
             ),
-            Codes::Q8_0 => pass!(
-                concat!(
-                    magnitudes!(8, "w0"),
-                    magnitudes!(9, "w1"),
-                    weight_scales!(),
-                    q8_0_row!("x0", "s0", 0, 4),
-                    q8_0_row!("x1", "s1", 1, 5),
-                    q8_0_row!("x2", "s2", 2, 6),
-                    q8_0_row!("x3", "s3", 3, 7),
-                ),
-                ones = sym ONE_WORDS,
-            ),
-        }
+            x0 = in(reg) x[0], x1 = in(reg) x[1], x2 = in(reg) x[2], x3 = in(reg) x[3],
+            s0 = in(reg) s[0], s1 = in(reg) s[1], s2 = in(reg) s[2], s3 = in(reg) s[3],
+            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+            inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
+        );
         [[a0, a1, a2, a3], [a4, a5, a6, a7]]
     }
 
     /// Two weight rows against one activation row in assembly, with
-    /// `four_rows_pass`'s loop: the even blocks summed onto `even`, the odd
-    /// ones onto zeros, bit-identical to `tile`. Against LLVM's loop for
-    /// the same tile: 4.47 -> 4.18 cycles per 32 Q4_1 products (k = 1,536,
-    /// one thread), the Q8_0 vocabulary projection 1.48x at batch 1, a
-    /// batch-1 decode step 8.7-9.0 -> 7.5-7.7 ms.
+    /// `four_rows_pass`'s loop: the even blocks summed, then the odd ones,
+    /// bit-identical to `tile`. Against LLVM's loop for the same tile: the
+    /// vocabulary projection 1.48x at batch 1.
     #[inline(always)]
-    unsafe fn one_row(
-        codes: Codes,
-        weights: [*const u8; 2],
-        scales: [&[f32]; 2],
-        x: Row,
-        even: [__m256; 2],
-    ) -> [__m256; 2] {
-        let [even0, even1] = one_row_pass(codes, weights, scales, x, 0, even);
-        let [odd0, odd1] = one_row_pass(codes, weights, scales, x, 1, [_mm256_setzero_ps(); 2]);
+    unsafe fn one_row(codes: [*const i8; 2], scales: [&[f32]; 2], x: Row) -> [__m256; 2] {
+        let zeros = [_mm256_setzero_ps(); 2];
+        let [even0, even1] = one_row_pass(codes, scales, x, 0, zeros);
+        let [odd0, odd1] = one_row_pass(codes, scales, x, 1, zeros);
         [_mm256_add_ps(even0, odd0), _mm256_add_ps(even1, odd1)]
     }
 
@@ -810,8 +582,7 @@ pub(crate) mod avx2 {
     /// (one accumulator per weight row), with `four_rows_pass`'s loop.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn one_row_pass(
-        codes: Codes,
-        weights: [*const u8; 2],
+        codes: [*const i8; 2],
         scales: [&[f32]; 2],
         x: Row,
         parity: usize,
@@ -820,46 +591,32 @@ pub(crate) mod avx2 {
         let Some(pass) = Pass::new(scales[0].len(), parity) else {
             return acc;
         };
-        let (w, ws) = pass.weights(codes, weights, scales);
-        let (x0, s0) = (pass.past(x.0 as *const u8, BLOCK), pass.past(x.1 as *const u8, 4));
+        let (w, ws) = pass.weights(codes, scales);
+        let (x0, s0) = (pass.past(x.0, BLOCK), pass.past(x.1, 4));
         let [mut a0, mut a1] = acc;
         // SAFETY: as in four_rows_pass.
-        macro_rules! pass {
-            ($blocks:expr, $($constants:tt)*) => {
-                block_loop!(
-                    pass.steps, w, ws, $blocks,
-                    x0 = in(reg) x0, s0 = in(reg) s0,
-                    $($constants)*
-                    inout("ymm0") a0, inout("ymm1") a1,
-                )
-            };
-        }
-        match codes {
-            Codes::Q4_1 => pass!(
-                concat!(nibbles!(8, 14, "w0"), nibbles!(9, 15, "w1"), weight_scales!(), q4_1_row!("x0", "s0", 0, 1)),
-                low = sym LOW_NIBBLES, ones = sym ONE_WORDS,
-            ),
-            Codes::Q8_0 => pass!(
-                concat!(magnitudes!(8, "w0"), magnitudes!(9, "w1"), weight_scales!(), q8_0_row!("x0", "s0", 0, 1)),
-                ones = sym ONE_WORDS,
-            ),
-        }
+        block_loop!(
+            pass.steps, w, ws,
+            concat!(magnitudes!(8, "w0"), magnitudes!(9, "w1"), weight_scales!(), row!("x0", "s0", 0, 1)),
+            x0 = in(reg) x0, s0 = in(reg) s0,
+            inout("ymm0") a0, inout("ymm1") a1,
+        );
         [a0, a1]
     }
 
     #[repr(align(32))]
     struct Aligned<T>(T);
-    static LOW_NIBBLES: Aligned<[u8; 16]> = Aligned([0x0F; 16]);
     static ONE_WORDS: Aligned<[i16; 16]> = Aligned([1; 16]);
 
     /// out[i] = the scaled code dot products of one Q8_0 row with xs[i].
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q8_0_dot(codes: &[i8], scales: &[f32], xs: &[ActivationRow], out: &mut [f32; 4]) {
+        let codes = codes.as_ptr();
         let lanes = match xs.len() {
-            1 => widen(q8_0_tile::<1>(codes, scales, rows(xs))),
-            2 => widen(q8_0_tile::<2>(codes, scales, rows(xs))),
-            3 => widen(q8_0_tile::<3>(codes, scales, rows(xs))),
-            _ => q8_0_tile::<4>(codes, scales, rows(xs)),
+            1 => widen(tile::<1>(codes, scales, rows(xs))),
+            2 => widen(tile::<2>(codes, scales, rows(xs))),
+            3 => widen(tile::<3>(codes, scales, rows(xs))),
+            _ => tile::<4>(codes, scales, rows(xs)),
         };
         store_row_sums(lanes, out);
     }
@@ -871,61 +628,28 @@ pub(crate) mod avx2 {
 
     /// The dot products of one weight row with R activation rows, blocks
     /// in pairs: two accumulators per row hide the latency of the FMA
-    /// chain; the even blocks' accumulator starts from `start(r)`.
-    /// `weight(b)` gives block b's 32 codes as unsigned bytes and how to
-    /// sign the activation codes (maddubs wants an unsigned left side).
+    /// chain.
     #[inline(always)]
-    unsafe fn tile<const R: usize>(
-        blocks: usize,
-        scales: &[f32],
-        xs: [Row; R],
-        start: impl Fn(usize) -> __m256,
-        weight: impl Fn(usize) -> (__m256i, Option<__m256i>),
-    ) -> [__m256; R] {
-        let mut acc: [[__m256; 2]; R] = std::array::from_fn(|r| [start(r), _mm256_setzero_ps()]);
+    unsafe fn tile<const R: usize>(codes: *const i8, scales: &[f32], xs: [Row; R]) -> [__m256; R] {
+        let blocks = scales.len();
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
         let mut b = 0;
         while b < blocks {
             for (half, acc_index) in [(b, 0), (b + 1, 1)] {
                 if half == blocks {
                     break;
                 }
-                let (w, sign) = weight(half);
+                let (w, sign) = magnitudes(codes, half);
                 for r in 0..R {
-                    let mut codes = _mm256_loadu_si256(xs[r].0.add(half * BLOCK) as *const __m256i);
-                    if let Some(sign) = sign {
-                        codes = _mm256_sign_epi8(codes, sign);
-                    }
+                    let x = _mm256_loadu_si256(xs[r].0.add(half * BLOCK) as *const __m256i);
                     let scale = _mm256_set1_ps(scales[half] * *xs[r].1.add(half));
-                    acc[r][acc_index] = _mm256_fmadd_ps(scale, byte_dot(w, codes), acc[r][acc_index]);
+                    let product = byte_dot(w, _mm256_sign_epi8(x, sign));
+                    acc[r][acc_index] = _mm256_fmadd_ps(scale, product, acc[r][acc_index]);
                 }
             }
             b += 2;
         }
         std::array::from_fn(|r| _mm256_add_ps(acc[r][0], acc[r][1]))
-    }
-
-    #[inline(always)]
-    unsafe fn q4_1_tile<const R: usize>(
-        nibbles: &[u8],
-        scales: &[f32],
-        xs: [Row; R],
-        start: impl Fn(usize) -> __m256,
-    ) -> [__m256; R] {
-        tile(scales.len(), scales, xs, start, |b| (q4_1_codes(nibbles.as_ptr().add(b * BLOCK / 2)), None))
-    }
-
-    #[inline(always)]
-    unsafe fn q8_0_tile<const R: usize>(codes: &[i8], scales: &[f32], xs: [Row; R]) -> [__m256; R] {
-        tile(
-            scales.len(),
-            scales,
-            xs,
-            |_| _mm256_setzero_ps(),
-            |b| {
-                let w = _mm256_loadu_si256(codes.as_ptr().add(b * BLOCK) as *const __m256i);
-                (_mm256_sign_epi8(w, w), Some(w))
-            },
-        )
     }
 }
 
@@ -962,37 +686,6 @@ pub(crate) mod tests {
         }
     }
 
-    #[test]
-    fn q4_1_matches_the_dequantized_product() {
-        // Rows of fewer than eight blocks, of eight, and of eight and more
-        // with a remainder: the minimums' share takes each of its three paths.
-        for k in [96, 256, 576] {
-            q4_1_matches_at(k);
-        }
-    }
-
-    fn q4_1_matches_at(k: usize) {
-        let n = 40;
-        let codes: Vec<u8> = values(n * k, 1).iter().map(|v| ((v + 1.0) * 7.99) as u8).collect();
-        let scales = values(n * k / BLOCK, 2).iter().map(|v| v.abs() * 0.1 + 0.01).collect::<Vec<_>>();
-        let mins = values(n * k / BLOCK, 3).iter().map(|v| v * 0.5).collect::<Vec<_>>();
-        let dense: Vec<f32> = (0..n * k).map(|i| scales[i / BLOCK] * codes[i] as f32 + mins[i / BLOCK]).collect();
-        let nibbles: Vec<u8> = codes
-            .chunks(BLOCK)
-            .flat_map(|block| (0..BLOCK / 2).map(move |j| block[j] | (block[j + BLOCK / 2] << 4)))
-            .collect();
-        let weights = Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins };
-        for m in [1, 3, 6] {
-            let x = values(m * k, 4 + m as u32);
-            let mut out = vec![0.0; m * n];
-            matmul(&SpinPool::new(3), 3, &x, k, &weights, &mut out);
-            close(&out, &reference(&x, &dense, k), 0.02);
-        }
-        let mut floats = vec![0.0; n * k];
-        dequantize(&SpinPool::new(3), 3, &weights, k, &mut floats);
-        assert_eq!(floats, dense);
-    }
-
     fn pair_is_two_dots(weights: &impl BlockWeights, k: usize) {
         let xs = QuantizedRows::new(&values(4 * k, 10), k);
         for count in 1..=4 {
@@ -1011,9 +704,7 @@ pub(crate) mod tests {
     #[test]
     fn weight_rows_in_pairs_give_each_rows_own_dot_product() {
         let k = 160;
-        let nibbles: Vec<u8> = (0..k).map(|i| (i * 37 % 256) as u8).collect();
-        let (scales, mins) = (values(2 * k / BLOCK, 8), values(2 * k / BLOCK, 9));
-        pair_is_two_dots(&Q4_1 { nibbles: &nibbles, scales: &scales, mins: &mins }, k);
+        let scales = values(2 * k / BLOCK, 8);
         let codes: Vec<i8> = values(2 * k, 11).iter().map(|v| (v * 127.0) as i8).collect();
         pair_is_two_dots(&Q8_0 { codes: &codes, scales: &scales }, k);
     }

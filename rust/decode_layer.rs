@@ -9,7 +9,8 @@
 //! frame and guard checks per layer call, the custom ops' dispatch, SDPA's
 //! set-up for one query), which a plain loop here does not have.
 
-use crate::block_quant::{self, SharedPtr, Q4_1};
+use crate::block_gemm::{self, Q4_1Tiles};
+use crate::block_quant::{self, SharedPtr};
 use crate::spin_pool::SpinPool;
 
 /// The layer's sizes.
@@ -24,16 +25,17 @@ pub struct Dims {
     pub scale: f32,
 }
 
-/// The layer's weights: RMSNorm weights and Q4_1 projections (gate and up
-/// fused, q/k/v fused, with an optional bias as in Qwen2).
+/// The layer's weights: RMSNorm weights and Q4_1 projections in
+/// block_gemm's tiles (gate and up fused, q/k/v fused, with an optional
+/// bias as in Qwen2).
 pub struct Layer<'a> {
     pub input_norm: &'a [f32],
-    pub qkv: Q4_1<'a>,
+    pub qkv: Q4_1Tiles<'a>,
     pub qkv_bias: Option<&'a [f32]>,
-    pub o: Q4_1<'a>,
+    pub o: Q4_1Tiles<'a>,
     pub post_norm: &'a [f32],
-    pub gate_up: Q4_1<'a>,
-    pub down: Q4_1<'a>,
+    pub gate_up: Q4_1Tiles<'a>,
+    pub down: Q4_1Tiles<'a>,
 }
 
 /// What each row of the step needs besides its hidden state.
@@ -92,7 +94,7 @@ pub unsafe fn decode_layer(
     let mut normed = vec![0f32; n * hidden];
     add_and_norm(x, residual, layer.input_norm, dims.eps, &mut normed);
     let mut qkv = vec![0f32; n * qkv_width];
-    block_quant::matmul(pool, threads, &normed, hidden, &layer.qkv, &mut qkv);
+    block_gemm::matmul(pool, threads, &normed, &layer.qkv, &mut qkv);
     let half = head_dim / 2;
     for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
         if let Some(bias) = layer.qkv_bias {
@@ -110,12 +112,12 @@ pub unsafe fn decode_layer(
     let mut attended = vec![0f32; n * q_size];
     attend(pool, threads, dims, rows, cache, &qkv, &mut attended);
     let mut projected = vec![0f32; n * hidden];
-    block_quant::matmul(pool, threads, &attended, q_size, &layer.o, &mut projected);
+    block_gemm::matmul(pool, threads, &attended, &layer.o, &mut projected);
     add_and_norm(&projected, residual, layer.post_norm, dims.eps, &mut normed);
 
     let inter = dims.intermediate;
     let mut gate_up = vec![0f32; n * 2 * inter];
-    block_quant::matmul(pool, threads, &normed, hidden, &layer.gate_up, &mut gate_up);
+    block_gemm::matmul(pool, threads, &normed, &layer.gate_up, &mut gate_up);
     let mut activated = vec![0f32; n * inter];
     for (row, out) in gate_up.chunks_exact(2 * inter).zip(activated.chunks_exact_mut(inter)) {
         let (gate, up) = row.split_at(inter);
@@ -123,7 +125,7 @@ pub unsafe fn decode_layer(
             *o = g / (1.0 + (-g).exp()) * u;
         }
     }
-    block_quant::matmul(pool, threads, &activated, inter, &layer.down, x);
+    block_gemm::matmul(pool, threads, &activated, &layer.down, x);
 }
 
 /// residual += x; out = RMSNorm(residual) * weight, row by row.

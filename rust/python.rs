@@ -9,8 +9,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-use crate::block_gemm;
-use crate::block_quant::{self, Q4_1, Q8_0};
+use crate::block_gemm::{self, Q4_1Tiles};
+use crate::block_quant::{self, Q8_0};
 use crate::chat::content::{join_parts, Part};
 use crate::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
@@ -254,14 +254,10 @@ unsafe fn view<'a, T>(address: usize, len: usize) -> &'a [T] {
     std::slice::from_raw_parts(address as *const T, len)
 }
 
-/// A Q4_1 weight as addresses: (nibbles, scales, mins).
-type Q4_1Address = (usize, usize, usize);
-
-/// The Q4_1 weight [n, k] at `address`: nibbles (u8, n * k / 2), scales
-/// and mins (f32, n * k / 32). SAFETY: as for `view`.
-unsafe fn q4_1_at<'a>((nibbles, scales, mins): Q4_1Address, n: usize, k: usize) -> Q4_1<'a> {
-    let blocks = n * k / block_quant::BLOCK;
-    Q4_1 { nibbles: view(nibbles, n * k / 2), scales: view(scales, blocks), mins: view(mins, blocks) }
+/// The Q4_1 weight [n, k] whose tiles (block_gemm's layout) are at
+/// `address`. SAFETY: as for `view`.
+unsafe fn q4_1_at<'a>(address: usize, n: usize, k: usize) -> Q4_1Tiles<'a> {
+    Q4_1Tiles::new(view(address, Q4_1Tiles::size(n, k)), n, k)
 }
 
 /// The Q8_0 weight [n, k]: codes (i8, n * k) and scales (f32, n * k / 32).
@@ -270,31 +266,41 @@ unsafe fn q8_0_at<'a>(codes: usize, scales: usize, n: usize, k: usize) -> Q8_0<'
     Q8_0 { codes: view(codes, n * k), scales: view(scales, n * k / block_quant::BLOCK) }
 }
 
-/// out[rows, n] = x[rows, k] @ w.T for Q4_1 weights w[n, k] given as
-/// nibbles (u8, n * k / 2), scales and mins (f32, n * k / 32). The
-/// arguments are addresses of float32/uint8 buffers; only
-/// pyserve.model.block_quant calls this, after checking shapes and dtypes.
-/// `threads` share the columns (the caller's thread among them).
-/// block_gemm's tiles compute it for any row count.
+/// The bytes of a Q4_1 weight [n, k] in block_gemm's tiles.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn matmul_q4_1(
-    py: Python<'_>,
-    x: usize,
-    rows: usize,
-    k: usize,
-    nibbles: usize,
-    scales: usize,
-    mins: usize,
-    n: usize,
-    out: usize,
-    threads: usize,
-) {
+fn q4_1_tiles_size(n: usize, k: usize) -> PyResult<usize> {
+    if k % block_quant::BLOCK != 0 {
+        return Err(PyValueError::new_err(format!("Q4_1 rows hold a multiple of {} inputs", block_quant::BLOCK)));
+    }
+    Ok(Q4_1Tiles::size(n, k))
+}
+
+/// Packs a Q4_1 weight [n, k] into block_gemm's tiles at `out`: codes
+/// (u8 0..15, one a byte, n * k), scales and minimums (f32, n * k / 32).
+/// Only pyserve.model.block_quant calls this, after checking shapes, dtypes
+/// and codes.
+#[pyfunction]
+fn pack_q4_1(codes: usize, scales: usize, mins: usize, n: usize, k: usize, out: usize) {
+    let blocks = n * k / block_quant::BLOCK;
     // SAFETY: see `view`; `out` is written only by this call.
     unsafe {
-        let weights = q4_1_at((nibbles, scales, mins), n, k);
+        let out = std::slice::from_raw_parts_mut(out as *mut u8, Q4_1Tiles::size(n, k));
+        block_gemm::pack(view(codes, n * k), view(scales, blocks), view(mins, blocks), n, k, out);
+    }
+}
+
+/// out[rows, n] = x[rows, k] @ w.T for the Q4_1 weight w[n, k] whose tiles
+/// are at `tiles`. The arguments are addresses of float32/uint8 buffers;
+/// only pyserve.model.block_quant calls this, after checking shapes and
+/// dtypes. `threads` share the columns (the caller's thread among them).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn matmul_q4_1(py: Python<'_>, x: usize, rows: usize, k: usize, tiles: usize, n: usize, out: usize, threads: usize) {
+    // SAFETY: see `view`; `out` is written only by this call.
+    unsafe {
+        let weights = q4_1_at(tiles, n, k);
         let (x, out) = (view::<f32>(x, rows * k), std::slice::from_raw_parts_mut(out as *mut f32, rows * n));
-        py.allow_threads(|| block_gemm::matmul(SpinPool::global(), threads, x, k, &weights, out));
+        py.allow_threads(|| block_gemm::matmul(SpinPool::global(), threads, x, &weights, out));
     }
 }
 
@@ -350,7 +356,7 @@ fn decode_layer_q4_1(
     rows: usize,
     dims: (usize, usize, usize, usize, usize, f32, f32),
     norms: (usize, usize),
-    projections: (Q4_1Address, Q4_1Address, Q4_1Address, Q4_1Address),
+    projections: (usize, usize, usize, usize),
     qkv_bias: usize,
     step: (usize, usize, usize, usize, usize, usize),
     cache: (usize, usize, usize),
@@ -360,7 +366,7 @@ fn decode_layer_q4_1(
     let dims = decode_layer::Dims { hidden, heads, kv_heads, head_dim, intermediate, eps, scale };
     let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
     // SAFETY: see `view`.
-    let q4_1 = |address: Q4_1Address, n: usize, k: usize| unsafe { q4_1_at(address, n, k) };
+    let q4_1 = |address: usize, n: usize, k: usize| unsafe { q4_1_at(address, n, k) };
     let (qkv, o, gate_up, down) = projections;
     let qkv_width = q_size + 2 * kv_size;
     let (cos, sin, new_slot, slots, width, lens) = step;
@@ -417,21 +423,12 @@ fn matmul_q8_0(
 
 /// out[n, k] (float32) = the Q4_1 weight given as in `matmul_q4_1`.
 #[pyfunction]
-fn dequantize_q4_1(
-    py: Python<'_>,
-    nibbles: usize,
-    scales: usize,
-    mins: usize,
-    n: usize,
-    k: usize,
-    out: usize,
-    threads: usize,
-) {
+fn dequantize_q4_1(py: Python<'_>, tiles: usize, n: usize, k: usize, out: usize) {
     // SAFETY: as in matmul_q4_1.
     unsafe {
-        let weights = q4_1_at((nibbles, scales, mins), n, k);
+        let weights = q4_1_at(tiles, n, k);
         let out = std::slice::from_raw_parts_mut(out as *mut f32, n * k);
-        py.allow_threads(|| block_quant::dequantize(SpinPool::global(), threads, &weights, k, out));
+        py.allow_threads(|| block_gemm::dequantize(&weights, out));
     }
 }
 
@@ -455,6 +452,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyToolCallParser>()?;
     m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
+    m.add_function(wrap_pyfunction!(q4_1_tiles_size, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(attend_extend, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q8_0, m)?)?;

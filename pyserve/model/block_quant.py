@@ -1,5 +1,5 @@
 """Linear layers over ggml's weight blocks, multiplied by pyserve's Rust
-kernels (rust/block_quant.rs): the `8da4w` mode of `--torchao-config`.
+kernels: the `8da4w` mode of `--torchao-config`.
 
 Weights keep llama.cpp's formats, blocks of 32 inputs: Q4_1 for the
 decoder layers (4-bit codes q with a scale d and a minimum m per block,
@@ -12,16 +12,14 @@ without AVX-512 that is what makes a decode step fast, where torch's int4
 kernel widens the codes to floats. bench/quality.py measures what the
 activation rounding costs.
 
-Prefills multiply their many rows by the Q4_1 layers with the same
-numerics in another layout (rust/block_gemm.rs: 8 weight rows interleaved
-per tile, 1.7-1.8x the float32 GEMM of the dequantized weight on this
-2-core AVX2 machine at 128-512 rows, 2.4x the decode kernels at 45), and
-so does every row count here, down to one: a row's product must not
-depend on how many rows share the call, or greedy decoding through these
-layers (tensor-parallel ranks) would depend on the batch. Decode steps of
-one rank run rust/decode_layer.rs, whose products are the decode kernels'.
-The vocabulary projection (Q8_0) sees only the last rows of a prefill and
-keeps the decode kernel up to VOCAB_DENSE_FROM_ROWS rows.
+A Q4_1 layer packs its weight once, when it is built, into
+rust/block_gemm.rs's tiles (8 weight rows interleaved, the same 4 bits a
+code), which every product reads as they lie: prefills, mixed steps and the
+native decode layer (rust/decode_layer.rs) alike, at any row count. So a
+row's product does not depend on how many rows share the call, nor on
+whether a prefill or a decode step computes it. The vocabulary projection
+(Q8_0, rust/block_quant.rs) sees only the last rows of a prefill and keeps
+its kernel up to VOCAB_DENSE_FROM_ROWS rows.
 """
 
 from __future__ import annotations
@@ -63,11 +61,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
 
 
-def _q4_1_product(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] float32 @ the Q4_1 weight [n, k].T, by block_gemm's tiles"""
-    out = x.new_empty(x.shape[0], scales.shape[0])
-    _rust.matmul_q4_1(x.data_ptr(), x.shape[0], x.shape[1], nibbles.data_ptr(), scales.data_ptr(),
-                      mins.data_ptr(), scales.shape[0], out.data_ptr(), kernel_threads())
+def _q4_1_product(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, k] float32 @ the Q4_1 weight [out_features, k].T, from its tiles"""
+    out = x.new_empty(x.shape[0], out_features)
+    _rust.matmul_q4_1(x.data_ptr(), x.shape[0], x.shape[1], tiles.data_ptr(), out_features, out.data_ptr(),
+                      kernel_threads())
     return out
 
 
@@ -77,14 +75,6 @@ def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     _rust.matmul_q8_0(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
                       scales.shape[0], out.data_ptr(), kernel_threads())
     return out
-
-
-def _q4_1_dense(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The Q4_1 weight as float32 [n, k]."""
-    w = nibbles.new_empty(scales.shape[0], nibbles.shape[1] * 2, dtype=torch.float32)
-    _rust.dequantize_q4_1(nibbles.data_ptr(), scales.data_ptr(), mins.data_ptr(), *w.shape, w.data_ptr(),
-                          kernel_threads())
-    return w
 
 
 def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -98,7 +88,7 @@ def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # layer (--enable-torch-compile) calls them as opaque steps instead of
 # breaking its graph; eager calls skip the op's dispatch (~20 µs a call).
 _LIBRARY = torch.library.Library("pyserve", "DEF")
-_LIBRARY.define("matmul_q4_1(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
+_LIBRARY.define("matmul_q4_1(Tensor x, Tensor tiles, int out_features) -> Tensor")
 _LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 _LIBRARY.define("dense_q8_0(Tensor codes, Tensor scales) -> Tensor")
 _LIBRARY.impl("matmul_q4_1", _q4_1_product, "CPU")
@@ -107,8 +97,8 @@ _LIBRARY.impl("dense_q8_0", _q8_0_dense, "CPU")
 
 
 @torch.library.register_fake("pyserve::matmul_q4_1")
-def _(x, nibbles, scales, mins):
-    return x.new_empty(x.shape[0], scales.shape[0])
+def _(x, tiles, out_features):
+    return x.new_empty(x.shape[0], out_features)
 
 
 @torch.library.register_fake("pyserve::matmul_q8_0")
@@ -121,8 +111,8 @@ def _(codes, scales):
     return codes.new_empty(codes.shape, dtype=torch.float32)
 
 
-def _call(op, eager, *tensors: torch.Tensor) -> torch.Tensor:
-    return op(*tensors) if torch.compiler.is_compiling() else eager(*tensors)
+def _call(op, eager, *args) -> torch.Tensor:
+    return op(*args) if torch.compiler.is_compiling() else eager(*args)
 
 
 def _check(cols: int) -> None:
@@ -161,17 +151,22 @@ class Q4_1Linear(_BlockLinear):
     the block b = k // 32, q in 0..15."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
-        """codes: uint8 [out, in] (0..15); scales, mins: [out, in / 32]."""
+        """codes: [out, in], 0..15; scales, mins: [out, in / 32]."""
         super().__init__()
         out, cols = codes.shape
         _check(cols)
-        # ggml's order: in each block, byte j holds input j (low nibble) and j + 16.
-        halves = codes.to(torch.uint8).view(out, cols // BLOCK, 2, BLOCK // 2)
-        self.register_buffer("nibbles", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, cols // 2).contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("mins", mins.float().contiguous())
+        if scales.shape != mins.shape or scales.shape != (out, cols // BLOCK):
+            raise ValueError(f"a [{out}, {cols}] Q4_1 weight has [{out}, {cols // BLOCK}] scales and minimums")
+        if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) <= 15:
+            raise ValueError("Q4_1 codes are 0..15")
+        codes = codes.to(torch.uint8).contiguous()
+        scales, mins = scales.float().contiguous(), mins.float().contiguous()
+        tiles = torch.empty(_rust.q4_1_tiles_size(out, cols), dtype=torch.uint8)
+        _rust.pack_q4_1(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), out, cols, tiles.data_ptr())
+        # The weight as block_gemm's tiles read it; nothing else keeps a copy.
+        self.register_buffer("tiles", tiles)
         self.register_buffer("bias", bias)
-        self.out_features = out
+        self.in_features, self.out_features = cols, out
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4_1Linear:
@@ -181,10 +176,12 @@ class Q4_1Linear(_BlockLinear):
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer multiplies by."""
-        return _q4_1_dense(self.nibbles, self.scales, self.mins)
+        w = torch.empty(self.out_features, self.in_features)
+        _rust.dequantize_q4_1(self.tiles.data_ptr(), self.out_features, self.in_features, w.data_ptr())
+        return w
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return _call(torch.ops.pyserve.matmul_q4_1, _q4_1_product, rows, self.nibbles, self.scales, self.mins)
+        return _call(torch.ops.pyserve.matmul_q4_1, _q4_1_product, rows, self.tiles, self.out_features)
 
 
 class Q8_0Linear(_BlockLinear):

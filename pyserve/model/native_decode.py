@@ -38,10 +38,6 @@ def unfit_reason(model) -> str | None:
     return None
 
 
-def _q4_1(linear: Q4_1Linear) -> tuple[int, int, int]:
-    return linear.nibbles.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr()
-
-
 class NativeDecode:
     """The layers' weights as the addresses the Rust layer reads (the model
     keeps the tensors alive), and `run`, a decode step's layers."""
@@ -62,7 +58,7 @@ class NativeDecode:
                 self._kept.append(bias)
             self.layers.append((
                 tuple(w.data_ptr() for w in norms),
-                (_q4_1(attn.qkv_proj), _q4_1(attn.o_proj), _q4_1(mlp.gate_up_proj), _q4_1(mlp.down_proj)),
+                tuple(p.tiles.data_ptr() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                 0 if bias is None else bias.data_ptr(),
             ))
 
