@@ -11,6 +11,7 @@
 
 use crate::block_gemm::{self, Q4_1Tiles};
 use crate::block_quant::{self, SharedPtr};
+use crate::extend_attention::{self, Extend};
 use crate::spin_pool::SpinPool;
 
 /// The layer's sizes.
@@ -45,11 +46,19 @@ pub struct Rows<'a> {
     pub sin: &'a [f32],
     /// The KV slot of the row's new token.
     pub new_slot: &'a [i64],
-    /// The row's sequence's slots (its new token's last), [rows, width],
-    /// of which the first `lens[row]` count.
-    pub slots: &'a [i64],
-    pub width: usize,
-    pub lens: &'a [i64],
+    pub sequences: Sequences<'a>,
+}
+
+/// The sequences the rows belong to, whose slots their attention reads.
+pub enum Sequences<'a> {
+    /// A decode step: each row is one sequence's new token and attends over
+    /// the first `lens[row]` of its row of `slots` [rows, width] (its new
+    /// token's last).
+    Decode { slots: &'a [i64], width: usize, lens: &'a [i64] },
+    /// A prefill step: each entry is a sequence's count of new tokens, the
+    /// next rows in order, and its slots (the new tokens' last); each new
+    /// token sees the slots up to its own (extend_attention's rule).
+    Extend(Vec<(usize, &'a [i64])>),
 }
 
 /// One layer's KV cache: `slots` slots of [kv_heads, head_dim] floats each.
@@ -110,7 +119,12 @@ pub unsafe fn decode_layer(
     }
 
     let mut attended = vec![0f32; n * q_size];
-    attend(pool, threads, dims, rows, cache, &qkv, &mut attended);
+    match &rows.sequences {
+        Sequences::Decode { slots, width, lens } => {
+            attend(pool, threads, dims, (slots, *width, lens), cache, &qkv, &mut attended)
+        }
+        Sequences::Extend(sequences) => attend_extends(pool, threads, dims, sequences, cache, &qkv, &mut attended),
+    }
     let mut projected = vec![0f32; n * hidden];
     block_gemm::matmul(pool, threads, &attended, &layer.o, &mut projected);
     add_and_norm(&projected, residual, layer.post_norm, dims.eps, &mut normed);
@@ -153,16 +167,72 @@ fn rotate(head: &mut [f32], cos: &[f32], sin: &[f32]) {
 }
 
 /// Checks, before anything is written, that every slot the step writes or
-/// reads lies inside the cache and each row reads 1..=width of its slots:
-/// the raw reads and writes below rely on it.
+/// reads lies inside the cache, that each decode row reads 1..=width of its
+/// slots and that the extends' new tokens are the rows, each within its
+/// sequence: the raw reads and writes below rely on it.
 fn check_slots(rows: &Rows, cache: &KvCache) {
     let n = rows.new_slot.len();
-    assert!(rows.lens.len() == n && rows.slots.len() == n * rows.width, "one slot list per row");
     let inside = |s: i64| s >= 0 && (s as usize) < cache.slots;
-    for (r, (&new, &len)) in rows.new_slot.iter().zip(rows.lens).enumerate() {
-        assert!(len >= 1 && len as usize <= rows.width, "a row attends over 1..=width slots");
-        let slots = &rows.slots[r * rows.width..][..len as usize];
-        assert!(inside(new) && slots.iter().all(|&s| inside(s)), "a KV slot outside the cache");
+    assert!(rows.new_slot.iter().all(|&s| inside(s)), "a KV slot outside the cache");
+    match &rows.sequences {
+        Sequences::Decode { slots, width, lens } => {
+            assert!(lens.len() == n && slots.len() == n * width, "one slot list per row");
+            for (r, &len) in lens.iter().enumerate() {
+                assert!(len >= 1 && len as usize <= *width, "a row attends over 1..=width slots");
+                assert!(slots[r * width..][..len as usize].iter().all(|&s| inside(s)), "a KV slot outside the cache");
+            }
+        }
+        Sequences::Extend(sequences) => {
+            assert_eq!(
+                sequences.iter().map(|(count, _)| count).sum::<usize>(),
+                n,
+                "the extends' new tokens are the rows"
+            );
+            for (count, slots) in sequences {
+                assert!(*count >= 1 && *count <= slots.len(), "an extend has 1..=its slots new tokens");
+                assert!(slots.iter().all(|&s| inside(s)), "a KV slot outside the cache");
+            }
+        }
+    }
+}
+
+/// Each extend's attention (rust/extend_attention.rs) over the cache,
+/// its rows' queries copied out of `qkv` together. The caller has run
+/// `check_slots`.
+unsafe fn attend_extends(
+    pool: &SpinPool,
+    threads: usize,
+    dims: &Dims,
+    sequences: &[(usize, &[i64])],
+    cache: &KvCache,
+    qkv: &[f32],
+    out: &mut [f32],
+) {
+    let q_size = dims.heads * dims.head_dim;
+    let kv_size = dims.kv_heads * dims.head_dim;
+    let qkv_width = q_size + 2 * kv_size;
+    // SAFETY: the cache holds `slots` slots; this step's writes are done.
+    let k = std::slice::from_raw_parts(cache.k, cache.slots * kv_size);
+    let v = std::slice::from_raw_parts(cache.v, cache.slots * kv_size);
+    let mut q = Vec::new();
+    let mut first = 0;
+    for &(count, slots) in sequences {
+        q.clear();
+        for row in qkv[first * qkv_width..].chunks_exact(qkv_width).take(count) {
+            q.extend_from_slice(&row[..q_size]);
+        }
+        let extend = Extend {
+            q: &q,
+            k,
+            v,
+            slots,
+            heads: dims.heads,
+            kv_heads: dims.kv_heads,
+            head_dim: dims.head_dim,
+            scale: dims.scale,
+        };
+        extend_attention::attend(pool, threads, &extend, &mut out[first * q_size..(first + count) * q_size]);
+        first += count;
     }
 }
 
@@ -182,7 +252,7 @@ unsafe fn attend(
     pool: &SpinPool,
     threads: usize,
     dims: &Dims,
-    rows: &Rows,
+    (slots, width, lens): (&[i64], usize, &[i64]),
     cache: &KvCache,
     qkv: &[f32],
     out: &mut [f32],
@@ -193,8 +263,8 @@ unsafe fn attend(
     let qkv_width = q_size + 2 * kv_size;
     let group = dims.heads / dims.kv_heads;
     let mut tasks = Vec::new(); // (row, kv head, slots)
-    for r in 0..rows.new_slot.len() {
-        let slots = &rows.slots[r * rows.width..][..rows.lens[r] as usize];
+    for (r, &len) in lens.iter().enumerate() {
+        let slots = &slots[r * width..][..len as usize];
         let pieces = slots.len().div_ceil(SLOTS_PER_PIECE);
         for kv_head in 0..dims.kv_heads {
             for piece in 0..pieces {
@@ -508,7 +578,8 @@ mod tests {
     fn a_slot_past_the_cache_is_refused_before_any_write() {
         let mut kv = [0f32; 4];
         let cache = KvCache { k: kv.as_mut_ptr(), v: kv.as_mut_ptr(), slots: 2 };
-        let rows = Rows { cos: &[], sin: &[], new_slot: &[1], slots: &[0, 2], width: 2, lens: &[2] };
+        let sequences = Sequences::Decode { slots: &[0, 2], width: 2, lens: &[2] };
+        let rows = Rows { cos: &[], sin: &[], new_slot: &[1], sequences };
         check_slots(&rows, &cache);
     }
 
@@ -570,11 +641,12 @@ mod tests {
             let slots: Vec<i64> = (0..len as i64).rev().collect();
             let half = head_dim / 2;
             let (cos, sin) = (vec![1.0f32; half], vec![0.0f32; half]);
-            let rows = Rows { cos: &cos, sin: &sin, new_slot: &[0], slots: &slots, width: len, lens: &[len as i64] };
+            let sequences = Sequences::Decode { slots: &slots, width: len, lens: &[len as i64] };
+            let rows = Rows { cos: &cos, sin: &sin, new_slot: &[0], sequences };
             let qkv: Vec<f32> = (0..(heads + 2) * head_dim).map(|i| wave(i, 5)).collect();
             let mut out = vec![0f32; heads * head_dim];
             check_slots(&rows, &cache);
-            unsafe { attend(SpinPool::global(), 2, &dims, &rows, &cache, &qkv, &mut out) };
+            unsafe { attend(SpinPool::global(), 2, &dims, (&slots, len, &[len as i64]), &cache, &qkv, &mut out) };
             for head in 0..heads {
                 let q = &qkv[head * head_dim..][..head_dim];
                 let scores: Vec<f64> = (0..len)
@@ -626,13 +698,14 @@ mod tests {
         let mut v = [0.0f32, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
         let cache = KvCache { k: k.as_mut_ptr(), v: v.as_mut_ptr(), slots: 5 };
         let (cos, sin) = ([1.0f32; 2], [0.0f32; 2]);
-        let rows =
-            Rows { cos: &cos, sin: &sin, new_slot: &[3, 4], slots: &[1, 2, 3, 4, 0, 0], width: 3, lens: &[3, 1] };
+        let (slots, lens) = ([1i64, 2, 3, 4, 0, 0], [3i64, 1]);
+        let sequences = Sequences::Decode { slots: &slots, width: 3, lens: &lens };
+        let rows = Rows { cos: &cos, sin: &sin, new_slot: &[3, 4], sequences };
         // each row: q (2 heads x 2), k, v
         let qkv = [1.0f32, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0];
         let mut out = [0f32; 8];
         check_slots(&rows, &cache);
-        unsafe { attend(SpinPool::global(), 2, &dims, &rows, &cache, &qkv, &mut out) };
+        unsafe { attend(SpinPool::global(), 2, &dims, (&slots, 3, &lens), &cache, &qkv, &mut out) };
         for (r, head, q) in [(0, 0, [1.0f32, 0.0]), (0, 1, [0.0, 2.0])] {
             let slots = [1usize, 2, 3];
             let scores: Vec<f32> = slots.iter().map(|&s| 0.5 * (q[0] * k[2 * s] + q[1] * k[2 * s + 1])).collect();
@@ -644,5 +717,54 @@ mod tests {
         }
         // the second row sees only slot 4: its value, whatever the scores
         assert_eq!(&out[4..], &[7.0, 8.0, 7.0, 8.0]);
+    }
+
+    /// Two extends in one step (3 new tokens after 37 cached, and a fresh
+    /// prompt of 5): each new token attends as a decode row over its
+    /// sequence's slots up to its own.
+    #[test]
+    fn extend_rows_attend_as_decode_rows_over_their_prefix() {
+        let dims = Dims { hidden: 0, heads: 6, kv_heads: 2, head_dim: 8, intermediate: 0, eps: 0.0, scale: 0.35 };
+        let (q_size, kv_size) = (6 * 8, 2 * 8);
+        let wave = |i: usize, salt: usize| ((i * 13 + salt * 7) % 29) as f32 / 29.0 * 3.0 - 1.5;
+        let cache_slots = 60;
+        let mut k: Vec<f32> = (0..cache_slots * kv_size).map(|i| wave(i, 1)).collect();
+        let mut v: Vec<f32> = (0..cache_slots * kv_size).map(|i| wave(i, 2)).collect();
+        let cache = KvCache { k: k.as_mut_ptr(), v: v.as_mut_ptr(), slots: cache_slots };
+        let first: Vec<i64> = (10..50).rev().collect(); // 40 slots, the last 3 new
+        let second: Vec<i64> = (50..55).collect();
+        let rows = 8;
+        let qkv: Vec<f32> = (0..rows * (q_size + 2 * kv_size)).map(|i| wave(i, 3)).collect();
+        let mut extended = vec![0f32; rows * q_size];
+        let sequences = vec![(3, &first[..]), (5, &second[..])];
+        let step = Rows { cos: &[], sin: &[], new_slot: &[0; 8], sequences: Sequences::Extend(sequences.clone()) };
+        check_slots(&step, &cache);
+        unsafe { attend_extends(SpinPool::global(), 2, &dims, &sequences, &cache, &qkv, &mut extended) };
+        // The same rows as a decode step: row t of an extend of T new tokens
+        // over L slots reads the first L - T + t + 1.
+        let width = first.len();
+        let mut table = vec![0i64; rows * width];
+        let mut lens = vec![];
+        for (count, slots) in &sequences {
+            for t in 0..*count {
+                let seen = slots.len() - count + t + 1;
+                table[lens.len() * width..][..seen].copy_from_slice(&slots[..seen]);
+                lens.push(seen as i64);
+            }
+        }
+        let mut decoded = vec![0f32; rows * q_size];
+        unsafe { attend(SpinPool::global(), 2, &dims, (&table, width, &lens), &cache, &qkv, &mut decoded) };
+        for (i, (a, b)) in extended.iter().zip(&decoded).enumerate() {
+            assert!((a - b).abs() < 1e-5, "value {i}: {a} vs {b}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "the extends' new tokens are the rows")]
+    fn extends_must_cover_the_rows() {
+        let mut kv = [0f32; 8];
+        let cache = KvCache { k: kv.as_mut_ptr(), v: kv.as_mut_ptr(), slots: 4 };
+        let sequences = Sequences::Extend(vec![(1, &[0, 1][..])]);
+        check_slots(&Rows { cos: &[], sin: &[], new_slot: &[1, 2], sequences }, &cache);
     }
 }

@@ -345,9 +345,12 @@ fn attend_extend(
 /// buffers; only pyserve.model.native_decode calls this, with the
 /// tensors of a decode step and of the layer, after checking them.
 /// dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale);
-/// norms: (input, post-attention); qkv_bias 0 for none; rows: (cos, sin,
-/// new_slot, slots, width, lens); cache: (k, v, slots).
+/// norms: (input, post-attention); qkv_bias 0 for none; step: (cos, sin,
+/// new_slot); a decode step's `decode`: (slots, width, lens), or else a
+/// prefill step's `extends`: (new tokens, slots, slot count) per sequence;
+/// cache: (k, v, slots).
 #[pyfunction]
+#[pyo3(signature = (x, residual, rows, dims, norms, projections, qkv_bias, step, decode, extends, cache, threads))]
 #[allow(clippy::too_many_arguments)]
 fn decode_layer_q4_1(
     py: Python<'_>,
@@ -358,7 +361,9 @@ fn decode_layer_q4_1(
     norms: (usize, usize),
     projections: (usize, usize, usize, usize),
     qkv_bias: usize,
-    step: (usize, usize, usize, usize, usize, usize),
+    step: (usize, usize, usize),
+    decode: Option<(usize, usize, usize)>,
+    extends: Vec<(usize, usize, usize)>,
     cache: (usize, usize, usize),
     threads: usize,
 ) {
@@ -369,7 +374,7 @@ fn decode_layer_q4_1(
     let q4_1 = |address: usize, n: usize, k: usize| unsafe { q4_1_at(address, n, k) };
     let (qkv, o, gate_up, down) = projections;
     let qkv_width = q_size + 2 * kv_size;
-    let (cos, sin, new_slot, slots, width, lens) = step;
+    let (cos, sin, new_slot) = step;
     let half = head_dim / 2;
     // SAFETY: see `view`; x, residual and the cache are written only by this call.
     unsafe {
@@ -382,13 +387,19 @@ fn decode_layer_q4_1(
             gate_up: q4_1(gate_up, 2 * intermediate, hidden),
             down: q4_1(down, hidden, intermediate),
         };
+        let sequences = match decode {
+            Some((slots, width, lens)) => {
+                decode_layer::Sequences::Decode { slots: view(slots, rows * width), width, lens: view(lens, rows) }
+            }
+            None => decode_layer::Sequences::Extend(
+                extends.iter().map(|&(count, slots, len)| (count, view(slots, len))).collect(),
+            ),
+        };
         let step = decode_layer::Rows {
             cos: view(cos, rows * half),
             sin: view(sin, rows * half),
             new_slot: view(new_slot, rows),
-            slots: view(slots, rows * width),
-            width,
-            lens: view(lens, rows),
+            sequences,
         };
         let cache = decode_layer::KvCache { k: cache.0 as *mut f32, v: cache.1 as *mut f32, slots: cache.2 };
         let x = std::slice::from_raw_parts_mut(x as *mut f32, rows * hidden);

@@ -1,6 +1,7 @@
-"""8da4w decode steps through rust/decode_layer.rs (pyserve/model/native_decode.py):
-the same logits as the torch layers, the embedded model's answers through
-the engine, and the layouts it leaves to torch."""
+"""8da4w decode and prefill steps through rust/decode_layer.rs
+(pyserve/model/native_decode.py): the same logits as the torch layers, the
+embedded model's answers through the engine, and the layouts it leaves to
+torch."""
 
 from __future__ import annotations
 
@@ -68,6 +69,57 @@ def test_native_decode_step_gives_the_torch_layers_logits(tmp_path, default_mode
     torch_logits = _decode_logits(model, config, native=False)
     native_logits = _decode_logits(model, config, native=True)
     assert native_logits.shape == torch_logits.shape == (len(PROMPT_LENGTHS), config.vocab_size)
+    scale = torch_logits.abs().max()
+    assert (native_logits - torch_logits).abs().max() < 1e-4 * scale
+    assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).all()
+
+
+def _extend_logits(model, config, native: bool) -> tuple[torch.Tensor, int]:
+    """Logits at every new token of one prefill step (a fresh 9-token prompt,
+    and 6 tokens after a cached prefix of 20 that the torch layers wrote
+    first), its layers native or not; and how many times the native
+    prefill layers ran. torch on one thread, as RankModel runs 8da4w steps."""
+    kv = KVBuffer(config.num_hidden_layers, 64, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    attn = TorchAttention(kv, cpu_threads=2, native_extend=True)
+    generator = torch.Generator().manual_seed(1)
+    prefix, chunk, fresh = (torch.randint(3, 400, (n,), generator=generator).tolist() for n in (20, 6, 9))
+    prefix_slots, chunk_slots, fresh_slots = torch.arange(1, 21), torch.arange(21, 27), torch.arange(27, 36)
+    ran = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            model.native_decode = None
+            model(ForwardBatch.build(prefix, list(range(20)), prefix_slots, [20], [prefix_slots], [19], False, "cpu"),
+                  attn)
+            model.native_decode = native_decode.NativeDecode(model) if native else None
+            if native:
+                run_extends = model.native_decode.run_extends
+                model.native_decode.run_extends = lambda *a: ran.append(1) or run_extends(*a)
+            step = ForwardBatch.build(chunk + fresh, list(range(20, 26)) + list(range(9)),
+                                      torch.cat([chunk_slots, fresh_slots]), [6, 9],
+                                      [torch.cat([prefix_slots, chunk_slots]), fresh_slots], list(range(15)), False,
+                                      "cpu")
+            return model(step, attn), len(ran)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    pytest.param("llama", {}, id="llama-gqa"),
+    pytest.param("qwen2", {"num_key_value_heads": 1}, id="qwen2-qkv-bias"),
+])
+def test_native_prefill_step_gives_the_torch_layers_logits(tmp_path, default_model_dir, arch, overrides):
+    """A prefill chunk over a cached prefix beside a fresh prompt: each new
+    token's logits as the torch layers give them (the same kernels for the
+    products and the attention; norms, rotary and the rest in other orders)."""
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, **overrides)
+    model, config = load_model(model_dir, torch.float32, "cpu", parse_quant("8da4w"))
+    torch_logits, ran = _extend_logits(model, config, native=False)
+    assert ran == 0
+    native_logits, ran = _extend_logits(model, config, native=True)
+    assert ran == 1, "the native prefill layers did not run"
+    assert native_logits.shape == torch_logits.shape == (15, config.vocab_size)
     scale = torch_logits.abs().max()
     assert (native_logits - torch_logits).abs().max() < 1e-4 * scale
     assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).all()

@@ -306,7 +306,8 @@ class LlamaForCausalLM(nn.Module):
         self._compiled_decode_layer = torch.compile(decode_layer)
 
     _compiled_decode_layer = None
-    # Set to a NativeDecode (native_decode.py) to run decode steps' layers in Rust.
+    # Set to a NativeDecode (native_decode.py) to run decode steps' layers,
+    # and the prefill steps the attention backend hands over, in Rust.
     native_decode = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -322,8 +323,12 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
         compiled = self._compiled_decode_layer
         decode_step = batch.is_decode and attn.decode_inputs(0) is not None
+        native_extends = None if self.native_decode is None or decode_step else attn.native_extends()
         if self.native_decode is not None and decode_step:
             x, residual = self.native_decode.run(x, cos, sin, batch.seq_lens, attn.decode_inputs)
+        elif native_extends is not None:
+            x, residual = self.native_decode.run_extends(x, cos, sin, batch.out_cache_loc, native_extends,
+                                                         attn.kv_buffer)
         elif compiled is not None and decode_step:
             # A zero residual into the first layer (x + 0 is x) keeps every
             # layer the same graph.

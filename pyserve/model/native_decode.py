@@ -1,13 +1,18 @@
-"""Decode steps of a model in the 8da4w layout as one Rust call per layer
+"""Steps of a model in the 8da4w layout as one Rust call per layer
 (rust/decode_layer.rs): norms, Q4_1 projections, rotary, the KV write and
 attention over each sequence's slots, SiLU, without a torch op between.
+Decode steps, and the prefill steps that the attention backend hands over
+(`native_extends`: the one-thread 8da4w steps of prefill chunks alone,
+whose attention is rust/extend_attention.rs).
 
 At batch 1 a small model's projections are about half of a step on a CPU;
 the other half was the cost around them (torch.compile's per-call checks,
-custom-op dispatch, SDPA's set-up for one query). Llama-style layers on
+custom-op dispatch, SDPA's set-up for one query). In a prefill chunk over a
+cached prefix, torch's ops between the kernels ran on one thread while the
+kernels' helper waited: a quarter of the step. Llama-style layers on
 one rank only: Q4_1 q/k/v (with or without a bias), o, gate/up and down
-projections without biases, no q/k norms, float32 KV cache. Prefill and
-mixed steps keep the torch layers.
+projections without biases, no q/k norms, float32 KV cache. Mixed steps
+(decode rows beside a prefill chunk) keep the torch layers.
 """
 
 from __future__ import annotations
@@ -68,22 +73,42 @@ class NativeDecode:
         the embeddings `x` [rows, hidden] of a decode step.
         `decode_inputs(i)`: layer i's (k cache, v cache, new slots, slots, mask)."""
         rows = x.shape[0]
+        lens = torch.tensor(seq_lens, dtype=torch.long)
+        _, _, new_slots, slots, _ = decode_inputs(0)
+        slots = slots.to(torch.long).contiguous()
+        if slots.shape[0] != rows or lens.shape[0] != rows or int(lens.max()) > slots.shape[1]:
+            raise ValueError("a decode step's slots do not match its rows")
+        decode = (slots.data_ptr(), slots.shape[1], lens.data_ptr())
+        caches = [decode_inputs(i)[:2] for i in range(len(self.layers))]
+        return self._layers(x, cos, sin, new_slots, decode, [], caches)
+
+    def run_extends(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
+                    extends: list[tuple[int, torch.Tensor]], kv_buffer) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `run`, for a prefill step: `extends` holds each sequence's
+        count of new tokens (the next rows in order) and its slots (int64,
+        the new tokens' last); `new_slots` the rows' KV slots."""
+        if sum(count for count, _ in extends) != x.shape[0]:
+            raise ValueError("a prefill step's sequences do not match its rows")
+        extends = [(count, slots.to(torch.long).contiguous()) for count, slots in extends]
+        described = [(count, slots.data_ptr(), slots.numel()) for count, slots in extends]
+        caches = list(zip(kv_buffer.k_buffer, kv_buffer.v_buffer))
+        return self._layers(x, cos, sin, new_slots, None, described, caches)
+
+    def _layers(self, x, cos, sin, new_slots, decode, extends, caches) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.shape[0]
         x = x.to(torch.float32).contiguous().clone()
         residual = torch.zeros_like(x)
         cos = cos.reshape(rows, -1).to(torch.float32).contiguous()
         sin = sin.reshape(rows, -1).to(torch.float32).contiguous()
-        lens = torch.tensor(seq_lens, dtype=torch.long)
-        _, _, new_slots, slots, _ = decode_inputs(0)
-        new_slots, slots = new_slots.to(torch.long).contiguous(), slots.to(torch.long).contiguous()
-        if slots.shape[0] != rows or lens.shape[0] != rows or int(lens.max()) > slots.shape[1]:
-            raise ValueError("a decode step's slots do not match its rows")
-        step = (cos.data_ptr(), sin.data_ptr(), new_slots.data_ptr(), slots.data_ptr(), slots.shape[1],
-                lens.data_ptr())
+        new_slots = new_slots.to(torch.long).contiguous()
+        if new_slots.shape != (rows,):
+            raise ValueError("one new KV slot per row")
+        step = (cos.data_ptr(), sin.data_ptr(), new_slots.data_ptr())
         threads = block_quant.kernel_threads()
-        for i, (norms, projections, bias) in enumerate(self.layers):
-            k_cache, v_cache = decode_inputs(i)[:2]
+        for (norms, projections, bias), (k_cache, v_cache) in zip(self.layers, caches):
             if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-                raise ValueError("the native decode layer needs a contiguous float32 KV cache")
+                raise ValueError("the native layer needs a contiguous float32 KV cache")
             _rust.decode_layer_q4_1(x.data_ptr(), residual.data_ptr(), rows, self.dims, norms, projections, bias,
-                                    step, (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0]), threads)
+                                    step, decode, extends, (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0]),
+                                    threads)
         return x, residual

@@ -54,6 +54,13 @@ class AttentionBackend(ABC):
         prepared batch is a decode step; None otherwise."""
         return None
 
+    def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
+        """For a prepared prefill step whose layers may run natively
+        (native_decode.py, over this backend's `kv_buffer`): each sequence's
+        count of new tokens and its slots, the new tokens' last. None for
+        any other step, and on backends that keep their own attention."""
+        return None
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                  batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' k/v at `batch.out_cache_loc`; returns the

@@ -196,6 +196,14 @@ class TorchAttention(AttentionBackend):
         if single.mask is not None:
             torch._dynamo.mark_dynamic(single.mask, 3)
 
+    def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
+        """Prefill chunks alone, in a step whose extends run cpu_extend's
+        kernel: the native layer runs them with that same kernel. Decode
+        rows beside them (a mixed step) keep these layers' batched SDPA."""
+        if not self._native_step or self._single is not None:
+            return None
+        return [(s.num_new, s.slots) for s in self._extend]
+
     def decode_inputs(self, layer_id: int) -> tuple | None:
         """For a prepared batch of single-token rows only (a decode step):
         the tensors `attend_single_tokens` takes after q, k, v, for layer
