@@ -74,7 +74,7 @@ impl<'a> Q4_1Tiles<'a> {
         let block = self.block(r / TILE_ROWS, c / BLOCK);
         let (row, i) = (r % TILE_ROWS, c % BLOCK);
         let byte = block[code_byte(row, i)];
-        let code = if i % BLOCK < BLOCK / 2 { byte & 0x0F } else { byte >> 4 };
+        let code = if i < BLOCK / 2 { byte & 0x0F } else { byte >> 4 };
         let float = |at: usize| f32::from_le_bytes(block[at + 4 * row..at + 4 * row + 4].try_into().unwrap());
         (code, float(CODE_BYTES), float(CODE_BYTES + 4 * TILE_ROWS))
     }
@@ -169,18 +169,15 @@ unsafe fn plain_multiply(
     let blocks = weights.blocks();
     for (i, r) in rows.enumerate() {
         for row in 0..count {
+            let weight_row = t * TILE_ROWS + row;
             let mut acc = 0f32;
             for b in 0..blocks {
-                let mut dot = 0i32;
-                let mut scales = (0.0, 0.0);
-                for c in 0..BLOCK {
-                    let (code, scale, min) = weights.weight(t * TILE_ROWS + row, b * BLOCK + c);
-                    dot += code as i32 * xs.codes[(r * blocks + b) * BLOCK + c] as i32;
-                    scales = (scale, min);
-                }
-                let scale = scales.0 * xs.scales[r * blocks + b];
-                acc = (dot as f32).mul_add(scale, acc);
-                acc = scales.1.mul_add(xs.sums[r * blocks + b], acc);
+                let x_codes = &xs.codes[(r * blocks + b) * BLOCK..][..BLOCK];
+                let dot: i32 =
+                    (0..BLOCK).map(|c| weights.weight(weight_row, b * BLOCK + c).0 as i32 * x_codes[c] as i32).sum();
+                let (_, scale, min) = weights.weight(weight_row, b * BLOCK);
+                acc = (dot as f32).mul_add(scale * xs.scales[r * blocks + b], acc);
+                acc = min.mul_add(xs.sums[r * blocks + b], acc);
             }
             *out.add(i * n + row) = acc;
         }

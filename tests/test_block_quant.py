@@ -85,6 +85,14 @@ def test_refuses_inputs_that_are_not_whole_blocks():
         Q4_1Linear.quantize(torch.randn(8, 40))
 
 
+def test_q4_1_layer_refuses_codes_past_four_bits_and_misshapen_scales():
+    scales = torch.ones(8, 2)
+    with pytest.raises(ValueError, match="0..15"):
+        Q4_1Linear(torch.full((8, 64), 16), scales, scales, None)
+    with pytest.raises(ValueError, match="scales and minimums"):
+        Q4_1Linear(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 3), scales, None)
+
+
 def test_quantize_model_keeps_shapes_that_do_not_fit_dense():
     model = torch.nn.Module()
     model.proj = torch.nn.Linear(40, 8, bias=False)
