@@ -343,7 +343,7 @@ fn attend_extend(
 
 /// decode_layer::decode_layer over addresses of float32 (int64 for slots)
 /// buffers; only pyserve.model.native_decode calls this, with the
-/// tensors of a decode step and of the layer, after checking them.
+/// tensors of a decode or prefill step and of the layer, after checking them.
 /// dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale);
 /// norms: (input, post-attention); qkv_bias 0 for none; step: (cos, sin,
 /// new_slot); a decode step's `decode`: (slots, width, lens), or else a

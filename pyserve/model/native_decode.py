@@ -45,7 +45,8 @@ def unfit_reason(model) -> str | None:
 
 class NativeDecode:
     """The layers' weights as the addresses the Rust layer reads (the model
-    keeps the tensors alive), and `run`, a decode step's layers."""
+    keeps the tensors alive); `run`, a decode step's layers, and
+    `run_extends`, a prefill step's."""
 
     def __init__(self, model):
         config, first = model.config, model.layers[0].self_attn
@@ -95,6 +96,9 @@ class NativeDecode:
         return self._layers(x, cos, sin, new_slots, None, described, caches)
 
     def _layers(self, x, cos, sin, new_slots, decode, extends, caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on the step's rows: `decode` (slots, width, lens
+        addresses) for a decode step, else `extends` (new tokens, slots
+        address, slot count) per sequence; `caches` each layer's (k, v)."""
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous().clone()
         residual = torch.zeros_like(x)
