@@ -89,40 +89,22 @@ pub struct Q8_0<'a> {
     pub scales: &'a [f32],
 }
 
-/// Weights whose rows dot quantized activation rows.
-pub trait BlockWeights: Sync {
-    /// Output features; each row has `blocks` blocks.
-    fn rows(&self, blocks: usize) -> usize;
-    /// row `n` of the weights dotted with each of `xs` (at most 4 rows).
-    fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]);
-    /// Rows `n` and `n + 1` dotted with each of `xs` (at most 4 rows).
-    fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]);
-    /// Row `n` as floats, `blocks * BLOCK` of them.
-    fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]);
-}
-
 /// One quantized activation row: its codes, and per block the scale and
 /// the scale times the sum of the codes.
 pub type ActivationRow<'a> = (&'a [i8], &'a [f32], &'a [f32]);
-
-/// `dot_pair` as two `dot` calls: the path without AVX2.
-fn two_dots(weights: &impl BlockWeights, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-    weights.dot(n, blocks, xs, &mut out[0]);
-    weights.dot(n + 1, blocks, xs, &mut out[1]);
-}
 
 impl Q8_0<'_> {
     fn row(&self, n: usize, blocks: usize) -> (&[i8], &[f32]) {
         let b = n * blocks;
         (&self.codes[b * BLOCK..(b + blocks) * BLOCK], &self.scales[b..b + blocks])
     }
-}
 
-impl BlockWeights for Q8_0<'_> {
+    /// Output features; each row has `blocks` blocks.
     fn rows(&self, blocks: usize) -> usize {
         self.scales.len() / blocks
     }
 
+    /// Row `n` as floats, `blocks * BLOCK` of them.
     fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
         let (codes, scales) = self.row(n, blocks);
         for ((block, codes), d) in out.chunks_exact_mut(BLOCK).zip(codes.chunks_exact(BLOCK)).zip(scales) {
@@ -132,15 +114,18 @@ impl BlockWeights for Q8_0<'_> {
         }
     }
 
+    /// Rows `n` and `n + 1` dotted with each of `xs` (at most 4 rows).
     fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
         #[cfg(target_arch = "x86_64")]
         if avx2() {
             // SAFETY: as in `dot`.
             return unsafe { avx2::q8_0_pair([self.row(n, blocks), self.row(n + 1, blocks)], xs, out) };
         }
-        two_dots(self, n, blocks, xs, out)
+        self.dot(n, blocks, xs, &mut out[0]);
+        self.dot(n + 1, blocks, xs, &mut out[1]);
     }
 
+    /// Row `n` of the weights dotted with each of `xs` (at most 4 rows).
     fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]) {
         let (codes, scales) = self.row(n, blocks);
         out.fill(0.0);
@@ -166,7 +151,7 @@ pub(crate) fn avx2() -> bool {
 
 /// out[m, n] = sum_k x[m, k] * w[n, k] for `x` of rows of `k` values; the
 /// columns are split in `parts` (at most the pool's threads).
-pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl BlockWeights, out: &mut [f32]) {
+pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q8_0, out: &mut [f32]) {
     let xs = QuantizedRows::new(x, k);
     let (m, blocks) = (xs.len(), xs.blocks);
     let n = weights.rows(blocks);
@@ -208,7 +193,7 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &impl
 /// The weights as floats, `out` [n, k], rows split in `parts`: what a
 /// long prefill multiplies densely (a float GEMM's cost grows slower with
 /// the rows than the block kernels').
-pub fn dequantize(pool: &SpinPool, parts: usize, weights: &impl BlockWeights, k: usize, out: &mut [f32]) {
+pub fn dequantize(pool: &SpinPool, parts: usize, weights: &Q8_0, k: usize, out: &mut [f32]) {
     assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
     let blocks = k / BLOCK;
     let n = weights.rows(blocks);
@@ -686,7 +671,7 @@ pub(crate) mod tests {
         }
     }
 
-    fn pair_is_two_dots(weights: &impl BlockWeights, k: usize) {
+    fn pair_is_two_dots(weights: &Q8_0, k: usize) {
         let xs = QuantizedRows::new(&values(4 * k, 10), k);
         for count in 1..=4 {
             let rows: Vec<_> = (0..count).map(|r| xs.row(r)).collect();

@@ -520,11 +520,6 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// e^x for x <= 0 (scores minus their maximum), within 4 ulp (tested):
-    /// x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to
-    /// r^7 / 7! (the next term is below 2^-27 of it), times 2^n built in
-    /// the exponent bits. Below -87 (e^x under f32's normal range) it
-    /// returns 0; `x` is at most 88.
     /// `silu_times` eight values at a time; returns how many it wrote (the
     /// caller does the rest). e^-g is capped at e^88 (f32's range), where
     /// g / (1 + e^-g) is already 0 to within 1e-36 of g.
@@ -541,6 +536,12 @@ pub(crate) mod avx2 {
         count
     }
 
+    /// e^x for x <= 88: scores minus their maximum (x <= 0, within 4 ulp,
+    /// tested) and SiLU's e^-g:
+    /// x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to
+    /// r^7 / 7! (the next term is below 2^-27 of it), times 2^n built in
+    /// the exponent bits. Below -87 (e^x under f32's normal range) it
+    /// returns 0.
     #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
         let tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_LT_OQ);

@@ -105,9 +105,9 @@ class TorchAttention(AttentionBackend):
             if num_new == 1 and seq_len > 1:
                 single_rows.append(start)
                 single_slots.append(slots)
-            elif num_new == seq_len:
-                self._extend.append(_ExtendSeq(start, num_new, slots, None))
-            elif self._native_step:
+            elif num_new == seq_len or self._native_step:
+                # No cached prefix (SDPA's causal mask), or the native
+                # kernel, which applies the causal rule itself.
                 self._extend.append(_ExtendSeq(start, num_new, slots, None))
             else:
                 # New token i sits at position seq_len - num_new + i and sees
