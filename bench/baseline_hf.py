@@ -66,7 +66,7 @@ def run(args) -> dict:
     request under "requests". A request's latency is the time of the
     `generate` call of its batch."""
     import transformers
-    from pyserve.engine.rank_model import usable_cpus
+    from pyserve.engine.runner.rank_model import usable_cpus
     from pyserve.server_args import ServerArgs
 
     # text prompts, as serving.py sends them to /v1/completions (no chat template)

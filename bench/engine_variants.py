@@ -48,7 +48,7 @@ CPU_SPEED_LAYOUTS = {
     "8da4w, torch + compile": {"torchao_config": "auto", "enable_torch_compile": True},
 }
 # Layouts whose decode steps keep the torch layers where the native decode
-# layer (pyserve/model/native_decode.py) would run: what it replaces.
+# layer (pyserve/model/cpu/native_layers.py) would run: what it replaces.
 TORCH_LAYERS = {"8da4w, torch + compile"}
 CUDA_LAYOUTS = {
     "no CUDA graph": {"disable_cuda_graph": True},
@@ -88,7 +88,7 @@ async def cpu_speed(args) -> None:
     """Every CPU_SPEED_LAYOUTS engine is started once (compiling, if asked,
     before timing starts), then rounds interleave them at batch 1 and 8."""
     from pyserve.engine.engine import Engine
-    from pyserve.engine.rank_model import RankModel
+    from pyserve.engine.runner.rank_model import RankModel
     from pyserve.engine.request import GenerateRequest, SamplingParams
     from pyserve.model.config import ModelConfig
     from pyserve.server_args import ServerArgs

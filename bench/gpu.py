@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pyserve.engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from pyserve.engine.runner.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
 from pyserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.model.config import ModelConfig  # noqa: E402

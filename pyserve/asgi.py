@@ -75,17 +75,17 @@ class PyserveApp:
             return
         # Imported here so that `pyserve --help` answers without loading torch.
         from pyserve.api.app import App
-        from pyserve.api.batch_runner import BatchManager
-        from pyserve.api.proxy import CORS, TrustedProxies
-        from pyserve.api.responses import ResponseManager
-        from pyserve.api.responses_protocol import StoredResponse
-        from pyserve.api.serving import ServingContext
+        from pyserve.batches.runner import BatchManager
+        from pyserve.http.proxy import CORS, TrustedProxies
+        from pyserve.api.responses.routes import ResponseManager
+        from pyserve.api.responses.protocol import StoredResponse
+        from pyserve.api.generation.serving import ServingContext
         from pyserve.chat_template import ChatTemplate
         from pyserve.engine.engine import Engine
         from pyserve.model.default_model import DEFAULT_MODEL_NAME
-        from pyserve.storage.batches import BatchStore
-        from pyserve.storage.files import FileStore
-        from pyserve.storage.responses import ResponseStore
+        from pyserve.batches.store import BatchStore
+        from pyserve.files.store import FileStore
+        from pyserve.api.responses.store import ResponseStore
 
         started = time.perf_counter()
         args = self.args.resolved()
@@ -165,8 +165,8 @@ class PyserveApp:
 
 
 async def _not_started(send) -> None:
-    from pyserve.api.errors import APIError
-    from pyserve.api.http import error_response
+    from pyserve.http.errors import APIError
+    from pyserve.http.io import error_response
 
     await error_response(APIError(
         "pyserve has not started: serve it with an ASGI server that runs the lifespan, "

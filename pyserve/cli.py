@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.node_rank > 0:
             # Another node of a tensor-parallel group: its ranks only, no HTTP.
-            from pyserve.engine.tp_workers import run_worker_node
+            from pyserve.engine.tp.workers import run_worker_node
 
             sys.exit(run_worker_node(args.resolved()))
         asyncio.run(serve(args))

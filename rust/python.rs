@@ -277,7 +277,7 @@ fn q4_1_tiles_size(n: usize, k: usize) -> PyResult<usize> {
 
 /// Packs a Q4_1 weight [n, k] into block_gemm's tiles at `out`: codes
 /// (u8 0..15, one a byte, n * k), scales and minimums (f32, n * k / 32).
-/// Only pyserve.model.block_quant calls this, after checking shapes, dtypes
+/// Only pyserve.model.cpu.blocks calls this, after checking shapes, dtypes
 /// and codes.
 #[pyfunction]
 fn pack_q4_1(codes: usize, scales: usize, mins: usize, n: usize, k: usize, out: usize) {
@@ -291,7 +291,7 @@ fn pack_q4_1(codes: usize, scales: usize, mins: usize, n: usize, k: usize, out: 
 
 /// out[rows, n] = x[rows, k] @ w.T for the Q4_1 weight w[n, k] whose tiles
 /// are at `tiles`. The arguments are addresses of float32/uint8 buffers;
-/// only pyserve.model.block_quant calls this, after checking shapes and
+/// only pyserve.model.cpu.blocks calls this, after checking shapes and
 /// dtypes. `threads` share the columns (the caller's thread among them).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -307,7 +307,7 @@ fn matmul_q4_1(py: Python<'_>, x: usize, rows: usize, k: usize, tiles: usize, n:
 /// extend_attention::attend over addresses: q and out [tokens, heads *
 /// head_dim], a layer's k and v cache [cache_slots, kv_heads * head_dim]
 /// (float32), the sequence's slots (int64, its new tokens' last); only
-/// pyserve.model.attention.cpu_extend calls this, after checking them.
+/// pyserve.model.cpu.extend_attention calls this, after checking them.
 /// dims: (heads, kv_heads, head_dim, scale).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -342,7 +342,7 @@ fn attend_extend(
 }
 
 /// decode_layer::decode_layer over addresses of float32 (int64 for slots)
-/// buffers; only pyserve.model.native_decode calls this, with the
+/// buffers; only pyserve.model.cpu.native_layers calls this, with the
 /// tensors of a decode or prefill step and of the layer, after checking them.
 /// dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale);
 /// norms: (input, post-attention); qkv_bias 0 for none; step: (cos, sin,

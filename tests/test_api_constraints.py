@@ -8,11 +8,11 @@ import json
 import msgspec
 import pytest
 
-from pyserve.api.constraints import request_constraint
-from pyserve.api.errors import APIError, from_msgspec
-from pyserve.api.generate_protocol import NativeSamplingParams
-from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pyserve.api.tools import ToolCalling, ToolCallStream, whole_calls
+from pyserve.api.generation.constraints import request_constraint
+from pyserve.http.errors import APIError, from_msgspec
+from pyserve.api.native.protocol import NativeSamplingParams
+from pyserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pyserve.api.generation.tools import ToolCalling, ToolCallStream, whole_calls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MSG = [{"role": "user", "content": "hi"}]

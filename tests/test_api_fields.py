@@ -20,9 +20,9 @@ import msgspec
 import pytest
 
 from pyserve.api.app import App
-from pyserve.api.protocol import NO_OP_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, \
+from pyserve.api.openai.protocol import NO_OP_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, \
     StreamOptions
-from pyserve.api.serving import ServingContext
+from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from tests.test_api_handlers import SCRIPT_WITH_THINKING, ScriptedEngine, call, run
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)

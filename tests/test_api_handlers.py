@@ -17,8 +17,8 @@ import pytest
 
 from pyserve._rust import Tokenizer
 from pyserve.api.app import App
-from pyserve.api.proxy import CORS
-from pyserve.api.serving import ServingContext
+from pyserve.http.proxy import CORS
+from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError
 from pyserve.server_args import ServerArgs

@@ -1,5 +1,5 @@
 """The request builder every generation route shares (api/serving.py,
-api/sampling.py, api/http.py's page), without a model."""
+api/generation/sampling.py, http/io.py's page), without a model."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import asyncio
 import msgspec
 import pytest
 
-from pyserve.api.errors import APIError
-from pyserve.api.generate_protocol import NativeSamplingParams
-from pyserve.api.http import page
-from pyserve.api.protocol import CompletionRequest
-from pyserve.api.sampling import sampling_params
-from pyserve.api.serving import fan_out, prompt_id_lists, usage
+from pyserve.http.errors import APIError
+from pyserve.api.native.protocol import NativeSamplingParams
+from pyserve.http.io import page
+from pyserve.api.openai.protocol import CompletionRequest
+from pyserve.api.generation.sampling import sampling_params
+from pyserve.api.generation.serving import fan_out, prompt_id_lists, usage
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from pyserve.server_args import ServerArgs
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)

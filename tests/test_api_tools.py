@@ -13,7 +13,7 @@ import json
 import pytest
 
 from pyserve.api.app import App
-from pyserve.api.serving import ServingContext
+from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from tests.test_api_handlers import ScriptedEngine, call, run, sse_events
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.model.attention import cpu_extend
+from pyserve.model.cpu import extend_attention
 from pyserve.model.attention.torch_backend import TorchAttention
-from pyserve.engine.page_allocator import PageAllocator
+from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 
@@ -94,8 +94,8 @@ class Harness:
         return out, expected
 
 
-# Extends through torch's SDPA, and through cpu_extend.py's Rust kernel (8da4w steps).
-NATIVE_FITS = cpu_extend.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu"))
+# Extends through torch's SDPA, and through extend_attention.py's Rust kernel (8da4w steps).
+NATIVE_FITS = extend_attention.fits(KVBuffer(1, 8, 1, DIM, torch.float32, "cpu"))
 EXTEND_PATHS = [False, pytest.param(True, id="native", marks=pytest.mark.skipif(
     not NATIVE_FITS, reason="the native extend needs AVX2"))]
 
@@ -103,8 +103,8 @@ EXTEND_PATHS = [False, pytest.param(True, id="native", marks=pytest.mark.skipif(
 @pytest.fixture
 def native_calls(monkeypatch) -> list:
     """Records each call of the native extend kernel."""
-    calls, attend = [], cpu_extend.attend
-    monkeypatch.setattr(cpu_extend, "attend", lambda *args: calls.append(1) or attend(*args))
+    calls, attend = [], extend_attention.attend
+    monkeypatch.setattr(extend_attention, "attend", lambda *args: calls.append(1) or attend(*args))
     return calls
 
 
@@ -144,9 +144,9 @@ def test_native_extend_spans_many_key_tiles_and_tasks(native_calls):
 def test_native_extend_refuses_what_does_not_fit_its_cache():
     k = torch.zeros(8, 2, DIM)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_extend.attend(torch.zeros(3, 3, DIM), k, k.clone(), torch.arange(4), 1.0)  # 3 heads over 2 KV heads
+        extend_attention.attend(torch.zeros(3, 3, DIM), k, k.clone(), torch.arange(4), 1.0)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_extend.attend(torch.zeros(5, 2, DIM), k, k.clone(), torch.arange(4), 1.0)  # more tokens than slots
+        extend_attention.attend(torch.zeros(5, 2, DIM), k, k.clone(), torch.arange(4), 1.0)  # more tokens than slots
 
 
 def test_a_long_extend_takes_all_threads_in_a_one_thread_step(monkeypatch):

@@ -12,13 +12,13 @@ import msgspec
 import pytest
 
 from pyserve.api.app import App
-from pyserve.api.batch_runner import BatchManager
-from pyserve.api.serving import ServingContext
+from pyserve.batches.runner import BatchManager
+from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
-from pyserve.storage.batches import (
+from pyserve.batches.store import (
     BatchRecord, BatchResponse, BatchResult, BatchStatus, BatchStore, new_batch_id,
 )
-from pyserve.storage.files import FileStore
+from pyserve.files.store import FileStore
 from tests.test_api_handlers import ScriptedEngine, call
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 
@@ -139,7 +139,7 @@ def test_progress_saves_are_spaced_out(tmp_path, monkeypatch):
     record.request_counts.completed = 1
     store.save_progress(record)  # right after a save: skipped
     assert BatchStore(tmp_path).load_all()[record.id].request_counts.completed == 0
-    monkeypatch.setattr("pyserve.storage.batches._SAVE_INTERVAL", 0.0)  # as if the interval went by
+    monkeypatch.setattr("pyserve.batches.store._SAVE_INTERVAL", 0.0)  # as if the interval went by
     store.save_progress(record)
     assert BatchStore(tmp_path).load_all()[record.id].request_counts.completed == 1
 

@@ -1,4 +1,4 @@
-"""The 8da4w layers (pyserve/model/block_quant.py over rust/block_quant.rs):
+"""The 8da4w layers (pyserve/model/cpu/blocks.py over rust/block_quant.rs):
 each computes the product its blocks say, up to the rounding of its
 activations to 8 bits per block of 32, eagerly and compiled."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pyserve.model.block_quant import VOCAB_DENSE_FROM_ROWS, Q4_1Linear, Q8_0Linear
+from pyserve.model.cpu.blocks import VOCAB_DENSE_FROM_ROWS, Q4_1Linear, Q8_0Linear
 from pyserve.model.quant import BLOCK_INT4, Int4Linear, int4_groups, quantize_model
 
 

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pyserve.engine.cuda_graph_runner import capture_batch_sizes  # noqa: E402
+from pyserve.engine.runner.cuda_graph_runner import capture_batch_sizes  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
@@ -33,7 +33,7 @@ def test_capture_batch_sizes():
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    from pyserve.engine.model_runner import ModelRunner
+    from pyserve.engine.runner.model_runner import ModelRunner
     from pyserve.server_args import ServerArgs
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("graph-llama"), "llama", num_hidden_layers=3)

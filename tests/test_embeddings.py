@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.api.app import App
-from pyserve.api.serving import ServingContext
+from pyserve.api.generation.serving import ServingContext
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.server_args import ServerArgs

@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 
 from pyserve._rust import Tokenizer
-from pyserve.api.tool_grammar import forced_calls, strict_calls, with_strict_calls
+from pyserve.api.generation.tool_grammar import forced_calls, strict_calls, with_strict_calls
 from pyserve.engine.engine import Engine
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.request import Constraint, GenerateRequest, RequestError, SamplingParams

@@ -12,8 +12,8 @@ import logging
 
 import pytest
 
-from pyserve.api.http import MAX_JSON_DEPTH, json_depth_exceeds
-from pyserve.api.proxy import CORS, TrustedProxies
+from pyserve.http.io import MAX_JSON_DEPTH, json_depth_exceeds
+from pyserve.http.proxy import CORS, TrustedProxies
 from tests.test_api_handlers import MSG, call, make_app, run
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 

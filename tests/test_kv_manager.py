@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.engine.kv_manager import KVManager
-from pyserve.engine.page_allocator import PageAllocator
+from pyserve.engine.kv.manager import KVManager
+from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
 

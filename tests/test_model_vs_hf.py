@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyserve.model.attention.torch_backend import TorchAttention
-from pyserve.engine.page_allocator import PageAllocator
+from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.loader import load_model

@@ -1,5 +1,5 @@
 """8da4w decode and prefill steps through rust/decode_layer.rs
-(pyserve/model/native_decode.py): the same logits as the torch layers, the
+(pyserve/model/cpu/native_layers.py): the same logits as the torch layers, the
 embedded model's answers through the engine, and the layouts it leaves to
 torch."""
 
@@ -12,7 +12,7 @@ import torch
 
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
-from pyserve.model import native_decode
+from pyserve.model.cpu import native_layers
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
@@ -49,7 +49,7 @@ def _decode_logits(model, config, native: bool) -> torch.Tensor:
         slots = [torch.cat([s, new[i : i + 1]]) for i, s in enumerate(slots)]
         step = ForwardBatch.build(prefill.argmax(-1).tolist(), list(PROMPT_LENGTHS), new, [1] * len(prompts),
                                   slots, list(range(len(prompts))), True, "cpu")
-        model.native_decode = native_decode.NativeDecode(model) if native else None
+        model.native_decode = native_layers.NativeDecode(model) if native else None
         return model(step, attn)
 
 
@@ -65,7 +65,7 @@ def test_native_decode_step_gives_the_torch_layers_logits(tmp_path, default_mode
     3e-7 of the largest logit)."""
     model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, **overrides)
     model, config = load_model(model_dir, torch.float32, "cpu", parse_quant("8da4w"))
-    assert native_decode.unfit_reason(model) is None
+    assert native_layers.unfit_reason(model) is None
     torch_logits = _decode_logits(model, config, native=False)
     native_logits = _decode_logits(model, config, native=True)
     assert native_logits.shape == torch_logits.shape == (len(PROMPT_LENGTHS), config.vocab_size)
@@ -92,7 +92,7 @@ def _extend_logits(model, config, native: bool) -> tuple[torch.Tensor, int]:
             model.native_decode = None
             model(ForwardBatch.build(prefix, list(range(20)), prefix_slots, [20], [prefix_slots], [19], False, "cpu"),
                   attn)
-            model.native_decode = native_decode.NativeDecode(model) if native else None
+            model.native_decode = native_layers.NativeDecode(model) if native else None
             if native:
                 run_extends = model.native_decode.run_extends
                 model.native_decode.run_extends = lambda *a: ran.append(1) or run_extends(*a)
@@ -127,10 +127,10 @@ def test_native_prefill_step_gives_the_torch_layers_logits(tmp_path, default_mod
 
 def test_layouts_the_native_layer_does_not_run_keep_torch(tmp_path, default_model_dir):
     qwen3 = build_tiny_model(tmp_path / "qwen3", "qwen3", tokenizer_dir=default_model_dir)
-    assert "q and k" in native_decode.unfit_reason(load_model(qwen3, torch.float32, "cpu", parse_quant("8da4w"))[0])
+    assert "q and k" in native_layers.unfit_reason(load_model(qwen3, torch.float32, "cpu", parse_quant("8da4w"))[0])
     llama = build_tiny_model(tmp_path / "llama", "llama", tokenizer_dir=default_model_dir)
-    assert "Q4_1" in native_decode.unfit_reason(load_model(llama, torch.float32, "cpu", parse_quant("int4wo-32"))[0])
-    assert "bfloat16" in native_decode.unfit_reason(load_model(llama, torch.bfloat16, "cpu", parse_quant("8da4w"))[0])
+    assert "Q4_1" in native_layers.unfit_reason(load_model(llama, torch.float32, "cpu", parse_quant("int4wo-32"))[0])
+    assert "bfloat16" in native_layers.unfit_reason(load_model(llama, torch.bfloat16, "cpu", parse_quant("8da4w"))[0])
 
 
 def test_engine_decodes_the_embedded_model_natively_and_answers_like_float32(default_model_dir):

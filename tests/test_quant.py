@@ -14,8 +14,8 @@ from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.model.gguf import GGUFFile
 from pyserve.model.loader import load_model
-from pyserve.model import block_quant
-from pyserve.model.block_quant import Q4_1Linear, Q8_0Linear
+from pyserve.model.cpu import blocks
+from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear
 from pyserve.model.quant import (
     BLOCK_INT4, Int4Linear, Int8Linear, WeightQuant, pack_nibbles, parse_quant, resolve_quant, unpack_nibbles,
 )
@@ -134,7 +134,7 @@ def test_8da4w_embedded_model_runs_the_gguf_blocks(default_model_dir):
 def test_auto_uses_shipped_weights_on_cpu_only(default_model_dir, tmp_path):
     tiny = build_tiny_model(tmp_path, "llama")
     # The shipped groups run through the block kernels where the CPU has AVX2.
-    shipped = BLOCK_INT4 if block_quant.available() else WeightQuant(4, 32)
+    shipped = BLOCK_INT4 if blocks.available() else WeightQuant(4, 32)
     assert resolve_quant("auto", default_model_dir, torch.device("cpu")) == shipped
     assert resolve_quant("auto", tiny, torch.device("cpu")) is None  # ships no quantized weights
     assert resolve_quant("auto", default_model_dir, torch.device("cuda")) is None

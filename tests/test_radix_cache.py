@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.engine.page_allocator import PageAllocator
-from pyserve.engine.radix_cache import RadixCache
+from pyserve.engine.kv.page_allocator import PageAllocator
+from pyserve.engine.kv.radix_cache import RadixCache
 
 
 def make(slots: int = 64) -> tuple[PageAllocator, RadixCache]:

@@ -1,6 +1,6 @@
-"""The Responses API's reading of chat chunks (api/responses_stream.py) and
+"""The Responses API's reading of chat chunks (api/responses/stream.py) and
 its translation of conversation items into chat turns
-(api/responses_input.py), without a server.
+(api/responses/input.py), without a server.
 
 The events are replayed through the official openai client's own stream
 accumulator (what `client.responses.stream(...)` runs), so a sequence the
@@ -20,14 +20,14 @@ from openai._types import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from pyserve.api.errors import APIError
-from pyserve.api.protocol import (
+from pyserve.http.errors import APIError
+from pyserve.api.openai.protocol import (
     ChatCompletionChunk, ChatStreamChoice, Delta, FunctionCall as ChatFunction, PromptTokensDetails, ToolCallDelta,
     Usage,
 )
-from pyserve.api.responses_input import chat_messages, read_input
-from pyserve.api.responses_protocol import FunctionCall, Message, OutputText, Reasoning, ReasoningText, Response
-from pyserve.api.responses_stream import ResponseBuilder
+from pyserve.api.responses.input import chat_messages, read_input
+from pyserve.api.responses.protocol import FunctionCall, Message, OutputText, Reasoning, ReasoningText, Response
+from pyserve.api.responses.stream import ResponseBuilder
 
 
 def chunk(finish_reason: str | None = None, usage: Usage | None = None, **delta) -> ChatCompletionChunk:

@@ -5,8 +5,8 @@ does with the real one."""
 
 from __future__ import annotations
 
-from pyserve.engine.kv_manager import KVManager
-from pyserve.engine.page_allocator import PageAllocator
+from pyserve.engine.kv.manager import KVManager
+from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.engine.request import BATCH_PRIORITY, SamplingParams
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from pyserve.api.serving import ServingContext
+from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from tests.slow import slow_test
 from tests.test_api_handlers import ScriptedEngine, call, run

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pyserve.engine.request import GenerateRequest, SamplingParams
-from pyserve.engine.tp_broadcast import header, payload, unpack
+from pyserve.engine.tp.broadcast import header, payload, unpack
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.parallel import TensorParallel, embed
 from pyserve.server_args import ServerArgs

@@ -23,22 +23,24 @@ from typing import Any, Callable
 
 import msgspec
 
-from pyserve.api import (
-    batches, chat, completions, embeddings, files, generate, operations, responses, score, tokenize,
-)
-from pyserve.api.batch_runner import BatchManager
-from pyserve.api.drain import Drain
-from pyserve.api.errors import APIError
-from pyserve.api.generate_protocol import NativeGenerateRequest
-from pyserve.api.http import (
+from pyserve.api.native import generate, operations, score, tokenize
+from pyserve.api.openai import chat, completions, embeddings
+from pyserve.batches import routes as batches
+from pyserve.files import routes as files
+from pyserve.api.responses import routes as responses
+from pyserve.batches.runner import BatchManager
+from pyserve.http.drain import Drain
+from pyserve.http.errors import APIError
+from pyserve.api.native.protocol import NativeGenerateRequest
+from pyserve.http.io import (
     MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
 )
-from pyserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pyserve.api.proxy import CORS, TrustedProxies
-from pyserve.api.responses import ResponseManager
-from pyserve.api.serving import ServingContext
-from pyserve.api.sse import DisconnectableStream, shutting_down
-from pyserve.storage.files import FileStore
+from pyserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pyserve.http.proxy import CORS, TrustedProxies
+from pyserve.api.responses.routes import ResponseManager
+from pyserve.api.generation.serving import ServingContext
+from pyserve.http.sse import DisconnectableStream, shutting_down
+from pyserve.files.store import FileStore
 
 logger = logging.getLogger("pyserve.http")
 

@@ -25,11 +25,11 @@ import torch
 from pyserve._rust import Tokenizer
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
-from pyserve.engine.kv_manager import KVManager
+from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
-from pyserve.engine.model_runner import ModelRunner
+from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
-from pyserve.engine.page_allocator import PageAllocator
+from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence

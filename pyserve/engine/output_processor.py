@@ -19,7 +19,7 @@ from pyserve.engine.sampler import wants_logprobs
 from pyserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from pyserve.engine.model_runner import StepOutput
+    from pyserve.engine.runner.model_runner import StepOutput
     from pyserve.engine.step import ScheduledStep
 
 # Prompt ids decoded as left context of the first generated token, so that

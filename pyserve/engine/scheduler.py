@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from pyserve.engine.kv_manager import KVManager
+from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.penalties import reads_history
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import Rows, ScheduledStep, build_step

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pyserve.engine.radix_cache import RadixNode
+from pyserve.engine.kv.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:

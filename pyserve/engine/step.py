@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyserve.engine.kv_manager import KVManager
+from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.request import prompt_alternatives
 from pyserve.engine.sequence import Sequence
 from pyserve.model.forward_batch import ForwardBatch

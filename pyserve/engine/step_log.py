@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pyserve.engine.kv_manager import KVManager
+from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.step import ScheduledStep
 

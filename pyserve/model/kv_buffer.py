@@ -6,7 +6,7 @@ offset`, through the flat views `k_buffer[layer]` / `v_buffer[layer]`
 [num_pages * page_size, kv_heads, head_dim].
 
 This is only the memory. Which pages are free and who holds which is the
-engine's business (engine/kv_manager.py); page 0 is never handed out, so
+engine's business (engine/kv/manager.py); page 0 is never handed out, so
 its slots are the harmless target of padded rows.
 """
 

@@ -306,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
         self._compiled_decode_layer = torch.compile(decode_layer)
 
     _compiled_decode_layer = None
-    # Set to a NativeDecode (native_decode.py) to run decode steps' layers,
+    # Set to a NativeDecode (cpu/native_layers.py) to run decode steps' layers,
     # and the prefill steps the attention backend hands over, in Rust.
     native_decode = None
 

@@ -13,7 +13,7 @@ Pooling reads the final-norm hidden state of:
 - "cls": the first token;
 - "mean": every token, averaged.
 "cls" and "mean" need positions a cached prefix would skip, so their
-requests are computed whole (engine/kv_manager.py `can_share`).
+requests are computed whole (engine/kv/manager.py `can_share`).
 
 Matryoshka (`dimensions`): allowed when config.json says so, as vLLM and
 SGLang read it: `matryoshka_dimensions` (the sizes allowed) or

@@ -14,7 +14,7 @@ rest of the model keeps its dtype.
 
 Modes: `int8wo`, `int4wo-<group>` (group 32, 64, 128 or 256), `8da4w`
 (4-bit weights in blocks of 32 with 8-bit dynamic activations, ggml's
-Q4_1 x Q8 products by pyserve's Rust kernels: block_quant.py), `none`,
+Q4_1 x Q8 products by pyserve's Rust kernels: blocks.py), `none`,
 and `auto`: on the CPU, the 4-bit weights a model directory ships already
 (the embedded model's, converted once from its GGUF file,
 default_model.py) as 8da4w where the CPU has AVX2 (else int4wo-32), or
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyserve.model import block_quant
-from pyserve.model.block_quant import Q4_1Linear, Q8_0Linear, int4_groups
+from pyserve.model.cpu import blocks
+from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear, int4_groups
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _INT4_ROW_MULTIPLE = 16  # the int4 packing needs output rows in multiples of th
 class WeightQuant:
     bits: int  # 8 or 4
     group_size: int | None = None  # int4: input columns sharing a scale and zero
-    int8_activations: bool = False  # 8da4w: block_quant.py's kernels
+    int8_activations: bool = False  # 8da4w: blocks.py's kernels
 
     @property
     def name(self) -> str:
@@ -63,7 +63,7 @@ class WeightQuant:
         return f"int4wo-{self.group_size}" if self.bits == 4 else self.name
 
 
-BLOCK_INT4 = WeightQuant(4, block_quant.BLOCK, int8_activations=True)
+BLOCK_INT4 = WeightQuant(4, blocks.BLOCK, int8_activations=True)
 
 
 def parse_quant(text: str) -> WeightQuant | None | str:
@@ -93,7 +93,7 @@ def resolve_quant(text: str, model_dir: Path, device: torch.device) -> WeightQua
     """The quantization to load with: `auto` made concrete, CPU only."""
     quant = parse_quant(text)
     if quant == "auto":
-        shipped = BLOCK_INT4 if block_quant.available() else WeightQuant(4, 32)
+        shipped = BLOCK_INT4 if blocks.available() else WeightQuant(4, 32)
         return shipped if device.type == "cpu" and prequantized_file(model_dir, shipped).is_file() else None
     if quant is not None and device.type != "cpu":
         raise ValueError(f"--torchao-config {quant.name} runs on the CPU only (the GPU path keeps its kernels)")
@@ -206,7 +206,7 @@ def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
     weight, bias = linear.weight.data, None if linear.bias is None else linear.bias.data
     if quant.bits == 8:
         return Int8Linear.quantize(weight, bias)
-    if quant.int8_activations and weight.shape[1] % block_quant.BLOCK == 0:
+    if quant.int8_activations and weight.shape[1] % blocks.BLOCK == 0:
         return Q4_1Linear.quantize(weight, bias)
     if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
         return Int4Linear.quantize(weight, quant.group_size, bias)

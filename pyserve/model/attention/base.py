@@ -56,7 +56,7 @@ class AttentionBackend(ABC):
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
         """For a prepared prefill step whose layers may run natively
-        (native_decode.py, over this backend's `kv_buffer`): each sequence's
+        (cpu/native_layers.py, over this backend's `kv_buffer`): each sequence's
         count of new tokens and its slots, the new tokens' last. None for
         any other step, and on backends that keep their own attention."""
         return None

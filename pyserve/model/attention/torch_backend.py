@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from pyserve.model.attention import cpu_extend
+from pyserve.model.cpu import extend_attention
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
@@ -81,7 +81,7 @@ class TorchAttention(AttentionBackend):
         but new tokens over a long cached prefix (a chat's next turn, a
         shared system prompt) spend most of their step here: 45 tokens
         after 1,300 cached, 208 -> 174 ms to the first token with two.
-        `native_extend`: in such one-thread steps extends run cpu_extend.py's
+        `native_extend`: in such one-thread steps extends run extend_attention.py's
         kernel instead (8da4w on a CPU it fits); with torch on all threads
         its spinning helpers and torch's slowed each other (a 1,000-token
         prompt: 1,515-1,565 vs 1,373-1,440 ms with SDPA)."""
@@ -89,7 +89,7 @@ class TorchAttention(AttentionBackend):
         self.cpu_threads = cpu_threads
         self.native_extend = native_extend
         self._batch: ForwardBatch | None = None
-        self._native_step = False  # this step's extends run cpu_extend's kernel
+        self._native_step = False  # this step's extends run extend_attention's kernel
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
 
@@ -142,7 +142,7 @@ class TorchAttention(AttentionBackend):
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
             if self._native_step:
-                out[rows] = cpu_extend.attend(q[rows], k_cache, v_cache, s.slots, scale)
+                out[rows] = extend_attention.attend(q[rows], k_cache, v_cache, s.slots, scale)
                 continue
             if s.mask is None:
                 ks, vs = k[rows], v[rows]
@@ -197,7 +197,7 @@ class TorchAttention(AttentionBackend):
             torch._dynamo.mark_dynamic(single.mask, 3)
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
-        """Prefill chunks alone, in a step whose extends run cpu_extend's
+        """Prefill chunks alone, in a step whose extends run extend_attention's
         kernel: the native layer runs them with that same kernel. Decode
         rows beside them (a mixed step) keep these layers' batched SDPA."""
         if not self._native_step or self._single is not None:

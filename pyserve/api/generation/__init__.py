@@ -1,0 +1,1 @@
+"""What the generation routes share: request context, sampling fields, constraints, logprobs, tools."""

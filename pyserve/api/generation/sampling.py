@@ -1,0 +1,129 @@
+"""The sampling settings every generation route shares, checked and turned
+into the engine's SamplingParams.
+
+Chat and completions send OpenAI's fields (SamplingFields), /generate
+SGLang's sampling_params (NativeSamplingParams): the same names for the
+same settings, so one function reads both, and every route rejects a bad
+value with the same OpenAI-style message. Limits that depend on the prompt
+and the model (context length, vocabulary of the prompt) are the engine's
+to check: `Engine.validate`.
+"""
+
+from __future__ import annotations
+
+from pyserve._rust import StopMatcher
+from pyserve.http.errors import bad_request
+from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
+from pyserve.api.native.protocol import NativeSamplingParams
+from pyserve.api.openai.protocol import SamplingFields
+from pyserve.engine.request import Constraint, SamplingParams
+
+MAX_N = 128
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise bad_request(message, param)
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    _check(all(stops), "stop strings must not be empty", "stop")
+    return stops
+
+
+def _stop_regexes(patterns: str | list[str] | None) -> list[str]:
+    regexes = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    try:
+        StopMatcher([], regexes)  # the matcher's own parser names what is wrong
+    except ValueError as e:
+        raise bad_request(str(e), "stop_regex") from None
+    return regexes
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        _check(0 <= token < vocab_size, f"logit_bias token id {token} is outside the vocabulary", "logit_bias")
+        _check(-100.0 <= value <= 100.0, "logit_bias values must be between -100 and 100", "logit_bias")
+        out[token] = value
+    return out
+
+
+def vllm_prompt_logprobs(fields: SamplingFields) -> int | None:
+    """vLLM's prompt_logprobs, checked: None, or alternatives per prompt token."""
+    k = fields.prompt_logprobs
+    _check(k is None or 0 <= k <= MAX_TOP_LOGPROBS, f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
+           "prompt_logprobs")
+    _check(k is None or not fields.stream, "prompt_logprobs is not available when streaming", "prompt_logprobs")
+    return k
+
+
+def sampling_params(
+    fields: SamplingFields | NativeSamplingParams,
+    max_new_tokens: int | None,
+    vocab_size: int,
+    *,
+    top_logprobs: int | None = None,
+    top_logprobs_param: str = "top_logprobs",
+    prompt_logprobs: bool = False,
+    prompt_top_logprobs: int | None = None,
+    constraint: Constraint | None = None,
+) -> SamplingParams:
+    """`max_new_tokens`: the route's own limit field (None leaves it to the
+    engine: --default-max-tokens, else up to the context). `top_logprobs`:
+    None for no logprobs, else how many alternatives per token, named
+    `top_logprobs_param` in errors; `prompt_logprobs` scores the prompt too,
+    with `prompt_top_logprobs` alternatives (None: as many as top_logprobs).
+    `constraint`: what the output must match (api/constraints.py)."""
+    f = fields
+    temperature = 1.0 if f.temperature is None else f.temperature
+    _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
+    top_p = 1.0 if f.top_p is None else f.top_p
+    _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+    _check(1 <= f.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")
+    _check(-2.0 <= f.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2", "presence_penalty")
+    _check(-2.0 <= f.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2", "frequency_penalty")
+    _check(f.top_k == -1 or f.top_k >= 0, "top_k must be -1 (disabled) or a positive integer", "top_k")
+    _check(0.0 <= f.min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
+    _check(0.0 < f.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]", "repetition_penalty")
+    # Choice i uses seed + i, and torch generators take a signed 64-bit seed.
+    _check(f.seed is None or -(1 << 63) <= f.seed <= (1 << 63) - f.n, "seed must be a signed 64-bit integer", "seed")
+    bias = _logit_bias(f.logit_bias, vocab_size)
+    _check(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
+           f"{top_logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}", top_logprobs_param)
+    stop_ids = list(f.stop_token_ids or [])
+    _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids must be in the vocabulary", "stop_token_ids")
+    stops = _stop_list(f.stop)
+    # SGLang's sampling_params name it min_new_tokens; vLLM's and SGLang's OpenAI bodies, min_tokens.
+    min_name = "min_new_tokens" if isinstance(f, NativeSamplingParams) else "min_tokens"
+    min_tokens = getattr(f, min_name)
+    _check(min_tokens == 0 or (min_tokens > 0 and (max_new_tokens is None or min_tokens <= max_new_tokens)),
+           f"{min_name} must be between 0 and the most new tokens", min_name)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=-1 if f.top_k == 0 else f.top_k,
+        min_p=f.min_p,
+        presence_penalty=f.presence_penalty,
+        frequency_penalty=f.frequency_penalty,
+        repetition_penalty=f.repetition_penalty,
+        seed=f.seed,
+        stop=stops,
+        stop_regex=_stop_regexes(f.stop_regex),
+        stop_token_ids=stop_ids,
+        min_new_tokens=min_tokens,
+        ignore_eos=f.ignore_eos,
+        skip_special_tokens=f.skip_special_tokens,
+        logit_bias=bias,
+        logprobs=top_logprobs is not None,
+        top_logprobs=top_logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
+        prompt_top_logprobs=prompt_top_logprobs,
+        constraint=constraint,
+    )

@@ -1,0 +1,242 @@
+"""What every generation route shares: its context, the prompt shapes,
+fan-out of prompts x n into engine requests (validated once, by the
+engine), merged outputs, the collector of whole responses, usage, and the
+factory of streamed chunks.
+
+Chat, completions and /generate only translate their own request and
+response shapes around these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from msgspec import UNSET, UnsetType
+
+from pyserve._rust import Tokenizer
+from pyserve.http.errors import APIError, bad_request
+from pyserve.api.generation.logprobs import TokenTexts
+from pyserve.api.openai.protocol import PromptTokensDetails, Usage
+from pyserve.chat_template import ChatTemplate
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """The engine and how the API presents it: what the generation and
+    model routes need, and batches run their requests with."""
+
+    engine: Engine
+    served_model_name: str
+    chat_template: ChatTemplate | None
+    reasoning_parser: str | None = None  # a --reasoning-parser name
+    tool_call_parser: str | None = None  # a --tool-call-parser name
+    created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
+
+    @cached_property
+    def token_texts(self) -> TokenTexts:
+        return TokenTexts(self.engine.tokenizer)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# -- requests ----------------------------------------------------------------
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True) -> tuple[list[list[int]], bool]:
+    """The prompt shapes OpenAI and SGLang accept: a text, a list of texts
+    (unless `text` is False), token ids, or a list of token id lists.
+    Returns (token id lists, whether it was a single prompt).
+
+    Text gets the tokenizer's special tokens (a Llama BOS), as SGLang and
+    vLLM encode completion prompts; token ids are taken as they are (their
+    range is the engine's to check)."""
+    if text and isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=True)], True
+    if isinstance(prompt, list) and prompt:
+        if text and all(isinstance(p, str) for p in prompt):
+            return tokenizer.encode_batch(prompt, add_special_tokens=True), False
+        if _is_token_ids(prompt):
+            return [prompt], True
+        if all(isinstance(p, list) for p in prompt):
+            if not all(_is_token_ids(p) for p in prompt):
+                raise bad_request("token ids must be integers", param)
+            return prompt, False
+    shapes = "a string, a list of strings, a list of token ids or a list of those lists" if text else \
+        "a list of token ids or a list of such lists"
+    raise bad_request(f"{param} must be {shapes}", param)
+
+
+async def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
+                  param_names: Mapping[str, str], priority: int = 0) -> list[GenerateRequest]:
+    """n requests per prompt: request p * n + i is prompt p's choice i, as
+    OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
+    n > 1). With a seed, choice i uses seed + i, so the choices differ yet
+    stay reproducible.
+
+    The engine validates each prompt once, and compiles the constraint
+    once, here, before anything streams, so a refusal is still a plain
+    400; `param_names` maps the engine's field ("prompt", "max_new_tokens",
+    "constraint") and "n" to the route's parameter name.
+
+    One request asks for at most --max-sequences-per-request sequences
+    (prompts x n), so that it cannot fill the engine's queue alone."""
+    _check_sequences(engine.args.max_sequences_per_request, len(prompts), n, param_names)
+    requests = []
+    try:
+        for p, ids in enumerate(prompts):
+            base = f"{rid}-{p}" if len(prompts) > 1 else rid
+            for i in range(n):
+                choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+                requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, priority))
+            engine.validate(requests[p * n])
+        if params.constraint is not None:
+            await engine.compile_grammar(params.constraint)
+    except RequestError as e:
+        raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
+    return requests
+
+
+def _check_sequences(cap: int, prompts: int, n: int, param_names: Mapping[str, str]) -> None:
+    if prompts * n <= cap:
+        return
+    # Name what to cut: the prompts when they alone are too many, else n.
+    param = param_names.get("prompt", "prompt") if prompts > cap else param_names.get("n", "n")
+    raise bad_request(f"this request asks for {prompts} prompt{'s' if prompts > 1 else ''} x n={n} = "
+                      f"{prompts * n} sequences, more than the {cap} one request may have "
+                      "(--max-sequences-per-request): split it into smaller requests", param)
+
+
+async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Outputs of several requests as they come: (request index, output).
+
+    Leaving early (client gone) cancels every request's generator, which
+    aborts it in the engine."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: GenerateRequest):
+        started = False
+        try:
+            async for out in engine.generate(req):
+                started = True
+                await queue.put((i, out))
+        except RequestError as e:
+            # Before the first output this is the engine refusing the request
+            # (e.g. a client-chosen rid already running): the client's fault.
+            await queue.put((i, e if started else bad_request(e.message, e.field, e.code)))
+        except Exception as e:  # surfaced to the consumer below
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    remaining = len(requests)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+                if item.finish_reason == "abort":
+                    raise APIError("the request was aborted by the server", 500, "server_error")
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- responses ---------------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's whole output, for a response that is not streamed."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    final: GenerateOutput | None = None  # the last output: finish reason, matched stop, token counts
+
+
+async def collect(engine: Engine, requests: list[GenerateRequest]) -> list[ChoiceResult]:
+    """Every request run to its end, its outputs gathered."""
+    results = [ChoiceResult() for _ in requests]
+    async for i, out in merged_outputs(engine, requests):
+        result = results[i]
+        result.text += out.text
+        result.token_ids += out.token_ids
+        result.logprobs += out.logprobs or []
+        result.prompt_logprobs += out.prompt_logprobs or []
+        if out.finished:
+            result.final = out
+    return results
+
+
+def usage(finals: list[GenerateOutput], n: int) -> Usage:
+    """Usage of the requests `fan_out` made: a prompt counts once, not once
+    per choice."""
+    prompt = sum(out.prompt_tokens for out in finals[::n])
+    completion = sum(out.completion_tokens for out in finals)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(out.cached_tokens for out in finals)),
+    )
+
+
+class StreamUsage:
+    """A streamed response's usage as it grows: on every chunk with
+    stream_options.continuous_usage_stats (vLLM), and in a last chunk of
+    its own with include_usage."""
+
+    def __init__(self, stream_options, requests: list[GenerateRequest], n: int):
+        self.continuous = bool(stream_options and stream_options.continuous_usage_stats)
+        self.at_end = bool(stream_options and stream_options.include_usage)
+        self.prompt_tokens = sum(len(r.input_ids) for r in requests[::n])
+        self.latest: list[GenerateOutput | None] = [None] * len(requests)
+
+    def note(self, i: int, out: GenerateOutput) -> None:
+        self.latest[i] = out
+
+    def so_far(self) -> Usage:
+        seen = [out for out in self.latest if out is not None]
+        completion = sum(out.completion_tokens for out in seen)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in seen)))
+
+    def on_chunk(self) -> Usage | UnsetType:
+        return self.so_far() if self.continuous else UNSET
+
+
+class ChunkFactory:
+    """The chunks of one streamed response, which all repeat its id,
+    creation time and model."""
+
+    def __init__(self, chunk_type: type, rid: str, model: str):
+        self.chunk_type = chunk_type
+        self.rid = rid
+        self.model = model
+        self.created = now()
+
+    def __call__(self, choices: list, usage: Usage | UnsetType = UNSET, **fields):
+        return self.chunk_type(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage,
+                               **fields)

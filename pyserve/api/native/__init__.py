@@ -1,0 +1,1 @@
+"""SGLang's and vLLM's native routes: /generate, operations, tokenize, score."""

@@ -1,0 +1,134 @@
+"""SGLang's native POST /generate: `text` or `input_ids`, `sampling_params`,
+`stream`; answers `text` + `meta_info`, with SGLang's logprob lists when
+`return_logprob` is set."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from pyserve.api.generation.constraints import request_constraint
+from pyserve.http.errors import bad_request
+from pyserve.api.native.protocol import NativeGenerateRequest, NativeSamplingParams
+from pyserve.api.generation.sampling import sampling_params
+from pyserve.api.generation.serving import ServingContext, collect, fan_out, merged_outputs, new_id, prompt_id_lists
+from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
+
+
+# SGLang switches that a gateway sends at their defaults, which are what
+# pyserve does; another value asks for something it does not.
+_ONLY_AT_DEFAULT = {"log_metrics": True, "background": False, "no_logs": False, "return_bytes": False,
+                    "return_entropy": False}
+
+
+async def generate(ctx: ServingContext, req: NativeGenerateRequest):
+    for name, default in _ONLY_AT_DEFAULT.items():
+        if getattr(req, name) != default:
+            raise bad_request(f"{name}={getattr(req, name)} is not supported: pyserve answers as with "
+                              f"{name}={default}", name, "unsupported_parameter")
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    prompt_param = "text" if req.text is not None else "input_ids"
+    if req.text is not None:
+        prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.text, "text")
+    else:
+        prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.input_ids, "input_ids", text=False)
+    fields = req.sampling_params or NativeSamplingParams()
+    constrained = request_constraint(fields, "sampling_params.")
+    params = sampling_params(
+        fields, fields.max_new_tokens, ctx.engine.vocab_size,
+        top_logprobs=req.top_logprobs_num if req.return_logprob else None, top_logprobs_param="top_logprobs_num",
+        prompt_logprobs=req.return_logprob and req.logprob_start_len >= 0,
+        constraint=constrained and constrained.constraint,
+    )
+    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
+             "constraint": constrained and constrained.param}
+    requests = await fan_out(ctx.engine, prompts, params, fields.n, req.rid or new_id(""), names)
+    _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
+    started = time.perf_counter()
+    logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
+    if req.stream:
+        return _stream(ctx, requests, started, logprobs)
+    results = []
+    for i, result in enumerate(await collect(ctx.engine, requests)):
+        if logprobs:
+            logprobs[i].add(result.prompt_logprobs, result.logprobs)
+        results.append({"text": result.text,
+                        "meta_info": _meta(requests[i].rid, result.final, started, logprobs and logprobs[i])})
+    # As SGLang answers: one object for one text, a list for a batch or n > 1.
+    return results[0] if single and fields.n == 1 else results
+
+
+def _check_logprob_start(req: NativeGenerateRequest, prompts: list[list[int]]) -> None:
+    """With return_logprob, the prompt's logprobs start inside the prompt
+    (-1: none of it), as SGLang checks; without it the options are unused."""
+    shortest = min(len(ids) for ids in prompts)
+    if req.return_logprob and not -1 <= req.logprob_start_len < shortest:
+        length = f"{shortest} token{'s' if shortest != 1 else ''}" + (" in the shortest" if len(prompts) > 1 else "")
+        raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({length}): give -1 "
+                          f"for no prompt logprobs, or a position from 0 to {shortest - 1}", "logprob_start_len")
+
+
+async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
+                  logprobs: list[MetaLogprobs] | None) -> AsyncIterator[dict]:
+    """SGLang streams the whole text so far in every event."""
+    texts = [""] * len(requests)
+    async for i, out in merged_outputs(ctx.engine, requests):
+        texts[i] += out.text
+        if logprobs:
+            logprobs[i].add(out.prompt_logprobs or [], out.logprobs or [])
+        event = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
+        if len(requests) > 1:
+            event["index"] = i
+        yield event
+
+
+def _meta(rid: str, out: GenerateOutput, started: float, logprobs: MetaLogprobs | None = None) -> dict:
+    if out.finish_reason == "stop":
+        reason = {"type": "stop", "matched": out.matched_stop}
+    elif out.finish_reason == "length":
+        reason = {"type": "length", "length": out.completion_tokens}
+    else:
+        reason = None
+    return {
+        "id": rid,
+        "finish_reason": reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "e2e_latency": time.perf_counter() - started,
+        **(logprobs.meta() if logprobs else {}),
+    }
+
+
+class MetaLogprobs:
+    """SGLang's meta_info logprob lists for one request, built up as its
+    outputs arrive: entries are [logprob, token_id, text or None]."""
+
+    def __init__(self, ctx: ServingContext, req: NativeGenerateRequest, prompt_ids: list[int]):
+        self.texts = ctx.token_texts if req.return_text_in_logprobs else None
+        self.start = req.logprob_start_len
+        self.prompt_ids = prompt_ids
+        self.input: list = []
+        self.input_top: list = []
+        self.output: list = []
+        self.output_top: list = []
+
+    def _entry(self, logprob: float | None, token_id: int) -> list:
+        return [logprob, token_id, self.texts.text(token_id) if self.texts else None]
+
+    def add(self, prompt_logprobs: list[TokenLogprob | None], logprobs: list[TokenLogprob]) -> None:
+        for pos, e in enumerate(prompt_logprobs[self.start :], start=self.start):
+            if e is None:  # the first prompt token: nothing scores it
+                self.input.append(self._entry(None, self.prompt_ids[pos]))
+                self.input_top.append(None)
+            else:
+                self.input.append(self._entry(e.logprob, e.token_id))
+                self.input_top.append([self._entry(lp, i) for i, lp in e.top])
+        for e in logprobs:
+            self.output.append(self._entry(e.logprob, e.token_id))
+            self.output_top.append([self._entry(lp, i) for i, lp in e.top])
+
+    def meta(self) -> dict:
+        return {"input_token_logprobs": self.input, "output_token_logprobs": self.output,
+                "input_top_logprobs": self.input_top, "output_top_logprobs": self.output_top}

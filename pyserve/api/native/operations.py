@@ -1,0 +1,148 @@
+"""The operational routes: /v1/models, and SGLang's /health_generate,
+/get_model_info, /get_server_info (also without `get_`, as SGLang now names
+them), /v1/loads, /metrics, /flush_cache and /version: what operators,
+load balancers and the smg gateway read.
+
+They read the engine's public figures (kv_usage, integrity_problem,
+metrics...), never its scheduler or KV pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+from pyserve import __version__
+from pyserve.http.errors import APIError, bad_request
+from pyserve.api.openai.embeddings import serves_embeddings
+from pyserve.http.io import Response
+from pyserve.api.openai.protocol import ModelCard, ModelList
+from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id
+from pyserve.engine.request import GenerateRequest, SamplingParams
+
+HEALTH_GENERATE_TIMEOUT = 20.0  # seconds
+
+
+def _model_card(ctx: ServingContext) -> ModelCard:
+    name = ctx.served_model_name
+    return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.engine.context_len)
+
+
+def models(ctx: ServingContext) -> ModelList:
+    return ModelList(data=[_model_card(ctx)])
+
+
+def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
+    if model != ctx.served_model_name:
+        raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+    return _model_card(ctx)
+
+
+async def health_generate(ctx: ServingContext) -> None:
+    """SGLang's deep health check: the engine generates one token in time."""
+    ids = ctx.engine.tokenizer.encode("Hello", add_special_tokens=True)
+    req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"),
+                          embedding=serves_embeddings(ctx))  # an embedding server computes one embedding
+
+    async def one_token():
+        async for _ in merged_outputs(ctx.engine, [req]):
+            pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise APIError("the engine did not generate a token in time", 503, "server_error") from None
+    except APIError as e:
+        raise APIError(f"the engine did not generate a token: {e.message}", 503, "server_error") from None
+
+
+def model_info(ctx: ServingContext) -> dict:
+    return {
+        "model_path": str(ctx.engine.model_dir),
+        "tokenizer_path": str(ctx.engine.model_dir),
+        "served_model_name": ctx.served_model_name,
+        "is_generation": not serves_embeddings(ctx),
+        "architecture": ctx.engine.model_config.architecture,
+        "context_length": ctx.engine.context_len,
+        "version": __version__,
+    }
+
+
+def metrics(ctx: ServingContext) -> Response:
+    """Prometheus text: request counters and latency histograms, and the
+    engine's state now."""
+    engine = ctx.engine
+    m = engine.metrics
+    gauges = {
+        "num_running_reqs": (engine.num_running, "Requests in the running batch."),
+        "num_queue_reqs": (engine.num_waiting, "Requests waiting to be scheduled."),
+        "token_usage": (round(engine.token_usage(), 4),
+                        "Share of the KV cache running requests need (cached prefixes nobody uses excluded)."),
+        "cache_hit_rate": (_cache_hit_rate(engine), "Share of prompt tokens served from the prefix cache."),
+    }
+    return Response(200, m.render(gauges).encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+def _cache_hit_rate(engine) -> float:
+    m = engine.metrics
+    return round(m.cached_tokens / m.prompt_tokens, 4) if m.prompt_tokens else 0.0
+
+
+def loads(ctx: ServingContext) -> dict:
+    """SGLang's /v1/loads: the load of each data-parallel rank (pyserve has
+    one), which the smg gateway polls for its load-aware routing."""
+    engine = ctx.engine
+    kv = engine.kv_usage()
+    load = {
+        "dp_rank": 0,
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+        "num_total_reqs": engine.num_running + engine.num_waiting,
+        "num_used_tokens": kv["in_use"],
+        "max_total_num_tokens": kv["total"],
+        "token_usage": round(engine.token_usage(), 4),
+        "cache_hit_rate": _cache_hit_rate(engine),
+        "max_running_requests": engine.args.max_running_requests,
+    }
+    return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1, "loads": [load]}
+
+
+def flush_cache(ctx: ServingContext) -> Response:
+    """SGLang's POST /flush_cache: drop every cached prefix, when idle."""
+    if not ctx.engine.flush_cache():
+        raise bad_request("cannot flush the cache while requests are running")
+    return Response(200, b"Cache flushed.\n", "text/plain; charset=utf-8")
+
+
+def server_info(ctx: ServingContext) -> dict:
+    """Live engine state, for operators and for tests that check nothing leaked."""
+    engine = ctx.engine
+    kv = engine.kv_usage()
+    return {
+        "model_path": str(engine.model_dir),
+        "served_model_name": ctx.served_model_name,
+        "version": __version__,
+        "tp_size": 1,
+        "dp_size": 1,
+        "max_total_tokens": kv["total"],
+        "max_running_requests": engine.args.max_running_requests,
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+        "kv_tokens_total": kv["total"],
+        "kv_tokens_free": kv["free"],
+        "kv_tokens_in_use": kv["in_use"],
+        "kv_tokens_cached": kv["cached"],
+        "kv_tokens_cached_evictable": kv["cached_evictable"],
+        "kv_page_size": kv["page_size"],
+        "kv_integrity": engine.integrity_problem() or "ok",
+        "context_length": engine.context_len,
+    }
+
+
+def version(ctx: ServingContext) -> dict:
+    return {"version": __version__}
+
+
+def health(ctx: ServingContext) -> None:
+    """Liveness: the server answers (load balancers probe it without a key)."""
+    return None

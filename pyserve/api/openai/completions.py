@@ -1,0 +1,114 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from pyserve.api.generation.constraints import request_constraint
+from pyserve.http.errors import bad_request
+from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, completion_logprobs, prompt_logprobs
+from pyserve.api.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
+from pyserve.api.generation.serving import (
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now,
+    prompt_id_lists, usage,
+)
+from pyserve.engine.request import GenerateRequest
+
+
+async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0):
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
+        raise bad_request("completions take logprobs as the number of alternatives, 0 to "
+                          f"{MAX_TOP_LOGPROBS}", "logprobs" if req.top_logprobs is None else "top_logprobs")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", "best_of")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    prompts, _ = prompt_id_lists(ctx.engine.tokenizer, req.prompt, "prompt")
+    constrained = request_constraint(req)
+    prompt_k = vllm_prompt_logprobs(req)
+    params = sampling_params(req, req.max_tokens, ctx.engine.vocab_size, top_logprobs=req.logprobs,
+                             top_logprobs_param="logprobs",
+                             prompt_logprobs=(req.echo and req.logprobs is not None) or prompt_k is not None,
+                             prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint)
+    rid = req.rid or new_id("cmpl-")
+    names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
+    requests = await fan_out(ctx.engine, prompts, params, req.n, rid, names, priority)
+    echoes = _echoes(ctx, req.prompt, prompts) if req.echo else [""] * len(prompts)
+    if req.stream:
+        return _stream(ctx, req, requests, rid, echoes)
+    results = await collect(ctx.engine, requests)
+    choices = [_choice(ctx, req, i, requests[i], r, echoes[i // req.n]) for i, r in enumerate(results)]
+    return CompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
+                              usage=usage([r.final for r in results], req.n))
+
+
+def _choice(ctx: ServingContext, req: CompletionRequest, index: int, request: GenerateRequest, result: ChoiceResult,
+            echo: str) -> CompletionChoice:
+    logprobs = None
+    if req.logprobs is not None:
+        entries = (result.prompt_logprobs if req.echo else []) + result.logprobs
+        logprobs = completion_logprobs(ctx.token_texts, entries, 0, request.input_ids[0])
+    choice = CompletionChoice(index=index, text=echo + result.text, logprobs=logprobs,
+                              finish_reason=result.final.finish_reason, matched_stop=result.final.matched_stop)
+    if req.prompt_logprobs is not None:
+        choice.prompt_logprobs = prompt_logprobs(ctx.token_texts, result.prompt_logprobs)
+    if req.return_token_ids:
+        choice.prompt_token_ids, choice.token_ids = request.input_ids, result.token_ids
+    return choice
+
+
+def _echoes(ctx: ServingContext, prompt, prompts: list[list[int]]) -> list[str]:
+    """The prompt as sent when it was text, decoded when it was token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [ctx.engine.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[GenerateRequest], rid: str,
+                  echoes: list[str]) -> AsyncIterator:
+    """An echoed prompt comes first, in a chunk of its own per choice: at
+    once, or with logprobs once the engine has scored the prompt, so that
+    chunk carries the prompt's logprobs."""
+    chunk = ChunkFactory(CompletionResponse, rid, ctx.served_model_name)
+    stream_usage = StreamUsage(req.stream_options, requests, req.n)
+    echo_waits = [req.echo and req.logprobs is not None] * len(requests)
+    if req.echo and req.logprobs is None:
+        for i in range(len(requests)):
+            yield chunk([CompletionChoice(index=i, text=echoes[i // req.n])], stream_usage.on_chunk())
+    # Text offsets of logprobs run on across chunks.
+    pending = PendingLogprobs(len(requests))
+    offsets = [0] * len(requests)
+    held_ids: list[list[int]] = [[] for _ in requests]  # tokens whose text is not out yet
+    token_ids_sent = [False] * len(requests)
+
+    def logprobs_of(i: int):
+        if req.logprobs is None:
+            return None
+        logprobs = completion_logprobs(ctx.token_texts, pending.take(i), offsets[i], requests[i].input_ids[0])
+        offsets[i] += sum(len(t) for t in logprobs.tokens)
+        return logprobs
+
+    async for i, out in merged_outputs(ctx.engine, requests):
+        stream_usage.note(i, out)
+        if echo_waits[i]:
+            echo_waits[i] = False
+            pending.add(i, out.prompt_logprobs or [])
+            yield chunk([CompletionChoice(index=i, text=echoes[i // req.n], logprobs=logprobs_of(i))],
+                        stream_usage.on_chunk())
+        pending.add(i, out.logprobs or [])
+        held_ids[i] += out.token_ids
+        if out.text or out.finished:
+            choice = CompletionChoice(index=i, text=out.text, logprobs=logprobs_of(i),
+                                      finish_reason=out.finish_reason, matched_stop=out.matched_stop)
+            if req.return_token_ids:
+                choice.token_ids, held_ids[i] = held_ids[i], []
+                if not token_ids_sent[i]:
+                    choice.prompt_token_ids, token_ids_sent[i] = requests[i].input_ids, True
+            yield chunk([choice], stream_usage.on_chunk())
+    if stream_usage.at_end:
+        yield chunk([], stream_usage.so_far())

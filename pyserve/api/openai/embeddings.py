@@ -1,0 +1,92 @@
+"""POST /v1/embeddings, on a server started with --is-embedding.
+
+Each input is one engine request (GenerateRequest.embedding): they run in
+the engine's continuous batches like any prompt and come back as pooled,
+normalised float32 vectors (model/pooling.py). `dimensions` cuts them
+(Matryoshka) and normalises them again; `encoding_format: base64` sends
+each vector as the base64 of its little-endian float32 bytes, which is
+what the openai client asks for by default and decodes.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from pyserve.http.errors import bad_request
+from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id, prompt_id_lists
+from pyserve.engine.embedding import embedding_mismatch
+from pyserve.engine.request import GenerateRequest, RequestError, SamplingParams
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: Any  # str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+def serves_embeddings(ctx: ServingContext) -> bool:
+    """Whether the server was started with --is-embedding."""
+    # getattr: stand-in engines in the API tests only generate.
+    return getattr(ctx.engine, "pooling", None) is not None
+
+
+def refuse_generation(ctx: ServingContext) -> None:
+    """A generation route on an --is-embedding server: 400 naming the flag."""
+    if serves_embeddings(ctx):
+        raise bad_request(embedding_mismatch(False))
+
+
+async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingResponse:
+    engine = ctx.engine
+    if not serves_embeddings(ctx):
+        raise bad_request(embedding_mismatch(True))
+    if req.dimensions is not None:
+        problem = engine.pooling.check_dimensions(req.dimensions)
+        if problem is not None:
+            raise bad_request(problem, "dimensions")
+    prompts, _ = prompt_id_lists(engine.tokenizer, req.input, "input")
+    rid = new_id("embd-")
+    requests = [GenerateRequest(ids, SamplingParams(max_new_tokens=None), f"{rid}-{i}", embedding=True)
+                for i, ids in enumerate(prompts)]
+    try:
+        for r in requests:
+            engine.validate(r)
+    except RequestError as e:
+        raise bad_request(e.message, "input", e.code) from None
+    data: list[Embedding | None] = [None] * len(requests)
+    async for i, out in merged_outputs(engine, requests):  # an aborted request raises there
+        vector = out.embedding if req.dimensions is None else engine.pooling.truncate(out.embedding, req.dimensions)
+        data[i] = Embedding(index=i, embedding=_encode(vector.numpy(), req.encoding_format))
+    tokens = sum(len(ids) for ids in prompts)
+    return EmbeddingResponse(data=data, model=ctx.served_model_name,
+                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()

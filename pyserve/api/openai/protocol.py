@@ -1,0 +1,295 @@
+"""Request and response bodies of the OpenAI and native routes, as msgspec Structs.
+
+Requests: an unknown field is a 400 naming it (a setting this server
+does not honour is never silently dropped); the metadata fields that
+change nothing in the output are declared, on NO_OP_FIELDS. /generate's
+body is in api/native/protocol.py. Fields are typed, so a wrongly typed
+value is a 400 naming it. Objects stay free where their content is free
+JSON (a JSON schema, a structural tag's format, chat_template_kwargs) or
+is checked in code with OpenAI's own messages: `tools` (api/tools.py)
+and vLLM's structured_outputs (api/constraints.py).
+
+Responses mirror SGLang's shapes field for field, nulls included (the
+openai client reads `logprobs: null`, `matched_stop: null`...). A field
+that must be absent rather than null is typed `... | UnsetType = UNSET`:
+msgspec never encodes UNSET.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from pyserve.api.generation.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
+
+# -- requests ----------------------------------------------------------------
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class HistoryFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None | UnsetType = UNSET  # JSON text (some clients send the object)
+
+
+class HistoryToolCall(msgspec.Struct, kw_only=True):
+    """A call of an earlier assistant turn, sent back in `messages`."""
+
+    id: str | UnsetType = UNSET
+    type: str = "function"
+    function: HistoryFunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name for reasoning_content
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage so far on every chunk
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
+    # SGLang's structural tag: xgrammar's `format`, or the legacy `structures` + `triggers`
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    """A named function the model must call: {"type": "function", "function": {"name"}}."""
+
+    type: str
+    function: ToolChoiceFunction
+
+
+# Accepted and documented as changing nothing in the output (README).
+NO_OP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling settings shared by chat and completions (OpenAI + SGLang extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    # NO_OP_FIELDS: metadata about the caller, for OpenAI's own records
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    logprobs: bool | int | None = None  # chat: bool; completions: how many alternatives
+    top_logprobs: int | None = None
+    # SGLang / vLLM extensions, sent through the client's extra_body
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    rid: str | None = None
+    min_tokens: int = 0  # vLLM / SGLang: EOS and stop token ids masked until this many tokens
+    stop_regex: str | list[str] | None = None  # SGLang: stops that are regular expressions
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
+    # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
+    # grammar) and vLLM's object; see api/constraints.py.
+    response_format: ResponseFormat | None = None
+    json_schema: str | dict[str, Any] | None = None  # JSON text, or the schema itself
+    regex: str | None = None
+    ebnf: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's {"json" | "regex" | "choice" | ...: ...}
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | ToolChoice | None = None  # "none" | "auto" | "required", or a named function
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM: the answer starts with the final assistant message it continues
+    reasoning_effort: str | None = None  # "none" turns the template's thinking off; see api/chat.py
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # Text, texts, token ids or token id lists. msgspec takes one array type
+    # per union, so the items are typed and serving.prompt_id_lists refuses a mix.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16  # the legacy API's default (OpenAI, SGLang, vLLM)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# -- responses ---------------------------------------------------------------
+# Field order is SGLang's, so bodies read the same.
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    # Chat with a --reasoning-parser: the reasoning's share of completion_tokens.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta only
+    arguments: str = ""  # JSON text to append to the call's arguments
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A piece of a streamed tool call, as OpenAI streams them: the first
+    delta of call `index` carries its id, type and name, and every delta
+    some of its arguments' JSON text."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionCallDelta
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
+
+
+class Delta(msgspec.Struct, kw_only=True):
+    """A streamed message delta: only what this chunk adds, and always
+    `reasoning_content` (null when it adds none), as SGLang sends it."""
+
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+
+
+class ChatStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's tokens
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    # On the final usage chunk; on every chunk with continuous_usage_stats.
+    usage: Usage | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: on the first chunk
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    # return_token_ids (streamed: the prompt's on a choice's first chunk, then each chunk's tokens)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """A whole completion, or (usage unset until the last) one streamed chunk."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | UnsetType = UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "pyserve"
+    root: str
+    parent: None = None
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

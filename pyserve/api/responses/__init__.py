@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: routes, input translation, bodies, stream events, stored responses."""

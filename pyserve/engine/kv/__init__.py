@@ -1,0 +1,1 @@
+"""KV memory: the page allocator, the radix prefix cache, and their one owner."""

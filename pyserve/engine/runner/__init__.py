@@ -1,0 +1,1 @@
+"""The model runner: the forward thread, each rank's model and KV cache, CUDA graphs."""

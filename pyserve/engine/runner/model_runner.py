@@ -1,0 +1,225 @@
+"""Owns the model, the KV memory and the one thread that runs forward passes.
+
+The asyncio loop must never wait on a forward pass, so every call into
+torch for a step (forward + sampling) goes to a dedicated worker thread;
+torch releases the GIL in its kernels. `launch` queues a step there and
+returns at once; `wait` gives its results once they are on the host.
+
+With --tp-size > 1 this is rank 0: it starts the other ranks (tp/workers.py)
+and, on the forward thread, broadcasts each step's batch to them before
+running its own shard of the same forward. Only rank 0 samples: the
+sampler's state (per-request generators, penalty history, grammar
+matchers) stays single-rank code, and the other ranks need no request
+state at all, since the ids they read next arrive in the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pyserve.engine.runner.rank_model import RankModel
+from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
+from pyserve.engine.step import ScheduledStep
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.pooling import sum_spans
+from pyserve.server_args import ServerArgs
+
+logger = logging.getLogger("pyserve.engine")
+
+@dataclass
+class StepOutput:
+    """A step's results on the host, once `ready` has fired: one sampled id
+    per sampled sequence, and when any asked, their log-probabilities
+    (sampler.token_logprobs: chosen [B], top values [B, K], top ids [B, K])."""
+
+    ids: torch.Tensor  # int64
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    ready: "torch.cuda.Event | None"  # None: already complete
+    # Prompt log-probabilities, in the same three parts, one row per target.
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Embedding requests: per step.embed_spans entry, the float32 sum of its
+    # pooled rows' final-norm hidden states [spans, hidden].
+    pooled: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        """Blocks until the results are on the host; call it off the event loop."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that does not wait for the device: valid once an event
+    recorded after it has fired."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_dir: Path):
+        """`args` resolved (ServerArgs.resolved): no "auto" left."""
+        torch.manual_seed(args.random_seed)
+        self.ranks = None  # the other tensor-parallel ranks, when --tp-size > 1
+        if args.tp_size > 1:
+            from pyserve.engine.tp.workers import TensorParallelRanks
+
+            self.ranks = TensorParallelRanks(args, model_dir)
+        try:
+            self.rank_model = self._start_rank_model(args, model_dir)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abandon()
+            raise
+        self.device = self.rank_model.device
+        self.config = self.rank_model.config
+        self.context_len = self.rank_model.context_len
+        self.kv_buffer = self.rank_model.kv_buffer
+        self.sampler = Sampler(args.random_seed)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
+        self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        capacity = (self.kv_buffer.num_pages - 1) * args.page_size  # page 0 is never handed out
+        logger.info(
+            "KV cache: %d tokens in pages of %d (%.2f GiB%s), context length %d",
+            capacity, args.page_size, capacity * self.rank_model.kv_bytes_per_token() / (1 << 30),
+            " on rank 0" if self.ranks else "", self.context_len,
+        )
+
+    def _start_rank_model(self, args: ServerArgs, model_dir: Path) -> RankModel:
+        """Rank 0's model, with a KV cache of the size it decides for every rank."""
+        if self.ranks is None:
+            rank_model = RankModel(args, model_dir, torch.device(args.device))
+            rank_model.allocate(args, rank_model.num_pages(args))
+            return rank_model
+        ranks, member = self.ranks, self.ranks.member
+        rank_model = RankModel(args, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
+        num_pages = rank_model.num_pages(args)
+        ranks.watched(ranks.channel.send_value, num_pages)
+        # Capturing CUDA graphs runs collectives: every rank allocates at once.
+        ranks.watched(rank_model.allocate, args, num_pages)
+        ranks.watched(ranks.channel.barrier)
+        ranks.serving = True
+        logger.info("Tensor parallelism: %d ranks over %d node(s) (%s), KV cache of %d pages on each",
+                    args.tp_size, args.nnodes, ranks.layout.backend, num_pages)
+        return rank_model
+
+    # What tests and benchmarks reach through the runner.
+    @property
+    def model(self):
+        return self.rank_model.model
+
+    @property
+    def attention(self):
+        return self.rank_model.attention
+
+    @property
+    def cuda_graphs(self):
+        return self.rank_model.cuda_graphs
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
+        return self.rank_model.forward(batch)
+
+    def launch(self, step: ScheduledStep) -> asyncio.Future:
+        """Queue `step` on the worker thread; call from the event loop."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.step, step)
+
+    @staticmethod
+    async def wait(launched: asyncio.Future) -> StepOutput:
+        """A launched step's results, once they are on the host."""
+        output = await launched
+        if output.ready is not None:
+            await asyncio.to_thread(output.wait)
+        return output
+
+    def step(self, step: ScheduledStep) -> StepOutput:
+        """Forward + sampling for one scheduled step; runs on the worker thread.
+
+        Returns as soon as the work is queued on the device: on CUDA the ids
+        come back through a non-blocking copy and an event, so this thread
+        can launch the next step while this one computes. Decode rows whose
+        input is a placeholder (-(row + 1), see step.py) read row `row` of
+        the previous step's ids, which are still on the device. Logits rows
+        past the sampled ones score the step's prompt targets.
+        """
+        seqs = step.sampled
+        try:
+            with torch.inference_mode():
+                batch = step.batch.to(self.device)
+                if step.has_placeholders:
+                    batch.input_ids = self._resolve_placeholders(batch.input_ids)
+                all_logits, pooled = self._forward_on_every_rank(batch, step)
+                logits = all_logits[: len(seqs)]
+                next_ids = self.sampler.sample(logits, seqs)
+                logprobs = prompt_logprobs = None
+                if any(wants_logprobs(s.params) for s in seqs):
+                    logprobs = token_logprobs(logits, next_ids.to(logits.device),
+                                              max(s.params.top_logprobs for s in seqs))
+                if step.prompt_targets:
+                    targets = torch.tensor(step.prompt_targets, device=self.device)
+                    prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, step.prompt_top_logprobs)
+                self._last_ids = next_ids.to(self.device)
+                if self.device.type != "cuda":
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled)
+
+                def to_host(parts):
+                    return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
+
+                output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
+                                    to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None)
+                output.ready.record()
+                return output
+        except Exception:
+            self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
+            raise
+
+    def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits (and pooled sums), the other tensor-parallel ranks
+        given the same batch."""
+        if self.ranks is None:
+            return self._forward(batch, step)
+        self.ranks.check()
+        try:
+            self.ranks.channel.send(batch)
+            return self._forward(batch, step)
+        except Exception as e:
+            # The ranks may now be inside different collectives: none can go on.
+            self.ranks.fail(f"a tensor-parallel step failed on rank 0: {e}")
+            raise
+
+    def _forward(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the batch's logits rows and, for a step with embedding
+        rows, StepOutput.pooled, in one pass through the layers. The other
+        ranks run a plain forward: the same collectives, since the pooled
+        rows' final norm is local and the vocabulary gather sees the same
+        logits rows."""
+        if not step.embed_rows:
+            return self.forward(batch), None
+        wanted = len(batch.logits_indices)
+        rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
+        hidden = self.model.hidden_states(batch, self.attention, rows)
+        pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
+        return self.model.logits(hidden[:wanted]), pooled
+
+    def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        last = self._last_ids
+        if last is None or last.numel() == 0:
+            last = torch.zeros(1, dtype=torch.long, device=ids.device)
+        rows = (-ids - 1).clamp(0, last.numel() - 1)
+        return torch.where(ids < 0, last[rows], ids)
+
+    def shutdown(self) -> None:
+        """Stop the forward thread, then every other rank. RuntimeError when a
+        rank had failed, so that the server exits with an error."""
+        failure = self.ranks.failure if self.ranks is not None else None
+        # After a failure the thread may be stuck in a collective that never ends.
+        self.executor.shutdown(wait=failure is None, cancel_futures=True)
+        if self.ranks is not None:
+            self.ranks.stop()
+            if self.ranks.failure is not None:
+                raise RuntimeError(f"tensor parallelism failed: {self.ranks.failure}")

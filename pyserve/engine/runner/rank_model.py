@@ -1,0 +1,227 @@
+"""What every tensor-parallel rank holds and runs: its shard of the weights
+and of the KV cache, the attention backend over that cache, and the CUDA
+graphs that replay decode steps. On one rank, the whole model.
+
+Rank 0's ModelRunner and the other ranks' worker loop (tp/worker.py) each
+own one and call `forward` on the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pyserve.model.cpu import blocks, extend_attention, native_layers
+from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention.torch_backend import TorchAttention
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.loader import load_model
+from pyserve.model.parallel import SINGLE, TensorParallel, largest_kv_share
+from pyserve.model.quant import resolve_quant
+from pyserve.server_args import ServerArgs
+
+logger = logging.getLogger("pyserve.engine")
+
+# KV cache size when --max-total-tokens is not given. On CPU: room for a
+# few full-length sequences, capped in slots and by the memory available.
+_CPU_KV_CONTEXTS = 4
+_CPU_KV_MAX_SLOTS = 65536
+_CPU_KV_MEM_FRACTION = 0.25
+_GPU_MEM_FRACTION = 0.85  # default --mem-fraction-static: weights + KV cache
+_GPU_ACTIVATION_RESERVE = 1 << 30
+
+
+def usable_cpus() -> int:
+    """CPUs this process may really use: its affinity mask, further capped by
+    a cgroup v2 CPU quota (containers often allow fewer CPUs than they show,
+    and torch would otherwise start one thread per visible core)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def available_memory() -> int:
+    """Bytes of RAM that can be taken without swapping others out."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# 8da4w steps of this many rows and more (long prefill chunks) keep all of
+# torch's threads: their norms, rotary and SiLU over every row cost more
+# on one thread than the two pools' contention (a 1,000-token prompt
+# in-process, three runs each, alternated: medians 1,396 vs 1,551 ms to
+# its first token), and their attention is torch's SDPA on all threads.
+ONE_THREAD_BELOW_ROWS = 128
+
+
+class RankModel:
+    def __init__(self, args: ServerArgs, model_dir: Path, device: torch.device, tp: TensorParallel = SINGLE,
+                 ranks_on_this_node: int = 1):
+        """Load this rank's shard. `args` resolved (ServerArgs.resolved). The
+        KV cache comes later (`allocate`), once rank 0 has sized it."""
+        self.device = device
+        self.dtype = getattr(torch, args.dtype)
+        self.ranks_on_this_node = ranks_on_this_node
+        # The ranks of one machine share its cores.
+        self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
+        if device.type == "cpu":
+            torch.set_num_threads(self.cpu_threads)
+        self.quant = resolve_quant(args.torchao_config, model_dir, device)
+        if self.quant is not None and self.quant.int8_activations:
+            blocks.set_threads(self.cpu_threads)
+        self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
+                                              lm_head=not args.is_embedding)
+        self.context_len = args.context_length or self.config.max_position_embeddings
+        self.kv_buffer: KVBuffer | None = None
+        self.attention: AttentionBackend | None = None
+        self.cuda_graphs = None  # replays decode steps when set
+
+    # -- the KV cache ----------------------------------------------------------
+
+    def kv_bytes_per_token(self, kv_heads: int | None = None) -> int:
+        """K and V of one token over all layers, for this rank's KV heads (or `kv_heads`)."""
+        c = self.config
+        heads = len(self.model.shard.kv_heads) if kv_heads is None else kv_heads
+        return KVBuffer.bytes_per_token(c.num_hidden_layers, heads, c.head_dim, self.dtype)
+
+    def num_pages(self, args: ServerArgs) -> int:
+        """Pages every rank's KV buffer gets, the reserved padding page
+        included: decided on rank 0 and sent to the others."""
+        return max(-(-self._kv_tokens(args) // args.page_size) + 1, 2)
+
+    def _kv_tokens(self, args: ServerArgs) -> int:
+        if args.max_total_tokens:
+            return args.max_total_tokens
+        # What the rank with the most KV heads needs per token (shares may be uneven).
+        per_rank = self.kv_bytes_per_token(largest_kv_share(self.config, self.model.shard.tp.size))
+        if self.device.type == "cuda":
+            # Weights are loaded: the KV cache gets what is left of the
+            # static share, minus room for activations and CUDA graphs.
+            _, total = torch.cuda.mem_get_info(self.device)
+            fraction = args.mem_fraction_static or _GPU_MEM_FRACTION
+            budget = int(total * fraction) - torch.cuda.memory_allocated(self.device) - _GPU_ACTIVATION_RESERVE
+            if budget <= 0:
+                raise ValueError(f"--mem-fraction-static {fraction} leaves no GPU memory for the KV cache")
+            return budget // per_rank
+        wanted = min(self.context_len * _CPU_KV_CONTEXTS, _CPU_KV_MAX_SLOTS)
+        # This machine's ranks share its memory.
+        affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // (per_rank * self.ranks_on_this_node)
+        return min(wanted, affordable)
+
+    def allocate(self, args: ServerArgs, num_pages: int) -> None:
+        """The KV buffer of `num_pages` pages, the attention backend over it,
+        the CUDA graphs and the compiled decode step as the options ask."""
+        self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
+                                  self.config.head_dim, self.dtype, self.device, page_size=args.page_size)
+        self.attention = self._make_attention(args.attention_backend)
+        graph_max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        if self.device.type == "cuda" and not args.disable_cuda_graph and graph_max_bs > 0:
+            from pyserve.engine.runner.cuda_graph_runner import CudaGraphRunner
+            from pyserve.model.attention.triton_backend import TritonAttention
+
+            # The graphs read the Triton backend's static kv tables.
+            if isinstance(self.attention, TritonAttention):
+                self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
+        if self._use_native_decode():
+            if args.enable_torch_compile:
+                logger.info("torch.compile: not needed, decode steps run natively")
+        elif args.enable_torch_compile:
+            self._compile_decode()
+
+    def _use_native_decode(self) -> bool:
+        """8da4w on a CPU: decode steps' layers as one Rust call each (native_layers.py)."""
+        if self.device.type != "cpu" or self.quant is None or not self.quant.int8_activations:
+            return False
+        if not isinstance(self.attention, TorchAttention):
+            return False
+        reason = native_layers.unfit_reason(self.model)
+        if reason is not None:
+            logger.info("Decode steps keep the torch layers: %s", reason)
+            return False
+        self.model.native_decode = native_layers.NativeDecode(self.model)
+        logger.info("Decode steps run natively, one Rust call per layer")
+        return True
+
+    def _make_attention(self, name: str) -> AttentionBackend:
+        if name == "triton":
+            from pyserve.model.attention.triton_backend import TritonAttention
+
+            return TritonAttention(self.kv_buffer, len(self.model.shard.q_heads), self.context_len)
+        if self.device.type != "cpu":
+            return TorchAttention(self.kv_buffer)
+        # 8da4w steps run torch on one thread (forward), leaving the cores to pyserve's kernels.
+        native_extend = self.quant is not None and self.quant.int8_activations and extend_attention.fits(self.kv_buffer)
+        return TorchAttention(self.kv_buffer, self.cpu_threads, native_extend)
+
+    def _compile_decode(self) -> None:
+        """--enable-torch-compile: compile the decode layers now, on dummy
+        steps of batch 1 and 2 (the second makes the batch size dynamic),
+        equal and unequal lengths, so no request pays for it. Dummy rows
+        read and write only the padding slot 0."""
+        if self.device.type != "cpu":
+            logger.warning("--enable-torch-compile is for the CPU; on %s decode steps keep their kernels",
+                           self.device.type)
+            return
+        if self.attention.attend_decode is None:
+            logger.warning("--enable-torch-compile: the %s attention backend has no compilable decode step",
+                           type(self.attention).__name__)
+            return
+        self.model.compile_decode(self.attention.attend_decode)
+        start = time.perf_counter()
+        zero = torch.zeros
+        for lengths in ([2], [2, 2], [2, 3]):
+            rows = len(lengths)
+            batch = ForwardBatch.build([0] * rows, [n - 1 for n in lengths], zero(rows, dtype=torch.long),
+                                       [1] * rows, [zero(n, dtype=torch.long) for n in lengths], list(range(rows)),
+                                       True, self.device)
+            with torch.inference_mode():
+                self.forward(batch)
+        logger.info("torch.compile: decode layers compiled in %.1f s", time.perf_counter() - start)
+
+    # -- steps -----------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.replay(batch)
+        if self._block_kernel_step(batch):
+            # The block kernels' threads spin between their calls; torch's
+            # own threads spin after each of its ops, and on a busy core
+            # each pool waits for the other (measured: twice the step time).
+            # So such steps leave the cores to the kernels and run torch's
+            # ops (small at these sizes) on this thread; only attention over
+            # a long cached prefix takes them back (TorchAttention).
+            torch.set_num_threads(1)
+            try:
+                return self.model(batch, self.attention)
+            finally:
+                torch.set_num_threads(self.cpu_threads)
+        return self.model(batch, self.attention)
+
+    def _block_kernel_step(self, batch: ForwardBatch) -> bool:
+        """Whether the step leaves the cores to pyserve's kernels (8da4w):
+        under ONE_THREAD_BELOW_ROWS rows, or a decode step of the native
+        layers, whose products all run the kernels (the vocabulary
+        projection's too, under VOCAB_DENSE_FROM_ROWS rows)."""
+        if self.quant is None or not self.quant.int8_activations or self.cpu_threads == 1:
+            return False
+        rows = batch.input_ids.numel()
+        native_decode = batch.is_decode and self.model.native_decode is not None
+        return rows < ONE_THREAD_BELOW_ROWS or (native_decode and rows < blocks.VOCAB_DENSE_FROM_ROWS)

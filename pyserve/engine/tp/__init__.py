@@ -1,0 +1,1 @@
+"""Tensor parallelism's processes: the group, the per-step broadcast, the workers."""

@@ -1,0 +1,104 @@
+"""Rank 0 sends each step's forward batch to the other tensor-parallel ranks.
+
+A step costs two broadcasts whatever the batch holds: a fixed header of
+sizes on the CPU group (tp/group.py), then every field of the ForwardBatch
+back to back as one int64 tensor on the model's device and group (NCCL on
+CUDA: no copy through the host, and the ids rank 0 resolved from the
+previous step on the device travel as they are). The other ranks rebuild
+the same batch and run the same forward, joining the model's collectives.
+A header of all -1 tells them to stop. Before the first step, rank 0
+tells them the KV cache's size (it decides it; every rank holds as many
+pages), and every rank says it is ready.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pyserve.engine.tp.group import Membership
+from pyserve.model.forward_batch import ForwardBatch
+
+# tokens, sequences, is_decode, logits rows, kv slots
+_HEADER = 5
+_STOP = -1
+
+
+def header(batch: ForwardBatch) -> torch.Tensor:
+    """The batch's sizes, on the CPU."""
+    return torch.tensor([batch.input_ids.numel(), batch.batch_size, int(batch.is_decode),
+                         batch.logits_indices.numel(), batch.kv_indices.numel()], dtype=torch.long)
+
+
+def payload(batch: ForwardBatch) -> torch.Tensor:
+    """Every field of the batch as one int64 tensor on its device."""
+    device = batch.input_ids.device
+    lists = torch.tensor(batch.extend_lens + batch.seq_lens, dtype=torch.long)
+    if device.type == "cuda":
+        lists = lists.pin_memory().to(device, non_blocking=True)
+    return torch.cat([batch.input_ids, batch.positions, batch.out_cache_loc, lists, batch.kv_indptr,
+                      batch.kv_indices, batch.logits_indices])
+
+
+def payload_size(sizes: list[int]) -> int:
+    tokens, seqs, _, logits_rows, kv_slots = sizes
+    return 3 * tokens + 3 * seqs + 1 + kv_slots + logits_rows
+
+
+def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
+    """The batch whose header is `sizes` from its payload; tensors are views of it."""
+    tokens, seqs, is_decode, logits_rows, kv_slots = sizes
+    split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows]
+    input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices = data.split(split)
+    lists = lists.tolist()
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=lists[:seqs],
+        seq_lens=lists[seqs:], kv_indptr=kv_indptr, kv_indices=kv_indices, logits_indices=logits_indices,
+        is_decode=bool(is_decode),
+    )
+
+
+class StepChannel:
+    """Rank 0's side sends; the other ranks' side receives, in the same order."""
+
+    def __init__(self, member: Membership):
+        self.member = member
+
+    def _broadcast_header(self, values: torch.Tensor) -> None:
+        dist.broadcast(values, src=0, group=self.member.control)
+
+    # rank 0
+
+    def send(self, batch: ForwardBatch) -> None:
+        """Hand the step (on rank 0's device, ids resolved) to the other ranks."""
+        self._broadcast_header(header(batch))
+        dist.broadcast(payload(batch), src=0, group=self.member.tp.group)
+
+    def send_stop(self) -> None:
+        self._broadcast_header(torch.full((_HEADER,), _STOP, dtype=torch.long))
+
+    def send_value(self, value: int) -> None:
+        self._broadcast_header(torch.tensor([value] * _HEADER, dtype=torch.long))
+
+    # ranks 1..N-1
+
+    def receive(self) -> ForwardBatch | None:
+        """The next step's batch on this rank's device, or None when rank 0 stops."""
+        sizes = torch.empty(_HEADER, dtype=torch.long)
+        self._broadcast_header(sizes)
+        sizes = sizes.tolist()
+        if sizes[0] == _STOP:
+            return None
+        data = torch.empty(payload_size(sizes), dtype=torch.long, device=self.member.device)
+        dist.broadcast(data, src=0, group=self.member.tp.group)
+        return unpack(sizes, data)
+
+    def receive_value(self) -> int:
+        values = torch.empty(_HEADER, dtype=torch.long)
+        self._broadcast_header(values)
+        return int(values[0])
+
+    # every rank
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.member.control)

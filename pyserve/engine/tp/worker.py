@@ -1,0 +1,63 @@
+"""A tensor-parallel rank other than 0: a process that loads its shard of
+the model and runs every step rank 0 broadcasts, until rank 0 says stop.
+
+It samples nothing and knows no requests: the batch it receives says
+which KV slots to read and write, and its logits are dropped. Ctrl-C in a
+terminal reaches the whole process group, so workers ignore SIGINT and
+leave stopping to rank 0 (which stops them at once). A worker whose
+parent process dies exits too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from pyserve.engine.tp import group as tp_group
+from pyserve.engine.runner.rank_model import RankModel
+from pyserve.engine.tp.broadcast import StepChannel
+from pyserve.server_args import ServerArgs
+
+logger = logging.getLogger("pyserve.engine")
+
+
+def run_worker(rank: int, layout: tp_group.RankLayout, args: ServerArgs, model_dir: Path) -> None:
+    """A worker process's main: `args` resolved, as rank 0 runs them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s TP{rank}] %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout, force=True)
+    _exit_with_parent()
+    try:
+        member = tp_group.join(layout, rank)
+        channel = StepChannel(member)
+        model = RankModel(args, model_dir, member.device, member.tp, layout.ranks_per_node)
+        model.allocate(args, channel.receive_value())
+        channel.barrier()  # ready
+        logger.info("tensor-parallel rank %d ready (pid %d)", rank, os.getpid())
+        with torch.inference_mode():
+            while (batch := channel.receive()) is not None:
+                model.forward(batch)
+        tp_group.leave()
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        sys.exit(1)
+
+
+def _exit_with_parent() -> None:
+    """A rank whose parent died would otherwise wait in a collective."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pyserve-parent-watch", daemon=True).start()

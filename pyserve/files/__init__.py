@@ -1,0 +1,1 @@
+"""The Files API: routes and the files kept on disk."""

@@ -1,0 +1,28 @@
+"""Request bodies whose unknown fields are refused, for the routes where a
+field the server ignored would change the answer (Responses, tokenize,
+score): a 400 names the field rather than dropping it silently."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from pyserve.http.errors import bad_request, from_msgspec
+
+T = TypeVar("T")
+
+
+def convert_strict(body: dict, struct: type[T], route: str) -> T:
+    """`body` (decoded JSON) as `struct`, a Struct declared with
+    forbid_unknown_fields; `route` names the API in the refusal."""
+    try:
+        return msgspec.convert(body, struct)
+    except msgspec.ValidationError as e:
+        text, _, path = str(e).partition(" - at `$")
+        if text.startswith("Object contains unknown field `"):
+            name = text.split("`")[1]
+            where = path.rstrip("`").lstrip(".")
+            raise bad_request(f"the parameter {name!r} is not supported: {route} does not serve it",
+                              f"{where}.{name}" if where else name, "unsupported_parameter") from None
+        raise from_msgspec(e) from None

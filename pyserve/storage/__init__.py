@@ -1,1 +1,0 @@
-"""Persistent state: uploaded files and batch records."""
