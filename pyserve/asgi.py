@@ -78,7 +78,7 @@ class PyserveApp:
         from pyserve.batches.runner import BatchManager
         from pyserve.http.proxy import CORS, TrustedProxies
         from pyserve.api.responses.routes import ResponseManager
-        from pyserve.api.responses.protocol import StoredResponse
+        from pyserve.api.protocol.responses import StoredResponse
         from pyserve.api.generation.serving import ServingContext
         from pyserve.chat_template import ChatTemplate
         from pyserve.engine.engine import Engine

@@ -10,8 +10,8 @@ import pytest
 
 from pyserve.api.generation.constraints import request_constraint
 from pyserve.http.errors import APIError, from_msgspec
-from pyserve.api.native.protocol import NativeSamplingParams
-from pyserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pyserve.api.protocol.native import NativeSamplingParams
+from pyserve.api.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pyserve.api.generation.tools import ToolCalling, ToolCallStream, whole_calls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

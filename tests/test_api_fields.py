@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from pyserve.api.app import App
-from pyserve.api.openai.protocol import NO_OP_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, \
+from pyserve.api.protocol.openai import NO_OP_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, \
     StreamOptions
 from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate

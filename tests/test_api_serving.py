@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from pyserve.http.errors import APIError
-from pyserve.api.native.protocol import NativeSamplingParams
+from pyserve.api.protocol.native import NativeSamplingParams
 from pyserve.http.io import page
-from pyserve.api.openai.protocol import CompletionRequest
+from pyserve.api.protocol.openai import CompletionRequest
 from pyserve.api.generation.sampling import sampling_params
 from pyserve.api.generation.serving import fan_out, prompt_id_lists, usage
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, SamplingParams

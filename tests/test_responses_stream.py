@@ -21,12 +21,12 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from pyserve.http.errors import APIError
-from pyserve.api.openai.protocol import (
+from pyserve.api.protocol.openai import (
     ChatCompletionChunk, ChatStreamChoice, Delta, FunctionCall as ChatFunction, PromptTokensDetails, ToolCallDelta,
     Usage,
 )
 from pyserve.api.responses.input import chat_messages, read_input
-from pyserve.api.responses.protocol import FunctionCall, Message, OutputText, Reasoning, ReasoningText, Response
+from pyserve.api.protocol.responses import FunctionCall, Message, OutputText, Reasoning, ReasoningText, Response
 from pyserve.api.responses.stream import ResponseBuilder
 
 

@@ -31,11 +31,11 @@ from pyserve.api.responses import routes as responses
 from pyserve.batches.runner import BatchManager
 from pyserve.http.drain import Drain
 from pyserve.http.errors import APIError
-from pyserve.api.native.protocol import NativeGenerateRequest
+from pyserve.api.protocol.native import NativeGenerateRequest
 from pyserve.http.io import (
     MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
 )
-from pyserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pyserve.api.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pyserve.http.proxy import CORS, TrustedProxies
 from pyserve.api.responses.routes import ResponseManager
 from pyserve.api.generation.serving import ServingContext

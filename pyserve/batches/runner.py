@@ -23,7 +23,7 @@ import msgspec
 from pyserve.api.openai import chat, completions
 from pyserve.http.errors import APIError, bad_request, from_msgspec
 from pyserve.http.io import json_depth_exceeds
-from pyserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pyserve.api.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pyserve.api.generation.serving import ServingContext, new_id
 from pyserve.engine.request import BATCH_PRIORITY
 from pyserve.batches.store import (

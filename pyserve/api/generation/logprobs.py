@@ -13,48 +13,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import msgspec
-
 from pyserve._rust import Tokenizer
+from pyserve.api.protocol.openai import (
+    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob,
+)
 from pyserve.engine.request import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20
-
-
-class TopLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct, kw_only=True):
-    content: list[ChatTokenLogprob]
-    refusal: None = None
-
-
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    tokens: list[str]
-    token_logprobs: list[float | None]  # None for an echoed prompt's first token
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class PromptLogprob(msgspec.Struct, kw_only=True):
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-# vLLM's prompt_logprobs: per prompt token (None for the first, which nothing
-# scores), the token's own entry and its alternatives', keyed by token id.
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class TokenTexts:

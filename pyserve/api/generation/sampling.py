@@ -14,8 +14,8 @@ from __future__ import annotations
 from pyserve._rust import StopMatcher
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
-from pyserve.api.native.protocol import NativeSamplingParams
-from pyserve.api.openai.protocol import SamplingFields
+from pyserve.api.protocol.native import NativeSamplingParams
+from pyserve.api.protocol.openai import SamplingFields
 from pyserve.engine.request import Constraint, SamplingParams
 
 MAX_N = 128

@@ -21,7 +21,7 @@ from msgspec import UNSET, UnsetType
 from pyserve._rust import Tokenizer
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import TokenTexts
-from pyserve.api.openai.protocol import PromptTokensDetails, Usage
+from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob

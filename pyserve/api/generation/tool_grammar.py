@@ -19,7 +19,7 @@ import json
 import uuid
 
 from pyserve.http.errors import bad_request
-from pyserve.api.openai.protocol import FunctionCall, ToolCall
+from pyserve.api.protocol.openai import FunctionCall, ToolCall
 from pyserve.engine.request import Constraint
 
 ANY_ARGUMENTS = {"type": "object"}

@@ -17,7 +17,7 @@ from typing import Any
 
 from pyserve._rust import ToolCallParser
 from pyserve.http.errors import bad_request
-from pyserve.api.openai.protocol import ChatCompletionRequest, ToolCall, ToolChoice
+from pyserve.api.protocol.openai import ChatCompletionRequest, ToolCall, ToolChoice
 from pyserve.api.generation.tool_grammar import CallDelta, arguments_key, forced_calls, new_call, strict_calls
 from pyserve.engine.request import Constraint
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from pyserve.api.generation.constraints import request_constraint
 from pyserve.http.errors import bad_request
-from pyserve.api.native.protocol import NativeGenerateRequest, NativeSamplingParams
+from pyserve.api.protocol.native import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.generation.sampling import sampling_params
 from pyserve.api.generation.serving import ServingContext, collect, fan_out, merged_outputs, new_id, prompt_id_lists
 from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob

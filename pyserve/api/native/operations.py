@@ -16,7 +16,7 @@ from pyserve import __version__
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.openai.embeddings import serves_embeddings
 from pyserve.http.io import Response
-from pyserve.api.openai.protocol import ModelCard, ModelList
+from pyserve.api.protocol.openai import ModelCard, ModelList
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id
 from pyserve.engine.request import GenerateRequest, SamplingParams
 

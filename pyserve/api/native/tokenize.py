@@ -19,7 +19,7 @@ import msgspec
 
 from pyserve.api.openai import chat
 from pyserve.http.errors import bad_request
-from pyserve.api.openai.protocol import ChatCompletionRequest, ChatMessage
+from pyserve.api.protocol.openai import ChatCompletionRequest, ChatMessage
 from pyserve.api.generation.serving import ServingContext
 from pyserve.http.strict import convert_strict
 

@@ -13,8 +13,8 @@ from msgspec.structs import replace as replace_struct
 from pyserve._rust import ReasoningSplitter, content_text
 from pyserve.api.generation.constraints import RequestConstraint, only_one, request_constraint
 from pyserve.http.errors import bad_request
-from pyserve.api.generation.logprobs import ChatLogprobs, PendingLogprobs, chat_logprobs, prompt_logprobs
-from pyserve.api.openai.protocol import (
+from pyserve.api.generation.logprobs import PendingLogprobs, chat_logprobs, prompt_logprobs
+from pyserve.api.protocol.openai import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatStreamChoice, CompletionTokensDetails, Delta, FunctionCallDelta, ToolCallDelta, Usage,
 )

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from pyserve.api.generation.constraints import request_constraint
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, completion_logprobs, prompt_logprobs
-from pyserve.api.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from pyserve.api.protocol.openai import CompletionChoice, CompletionRequest, CompletionResponse
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now,

@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from pyserve.http.errors import APIError, bad_request
-from pyserve.api.openai.protocol import (
+from pyserve.api.protocol.openai import (
     ChatCompletionRequest, ChatMessage, ContentPart, ResponseFormat, StreamOptions, ToolChoice, ToolChoiceFunction,
 )
-from pyserve.api.responses.protocol import (
+from pyserve.api.protocol.responses import (
     FunctionCall, FunctionCallOutput, InputText, Item, Message, OutputText, Reasoning, ReasoningText, Refusal,
     ResponsesRequest, SummaryText, TextFormatJSONObject, TextFormatJSONSchema,
 )

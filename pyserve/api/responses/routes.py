@@ -23,7 +23,7 @@ from pyserve.http.io import Request, page
 from pyserve.api.responses.input import (
     chat_request, check_call_outputs, check_supported, read_input, responses_error, unsupported,
 )
-from pyserve.api.responses.protocol import (
+from pyserve.api.protocol.responses import (
     ACTIVE, ReasoningConfig, Response, ResponseError, ResponsesRequest, StoredResponse, TextConfig,
 )
 from pyserve.api.responses.stream import Event, ResponseBuilder, snapshot

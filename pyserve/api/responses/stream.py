@@ -16,8 +16,8 @@ import msgspec
 from msgspec import UNSET
 
 from pyserve.http.errors import APIError
-from pyserve.api.openai.protocol import ChatCompletionChunk, Usage
-from pyserve.api.responses.protocol import (
+from pyserve.api.protocol.openai import ChatCompletionChunk, Usage
+from pyserve.api.protocol.responses import (
     FunctionCall, IncompleteDetails, InputTokensDetails, Item, Message, OutputText, OutputTokensDetails, Reasoning,
     ReasoningText, Response, ResponseError, ResponseUsage,
 )

@@ -3,7 +3,7 @@
 Requests: an unknown field is a 400 naming it (a setting this server
 does not honour is never silently dropped); the metadata fields that
 change nothing in the output are declared, on NO_OP_FIELDS. /generate's
-body is in api/native/protocol.py. Fields are typed, so a wrongly typed
+body is in api/protocol/native.py. Fields are typed, so a wrongly typed
 value is a 400 naming it. Objects stay free where their content is free
 JSON (a JSON schema, a structural tag's format, chat_template_kwargs) or
 is checked in code with OpenAI's own messages: `tools` (api/tools.py)
@@ -22,10 +22,47 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from pyserve.api.generation.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
+
+# -- logprobs (built by api/generation/logprobs.py) ---------------------------
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first, which nothing
+# scores), the token's own entry and its alternatives', keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 
 # -- requests ----------------------------------------------------------------
-
 
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
