@@ -117,7 +117,7 @@ class ToolChoice(msgspec.Struct, kw_only=True):
     function: ToolChoiceFunction
 
 
-# Accepted and documented as changing nothing in the output (README).
+# Accepted and documented as changing nothing in the output (docs/api.md).
 NO_OP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
