@@ -6,16 +6,14 @@ and sample on the worker thread -> turn tokens into text -> hand outputs to
 each request's channel. A caller that stops listening aborts its request,
 which gives back every KV slot at once.
 
-A constrained request (SamplingParams.constraint) has its grammar compiled
-off the loop (engine/grammar.py) before it is queued, and carries a
-matcher from then until it ends.
-
-Each request has three records, each with its owner: its Sequence
-(scheduling, KV, tokens; the event loop), its output side (text, stops,
-logprobs; the engine's `_outputs`, on the event loop), and its
-SamplingState (generator, grammar matcher, penalty history), which the
-engine builds and hands to the forward thread, and which that thread
-alone touches until it drops it (ModelRunner.admit / release).
+A request has three records, each with one owner: its Sequence
+(scheduling, KV, tokens) and its output side (text, stops, logprobs; the
+engine's `_outputs`), both on the event loop, and its SamplingState
+(generator, grammar matcher, penalty history), which the engine builds
+and hands to the forward thread, which alone touches it until it drops it
+(ModelRunner.admit / release). A constrained request (SamplingParams.
+constraint) has its grammar compiled off the loop (engine/grammar.py)
+before it is queued.
 """
 
 from __future__ import annotations

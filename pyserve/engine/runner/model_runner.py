@@ -138,12 +138,14 @@ class ModelRunner:
     def admit(self, state: SamplingState) -> None:
         """Hand a request's sampling state to the forward thread; call from
         the event loop before the request is scheduled."""
-        self.executor.submit(self.sampler.admit, state)
+        # Sampler.admit, not self.sampler.admit: even the method lookup on
+        # the sampler belongs to the forward thread.
+        self.executor.submit(Sampler.admit, self.sampler, state)
 
     def release(self, seq: Sequence) -> None:
         """Have the forward thread drop an ended request's sampling state
         once the steps launched so far are done; call from the event loop."""
-        self.executor.submit(self.sampler.release, seq)
+        self.executor.submit(Sampler.release, self.sampler, seq)
 
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""
