@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from pyserve.engine import sampler as this_sampler  # noqa: E402
 from pyserve.engine.request import SamplingParams  # noqa: E402
+from pyserve.engine.sampling_state import SamplingState  # noqa: E402
 from pyserve.engine.sequence import Sequence  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def sampler_at(revision: str):
     return module
 
 
-def batch(size: int, prompt_len: int, output_len: int, penalties: bool) -> list[Sequence]:
+def batch(size: int, prompt_len: int, output_len: int, penalties: bool) -> list[SamplingState]:
     gen = torch.Generator().manual_seed(0)
     seqs = []
     for i in range(size):
@@ -51,14 +52,14 @@ def batch(size: int, prompt_len: int, output_len: int, penalties: bool) -> list[
         if penalties:
             params.repetition_penalty, params.frequency_penalty, params.presence_penalty = 1.1, 0.5, 0.3
             params.logit_bias = {17: 2.0, 4242: -5.0}
-        seqs.append(Sequence(rid=str(i), prompt_ids=torch.randint(0, 49152, (prompt_len,), generator=gen).tolist(),
-                             params=params, output_ids=torch.randint(0, 49152, (output_len,), generator=gen).tolist()))
-        if params.seed is not None:
-            seqs[-1].generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(rid=str(i), prompt_ids=torch.randint(0, 49152, (prompt_len,), generator=gen).tolist(),
+                       params=params, output_ids=torch.randint(0, 49152, (output_len,), generator=gen).tolist())
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seqs.append(SamplingState(seq, generator))
     return seqs
 
 
-def time_sample(module, logits: torch.Tensor, seqs: list[Sequence], repeats: int) -> float:
+def time_sample(module, logits: torch.Tensor, seqs: list[SamplingState], repeats: int) -> float:
     sampler = module.Sampler(0)
     sampler.sample(logits, seqs)  # warm-up
     times = []

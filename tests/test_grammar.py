@@ -24,6 +24,7 @@ from pyserve.engine.engine import Engine
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.request import Constraint, GenerateRequest, RequestError, SamplingParams
 from pyserve.engine.sampler import Sampler
+from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.server_args import ServerArgs
 
@@ -125,13 +126,11 @@ def test_tool_call_grammars_accept_valid_calls_only(info, parser):
 # -- the sampler ---------------------------------------------------------------
 
 
-def constrained_seq(backend, constraint, temperature, seed=None, after=None):
+def constrained_seq(backend, constraint, temperature, seed=None, after=None) -> SamplingState:
     compiled = run(backend.compile(constraint))
     seq = Sequence(rid="r", prompt_ids=[1], params=SamplingParams(temperature=temperature, seed=seed))
-    seq.grammar = backend.new_state(compiled, after)
-    if seed is not None:
-        seq.generator = torch.Generator().manual_seed(seed)
-    return seq
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingState(seq, generator, backend.new_state(compiled, after))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -139,7 +138,7 @@ def test_the_mask_keeps_constrained_rows_in_the_grammar_and_leaves_the_others_al
     backend = GrammarBackend(info)
     pattern = r"(yes|no), [0-9]{2,3}!"
     seqs = [constrained_seq(backend, Constraint("regex", pattern), temperature, seed=i) for i in range(3)]
-    free = Sequence(rid="f", prompt_ids=[1], params=SamplingParams(temperature=0))
+    free = SamplingState(Sequence(rid="f", prompt_ids=[1], params=SamplingParams(temperature=0)))
     sampler, plain = Sampler(0), Sampler(0)
     gen = torch.Generator().manual_seed(0)
     out = [[] for _ in seqs]
@@ -278,9 +277,15 @@ def test_an_aborted_request_lets_go_of_its_matcher(default_model_dir):
                                 constraint=Constraint("json_schema", json.dumps(PERSON)))
         stream = engine.generate(GenerateRequest(ids, params, rid="gone"))
         await stream.__anext__()
-        state = weakref.ref(engine.scheduler.requests["gone"].grammar)
+        seq = engine.scheduler.requests["gone"]
+        sampler = engine.runner.sampler
+        # The matcher belongs to the forward thread: ask there.
+        state = await asyncio.wrap_future(
+            engine.runner.executor.submit(lambda: weakref.ref(sampler.states_of([seq])[0].grammar)))
         await stream.aclose()  # the client went away
-        await asyncio.sleep(0.2)  # the step in flight comes back
+        # The forward thread drops it after the steps queued before the
+        # abort: wait for what is queued now.
+        await asyncio.wrap_future(engine.runner.executor.submit(lambda: None))
         gc.collect()
         assert state() is None and not engine.scheduler.requests
         engine.check_integrity()

@@ -7,14 +7,15 @@ import torch
 from pyserve.engine.request import SamplingParams
 from pyserve.engine.penalties import adjust_logits
 from pyserve.engine.sampler import Sampler
+from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 
 
-def seq(output=(), prompt=(1,), **params) -> Sequence:
+def seq(output=(), prompt=(1,), stop_ids=(), **params) -> SamplingState:
+    """A request's sampling state, as the engine builds it."""
     s = Sequence(rid="r", prompt_ids=list(prompt), params=SamplingParams(**params), output_ids=list(output))
-    if s.params.seed is not None:
-        s.generator = torch.Generator().manual_seed(s.params.seed)
-    return s
+    generator = torch.Generator().manual_seed(s.params.seed) if s.params.seed is not None else None
+    return SamplingState(s, generator, stop_ids=frozenset(stop_ids))
 
 
 def test_greedy_picks_the_largest_logit():
@@ -125,17 +126,9 @@ def test_a_batch_is_adjusted_as_each_row_alone():
     assert batched[2, 10] == logits[2, 10] + 5.0 and batched[2, 299] == logits[2, 299] - 3.0
 
 
-class Stops:
-    """The part of an OutputProcessor the sampler reads: the stop ids."""
-
-    def __init__(self, ids):
-        self.stop_ids = set(ids)
-
-
 def test_min_new_tokens_masks_the_stop_tokens_until_reached():
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])  # 1 is EOS here, 2 a stop token id
-    s = seq(temperature=0, min_new_tokens=2)
-    s.output = Stops([1, 2])
+    s = seq(temperature=0, min_new_tokens=2, stop_ids=[1, 2])
     sampler = Sampler(0)
     assert sampler.sample(logits, [s]).tolist() == [3]
     assert sampler.sample(logits, [s]).tolist() == [3]

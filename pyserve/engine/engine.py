@@ -6,9 +6,14 @@ and sample on the worker thread -> turn tokens into text -> hand outputs to
 each request's channel. A caller that stops listening aborts its request,
 which gives back every KV slot at once.
 
-A constrained request (SamplingParams.constraint) has its grammar compiled
-off the loop (engine/grammar.py) before it is queued, and carries a
-matcher from then until it ends.
+A request has three records, each with one owner: its Sequence
+(scheduling, KV, tokens) and its output side (text, stops, logprobs; the
+engine's `_outputs`), both on the event loop, and its SamplingState
+(generator, grammar matcher, penalty history), which the engine builds
+and hands to the forward thread, which alone touches it until it drops it
+(ModelRunner.admit / release). A constrained request (SamplingParams.
+constraint) has its grammar compiled off the loop (engine/grammar.py)
+before it is queued.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
 from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
+from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
@@ -73,6 +79,8 @@ class Engine:
             args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
         )
         self.metrics = EngineMetrics()
+        # Each request's output side, by its sequence, while it runs.
+        self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
         self._step_log = StepLog(self.scheduler, self.kv, args.decode_log_interval)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -163,14 +171,12 @@ class Engine:
                          pooling=self.pooling.mode if req.embedding else None)
         seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority,
                        arrival=time.monotonic())
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        constraint = params.constraint
-        if constraint is not None:
-            compiled = self.grammars.cached(constraint) or await self.grammars.compile(constraint)
-            seq.grammar = self.grammars.new_state(compiled, constraint.after)
-        seq.output = EmbeddingOutput(seq, self.pooling) if req.embedding else \
-            OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
+        if params.pooling:
+            self._outputs[seq] = EmbeddingOutput(seq, self.pooling)
+        else:
+            output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
+            self.runner.admit(await self._sampling_state(seq, frozenset(output.stop_ids)))
+            self._outputs[seq] = output
         self.scheduler.add(seq)
         self._wakeup.set()
         try:
@@ -183,11 +189,22 @@ class Engine:
             if not seq.finished:
                 self.abort(seq.rid)
 
+    async def _sampling_state(self, seq: Sequence, stop_ids: frozenset[int]) -> SamplingState:
+        """What the forward thread needs to sample the request's tokens."""
+        params = seq.params
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        grammar = None
+        if params.constraint is not None:
+            constraint = params.constraint
+            compiled = self.grammars.cached(constraint) or await self.grammars.compile(constraint)
+            grammar = self.grammars.new_state(compiled, constraint.after)
+        return SamplingState(seq, generator, grammar, stop_ids)
+
     def abort(self, rid: str) -> None:
         """Stop a request now and give back everything it holds."""
         seq = self.scheduler.requests.get(rid)
         if seq is not None:
-            self._finish(seq, seq.output.abort())
+            self._finish(seq, self._outputs[seq].abort())
 
     def _abort_all(self) -> None:
         for rid in list(self.scheduler.requests):
@@ -244,7 +261,7 @@ class Engine:
         with the whole pool."""
         if not self.scheduler.retract_one():
             for seq in self.scheduler.holders():
-                self._finish(seq, seq.output.out_of_memory())
+                self._finish(seq, self._outputs[seq].out_of_memory())
 
     async def _process(self, in_flight: tuple[ScheduledStep, asyncio.Future]) -> None:
         """Wait for a launched step's ids and hand them to their requests."""
@@ -259,18 +276,21 @@ class Engine:
             return
         finally:
             self.scheduler.on_results(step)
+        for seq in output.refused:
+            if not seq.finished:
+                self._finish(seq, self._outputs[seq].abort())
         for seq, entries in prompt:
             if not seq.finished:
-                seq.output.add_prompt_logprobs(entries)
+                self._outputs[seq].add_prompt_logprobs(entries)
         for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
             if not seq.finished:  # else aborted, or finished by an earlier token, while this step ran
                 self._on_token(seq, token_id, logprob)
         for (seq, start, count), total in zip(step.embed_spans, [] if output.pooled is None else output.pooled):
             if not seq.finished:
-                seq.output.add(start, count, total)
+                self._outputs[seq].add(start, count, total)
         for seq in step.embedded:
             if not seq.finished:
-                self._finish(seq, seq.output.finish())
+                self._finish(seq, self._outputs[seq].finish())
         self._step_log.on_done(step)
 
     def _on_failed_step(self, step: ScheduledStep) -> None:
@@ -287,10 +307,7 @@ class Engine:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             self.metrics.on_first_token(seq.first_token_at - seq.arrival)
-        if seq.grammar is not None and seq.grammar.failed:
-            self._finish(seq, seq.output.abort())
-            return
-        out = seq.output.append(token_id, logprob)
+        out = self._outputs[seq].append(token_id, logprob)
         if out.finished:
             self._finish(seq, out)
         else:
@@ -298,8 +315,10 @@ class Engine:
 
     def _finish(self, seq: Sequence, last: GenerateOutput) -> None:
         seq.finished = True
-        seq.grammar = None
         self.scheduler.remove(seq)
+        del self._outputs[seq]
+        if not seq.params.pooling:
+            self.runner.release(seq)
         ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
         self.metrics.on_finish(last.finish_reason, len(seq.prompt_ids), seq.cache_hit or 0,
                                len(seq.output_ids), time.monotonic() - seq.arrival, ttft)

@@ -6,12 +6,12 @@ the model and compiles constraints on a thread of its own, never on the
 event loop, within a time budget; compiled grammars are cached by their
 text, so a repeated schema costs a dictionary lookup.
 
-`GrammarState` (one per constrained request, on its Sequence) holds the
-xgrammar matcher. Only the forward worker thread touches it, in the
-sampler: a step accepts the tokens its sequences sampled in their previous
-step (the worker runs steps in order, so with overlap scheduling too the
-mask of step N+1 is filled after step N's token was accepted), then fills
-the token bitmask of this step.
+`GrammarState` (one per constrained request, in its SamplingState) holds
+the xgrammar matcher. Only the forward thread touches it, in the sampler:
+a step accepts the tokens its sequences sampled in their previous step
+(the thread runs steps in order, so with overlap scheduling too the mask
+of step N+1 is filled after step N's token was accepted), then fills the
+token bitmask of this step.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import xgrammar as xgr
 
 from pyserve._rust import Tokenizer
+from pyserve.engine.ownership import ThreadOwned
 from pyserve.engine.request import Constraint, RequestError
 
 logger = logging.getLogger("pyserve.engine")
@@ -128,11 +129,11 @@ class GrammarBackend:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class GrammarState:
+class GrammarState(ThreadOwned):
     """One request's position in its grammar. Created on the event loop
-    before the request is scheduled; from then on read and written by the
-    forward worker thread only. It outlives retraction (what was accepted
-    stays accepted) and is dropped when the request ends."""
+    before the request is scheduled, then owned by the forward thread with
+    the rest of the request's SamplingState. It outlives retraction (what
+    was accepted stays accepted)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, after: str | None, decoded_vocab: list[bytes]):
         self.matcher = xgr.GrammarMatcher(compiled)

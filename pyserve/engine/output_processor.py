@@ -47,12 +47,12 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
     """The step's prompt log-probabilities, split by sequence."""
     if output.prompt_logprobs is None:
         return []
-    ks = [prompt_alternatives(seq.params) for seq, count in step.prompt_spans for _ in range(count)]
+    ks = [prompt_alternatives(seq.params) for seq, scored in step.prompt_spans for _ in scored]
     entries = _entries(output.prompt_logprobs, step.prompt_targets, ks)
     out, row = [], 0
-    for seq, count in step.prompt_spans:
-        out.append((seq, entries[row : row + count]))
-        row += count
+    for seq, scored in step.prompt_spans:
+        out.append((seq, entries[row : row + len(scored)]))
+        row += len(scored)
     return out
 
 

@@ -4,23 +4,18 @@ tokens a request may not end with yet (min_new_tokens).
 
 Only the entries of tokens a row has seen change, so each adjustment is
 one gather or scatter over those entries, never a pass over [batch,
-vocab] and never a loop over rows in torch. What a sequence has seen is
-kept on it (`TokenHistory`), grown by its new tokens at each step, so a
-step's Python work does not grow with the length of the sequences.
+vocab] and never a loop over rows in torch. What a request has seen is
+kept in its sampling state (engine/sampling_state.py's TokenHistory).
 
-Runs on the forward thread. Penalties make the scheduler wait for each
-step's tokens (Scheduler.needs_known_tokens), so `output_ids` is complete
-when they are read.
+Runs on the forward thread, over the requests' SamplingStates.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from pyserve.engine.request import SamplingParams
-from pyserve.engine.sequence import Sequence
+from pyserve.engine.sampling_state import SamplingState
 
 
 def reads_history(p: SamplingParams) -> bool:
@@ -28,50 +23,14 @@ def reads_history(p: SamplingParams) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
-def ends_too_soon(seq: Sequence) -> bool:
+def ends_too_soon(state: SamplingState) -> bool:
     """The request may not stop yet: its stop tokens are masked. A grammar's
     own end (only EOS allowed) still ends a constrained request."""
-    return seq.sampled < seq.params.min_new_tokens and seq.grammar is None
+    return state.sampled < state.params.min_new_tokens and state.grammar is None
 
 
-def adjusts_logits(seq: Sequence) -> bool:
-    return reads_history(seq.params) or bool(seq.params.logit_bias) or ends_too_soon(seq)
-
-
-@dataclass(eq=False)
-class TokenHistory:
-    """A sequence's tokens as the penalties read them, as int64 tensors:
-    the distinct tokens of prompt and output, every output token, and the
-    distinct output tokens."""
-
-    seen: set[int]
-    seen_ids: torch.Tensor
-    outputs: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    output_seen: set[int] = field(default_factory=set)
-    distinct_outputs: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-
-    @classmethod
-    def of(cls, seq: Sequence) -> TokenHistory:
-        """The sequence's history, brought up to its latest output token."""
-        history = seq.token_history
-        if history is None:
-            seen = set(seq.prompt_ids)
-            history = seq.token_history = cls(seen, torch.tensor(sorted(seen), dtype=torch.long))
-        new = seq.output_ids[len(history.outputs):]
-        if new:
-            history.outputs = torch.cat([history.outputs, torch.tensor(new, dtype=torch.long)])
-            history.seen_ids = _grow(history.seen_ids, history.seen, new)
-            history.distinct_outputs = _grow(history.distinct_outputs, history.output_seen, new)
-        return history
-
-
-def _grow(ids: torch.Tensor, members: set[int], new: list[int]) -> torch.Tensor:
-    """`ids` (the tensor of `members`) with the tokens of `new` not in it yet."""
-    added = [t for t in dict.fromkeys(new) if t not in members]
-    if not added:
-        return ids
-    members.update(added)
-    return torch.cat([ids, torch.tensor(added, dtype=torch.long)])
+def adjusts_logits(state: SamplingState) -> bool:
+    return reads_history(state.params) or bool(state.params.logit_bias) or ends_too_soon(state)
 
 
 def _entries(parts: list[torch.Tensor], rows: list[int], device: torch.device
@@ -86,12 +45,13 @@ def _per_entry(values: list[float], which: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=which.device)[which]
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> None:
     """Penalties, logit bias and masked stops of a batch's rows, in place."""
     device = logits.device
+    seqs = [s.seq for s in states]
     repeat = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if repeat:
-        which, rows, ids = _entries([TokenHistory.of(seqs[i]).seen_ids for i in repeat], repeat, device)
+        which, rows, ids = _entries([states[i].history().seen_ids for i in repeat], repeat, device)
         penalty = _per_entry([seqs[i].params.repetition_penalty for i in repeat], which)
         values = logits[rows, ids]
         # Shrink toward "less likely" whatever the sign (CTRL / HF semantics).
@@ -99,7 +59,7 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     counted = [i for i, s in enumerate(seqs)
                if (s.params.frequency_penalty or s.params.presence_penalty) and s.output_ids]
     if counted:
-        histories = [TokenHistory.of(seqs[i]) for i in counted]
+        histories = [states[i].history() for i in counted]
         # Once per occurrence, then once per distinct token.
         which, rows, ids = _entries([h.outputs for h in histories], counted, device)
         logits.index_put_((rows, ids), _per_entry([-seqs[i].params.frequency_penalty for i in counted], which),
@@ -109,8 +69,8 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
                           accumulate=True)
     vocab = logits.shape[-1]
     _add_at(logits, [(i, token, bias) for i, s in enumerate(seqs) for token, bias in s.params.logit_bias.items()])
-    _add_at(logits, [(i, token, float("-inf")) for i, s in enumerate(seqs) if ends_too_soon(s)
-                     for token in s.output.stop_ids if token < vocab])
+    _add_at(logits, [(i, token, float("-inf")) for i, s in enumerate(states) if ends_too_soon(s)
+                     for token in s.stop_ids if token < vocab])
 
 
 def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:

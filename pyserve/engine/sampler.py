@@ -9,6 +9,10 @@ row is handled on its own. A
 request with a seed draws from its own generator, so its text does not
 depend on what else is in the batch; the others share one generator
 seeded from --random-seed.
+
+The sampler lives on the forward thread, with each request's
+SamplingState (engine/sampling_state.py): the model runner hands states
+to it and takes them back through that thread's queue.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import torch
 
 from pyserve.engine.grammar import apply_bitmask, note_sampled, token_bitmask
+from pyserve.engine.ownership import ThreadOwned
 from pyserve.engine.penalties import adjust_logits, adjusts_logits
 from pyserve.engine.request import SamplingParams
+from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 
 
@@ -36,59 +42,71 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[tor
     return chosen, top_vals, top_ids, rank
 
 
-class Sampler:
+class Sampler(ThreadOwned):
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
+        self._states: dict[Sequence, SamplingState] = {}  # the requests that may be sampled
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def admit(self, state: SamplingState) -> None:
+        """Take a request's state; the calling thread owns both from now on."""
+        self.claim()
+        state.claim()
+        self._states[state.seq] = state
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a request that ended (its grammar matcher goes with it)."""
+        self._states.pop(seq, None)
+
+    def states_of(self, seqs: list[Sequence]) -> list[SamplingState]:
+        return [self._states[s] for s in seqs]
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """logits: float32 [B, vocab] on any device; returns one int64 id per
         row, on the logits' device. The caller's logits are left as they are
-        (log-probabilities are reported from them). Runs on the forward
-        thread, which alone counts each sequence's sampled tokens."""
-        # Read once: the event loop drops the state of a request that ended.
-        grammars = [s.grammar for s in seqs]
+        (log-probabilities are reported from them)."""
+        grammars = [s.grammar for s in states]
         constrained = any(g is not None for g in grammars)
         mask = token_bitmask(grammars, logits.shape[-1]) if constrained else None
-        ids = self._sample(logits, seqs, mask)
+        ids = self._sample(logits, states, mask)
         if constrained:
             note_sampled(grammars, ids)
-        for seq in seqs:
-            seq.sampled += 1
+        for state in states:
+            state.sampled += 1
         return ids
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState],
                 mask: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
-        params = [s.params for s in seqs]
-        adjusted = any(adjusts_logits(s) for s in seqs)
+        params = [s.params for s in states]
+        adjusted = any(adjusts_logits(s) for s in states)
         if mask is None and not adjusted and all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
         logits = logits.to(torch.float32, copy=True)
         if mask is not None:
             apply_bitmask(logits, *mask)
         if adjusted:
-            adjust_logits(logits, seqs)
+            adjust_logits(logits, states)
         drawn = [i for i, p in enumerate(params) if p.temperature != 0]
         if not drawn:
             return logits.argmax(dim=-1)
-        if len(drawn) == len(seqs):
-            return self._draw(probabilities(logits, params), seqs)
+        if len(drawn) == len(states):
+            return self._draw(probabilities(logits, params), states)
         ids = logits.argmax(dim=-1)
         ids[torch.tensor(drawn, device=ids.device)] = self._draw(
-            probabilities(logits[drawn], [params[i] for i in drawn]), [seqs[i] for i in drawn])
+            probabilities(logits[drawn], [params[i] for i in drawn]), [states[i] for i in drawn])
         return ids
 
-    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, found in the
         row's cumulative sum (torch.multinomial is ~40x slower on CPU at
         vocabulary sizes). Rows need not be normalised. The numbers come
         from CPU generators, one per seeded request."""
-        u = torch.empty(len(seqs))
-        shared = [i for i, s in enumerate(seqs) if s.generator is None]
+        u = torch.empty(len(states))
+        shared = [i for i, s in enumerate(states) if s.generator is None]
         if shared:
             u[shared] = torch.rand(len(shared), generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                u[i] = torch.rand(1, generator=seq.generator)
+        for i, state in enumerate(states):
+            if state.generator is not None:
+                u[i] = torch.rand(1, generator=state.generator)
         u = u.to(probs.device)
         cdf = probs.cumsum(dim=-1)
         # right=True: the first token whose cdf exceeds the draw, which is

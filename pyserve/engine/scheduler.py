@@ -95,6 +95,8 @@ class Scheduler:
         if not decode.seqs and not prefill.seqs:
             return None
         step = build_step(self.kv, prefill, decode, cached_tokens)
+        for seq, scored in step.prompt_spans:
+            seq.next_prompt_logprob = scored.stop + 1
         for seq in prefill.seqs:
             if seq.kv_len == seq.num_tokens:  # its whole prompt is in: it decodes from now on
                 self.prefilling.remove(seq)

@@ -1,38 +1,38 @@
-"""The engine's record of one request: its tokens, its KV, its output.
+"""The engine's record of one request: its tokens, its KV, its progress.
 
-One object per request from `Engine.generate` to its last output. Who
-writes what: the scheduler moves it between queues and counts its tokens in
-flight; the KV manager alone sets its KV fields (`slots`, `shared_len`,
-`prefix_node`, `cache_hit`); the output processor appends the sampled
-tokens and turns them into text; the sampler, on the forward thread,
-advances `grammar`, counts `sampled` and keeps `token_history`; the
-caller reads `channel`.
+One object per request from `Engine.generate` to its last output,
+written on the event loop only; each field has one writer, named above
+its group below. The forward thread reads what a step's sampling needs
+(engine/sampling_state.py says what and why it is safe). What that thread
+keeps of a request (grammar matcher, generator, penalty history) is not
+here: it is the request's SamplingState, which that thread alone touches.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from pyserve.engine.kv.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
 
-if TYPE_CHECKING:
-    from pyserve.engine.grammar import GrammarState
-    from pyserve.engine.output_processor import OutputProcessor
-    from pyserve.engine.penalties import TokenHistory
-
 
 @dataclass(eq=False)
 class Sequence:
+    # The request, as the engine took it; never written after.
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    arrival: float = 0.0  # time.monotonic() when the engine got it
+    channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
+
+    # The output processor: the sampled tokens that came back.
     output_ids: list[int] = field(default_factory=list)
+
+    # The KV manager.
     # KV slots of the tokens whose KV is in the cache, in order; they fill
     # whole pages except the last.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
@@ -43,26 +43,18 @@ class Sequence:
     # Prompt tokens found in the prefix cache at the first admission: the
     # usage's `cached_tokens`. None until admitted.
     cache_hit: int | None = None
-    generator: torch.Generator | None = None  # set for requests with a seed
-    # Tokens to text, stop conditions, logprobs; set by the engine.
-    output: OutputProcessor | None = None
-    channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
-    # A constrained request's place in its grammar; set by the engine when it
-    # takes the request, dropped when the request ends.
-    grammar: GrammarState | None = None
-    finished: bool = False
+
+    # The scheduler.
     # Overlap scheduling: tokens sampled by launched steps whose ids have not
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0
     pending_row: int = 0
-    # Tokens the sampler has drawn for it so far (in flight or not), and
-    # its tokens as penalties read them; the forward thread alone keeps both.
-    sampled: int = 0
-    token_history: TokenHistory | None = None
     # Next prompt position whose log-probability is still to be computed
     # (prompt_logprobs); survives retraction, so none is computed twice.
     next_prompt_logprob: int = 1
-    arrival: float = 0.0  # time.monotonic() when the engine got it
+
+    # The engine.
+    finished: bool = False
     first_token_at: float | None = None
     # False once a forward pass that wrote this sequence's KV failed: its
     # slots must not go into the prefix cache.

@@ -52,9 +52,10 @@ class ScheduledStep:
     # Decode rows whose input is a placeholder for the previous step's output.
     has_placeholders: bool = False
     # Prompt log-probabilities: the token each extra logits row (after the
-    # sampled ones) is scored on, and how many rows each sequence has.
+    # sampled ones) is scored on, and per sequence the positions it scores
+    # (position p scores prompt token p + 1), in the order of the rows.
     prompt_targets: list[int] = field(default_factory=list)
-    prompt_spans: list[tuple[Sequence, int]] = field(default_factory=list)
+    prompt_spans: list[tuple[Sequence, range]] = field(default_factory=list)
     # Embedding requests: the token rows whose hidden states are pooled,
     # (sequence, first position, rows) per sequence that has some, and the
     # sequences whose whole prompt is in after this step (they end with it).
@@ -82,7 +83,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     has_placeholders = False
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
-    prompt_spans: list[tuple[Sequence, int]] = []
+    prompt_spans: list[tuple[Sequence, range]] = []
     embed_rows: list[int] = []
     embed_spans: list[tuple[Sequence, int, int]] = []
     embedded: list[Sequence] = []
@@ -101,7 +102,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
             if scored:
                 prompt_rows += [len(input_ids) + p - start for p in scored]
                 prompt_targets += [seq.prompt_ids[p + 1] for p in scored]
-                prompt_spans.append((seq, len(scored)))
+                prompt_spans.append((seq, scored))
         if seq.params.pooling:
             pooled = pooled_positions(seq.params.pooling, start, n, len(seq.prompt_ids))
             if pooled:
@@ -131,9 +132,8 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
 
 def _unscored_prompt_positions(seq: Sequence, start: int, n: int) -> range:
     """Positions among this step's start..start+n whose logits score a
-    prompt token not scored yet: position p scores prompt token p + 1."""
+    prompt token not scored yet (the scheduler moves the sequence's
+    `next_prompt_logprob` past them once the step is built)."""
     first = max(start, seq.next_prompt_logprob - 1)
     last = min(start + n, len(seq.prompt_ids) - 1)  # exclusive
-    if first < last:
-        seq.next_prompt_logprob = last + 1
     return range(first, max(first, last))

@@ -11,6 +11,11 @@ running its own shard of the same forward. Only rank 0 samples: the
 sampler's state (per-request generators, penalty history, grammar
 matchers) stays single-rank code, and the other ranks need no request
 state at all, since the ids they read next arrive in the next batch.
+
+The forward thread owns the sampler and each request's SamplingState:
+`admit` and `release` hand them over through the thread's queue, which
+runs in order, so a state is there for the first step that samples its
+request and stays until the last step launched for it is done.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
+from pyserve.engine.sampling_state import SamplingState
+from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.pooling import sum_spans
@@ -46,6 +53,9 @@ class StepOutput:
     # Embedding requests: per step.embed_spans entry, the float32 sum of its
     # pooled rows' final-norm hidden states [spans, hidden].
     pooled: torch.Tensor | None = None
+    # Sampled sequences whose grammar refused the token they sampled the
+    # step before (a bug): the engine ends them.
+    refused: list[Sequence] = field(default_factory=list)
 
     def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
@@ -125,6 +135,18 @@ class ModelRunner:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
         return self.rank_model.forward(batch)
 
+    def admit(self, state: SamplingState) -> None:
+        """Hand a request's sampling state to the forward thread; call from
+        the event loop before the request is scheduled."""
+        # Sampler.admit, not self.sampler.admit: even the method lookup on
+        # the sampler belongs to the forward thread.
+        self.executor.submit(Sampler.admit, self.sampler, state)
+
+    def release(self, seq: Sequence) -> None:
+        """Have the forward thread drop an ended request's sampling state
+        once the steps launched so far are done; call from the event loop."""
+        self.executor.submit(Sampler.release, self.sampler, seq)
+
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""
         return asyncio.get_running_loop().run_in_executor(self.executor, self.step, step)
@@ -149,13 +171,15 @@ class ModelRunner:
         """
         seqs = step.sampled
         try:
+            states = self.sampler.states_of(seqs)
             with torch.inference_mode():
                 batch = step.batch.to(self.device)
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
                 all_logits, pooled = self._forward_on_every_rank(batch, step)
                 logits = all_logits[: len(seqs)]
-                next_ids = self.sampler.sample(logits, seqs)
+                next_ids = self.sampler.sample(logits, states)
+                refused = [s.seq for s in states if s.refused]
                 logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):
                     logprobs = token_logprobs(logits, next_ids.to(logits.device),
@@ -165,13 +189,14 @@ class ModelRunner:
                     prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, step.prompt_top_logprobs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
-                                    to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None)
+                                    to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None,
+                                    refused)
                 output.ready.record()
                 return output
         except Exception:
