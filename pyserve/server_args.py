@@ -153,7 +153,7 @@ class ServerOptions:
 
 
 class Options(NamedTuple):
-    """The resolved options, one group per layer that reads them."""
+    """The options split by the layer that reads them (ServerArgs.split)."""
 
     server: ServerOptions
     engine: EngineOptions

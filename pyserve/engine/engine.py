@@ -45,9 +45,9 @@ _GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-ba
 
 class Engine:
     def __init__(self, options: EngineOptions, model_options: ModelOptions):
-        """Both resolved (ServerArgs.resolved). The model's options go to the
-        model runner; the engine reads of them only where its model is and
-        whether it embeds."""
+        """The engine's options and the model's, both resolved
+        (ServerArgs.resolved). The model's go to the model runner; of them
+        the engine reads only where the model is and whether it embeds."""
         if model_options.model_path:
             self.model_dir = Path(model_options.model_path)
         else:
