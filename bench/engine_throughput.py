@@ -52,7 +52,7 @@ async def run_engine(model_dir: str, workload, device: str, **server_args) -> tu
     from pyserve.engine.request import GenerateRequest, SamplingParams
     from pyserve.server_args import ServerArgs
 
-    engine = Engine(ServerArgs(model_path=model_dir, device=device, max_total_tokens=65536, **server_args))
+    engine = Engine.from_args(ServerArgs(model_path=model_dir, device=device, max_total_tokens=65536, **server_args))
     await engine.start()
 
     async def one(ids, out_len):

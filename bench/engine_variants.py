@@ -101,7 +101,7 @@ async def cpu_speed(args) -> None:
     workloads = {b: make_workload(vocab, b, (32, 32), (64, 64), args.seed) for b in (1, 8)}
     engines = {}
     for name, layout in CPU_SPEED_LAYOUTS.items():
-        engines[name] = Engine(ServerArgs(model_path=args.model, device=args.device, max_total_tokens=4096,
+        engines[name] = Engine.from_args(ServerArgs(model_path=args.model, device=args.device, max_total_tokens=4096,
                                           **layout))
         with patch.object(RankModel, "_use_native_decode", lambda self: False) if name in TORCH_LAYERS \
                 else nullcontext():

@@ -29,7 +29,7 @@ async def main(args) -> None:
     from pyserve.server_args import ServerArgs
 
     kwargs = {"model_path": args.model} if args.model else {}
-    engine = Engine(ServerArgs(max_total_tokens=max(args.contexts) + args.output_len + 64, **kwargs))
+    engine = Engine.from_args(ServerArgs(max_total_tokens=max(args.contexts) + args.output_len + 64, **kwargs))
     await engine.start()
     rng = random.Random(args.seed)
     vocab = engine.tokenizer.vocab_size

@@ -21,7 +21,7 @@ async def ttfts(model_dir: str | None, prompts: list[list[int]], disable_cache: 
     from pyserve.engine.request import GenerateRequest, SamplingParams
     from pyserve.server_args import ServerArgs
 
-    engine = Engine(ServerArgs(model_path=model_dir, disable_radix_cache=disable_cache, max_total_tokens=32768))
+    engine = Engine.from_args(ServerArgs(model_path=model_dir, disable_radix_cache=disable_cache, max_total_tokens=32768))
     await engine.start()
     out, cached = [], 0
     for ids in prompts:  # one at a time: TTFT without queueing effects

@@ -122,7 +122,7 @@ async def run(args) -> dict:
     from pyserve.engine.request import SamplingParams
     from pyserve.server_args import ServerArgs
 
-    engine = Engine(ServerArgs(model_path=args.model, device=args.device, max_total_tokens=65536,
+    engine = Engine.from_args(ServerArgs(model_path=args.model, device=args.device, max_total_tokens=65536,
                                disable_overlap_schedule=None if args.overlap is None else not args.overlap))
     await engine.start()
     template = ChatTemplate.for_model(engine.model_dir)

@@ -40,7 +40,7 @@ async def decode_rates(model_dir: str, tp_size: int, device: str, **options) -> 
     from pyserve.server_args import ServerArgs
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    engine = Engine(ServerArgs(model_path=model_dir, device=device, tp_size=tp_size, max_total_tokens=4096,
+    engine = Engine.from_args(ServerArgs(model_path=model_dir, device=device, tp_size=tp_size, max_total_tokens=4096,
                                **options))
     await engine.start()
 

@@ -88,22 +88,25 @@ class PyserveApp:
         from pyserve.api.responses.store import ResponseStore
 
         started = time.perf_counter()
-        args = self.args.resolved()
+        args = self.args.resolved()  # the one place "auto" is resolved
         logger.info("server_args=%s", args)
-        engine = Engine(args)
-        template = ChatTemplate.for_model(engine.model_dir, args.chat_template)
-        name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
-        ctx = ServingContext(engine, name, template, args.reasoning_parser, args.tool_call_parser)
-        files = FileStore(args.file_storage_path, args.max_upload_size)
-        batches = BatchManager(ctx, files, BatchStore(args.file_storage_path), args.batch_concurrency)
-        responses = ResponseManager(ctx, ResponseStore(args.file_storage_path, StoredResponse))
+        server, engine_options, model_options = args.split()
+        engine = Engine(engine_options, model_options)
+        template = ChatTemplate.for_model(engine.model_dir, server.chat_template)
+        name = server.served_model_name or model_options.model_path or DEFAULT_MODEL_NAME
+        ctx = ServingContext(engine, name, template, server.reasoning_parser, server.tool_call_parser,
+                             max_sequences_per_request=server.max_sequences_per_request,
+                             server_args=args.reported())
+        files = FileStore(server.file_storage_path, server.max_upload_size)
+        batches = BatchManager(ctx, files, BatchStore(server.file_storage_path), server.batch_concurrency)
+        responses = ResponseManager(ctx, ResponseStore(server.file_storage_path, StoredResponse))
         await engine.start()
         batches.start()
         self._engine, self._batches, self._responses = engine, batches, responses
-        self.http = App(ctx, args.api_key, files, batches, responses=responses,
-                        cors=CORS(comma_list(args.allowed_origins)),
-                        proxies=TrustedProxies(comma_list(args.forwarded_allow_ips)),
-                        max_body_bytes=args.max_payload_size)
+        self.http = App(ctx, server.api_key, files, batches, responses=responses,
+                        cors=CORS(comma_list(server.allowed_origins)),
+                        proxies=TrustedProxies(comma_list(server.forwarded_allow_ips)),
+                        max_body_bytes=server.max_payload_size)
         logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
 
     def begin_drain(self) -> None:

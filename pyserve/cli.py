@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             # Another node of a tensor-parallel group: its ranks only, no HTTP.
             from pyserve.engine.tp.workers import run_worker_node
 
-            sys.exit(run_worker_node(args.resolved()))
+            sys.exit(run_worker_node(args.resolved().split().model))
         asyncio.run(serve(args))
     except (ValueError, RuntimeError, OSError) as e:  # bad model, options or port, a failed rank: one clear line
         logging.getLogger("pyserve").error("%s", e)

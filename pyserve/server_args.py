@@ -1,9 +1,13 @@
 """Command-line options, named as SGLang names them.
 
-Each option is declared once, as a ServerArgs field: its default, and in
-the field's metadata its flags, help and choices. The argparse parser is
-built from the fields, so a new option is one line here. `resolved()`
-turns "auto" into what this machine runs, in one place, at start-up.
+Each option is declared once, as a field of the one group of options that
+reads it: ModelOptions (every tensor-parallel rank), EngineOptions (the
+scheduler) or ServerOptions (HTTP and the API). Its default is the field's,
+and its flags, help and choices are in the field's metadata. ServerArgs is
+the three groups side by side: the command line, whose argparse parser is
+built from the fields, so a new option is one line here. At start-up
+`resolved()` turns "auto" into what this machine runs, once, and `split()`
+hands each layer its own group.
 """
 
 from __future__ import annotations
@@ -14,15 +18,18 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def option(default: Any, *flags: str, help: str, choices: list[str] | None = None,
-           inverse: tuple[str, str] | None = None) -> Any:
-    """A ServerArgs field with its command line. `flags` default to the
+           inverse: tuple[str, str] | None = None, secret: bool = False) -> Any:
+    """An option's field with its command line. `flags` default to the
     field's name (`--max-total-tokens`). A bool field is a switch that sets
-    True; `inverse` is (flag, help) of a second switch that sets False."""
-    return field(default=default, metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse})
+    True; `inverse` is (flag, help) of a second switch that sets False. A
+    `secret` is left out of the options' repr (the start-up log) and of
+    what /get_server_info reports."""
+    return field(default=default, repr=not secret,
+                 metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse, "secret": secret})
 
 
 def _value_type(hint: Any) -> type:
@@ -37,28 +44,18 @@ def comma_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-@dataclass
-class ServerArgs:
+@dataclass(frozen=True)
+class ModelOptions:
+    """What loads and runs the model, on every tensor-parallel rank: rank 0's
+    ModelRunner and the worker processes receive these options and no others."""
+
     model_path: str | None = option(None, "--model", "--model-path",
                                     help="Hugging Face model directory (default: the embedded model)")
-    served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
                                 "sentence-transformers files) instead of generating text")
-    host: str = option("127.0.0.1", help="address to listen on")
-    port: int = option(30000, help="port to listen on")
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = option("auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available, else cpu")
-    log_level: str = option("info", choices=["debug", "info", "warning", "error"], help="log level")
-    chat_template: str | None = option(
-        None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
-    reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1"],
-                                          help="split <think>...</think> into reasoning_content")
-    # SGLang's names; qwen25 and hermes are one format.
-    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
-                                                         "pythonic", "qwen3_coder"],
-                                          help="read tool calls in chat output into message.tool_calls")
-    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY'")
     context_length: int | None = option(None, help="longest prompt + completion (default: the model's)")
     max_total_tokens: int | None = option(None, help="KV cache capacity in tokens")
     mem_fraction_static: float | None = option(
@@ -67,12 +64,14 @@ class ServerArgs:
     attention_backend: str = option("auto", choices=["auto", "torch", "triton"],
                                     help="auto: triton on CUDA, torch on CPU")
     disable_cuda_graph: bool = option(False, help="run decode steps eagerly instead of replaying CUDA graphs")
-    cuda_graph_max_bs: int = option(128, help="largest decode batch captured as a CUDA graph")
-    # None: overlap on CUDA only. On CPU the forward pass and the loop's own
-    # work share the same cores, so overlap buys nothing and delays tokens.
-    disable_overlap_schedule: bool | None = option(
-        None, help="schedule the next step only after the current one finished",
-        inverse=("--enable-overlap-schedule", "overlap scheduling on CPU too (by default only on CUDA)"))
+    cuda_graph_max_bs: int = option(
+        128, help="largest decode batch captured as a CUDA graph (at most --max-running-requests)")
+    # CPU speed: quantized weights and a compiled decode step.
+    torchao_config: str = option("auto", help="CPU quantization: none, int8wo, int4wo-<group> (32/64/128/256), "
+                                 "8da4w (4-bit weights in blocks of 32, 8-bit dynamic activations), or auto: "
+                                 "the 4-bit weights the model ships (the embedded model's) as 8da4w with AVX2")
+    enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
+    random_seed: int = option(0, help="seed of sampling for requests that set none")
     # Tensor parallelism (README "Tensor parallelism"), named as SGLang names it.
     tp_size: int = option(1, "--tp-size", "--tp",
                           help="tensor-parallel ranks the model is split over: one process (and on CUDA one GPU) each")
@@ -82,26 +81,51 @@ class ServerArgs:
     dist_init_addr: str | None = option(
         None, help="HOST:PORT on node 0 where the tensor-parallel ranks meet (needed with --nnodes > 1; "
                    "default on one machine: a free local port)")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine schedules requests over the model."""
+
     max_running_requests: int = option(64, help="running batch cap")
-    # Per request, unlike the engine-wide cap above: one request's prompts x n.
-    max_sequences_per_request: int = option(
-        256, help="most sequences (prompts x n) one request may ask for; more is a 400")
     max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
     chunked_prefill_size: int = option(
         2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
     disable_radix_cache: bool = option(False, help="do not reuse the KV of shared prompt prefixes")
+    # None: overlap on CUDA only. On CPU the forward pass and the loop's own
+    # work share the same cores, so overlap buys nothing and delays tokens.
+    disable_overlap_schedule: bool | None = option(
+        None, help="schedule the next step only after the current one finished",
+        inverse=("--enable-overlap-schedule", "overlap scheduling on CPU too (by default only on CUDA)"))
     # Structured outputs (engine/grammar): JSON schema, regex, EBNF and required tool calls.
     grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
                                   help="constrained decoding backend; none refuses constrained requests")
-    # CPU speed: quantized weights and a compiled decode step.
-    torchao_config: str = option("auto", help="CPU quantization: none, int8wo, int4wo-<group> (32/64/128/256), "
-                                 "8da4w (4-bit weights in blocks of 32, 8-bit dynamic activations), or auto: "
-                                 "the 4-bit weights the model ships (the embedded model's) as 8da4w with AVX2")
-    enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
-    random_seed: int = option(0, help="seed of sampling for requests that set none")
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The HTTP server and the API over the engine: what the app, its
+    routes and its stores read. The API key stays here, in the server."""
+
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(30000, help="port to listen on")
+    log_level: str = option("info", choices=["debug", "info", "warning", "error"], help="log level")
+    served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
+    chat_template: str | None = option(
+        None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
+    reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1"],
+                                          help="split <think>...</think> into reasoning_content")
+    # SGLang's names; qwen25 and hermes are one format.
+    tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
+                                                         "pythonic", "qwen3_coder"],
+                                          help="read tool calls in chat output into message.tool_calls")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY'", secret=True)
+    # Per request, unlike the engine-wide --max-running-requests: one request's prompts x n.
+    max_sequences_per_request: int = option(
+        256, help="most sequences (prompts x n) one request may ask for; more is a 400")
     file_storage_path: str = option("pyserve_storage", help="where /v1/files and /v1/batches keep their data")
     max_upload_size: int = option(512 << 20, help="largest accepted upload, in bytes")
     max_payload_size: int = option(64 << 20, help="largest accepted JSON request body, in bytes (larger: 413)")
@@ -127,22 +151,40 @@ class ServerArgs:
         "", help="comma-separated origins allowed by CORS (or * for any, without credentials); "
                  "default: none, CORS is off")
 
+
+class Options(NamedTuple):
+    """The options split by the layer that reads them (ServerArgs.split)."""
+
+    server: ServerOptions
+    engine: EngineOptions
+    model: ModelOptions
+
+
+@dataclass(frozen=True)
+class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
+    """Every option, as the command line (or create_app's keywords) gives
+    them; `split()` makes them each layer's."""
+
+    GROUPS = (ModelOptions, EngineOptions, ServerOptions)  # in --help's order
+
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog="pyserve", description="OpenAI-compatible LLM inference server")
         hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            meta = f.metadata
-            flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
-            if _value_type(hints[f.name]) is bool:
-                p.add_argument(*flags, dest=f.name, action="store_const", const=True, default=f.default,
-                               help=meta["help"])
-                if meta["inverse"] is not None:
-                    flag, help = meta["inverse"]
-                    p.add_argument(flag, dest=f.name, action="store_const", const=False, help=help)
-            else:
-                p.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
-                               choices=meta["choices"], help=meta["help"])
+        for group in cls.GROUPS:
+            section = p.add_argument_group(group.__name__.removesuffix("Options").lower() + " options")
+            for f in fields(group):
+                meta = f.metadata
+                flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+                if _value_type(hints[f.name]) is bool:
+                    section.add_argument(*flags, dest=f.name, action="store_const", const=True, default=f.default,
+                                         help=meta["help"])
+                    if meta["inverse"] is not None:
+                        flag, help = meta["inverse"]
+                        section.add_argument(flag, dest=f.name, action="store_const", const=False, help=help)
+                else:
+                    section.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
+                                         choices=meta["choices"], help=meta["help"])
         return p
 
     @classmethod
@@ -214,7 +256,9 @@ class ServerArgs:
     def resolved(self) -> ServerArgs:
         """A copy with every "auto" made concrete for this machine: device
         ("cpu" or "cuda"), dtype, attention backend and overlap scheduling
-        (a bool). Resolving a resolved copy changes nothing."""
+        (a bool); and the CUDA graphs' largest batch, which every rank
+        captures alike, capped by the running batch. Resolving a resolved
+        copy changes nothing. Start-up resolves once, then splits."""
         import torch  # here, so that `pyserve --help` answers without loading torch
 
         cuda_available = torch.cuda.is_available()
@@ -232,4 +276,16 @@ class ServerArgs:
                                else self.attention_backend),
             disable_overlap_schedule=(not on_cuda if self.disable_overlap_schedule is None
                                       else self.disable_overlap_schedule),
+            cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_running_requests),
         )
+
+    def split(self) -> Options:
+        """Each layer's group of these options (resolved ones: see `resolved`)."""
+        server, engine, model = (group(**{f.name: getattr(self, f.name) for f in fields(group)})
+                                 for group in (ServerOptions, EngineOptions, ModelOptions))
+        return Options(server, engine, model)
+
+    def reported(self) -> dict[str, Any]:
+        """Every option by name but the secret ones: what /get_server_info
+        reports, as SGLang's does."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata["secret"]}

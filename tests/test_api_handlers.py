@@ -21,15 +21,12 @@ from pyserve.http.proxy import CORS
 from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError
-from pyserve.server_args import ServerArgs
 
 MSG = [{"role": "user", "content": "hi"}]
 
 
 class ScriptedEngine:
     """Engine's interface; every request "generates" `script`, one delta per step."""
-
-    args = ServerArgs()  # the options the API reads (--max-sequences-per-request)
 
     def __init__(self, tokenizer: Tokenizer, script: list[str], fail_after: int | None = None):
         self.tokenizer = tokenizer

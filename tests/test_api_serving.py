@@ -13,17 +13,14 @@ from pyserve.api.protocol.native import NativeSamplingParams
 from pyserve.http.io import page
 from pyserve.api.protocol.openai import CompletionRequest
 from pyserve.api.generation.sampling import sampling_params
-from pyserve.api.generation.serving import fan_out, prompt_id_lists, usage
+from pyserve.api.generation.serving import ServingContext, fan_out, prompt_id_lists, usage
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, SamplingParams
-from pyserve.server_args import ServerArgs
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 
 
 class RefusingEngine:
     """Engine.validate's and compile_grammar's contract: refuses with the
     engine's field names."""
-
-    args = ServerArgs()  # fan_out reads --max-sequences-per-request
 
     def __init__(self, refusal: RequestError | None = None):
         self.refusal = refusal
@@ -44,8 +41,8 @@ class RefusingEngine:
 NAMES = {"prompt": "messages", "max_new_tokens": "max_completion_tokens", "constraint": "response_format"}
 
 
-def fan_out_now(*args, **kwargs) -> list[GenerateRequest]:
-    return asyncio.run(fan_out(*args, **kwargs))
+def fan_out_now(engine, *args, **kwargs) -> list[GenerateRequest]:
+    return asyncio.run(fan_out(ServingContext(engine, "m", None), *args, **kwargs))
 
 
 def test_fan_out_numbers_choices_as_openai_and_validates_each_prompt_once():

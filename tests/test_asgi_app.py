@@ -89,6 +89,23 @@ def test_mounted_in_starlette_under_a_prefix(tiny_llama_dir, tmp_path, caplog):
     assert '"GET /llm/health HTTP/1.1" 200' in caplog.text
 
 
+def test_server_info_reports_the_resolved_options_but_never_the_api_key(tiny_llama_dir, tmp_path, caplog):
+    from starlette.testclient import TestClient
+
+    key = "sekrit-api-key"
+    llm = create_app(model_path=str(tiny_llama_dir), max_total_tokens=2048, max_running_requests=7,
+                     file_storage_path=str(tmp_path), api_key=key)
+    with caplog.at_level(logging.INFO), TestClient(llm) as http:
+        assert http.get("/get_server_info").status_code == 401
+        response = http.get("/get_server_info", headers={"Authorization": f"Bearer {key}"})
+    info = response.json()
+    assert info["max_running_requests"] == 7 and info["max_total_tokens"] == 2048
+    assert info["file_storage_path"] == str(tmp_path) and info["model_path"] == str(tiny_llama_dir)
+    assert "auto" not in (info["device"], info["dtype"], info["attention_backend"])  # as resolved
+    assert "api_key" not in info and key not in response.text
+    assert "server_args=ServerArgs(" in caplog.text and key not in caplog.text
+
+
 @contextlib.contextmanager
 def served(command: list[str], port: int, cwd, timeout: float = 180):
     """A server started by `command`, ready when /health answers; stopped with SIGTERM."""

@@ -41,8 +41,9 @@ def runner(tmp_path_factory):
         device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=8192,
         context_length=512, cuda_graph_max_bs=MAX_BS, max_running_requests=64,
     )
-    runner = ModelRunner(args, model_dir)
-    assert runner.cuda_graphs is not None and runner.cuda_graphs.batch_sizes == [1, 2, 4, 8, 16]
+    runner = ModelRunner(args.resolved().split().model, model_dir)
+    graphs = runner.rank_model.cuda_graphs
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8, 16]
     yield runner
     runner.shutdown()
 
@@ -101,14 +102,14 @@ def test_replayed_logits_equal_eager_logits(runner):
         for bs in (8, 3, 1, 11, 16, 20):
             rows = torch.randperm(20, generator=g)[:bs].tolist()
             batch = seqs.decode(rows, torch.randint(3, 500, (bs,), generator=g).tolist())
-            assert runner.cuda_graphs.can_run(batch) == (bs <= MAX_BS)
-            k_before = runner.kv_buffer.k_buffer[0].clone()
+            assert runner.rank_model.cuda_graphs.can_run(batch) == (bs <= MAX_BS)
+            k_before = runner.rank_model.kv_buffer.k_buffer[0].clone()
             replayed = runner.forward(batch)
             # A replay writes the batch's own slots and the padding slot 0, no others.
-            changed = (runner.kv_buffer.k_buffer[0] != k_before).flatten(1).any(1).nonzero().flatten()
+            changed = (runner.rank_model.kv_buffer.k_buffer[0] != k_before).flatten(1).any(1).nonzero().flatten()
             allowed = set(batch.out_cache_loc.tolist()) | {0}
             assert set(changed.tolist()) <= allowed
-            eager = runner.model(batch, runner.attention)
+            eager = runner.rank_model.model(batch, runner.rank_model.attention)
             assert replayed.shape == (bs, 512) and replayed.dtype == torch.float32
             torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
 
@@ -120,7 +121,7 @@ def test_greedy_decode_equal_with_and_without_graphs(runner):
 
     def greedy(first_slot: int, use_graphs: bool) -> list[list[int]]:
         seqs = Sequences(first_slot)
-        forward = runner.forward if use_graphs else (lambda b: runner.model(b, runner.attention))
+        forward = runner.forward if use_graphs else (lambda b: runner.rank_model.model(b, runner.rank_model.attention))
         with torch.inference_mode():
             logits = forward(seqs.prefill(prompts))
             out = [[t] for t in logits.argmax(-1).tolist()]

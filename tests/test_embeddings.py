@@ -69,7 +69,7 @@ def reference(model_dir, texts: list[str], pooling: str) -> torch.Tensor:
 
 
 def make_engine(model_dir, **options) -> Engine:
-    return Engine(ServerArgs(model_path=str(model_dir), is_embedding=True, max_total_tokens=4096, **options))
+    return Engine.from_args(ServerArgs(model_path=str(model_dir), is_embedding=True, max_total_tokens=4096, **options))
 
 
 async def embed(engine: Engine, prompts: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
@@ -293,7 +293,7 @@ def test_generation_routes_answer_400_on_an_embedding_server(embed_server, path,
 
 def test_embeddings_answer_400_on_a_generation_server(tiny_llama_dir):
     async def main():
-        engine = Engine(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=1024, grammar_backend="none"))
+        engine = Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=1024, grammar_backend="none"))
         await engine.start()
         try:
             app = App(ServingContext(engine, "m", None))

@@ -30,7 +30,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 async def engine_greedy(model_dir, prompts: list[list[int]], n: int) -> list[list[int]]:
-    engine = Engine(ServerArgs(model_path=str(model_dir), max_total_tokens=2048))
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=2048))
     await engine.start()
 
     async def one(prompt):

@@ -179,7 +179,7 @@ def test_a_constraint_after_a_marker_starts_where_the_marker_ends(info, tokenize
 
 async def started_engine(**kwargs) -> Engine:
     kwargs.setdefault("max_total_tokens", 4096)
-    engine = Engine(ServerArgs(**kwargs))
+    engine = Engine.from_args(ServerArgs(**kwargs))
     await engine.start()
     return engine
 

@@ -142,7 +142,7 @@ def test_engine_decodes_the_embedded_model_natively_and_answers_like_float32(def
     prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):", "Q: What is 2+2?\nA:"]]
 
     async def answers(**options):
-        engine = Engine(ServerArgs(model_path=str(default_model_dir), max_total_tokens=2048, **options))
+        engine = Engine.from_args(ServerArgs(model_path=str(default_model_dir), max_total_tokens=2048, **options))
         await engine.start()
         try:
             params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
@@ -150,7 +150,7 @@ def test_engine_decodes_the_embedded_model_natively_and_answers_like_float32(def
             async def one(ids):
                 return [t async for out in engine.generate(GenerateRequest(ids, params)) for t in out.token_ids]
 
-            return await asyncio.gather(*[one(p) for p in prompts]), engine.runner.model
+            return await asyncio.gather(*[one(p) for p in prompts]), engine.runner.rank_model.model
         finally:
             await engine.shutdown()
 

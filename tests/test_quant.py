@@ -170,7 +170,7 @@ def test_quantized_embedded_model_answers_like_float32(default_model_dir, mode):
 def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, default_model_dir):
     """A bf16/fp32 checkpoint quantized at load: the engine runs it to the end."""
     model_dir = build_tiny_model(tmp_path, "llama", tokenizer_dir=default_model_dir)
-    engine = Engine(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config=mode))
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config=mode))
 
     async def run():
         await engine.start()
@@ -181,5 +181,5 @@ def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, def
             await engine.shutdown()
 
     assert len(asyncio.run(run())) == 6
-    head = engine.runner.model.lm_head
+    head = engine.runner.rank_model.model.lm_head
     assert isinstance(head, Q8_0Linear if mode == "8da4w" else Int8Linear)

@@ -1,4 +1,5 @@
-"""ServerArgs: each option declared once, and "auto" resolved in one place."""
+"""ServerArgs: each option declared once, in one group of options, and "auto"
+resolved in one place."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from pyserve.server_args import ServerArgs
+from pyserve.server_args import EngineOptions, ModelOptions, ServerArgs, ServerOptions
 
 
 @pytest.fixture
@@ -79,3 +80,30 @@ def test_cuda_asked_for_but_absent_is_a_clear_error(cuda):
     cuda(False)
     with pytest.raises(ValueError, match="--device cuda was asked for, but CUDA is not available"):
         ServerArgs(device="cuda").resolved()
+
+
+def test_every_option_belongs_to_exactly_one_group():
+    in_groups = [f.name for group in (ServerOptions, EngineOptions, ModelOptions) for f in fields(group)]
+    assert sorted(in_groups) == sorted(f.name for f in fields(ServerArgs))  # none lost, none in two
+
+
+def test_split_hands_each_layer_its_own_options():
+    args = ServerArgs(api_key="sekrit", port=8080, max_running_requests=3, page_size=4, model_path="/m")
+    server, engine, model = args.split()
+    assert (server.api_key, server.port) == ("sekrit", 8080)
+    assert engine.max_running_requests == 3
+    assert (model.page_size, model.model_path) == (4, "/m")
+    assert "sekrit" not in repr(engine) + repr(model)
+
+
+def test_the_api_key_is_neither_logged_nor_reported():
+    args = ServerArgs(api_key="sekrit")
+    assert "sekrit" not in repr(args) and "sekrit" not in repr(args.split())
+    reported = args.reported()
+    assert "api_key" not in reported and "sekrit" not in str(reported)
+    assert reported["port"] == 30000 and len(reported) == len(fields(ServerArgs)) - 1
+
+
+def test_cuda_graphs_capture_no_batch_larger_than_the_running_batch():
+    assert ServerArgs(max_running_requests=16).resolved().cuda_graph_max_bs == 16
+    assert ServerArgs(cuda_graph_max_bs=8).resolved().cuda_graph_max_bs == 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.engine.tp.broadcast import header, payload, unpack
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.parallel import TensorParallel, embed
-from pyserve.server_args import ServerArgs
+from pyserve.asgi import create_app
+from pyserve.server_args import ModelOptions, ServerArgs
 from tests.conftest import free_port
 from tests.test_engine import PROMPTS, started_engine
 from tests.tiny_models import build_tiny_model
@@ -109,6 +111,34 @@ def test_two_ranks_compute_what_one_does():
 def test_options_tp_cannot_run_are_refused_at_start(options):
     with pytest.raises(ValueError, match="--"):
         ServerArgs(**options).validate()
+
+
+def test_worker_processes_receive_the_model_options_and_never_the_api_key(tiny_llama_dir, tmp_path, monkeypatch):
+    """What a served app hands its rank processes, as spawn would send it."""
+    sent = []
+
+    class Stop(Exception):
+        pass
+
+    class Unstarted:
+        def __init__(self, target, args, name, daemon):
+            sent.append(pickle.dumps(args))
+
+        def start(self):
+            raise Stop  # the arguments are all this test needs
+
+    class Spawn:
+        Process = Unstarted
+
+    monkeypatch.setattr(torch.multiprocessing, "get_context", lambda method: Spawn())
+    key = "sekrit-api-key"
+    app = create_app(model_path=str(tiny_llama_dir), tp_size=2, api_key=key, file_storage_path=str(tmp_path))
+    with pytest.raises(Stop):
+        asyncio.run(app.startup())
+    assert len(sent) == 1 and key.encode() not in sent[0]
+    rank, _, options, model_dir, _ = pickle.loads(sent[0])
+    assert rank == 1 and type(options) is ModelOptions and options.tp_size == 2
+    assert model_dir == tiny_llama_dir
 
 
 # -- whole engines: --tp-size 2 against --tp-size 1 ---------------------------

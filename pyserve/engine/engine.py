@@ -41,50 +41,76 @@ from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
+from pyserve.model.config import ModelConfig
 from pyserve.model.pooling import PoolingConfig
-from pyserve.server_args import ServerArgs
+from pyserve.server_args import EngineOptions, ModelOptions, ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
 _GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-backend none"
 
 
 class Engine:
-    def __init__(self, args: ServerArgs):
-        if args.model_path:
-            self.model_dir = Path(args.model_path)
+    def __init__(self, options: EngineOptions, model_options: ModelOptions):
+        """The engine's options and the model's, both resolved
+        (ServerArgs.resolved). The model's go to the model runner; of them
+        the engine reads only where the model is and whether it embeds."""
+        if model_options.model_path:
+            self.model_dir = Path(model_options.model_path)
         else:
             from pyserve.model.default_model import default_model_path
 
             self.model_dir = default_model_path()
-        self.args = args = args.resolved()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self.runner = ModelRunner(args, self.model_dir)
-        self.model_config = self.runner.config
-        self.context_len = self.runner.context_len
-        self.eos_token_ids = self.model_config.eos_token_ids
-        # Ids the model can produce or read: the embedding rows.
-        self.vocab_size = self.model_config.vocab_size
+        self.runner = ModelRunner(model_options, self.model_dir)
+        self.default_max_tokens = options.default_max_tokens
         self.grammars = None  # --grammar-backend none: constrained requests are refused
         # --is-embedding: how prompts become vectors; None on a generation server.
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
-            if args.is_embedding else None
-        if args.grammar_backend == "xgrammar" and self.pooling is None:
+            if model_options.is_embedding else None
+        if options.grammar_backend == "xgrammar" and self.pooling is None:
             info = tokenizer_info(self.tokenizer, (self.model_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info)
-        self.kv = KVManager(PageAllocator(self.runner.kv_buffer.num_pages, args.page_size),
-                            use_radix_cache=not args.disable_radix_cache)
+        kv_buffer = self.runner.rank_model.kv_buffer
+        self.kv = KVManager(PageAllocator(kv_buffer.num_pages, kv_buffer.page_size),
+                            use_radix_cache=not options.disable_radix_cache)
         self.scheduler = Scheduler(
-            self.kv, args.max_running_requests, args.max_prefill_tokens,
-            args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
+            self.kv, options.max_running_requests, options.max_prefill_tokens,
+            options.chunked_prefill_size if options.chunked_prefill_size > 0 else None,
         )
         self.metrics = EngineMetrics()
         # Each request's output side, by its sequence, while it runs.
         self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
-        self._step_log = StepLog(self.scheduler, self.kv, args.decode_log_interval)
+        self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self.overlap = not args.disable_overlap_schedule
+        self.overlap = not options.disable_overlap_schedule
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> Engine:
+        """The engine `pyserve` would run with `args` (a script's or a test's
+        way in): resolved, and given its options and the model's."""
+        options = args.resolved().split()
+        return cls(options.engine, options.model)
+
+    # -- the model's facts, which the rank model owns ---------------------------
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.rank_model.config
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.rank_model.context_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_config.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model can produce or read: the embedding rows."""
+        return self.model_config.vocab_size
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -115,6 +141,10 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.scheduler.max_running
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise RequestError for a request the engine cannot run. The one
@@ -157,7 +187,7 @@ class Engine:
     def _max_new_tokens(self, req: GenerateRequest) -> int:
         """What the request may generate: its own limit, or the server's
         default, never past the context."""
-        wanted = req.params.max_new_tokens or self.args.default_max_tokens or self.context_len
+        wanted = req.params.max_new_tokens or self.default_max_tokens or self.context_len
         return min(wanted, self.context_len - len(req.input_ids))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:

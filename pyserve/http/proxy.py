@@ -21,10 +21,6 @@ class CORS:
         self.any_origin = "*" in origins
         self.origins = frozenset(o for o in origins if o != "*")
 
-    @property
-    def enabled(self) -> bool:
-        return self.any_origin or bool(self.origins)
-
     def allowed(self, origin: str | None) -> bytes | None:
         """The Access-Control-Allow-Origin value for `origin`, or None."""
         if origin is None:

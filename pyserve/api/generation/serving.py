@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 from msgspec import UNSET, UnsetType
 
@@ -25,6 +26,7 @@ from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob
+from pyserve.server_args import ServerOptions
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class ServingContext:
     reasoning_parser: str | None = None  # a --reasoning-parser name
     tool_call_parser: str | None = None  # a --tool-call-parser name
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
+    # How many sequences (prompts x n) one request may ask for; unless given, the option's default.
+    max_sequences_per_request: int = ServerOptions.max_sequences_per_request
+    # The options the server runs with, as /get_server_info reports them (ServerArgs.reported).
+    server_args: Mapping[str, Any] = field(default_factory=dict)
 
     @cached_property
     def token_texts(self) -> TokenTexts:
@@ -83,7 +89,7 @@ def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True)
     raise bad_request(f"{param} must be {shapes}", param)
 
 
-async def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
+async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
                   param_names: Mapping[str, str], priority: int = 0) -> list[GenerateRequest]:
     """n requests per prompt: request p * n + i is prompt p's choice i, as
     OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
@@ -97,7 +103,8 @@ async def fan_out(engine: Engine, prompts: list[list[int]], params: SamplingPara
 
     One request asks for at most --max-sequences-per-request sequences
     (prompts x n), so that it cannot fill the engine's queue alone."""
-    _check_sequences(engine.args.max_sequences_per_request, len(prompts), n, param_names)
+    _check_sequences(ctx.max_sequences_per_request, len(prompts), n, param_names)
+    engine = ctx.engine
     requests = []
     try:
         for p, ids in enumerate(prompts):

@@ -102,7 +102,7 @@ def loads(ctx: ServingContext) -> dict:
         "max_total_num_tokens": kv["total"],
         "token_usage": round(engine.token_usage(), 4),
         "cache_hit_rate": _cache_hit_rate(engine),
-        "max_running_requests": engine.args.max_running_requests,
+        "max_running_requests": engine.max_running_requests,
     }
     return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1, "loads": [load]}
 
@@ -115,17 +115,20 @@ def flush_cache(ctx: ServingContext) -> Response:
 
 
 def server_info(ctx: ServingContext) -> dict:
-    """Live engine state, for operators and for tests that check nothing leaked."""
+    """The options the server runs with, as SGLang reports its server args
+    (the API key left out), then the engine's state now, for operators and
+    for tests that check nothing leaked: where an option says "the
+    default", the value the engine chose (KV capacity, context length)."""
     engine = ctx.engine
     kv = engine.kv_usage()
     return {
+        **ctx.server_args,
         "model_path": str(engine.model_dir),
         "served_model_name": ctx.served_model_name,
         "version": __version__,
-        "tp_size": 1,
         "dp_size": 1,
         "max_total_tokens": kv["total"],
-        "max_running_requests": engine.args.max_running_requests,
+        "max_running_requests": engine.max_running_requests,
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
         "kv_tokens_total": kv["total"],

@@ -54,7 +54,7 @@ async def score(ctx: ServingContext, body: dict) -> dict:
         return await _continuations(ctx, req)
     labels = _labels(req.label_token_ids, ctx.engine.vocab_size)
     prompts = _prompts(ctx, req)
-    requests = await fan_out(ctx.engine, [ids + [label] for ids in prompts for label in labels], _PARAMS, 1,
+    requests = await fan_out(ctx, [ids + [label] for ids in prompts for label in labels], _PARAMS, 1,
                              new_id("score-"), {"prompt": "items", "max_new_tokens": "items"})
     results = await collect(ctx.engine, requests)
     logprobs = [result.prompt_logprobs[-1].logprob for result in results]
@@ -76,7 +76,7 @@ async def _continuations(ctx: ServingContext, req: ScoreRequest) -> dict:
     if not query:
         raise bad_request("the query is empty: without label_token_ids the item is scored as its continuation",
                           "query")
-    requests = await fan_out(ctx.engine, prompts, _PARAMS, 1, new_id("score-"),
+    requests = await fan_out(ctx, prompts, _PARAMS, 1, new_id("score-"),
                              {"prompt": "items", "max_new_tokens": "items"})
     logprobs = []
     for ids, result in zip(prompts, await collect(ctx.engine, requests)):

@@ -210,7 +210,7 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int 
     prompt_ids, params, calling, constraint_param = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requests = await fan_out(ctx.engine, [prompt_ids], params, req.n, rid,
+    requests = await fan_out(ctx, [prompt_ids], params, req.n, rid,
                              {"prompt": "messages", "max_new_tokens": limit, "constraint": constraint_param}, priority)
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)

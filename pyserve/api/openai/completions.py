@@ -35,7 +35,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
                              prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint)
     rid = req.rid or new_id("cmpl-")
     names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
-    requests = await fan_out(ctx.engine, prompts, params, req.n, rid, names, priority)
+    requests = await fan_out(ctx, prompts, params, req.n, rid, names, priority)
     echoes = _echoes(ctx, req.prompt, prompts) if req.echo else [""] * len(prompts)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)

@@ -35,7 +35,7 @@ from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.pooling import sum_spans
-from pyserve.server_args import ServerArgs
+from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 
@@ -72,64 +72,52 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_dir: Path):
-        """`args` resolved (ServerArgs.resolved): no "auto" left."""
-        torch.manual_seed(args.random_seed)
+    def __init__(self, options: ModelOptions, model_dir: Path):
+        """`options` resolved (ServerArgs.resolved): no "auto" left."""
+        torch.manual_seed(options.random_seed)
         self.ranks = None  # the other tensor-parallel ranks, when --tp-size > 1
-        if args.tp_size > 1:
+        if options.tp_size > 1:
             from pyserve.engine.tp.workers import TensorParallelRanks
 
-            self.ranks = TensorParallelRanks(args, model_dir)
+            self.ranks = TensorParallelRanks(options, model_dir)
         try:
-            self.rank_model = self._start_rank_model(args, model_dir)
+            self.rank_model = self._start_rank_model(options, model_dir)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.abandon()
             raise
-        self.device = self.rank_model.device
-        self.config = self.rank_model.config
-        self.context_len = self.rank_model.context_len
-        self.kv_buffer = self.rank_model.kv_buffer
-        self.sampler = Sampler(args.random_seed)
+        self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
-        capacity = (self.kv_buffer.num_pages - 1) * args.page_size  # page 0 is never handed out
+        kv_buffer = self.rank_model.kv_buffer
+        capacity = (kv_buffer.num_pages - 1) * kv_buffer.page_size  # page 0 is never handed out
         logger.info(
             "KV cache: %d tokens in pages of %d (%.2f GiB%s), context length %d",
-            capacity, args.page_size, capacity * self.rank_model.kv_bytes_per_token() / (1 << 30),
-            " on rank 0" if self.ranks else "", self.context_len,
+            capacity, kv_buffer.page_size, capacity * self.rank_model.kv_bytes_per_token() / (1 << 30),
+            " on rank 0" if self.ranks else "", self.rank_model.context_len,
         )
 
-    def _start_rank_model(self, args: ServerArgs, model_dir: Path) -> RankModel:
+    def _start_rank_model(self, options: ModelOptions, model_dir: Path) -> RankModel:
         """Rank 0's model, with a KV cache of the size it decides for every rank."""
         if self.ranks is None:
-            rank_model = RankModel(args, model_dir, torch.device(args.device))
-            rank_model.allocate(args, rank_model.num_pages(args))
+            rank_model = RankModel(options, model_dir, torch.device(options.device))
+            rank_model.allocate(rank_model.num_pages())
             return rank_model
         ranks, member = self.ranks, self.ranks.member
-        rank_model = RankModel(args, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
-        num_pages = rank_model.num_pages(args)
+        rank_model = RankModel(options, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
+        num_pages = rank_model.num_pages()
         ranks.watched(ranks.channel.send_value, num_pages)
         # Capturing CUDA graphs runs collectives: every rank allocates at once.
-        ranks.watched(rank_model.allocate, args, num_pages)
+        ranks.watched(rank_model.allocate, num_pages)
         ranks.watched(ranks.channel.barrier)
         ranks.serving = True
         logger.info("Tensor parallelism: %d ranks over %d node(s) (%s), KV cache of %d pages on each",
-                    args.tp_size, args.nnodes, ranks.layout.backend, num_pages)
+                    options.tp_size, options.nnodes, ranks.layout.backend, num_pages)
         return rank_model
 
-    # What tests and benchmarks reach through the runner.
     @property
-    def model(self):
-        return self.rank_model.model
-
-    @property
-    def attention(self):
-        return self.rank_model.attention
-
-    @property
-    def cuda_graphs(self):
-        return self.rank_model.cuda_graphs
+    def device(self) -> torch.device:
+        return self.rank_model.device
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
@@ -227,9 +215,9 @@ class ModelRunner:
             return self.forward(batch), None
         wanted = len(batch.logits_indices)
         rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
-        hidden = self.model.hidden_states(batch, self.attention, rows)
+        hidden = self.rank_model.model.hidden_states(batch, self.rank_model.attention, rows)
         pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
-        return self.model.logits(hidden[:wanted]), pooled
+        return self.rank_model.model.logits(hidden[:wanted]), pooled
 
     def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
         last = self._last_ids

@@ -23,7 +23,7 @@ from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import SINGLE, TensorParallel, largest_kv_share
 from pyserve.model.quant import resolve_quant
-from pyserve.server_args import ServerArgs
+from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 
@@ -72,23 +72,24 @@ ONE_THREAD_BELOW_ROWS = 128
 
 
 class RankModel:
-    def __init__(self, args: ServerArgs, model_dir: Path, device: torch.device, tp: TensorParallel = SINGLE,
+    def __init__(self, options: ModelOptions, model_dir: Path, device: torch.device, tp: TensorParallel = SINGLE,
                  ranks_on_this_node: int = 1):
-        """Load this rank's shard. `args` resolved (ServerArgs.resolved). The
-        KV cache comes later (`allocate`), once rank 0 has sized it."""
+        """Load this rank's shard. `options` resolved (ServerArgs.resolved).
+        The KV cache comes later (`allocate`), once rank 0 has sized it."""
+        self.options = options
         self.device = device
-        self.dtype = getattr(torch, args.dtype)
+        self.dtype = getattr(torch, options.dtype)
         self.ranks_on_this_node = ranks_on_this_node
         # The ranks of one machine share its cores.
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
         if device.type == "cpu":
             torch.set_num_threads(self.cpu_threads)
-        self.quant = resolve_quant(args.torchao_config, model_dir, device)
+        self.quant = resolve_quant(options.torchao_config, model_dir, device)
         if self.quant is not None and self.quant.int8_activations:
             blocks.set_threads(self.cpu_threads)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
-                                              lm_head=not args.is_embedding)
-        self.context_len = args.context_length or self.config.max_position_embeddings
+                                              lm_head=not options.is_embedding)
+        self.context_len = options.context_length or self.config.max_position_embeddings
         self.kv_buffer: KVBuffer | None = None
         self.attention: AttentionBackend | None = None
         self.cuda_graphs = None  # replays decode steps when set
@@ -101,21 +102,21 @@ class RankModel:
         heads = len(self.model.shard.kv_heads) if kv_heads is None else kv_heads
         return KVBuffer.bytes_per_token(c.num_hidden_layers, heads, c.head_dim, self.dtype)
 
-    def num_pages(self, args: ServerArgs) -> int:
+    def num_pages(self) -> int:
         """Pages every rank's KV buffer gets, the reserved padding page
         included: decided on rank 0 and sent to the others."""
-        return max(-(-self._kv_tokens(args) // args.page_size) + 1, 2)
+        return max(-(-self._kv_tokens() // self.options.page_size) + 1, 2)
 
-    def _kv_tokens(self, args: ServerArgs) -> int:
-        if args.max_total_tokens:
-            return args.max_total_tokens
+    def _kv_tokens(self) -> int:
+        if self.options.max_total_tokens:
+            return self.options.max_total_tokens
         # What the rank with the most KV heads needs per token (shares may be uneven).
         per_rank = self.kv_bytes_per_token(largest_kv_share(self.config, self.model.shard.tp.size))
         if self.device.type == "cuda":
             # Weights are loaded: the KV cache gets what is left of the
             # static share, minus room for activations and CUDA graphs.
             _, total = torch.cuda.mem_get_info(self.device)
-            fraction = args.mem_fraction_static or _GPU_MEM_FRACTION
+            fraction = self.options.mem_fraction_static or _GPU_MEM_FRACTION
             budget = int(total * fraction) - torch.cuda.memory_allocated(self.device) - _GPU_ACTIVATION_RESERVE
             if budget <= 0:
                 raise ValueError(f"--mem-fraction-static {fraction} leaves no GPU memory for the KV cache")
@@ -125,14 +126,15 @@ class RankModel:
         affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // (per_rank * self.ranks_on_this_node)
         return min(wanted, affordable)
 
-    def allocate(self, args: ServerArgs, num_pages: int) -> None:
+    def allocate(self, num_pages: int) -> None:
         """The KV buffer of `num_pages` pages, the attention backend over it,
         the CUDA graphs and the compiled decode step as the options ask."""
+        options = self.options
         self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
-                                  self.config.head_dim, self.dtype, self.device, page_size=args.page_size)
-        self.attention = self._make_attention(args.attention_backend)
-        graph_max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        if self.device.type == "cuda" and not args.disable_cuda_graph and graph_max_bs > 0:
+                                  self.config.head_dim, self.dtype, self.device, page_size=options.page_size)
+        self.attention = self._make_attention(options.attention_backend)
+        graph_max_bs = options.cuda_graph_max_bs  # resolved: at most --max-running-requests
+        if self.device.type == "cuda" and not options.disable_cuda_graph and graph_max_bs > 0:
             from pyserve.engine.runner.cuda_graph_runner import CudaGraphRunner
             from pyserve.model.attention.triton_backend import TritonAttention
 
@@ -140,9 +142,9 @@ class RankModel:
             if isinstance(self.attention, TritonAttention):
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
         if self._use_native_decode():
-            if args.enable_torch_compile:
+            if options.enable_torch_compile:
                 logger.info("torch.compile: not needed, decode steps run natively")
-        elif args.enable_torch_compile:
+        elif options.enable_torch_compile:
             self._compile_decode()
 
     def _use_native_decode(self) -> bool:

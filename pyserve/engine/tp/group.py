@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pyserve.model.parallel import TensorParallel
+from pyserve.server_args import ModelOptions
 
 # Ranks wait on rank 0's next step header for as long as the server idles.
 _IDLE_TIMEOUT = timedelta(days=3650)
@@ -38,10 +39,10 @@ class RankLayout:
     device_type: str  # "cuda" or "cpu"
 
     @classmethod
-    def from_args(cls, args) -> RankLayout:
-        """From resolved ServerArgs; one machine without --dist-init-addr meets on a free local port."""
-        addr = args.dist_init_addr or f"127.0.0.1:{_free_port()}"
-        return cls(args.tp_size, args.nnodes, args.node_rank, addr, args.device)
+    def from_options(cls, options: ModelOptions) -> RankLayout:
+        """From resolved options; one machine without --dist-init-addr meets on a free local port."""
+        addr = options.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        return cls(options.tp_size, options.nnodes, options.node_rank, addr, options.device)
 
     @property
     def ranks_per_node(self) -> int:

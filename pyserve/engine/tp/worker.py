@@ -23,22 +23,24 @@ import torch
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.tp.broadcast import StepChannel
-from pyserve.server_args import ServerArgs
+from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 
 
-def run_worker(rank: int, layout: tp_group.RankLayout, args: ServerArgs, model_dir: Path) -> None:
-    """A worker process's main: `args` resolved, as rank 0 runs them."""
+def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, model_dir: Path,
+               log_level: int) -> None:
+    """A worker process's main: the model's `options` resolved, as rank 0
+    runs them, and the log level of the process that started it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s TP{rank}] %(message)s",
+    logging.basicConfig(level=log_level, format=f"[%(asctime)s TP{rank}] %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout, force=True)
     _exit_with_parent()
     try:
         member = tp_group.join(layout, rank)
         channel = StepChannel(member)
-        model = RankModel(args, model_dir, member.device, member.tp, layout.ranks_per_node)
-        model.allocate(args, channel.receive_value())
+        model = RankModel(options, model_dir, member.device, member.tp, layout.ranks_per_node)
+        model.allocate(channel.receive_value())
         channel.barrier()  # ready
         logger.info("tensor-parallel rank %d ready (pid %d)", rank, os.getpid())
         with torch.inference_mode():

@@ -30,7 +30,7 @@ import torch.multiprocessing
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.tp.broadcast import StepChannel
 from pyserve.engine.tp.worker import run_worker
-from pyserve.server_args import ServerArgs
+from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 
@@ -46,12 +46,15 @@ def _exit_text(code: int | None) -> str:
 class WorkerProcesses:
     """Worker processes for some ranks of this node, and a thread watching them."""
 
-    def __init__(self, layout: tp_group.RankLayout, args: ServerArgs, model_dir: Path, ranks: range,
+    def __init__(self, layout: tp_group.RankLayout, options: ModelOptions, model_dir: Path, ranks: range,
                  on_exit: Callable[[str], None]):
-        """`on_exit(what happened)` is called, on the watcher thread, for the
-        first worker that exits before `stop`."""
+        """Workers given the model's `options` and nothing else of the
+        server's. `on_exit(what happened)` is called, on the watcher thread,
+        for the first worker that exits before `stop`."""
         context = torch.multiprocessing.get_context("spawn")
-        self.processes = {rank: context.Process(target=run_worker, args=(rank, layout, args, model_dir),
+        # Workers log as this process does (the `pyserve` command's --log-level).
+        log_level = logging.getLogger().getEffectiveLevel()
+        self.processes = {rank: context.Process(target=run_worker, args=(rank, layout, options, model_dir, log_level),
                                                 name=f"pyserve-tp{rank}", daemon=True) for rank in ranks}
         self._stopping = threading.Event()
         self._on_exit = on_exit
@@ -97,15 +100,15 @@ class TensorParallelRanks:
     """Rank 0's side of the group: this node's other ranks as processes, the
     group joined, the step channel, and what happens when a rank fails."""
 
-    def __init__(self, args: ServerArgs, model_dir: Path):
-        """Start this node's other ranks and join them; `args` resolved."""
-        self.layout = tp_group.RankLayout.from_args(args)
+    def __init__(self, options: ModelOptions, model_dir: Path):
+        """Start this node's other ranks and join them; `options` resolved."""
+        self.layout = tp_group.RankLayout.from_options(options)
         self.layout.check_devices()
         self.failure: str | None = None
         self.serving = False  # once set, a failure stops the server
         self._lock = threading.Lock()
         local = self.layout.local_ranks
-        self.workers = WorkerProcesses(self.layout, args, model_dir, range(local.start + 1, local.stop), self.fail)
+        self.workers = WorkerProcesses(self.layout, options, model_dir, range(local.start + 1, local.stop), self.fail)
         try:
             if self.layout.nnodes > 1:
                 logger.info("Waiting for the %d tensor-parallel ranks of %d nodes at %s", self.layout.size,
@@ -172,16 +175,16 @@ class TensorParallelRanks:
         tp_group.leave()
 
 
-def run_worker_node(args: ServerArgs) -> int:
+def run_worker_node(options: ModelOptions) -> int:
     """`pyserve --node-rank K` (K > 0): run this node's ranks until they
-    stop; the exit status. `args` resolved."""
-    if args.model_path:
-        model_dir = Path(args.model_path)
+    stop; the exit status. `options` resolved."""
+    if options.model_path:
+        model_dir = Path(options.model_path)
     else:
         from pyserve.model.default_model import default_model_path
 
         model_dir = default_model_path()
-    layout = tp_group.RankLayout.from_args(args)
+    layout = tp_group.RankLayout.from_options(options)
     layout.check_devices()
     failed = threading.Event()
 
@@ -189,9 +192,9 @@ def run_worker_node(args: ServerArgs) -> int:
         logger.error("%s: stopping this node's ranks", what)
         failed.set()
 
-    logger.info("Node %d of %d: tensor-parallel ranks %s of %d, meeting at %s", args.node_rank, args.nnodes,
+    logger.info("Node %d of %d: tensor-parallel ranks %s of %d, meeting at %s", options.node_rank, options.nnodes,
                 list(layout.local_ranks), layout.size, layout.init_addr)
-    workers = WorkerProcesses(layout, args, model_dir, layout.local_ranks, on_exit)
+    workers = WorkerProcesses(layout, options, model_dir, layout.local_ranks, on_exit)
     stop_asked = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_asked.set())
