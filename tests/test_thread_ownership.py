@@ -87,7 +87,7 @@ def live_states(rids) -> list[SamplingState]:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_the_event_loop_never_touches_forward_thread_state(tiny_llama_dir, checked, overlap):
     async def main():
-        engine = Engine(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=4096,
+        engine = Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=4096,
                                    disable_overlap_schedule=not overlap))
         await engine.start()
         ids = engine.tokenizer.encode("Is the sea blue?", False)
@@ -126,7 +126,7 @@ def test_the_check_is_on_in_the_engine(tiny_llama_dir, checked):
     """The test above can fail: a state of a running request, read from
     the event loop, is recorded."""
     async def main():
-        engine = Engine(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=4096))
+        engine = Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=4096))
         await engine.start()
         stream = engine.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=50, ignore_eos=True),
                                                  rid="watched"))
