@@ -51,14 +51,14 @@ class Steps:
 def rank(tmp_path_factory, default_model_dir):
     """An 8da4w tiny Llama on a rank of THREADS CPUs, torch's count restored after."""
     model_dir = build_tiny_model(tmp_path_factory.mktemp("plan"), "llama", tokenizer_dir=default_model_dir)
-    args = ServerArgs(model_path=str(model_dir), torchao_config="8da4w", max_total_tokens=2048,
-                      device="cpu").resolved()
+    options = ServerArgs(model_path=str(model_dir), torchao_config="8da4w", max_total_tokens=2048,
+                         device="cpu").resolved().split().model
     before = torch.get_num_threads()
     usable = rank_model.usable_cpus
     rank_model.usable_cpus = lambda: THREADS
     try:
-        model = RankModel(args, model_dir, torch.device("cpu"))
-        model.allocate(args, model.num_pages(args))
+        model = RankModel(options, model_dir, torch.device("cpu"))
+        model.allocate(model.num_pages())
         assert model.native_layers is not None and model.native_extend_fits
         yield model
     finally:
