@@ -1,6 +1,8 @@
 """What every tensor-parallel rank holds and runs: its shard of the weights
-and of the KV cache, the attention backend over that cache, and the CUDA
-graphs that replay decode steps. On one rank, the whole model.
+and of the KV cache, the attention backend over that cache, the CUDA
+graphs that replay decode steps, the native layers of 8da4w CPU steps, and
+each step's plan (step_plan.py: which layers run it, on how many of
+torch's threads). On one rank, the whole model.
 
 Rank 0's ModelRunner and the other ranks' worker loop (tp/worker.py) each
 own one and call `forward` on the same batches in the same order.
@@ -135,7 +137,8 @@ class RankModel:
 
     def allocate(self, num_pages: int) -> None:
         """The KV buffer of `num_pages` pages, the attention backend over it,
-        the CUDA graphs and the compiled decode step as the options ask."""
+        the CUDA graphs, the native layers and the compiled decode step as
+        the options and the machine allow."""
         options = self.options
         self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
                                   self.config.head_dim, self.dtype, self.device, page_size=options.page_size)
@@ -148,6 +151,8 @@ class RankModel:
             # The graphs read the Triton backend's static kv tables.
             if isinstance(self.attention, TritonAttention):
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
+        self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
+                                   and extend_attention.fits(self.kv_buffer))
         self.native_layers = self._native_layers()
         if self.native_layers is not None:
             if options.enable_torch_compile:
@@ -175,7 +180,6 @@ class RankModel:
             from pyserve.model.attention.triton_backend import TritonAttention
 
             return TritonAttention(self.kv_buffer, len(self.model.shard.q_heads), self.context_len)
-        self.native_extend_fits = self._block_kernels() and extend_attention.fits(self.kv_buffer)
         return TorchAttention(self.kv_buffer, self.threads)
 
     def _compile_decode(self) -> None:
