@@ -103,7 +103,7 @@ async def cpu_speed(args) -> None:
     for name, layout in CPU_SPEED_LAYOUTS.items():
         engines[name] = Engine.from_args(ServerArgs(model_path=args.model, device=args.device, max_total_tokens=4096,
                                           **layout))
-        with patch.object(RankModel, "_use_native_decode", lambda self: False) if name in TORCH_LAYERS \
+        with patch.object(RankModel, "_native_layers", lambda self: None) if name in TORCH_LAYERS \
                 else nullcontext():
             await engines[name].start()
 

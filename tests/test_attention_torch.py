@@ -14,6 +14,7 @@ from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.step_plan import StepPlan, TorchThreads
 
 LAYERS, SLOTS, DIM = 2, 512, 16
 
@@ -40,8 +41,8 @@ class Harness:
         g = torch.Generator().manual_seed(seed)
         everything = self.pages.alloc(self.pages.capacity)
         self.pages.free(everything[torch.randperm(everything.numel(), generator=g)])
-        self.attn = TorchAttention(self.pool, native_extend=native_extend)
-        self.native_extend = native_extend
+        self.attn = TorchAttention(self.pool)
+        self.plan = StepPlan(native_extend_attention=native_extend)
         self.gen = g
         self.slots: list[torch.Tensor] = []
         self.keys: list[torch.Tensor] = []
@@ -79,14 +80,8 @@ class Harness:
             device="cpu",
         )
         scale = DIM**-0.5
-        threads = torch.get_num_threads()
-        if self.native_extend:
-            torch.set_num_threads(1)  # as RankModel runs 8da4w steps
-        try:
-            self.attn.prepare(batch)
-            out = self.attn.forward(q, k, v, layer_id, batch, scale)
-        finally:
-            torch.set_num_threads(threads)
+        self.attn.prepare(batch, self.plan)
+        out = self.attn.forward(q, k, v, layer_id, batch, scale)
         expected = torch.cat([
             reference_attention(q[s : s + n], self.keys[i], self.values[i], first_pos[i], scale)
             for i, (s, n) in enumerate(zip(starts, new_lens))
@@ -149,32 +144,70 @@ def test_native_extend_refuses_what_does_not_fit_its_cache():
         extend_attention.attend(torch.zeros(5, 2, DIM), k, k.clone(), torch.arange(4), 1.0)  # more tokens than slots
 
 
-def test_a_long_extend_takes_all_threads_in_a_one_thread_step(monkeypatch):
-    """Steps on the block kernels run torch on one thread; new tokens over a
-    long cached prefix get the backend's threads for their SDPA (a short
-    extend does not), stay right, and leave the step's count as it was."""
+@pytest.fixture
+def sdpa_threads(monkeypatch) -> list:
+    """(queries, torch's thread count) of each extend's SDPA call."""
     from pyserve.model.attention import torch_backend
 
-    seen = []
-    sdpa = torch_backend.F.scaled_dot_product_attention
+    seen, sdpa = [], torch_backend.F.scaled_dot_product_attention
 
     def recording(q, k, *args, **kwargs):
         seen.append((q.shape[-2], torch.get_num_threads()))
         return sdpa(q, k, *args, **kwargs)
 
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
-    h = Harness(8, 2)
-    h.attn = TorchAttention(h.pool, cpu_threads=2)
+    return seen
+
+
+def test_a_long_extend_takes_the_plans_threads_in_a_one_thread_step(sdpa_threads):
+    """A step planned on one thread with long-attention threads: new tokens
+    over a long cached prefix get those for their SDPA (a short extend does
+    not), stay right, and leave the step's count as it was."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    threads = TorchThreads(2)
     try:
-        h.step([400, 5])
-        out, expected = h.step([48, 3])  # 48 x 448 keys: long; 3 x 8: short
-        assert torch.get_num_threads() == 1
+        h = Harness(8, 2)
+        h.attn = TorchAttention(h.pool, threads)
+        h.plan = StepPlan(torch_threads=1, long_attention_threads=2)
+        with threads.using(1):  # as the step's owner runs it
+            h.step([400, 5])
+            out, expected = h.step([48, 3])  # 48 x 448 keys: long; 3 x 8: short
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    assert seen[-2:] == [(48, 2), (3, 1)]
+    assert sdpa_threads[-2:] == [(48, 2), (3, 1)]
+
+
+@pytest.mark.parametrize("native_extend", EXTEND_PATHS)
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_extends_attend_as_planned_whatever_torchs_thread_count(native_extend, torch_threads, native_calls,
+                                                                 sdpa_threads, monkeypatch):
+    """The plan alone says whether extends run the native kernel or SDPA:
+    torch's thread count, one or more, changes nothing; and the backend
+    never sets that count itself."""
+    before, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    set_num_threads(torch_threads)
+    set_threads = []
+    monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
+    try:
+        h = Harness(8, 2, native_extend=native_extend)
+        h.step([300, 7])
+        out, expected = h.step([60, 5])  # over 300 and 7 cached keys: long and short
+    finally:
+        set_num_threads(before)
+    assert set_threads == []
+    assert len(native_calls) == (4 if native_extend else 0)
+    assert len(sdpa_threads) == (0 if native_extend else 4)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_plan_with_attention_threads_needs_a_backend_that_can_set_them():
+    h = Harness(4, 2)
+    h.plan = StepPlan(long_attention_threads=2)
+    with pytest.raises(ValueError, match="TorchThreads"):
+        h.step([3])
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])

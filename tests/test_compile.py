@@ -9,12 +9,13 @@ import torch
 
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.loader import load_model
+from pyserve.model.step_plan import TORCH_STEP, Layers, StepPlan
 from tests.test_model_vs_hf import CachedSequences, random_prompts
 from tests.tiny_models import build_tiny_model
 
 
-def greedy_with_logits(model, config, prompts, n):
-    seqs = CachedSequences(model, config)
+def greedy_with_logits(model, config, prompts, n, decode_plan: StepPlan = TORCH_STEP):
+    seqs = CachedSequences(model, config, decode_plan=decode_plan)
     logits = [seqs.forward(dict(enumerate(prompts)))]
     outputs = [[t] for t in logits[-1].argmax(-1).tolist()]
     for _ in range(n - 1):
@@ -34,8 +35,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path):
         eager, eager_logits = greedy_with_logits(model, config, prompts, 8)
         model.compile_decode(TorchAttention.attend_decode)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        compiled, compiled_logits = greedy_with_logits(model, config, prompts, 8)
-        model._compiled_decode_layer = None
+        compiled, compiled_logits = greedy_with_logits(model, config, prompts, 8, StepPlan(Layers.COMPILED_DECODE))
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the compiled layer ran
         assert compiled == eager
         torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)

@@ -159,13 +159,16 @@ def small_model(dtype, hidden, heads, kv_heads, head_dim, qk_norm):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(576, 9, 3, 64, False), (640, 8, 2, 80, True)], ids=["576", "80dim-qknorm"])
-def test_model_logits_fused_vs_torch(monkeypatch, dtype, shape):
-    """A prefill of two sequences then a decode step, fused and unfused."""
+def test_model_logits_fused_vs_torch(dtype, shape):
+    """A prefill of two sequences then a decode step, fused and unfused
+    (the same weights in a model built with fused_kernels=False)."""
     from pyserve.model.attention.torch_backend import TorchAttention
     from pyserve.model.kv_buffer import KVBuffer
     from pyserve.model.forward_batch import ForwardBatch
 
     model, config = small_model(dtype, *shape)
+    unfused = llama.LlamaForCausalLM(config, fused_kernels=False).to(DEVICE, dtype).eval()
+    unfused.load_state_dict(model.state_dict())
     pool = KVBuffer(config.num_hidden_layers, 256, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
     attn = TorchAttention(pool)
     ids = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -180,12 +183,11 @@ def test_model_logits_fused_vs_torch(monkeypatch, dtype, shape):
         [5, 6], [27, 13], torch.tensor([41, 42]), [1, 1], decode_slots, [0, 1], is_decode=True, device=DEVICE,
     )
 
-    def run(fused: bool):
-        monkeypatch.setattr(llama, "FUSED_ON_CUDA", fused)
+    def run(model):
         with torch.inference_mode():
             return torch.cat([model(prefill, attn), model(decode, attn)])
 
-    fused, reference = run(True), run(False)
+    fused, reference = run(model), run(unfused)
     scale = reference.abs().max().item()
     diff = (fused - reference).abs().max().item()
     if dtype == torch.float32:

@@ -16,6 +16,7 @@ from pyserve.engine.kv.page_allocator import PageAllocator
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.loader import load_model
+from pyserve.model.step_plan import TORCH_STEP, StepPlan
 from tests.tiny_models import build_tiny_model
 
 NEW_TOKENS = 16
@@ -23,10 +24,12 @@ PROMPT_LENGTHS = [1, 2, 5, 9, 17, 3, 31, 8, 12, 24]
 
 
 class CachedSequences:
-    """Sequences whose KV lives in a KVBuffer; `forward` runs one step."""
+    """Sequences whose KV lives in a KVBuffer; `forward` runs one step,
+    decode steps as `decode_plan` says."""
 
-    def __init__(self, model, config, num_slots: int = 2048):
+    def __init__(self, model, config, num_slots: int = 2048, decode_plan: StepPlan = TORCH_STEP):
         self.model = model
+        self.decode_plan = decode_plan
         self.pool = KVBuffer(
             config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
         )
@@ -58,7 +61,7 @@ class CachedSequences:
             device="cpu",
         )
         with torch.inference_mode():
-            return self.model(batch, self.attn)
+            return self.model(batch, self.attn, self.decode_plan if batch.is_decode else TORCH_STEP)
 
 
 def random_prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:

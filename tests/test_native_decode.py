@@ -18,6 +18,7 @@ from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
 from pyserve.model.quant import parse_quant
+from pyserve.model.step_plan import Layers, StepPlan
 from pyserve.server_args import ServerArgs
 from tests.tiny_models import build_tiny_model
 
@@ -41,7 +42,6 @@ def _decode_logits(model, config, native: bool) -> torch.Tensor:
         ids += p
         positions += range(len(p))
     ends = torch.tensor(PROMPT_LENGTHS).cumsum(0) - 1
-    model.native_decode = None
     with torch.inference_mode():
         prefill = model(ForwardBatch.build(ids, positions, torch.cat(fresh), list(PROMPT_LENGTHS), slots,
                                            ends.tolist(), False, "cpu"), attn)
@@ -49,8 +49,9 @@ def _decode_logits(model, config, native: bool) -> torch.Tensor:
         slots = [torch.cat([s, new[i : i + 1]]) for i, s in enumerate(slots)]
         step = ForwardBatch.build(prefill.argmax(-1).tolist(), list(PROMPT_LENGTHS), new, [1] * len(prompts),
                                   slots, list(range(len(prompts))), True, "cpu")
-        model.native_decode = native_layers.NativeDecode(model) if native else None
-        return model(step, attn)
+        if not native:
+            return model(step, attn)
+        return model(step, attn, StepPlan(Layers.NATIVE_DECODE), native_layers.NativeDecode(model))
 
 
 @pytest.mark.parametrize("arch, overrides", [
@@ -78,31 +79,25 @@ def _extend_logits(model, config, native: bool) -> tuple[torch.Tensor, int]:
     """Logits at every new token of one prefill step (a fresh 9-token prompt,
     and 6 tokens after a cached prefix of 20 that the torch layers wrote
     first), its layers native or not; and how many times the native
-    prefill layers ran. torch on one thread, as RankModel runs 8da4w steps."""
+    prefill layers ran. Both attend with the native extend kernel, as
+    RankModel plans 8da4w prefill chunks."""
     kv = KVBuffer(config.num_hidden_layers, 64, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
-    attn = TorchAttention(kv, cpu_threads=2, native_extend=True)
+    attn = TorchAttention(kv)
     generator = torch.Generator().manual_seed(1)
     prefix, chunk, fresh = (torch.randint(3, 400, (n,), generator=generator).tolist() for n in (20, 6, 9))
     prefix_slots, chunk_slots, fresh_slots = torch.arange(1, 21), torch.arange(21, 27), torch.arange(27, 36)
     ran = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            model.native_decode = None
-            model(ForwardBatch.build(prefix, list(range(20)), prefix_slots, [20], [prefix_slots], [19], False, "cpu"),
-                  attn)
-            model.native_decode = native_layers.NativeDecode(model) if native else None
-            if native:
-                run_extends = model.native_decode.run_extends
-                model.native_decode.run_extends = lambda *a: ran.append(1) or run_extends(*a)
-            step = ForwardBatch.build(chunk + fresh, list(range(20, 26)) + list(range(9)),
-                                      torch.cat([chunk_slots, fresh_slots]), [6, 9],
-                                      [torch.cat([prefix_slots, chunk_slots]), fresh_slots], list(range(15)), False,
-                                      "cpu")
-            return model(step, attn), len(ran)
-    finally:
-        torch.set_num_threads(threads)
+    runner = native_layers.NativeDecode(model)
+    run_extends = runner.run_extends
+    runner.run_extends = lambda *a: ran.append(1) or run_extends(*a)
+    with torch.inference_mode():
+        model(ForwardBatch.build(prefix, list(range(20)), prefix_slots, [20], [prefix_slots], [19], False, "cpu"),
+              attn)
+        step = ForwardBatch.build(chunk + fresh, list(range(20, 26)) + list(range(9)),
+                                  torch.cat([chunk_slots, fresh_slots]), [6, 9],
+                                  [torch.cat([prefix_slots, chunk_slots]), fresh_slots], list(range(15)), False, "cpu")
+        plan = StepPlan(Layers.NATIVE_EXTENDS if native else Layers.TORCH, native_extend_attention=True)
+        return model(step, attn, plan, runner), len(ran)
 
 
 @pytest.mark.parametrize("arch, overrides", [
@@ -150,12 +145,12 @@ def test_engine_decodes_the_embedded_model_natively_and_answers_like_float32(def
             async def one(ids):
                 return [t async for out in engine.generate(GenerateRequest(ids, params)) for t in out.token_ids]
 
-            return await asyncio.gather(*[one(p) for p in prompts]), engine.runner.rank_model.model
+            return await asyncio.gather(*[one(p) for p in prompts]), engine.runner.rank_model
         finally:
             await engine.shutdown()
 
     reference, _ = asyncio.run(answers(torchao_config="none"))
-    native, model = asyncio.run(answers(torchao_config="8da4w", enable_torch_compile=True))
-    assert model.native_decode is not None and model._compiled_decode_layer is None
+    native, rank = asyncio.run(answers(torchao_config="8da4w", enable_torch_compile=True))
+    assert rank.native_layers is not None and rank.model.compiled_decode_layer is None
     agree = sum(a == b for ref, got in zip(reference, native) for a, b in zip(ref, got))
     assert agree >= 10, (reference, native)  # of 12

@@ -12,12 +12,18 @@ through an AttentionBackend, so this file never sees the cache layout.
 
 On CUDA the elementwise work (residual add + RMSNorm, rotary, SiLU * up)
 runs as fused Triton kernels (fused_ops.py) that round where the torch code
-here rounds; the torch code is the CPU path and the reference.
+here rounds; the torch code is the CPU path and the reference (a model
+built with `fused_kernels=False` runs it on CUDA too).
+
+Which code runs a step's layers is the step's plan (step_plan.py): these
+modules op by op, one compiled decode layer, or the native layers
+(cpu/native_layers.py) that the step's owner builds and hands in.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +33,10 @@ from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.parallel import ModelShard, embed
+from pyserve.model.step_plan import TORCH_STEP, Layers, StepPlan
 
-# Tests turn this off to compare the fused kernels with the torch path on one GPU.
-FUSED_ON_CUDA = True
-
-
-def _fused(x: torch.Tensor) -> bool:
-    return FUSED_ON_CUDA and x.is_cuda
+if TYPE_CHECKING:
+    from pyserve.model.cpu.native_layers import NativeDecode
 
 
 def _fused_ops():
@@ -44,16 +47,19 @@ def _fused_ops():
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fused_kernels: bool = True):
+        """`fused_kernels`: on CUDA, fused_ops.py's kernels (else the torch code)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused_kernels = fused_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); given the residual stream, (norm(x + residual), x + residual)."""
+        fused = self.fused_kernels and x.is_cuda
         if residual is None:
-            return _fused_ops().rms_norm(x, self.weight, self.eps) if _fused(x) else self._norm(x)
-        if _fused(x):
+            return _fused_ops().rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
+        if fused:
             return _fused_ops().add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self._norm(residual), residual
@@ -177,18 +183,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def apply_rotary_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rotary on q and k; on CUDA one fused kernel, in place."""
-    if _fused(q):
+def apply_rotary_qk(q, k, cos, sin, fused_kernels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary on q and k; on CUDA with `fused_kernels` one fused kernel, in place."""
+    if fused_kernels and q.is_cuda:
         _fused_ops().rotary_(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard):
+    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard, fused_kernels: bool = True):
         super().__init__()
         self.layer_id = layer_id
+        self.fused_kernels = fused_kernels
         self.tp = shard.tp
         self.num_heads = len(shard.q_heads)
         self.num_kv_heads = len(shard.kv_heads)
@@ -200,8 +207,8 @@ class Attention(nn.Module):
         # Row-parallel: the ranks' partial outputs are summed, so only rank 0 adds the bias.
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias and self.tp.rank == 0)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused_kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused_kernels)
         else:
             self.q_norm = self.k_norm = None
 
@@ -213,7 +220,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin, self.fused_kernels)
         return q, k, v
 
     def attend(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -221,9 +228,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, shard: ModelShard):
+    def __init__(self, config: ModelConfig, shard: ModelShard, fused_kernels: bool = True):
         super().__init__()
         self.tp = shard.tp
+        self.fused_kernels = fused_kernels
         self.intermediate_size = len(shard.intermediate)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size,
@@ -231,19 +239,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if _fused(gate_up):
+        if self.fused_kernels and gate_up.is_cuda:
             return self.tp.all_reduce(self.down_proj(_fused_ops().silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard):
+    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard, fused_kernels: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, shard)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_kernels)
+        self.self_attn = Attention(config, layer_id, shard, fused_kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_kernels)
+        self.mlp = MLP(config, shard, fused_kernels)
 
     # A layer runs as before_attention, the attention backend, after_attention:
     # the two halves hold no layer index or cache, so one compiled decode
@@ -270,30 +278,34 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names are the checkpoint's minus the leading `model.`, with
     q/k/v fused as `qkv_proj` and gate/up as `gate_up_proj`. `shard`: the
-    part this tensor-parallel rank holds (default: all of it)."""
+    part this tensor-parallel rank holds (default: all of it).
+    `fused_kernels`: on CUDA, fused_ops.py's kernels for the elementwise work."""
 
-    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None, fused_kernels: bool = True):
         super().__init__()
         self.config = config
         self.shard = shard = shard or ModelShard.of(config)
         self.embed_tokens = nn.Embedding(len(shard.vocab), config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, fused_kernels)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_kernels)
         # Tied checkpoints reuse the embedding matrix as the output projection
         # (quantize_model may give them a quantized copy of it).
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, len(shard.vocab), bias=False)
         self.rotary = RotaryEmbedding(config)
+        self.compiled_decode_layer = None  # set by compile_decode
 
     def compile_decode(self, attend_decode) -> None:
-        """Run decode steps' layers through torch.compile (inductor): on a
-        CPU a small model's step is mostly per-op overhead, which compiling
-        the whole layer (norms, projections, rotary, the KV write and
-        attention, SiLU, residual adds) into one graph removes. The graph is
-        compiled once for all layers, with the batch size and the sequence
-        length dynamic (marked so: guessing would also tie them to model
-        sizes that happened to be equal); only the batch's attention
+        """Compile `compiled_decode_layer`, which runs decode steps planned
+        as Layers.COMPILED_DECODE: on a CPU a small model's step is mostly
+        per-op overhead, which compiling the whole layer (norms,
+        projections, rotary, the KV write and attention, SiLU, residual
+        adds) into one graph removes. The graph is compiled once for all
+        layers (with torch.compile's inductor), with the batch size and the
+        sequence length dynamic (marked so: guessing would also tie them to
+        model sizes that happened to be equal); only the batch's attention
         metadata is built eagerly, in `prepare`.
         `attend_decode`: the attention backend's tensor-only decode attention
         (AttentionBackend.attend_decode)."""
@@ -303,55 +315,82 @@ class LlamaForCausalLM(nn.Module):
             out = attend_decode(q, k, v, *kv_inputs, layer.self_attn.scale)
             return layer.after_attention(out, residual)
 
-        self._compiled_decode_layer = torch.compile(decode_layer)
+        self.compiled_decode_layer = torch.compile(decode_layer)
 
-    _compiled_decode_layer = None
-    # Set to a NativeDecode (cpu/native_layers.py) to run decode steps' layers,
-    # and the prefill steps the attention backend hands over, in Rust.
-    native_decode = None
-
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend, plan: StepPlan = TORCH_STEP,
+                native_layers: NativeDecode | None = None) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
-        return self.logits(self.hidden_states(batch, attn, batch.logits_indices))
+        return self.logits(self.hidden_states(batch, attn, batch.logits_indices, plan, native_layers))
 
-    def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend, rows: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend, rows: torch.Tensor,
+                      plan: StepPlan = TORCH_STEP, native_layers: NativeDecode | None = None) -> torch.Tensor:
         """Final-norm hidden states [len(rows), hidden] of the token rows
         `rows` (indices into the batch's new tokens): what the vocabulary
-        projection reads, and what embedding models pool."""
-        attn.prepare(batch)
+        projection reads, and what embedding models pool. `plan`: how the
+        step runs, decided by its owner; `native_layers`: the owner's native
+        layer runner, for plans of native layers."""
+        if plan.layers in (Layers.NATIVE_DECODE, Layers.NATIVE_EXTENDS) and native_layers is None:
+            raise ValueError(f"a step planned for the {plan.layers.value} layers needs the native layer runner")
+        attn.prepare(batch, plan)
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens), x.dtype)
-        compiled = self._compiled_decode_layer
-        decode_step = batch.is_decode and attn.decode_inputs(0) is not None
-        native_extends = None if self.native_decode is None or decode_step else attn.native_extends()
-        if self.native_decode is not None and decode_step:
-            x, residual = self.native_decode.run(x, cos, sin, batch.seq_lens, attn.decode_inputs)
-        elif native_extends is not None:
-            x, residual = self.native_decode.run_extends(x, cos, sin, batch.out_cache_loc, native_extends,
-                                                         attn.kv_buffer)
-        elif compiled is not None and decode_step:
-            # A zero residual into the first layer (x + 0 is x) keeps every
-            # layer the same graph.
-            residual = torch.zeros_like(x)
-            if x.shape[0] > 1:
-                # The batch size varies between steps; the hidden size does not.
-                for t in (x, residual, cos, sin):
-                    torch._dynamo.mark_dynamic(t, 0)
-            for i, layer in enumerate(self.layers):
-                x, residual = compiled(layer, x, residual, cos, sin, attn.decode_inputs(i))
-        else:
-            residual = None
-            for layer in self.layers:
-                q, k, v, residual = layer.before_attention(x, residual, cos, sin)
-                x, residual = layer.after_attention(layer.self_attn.attend(q, k, v, batch, attn), residual)
+        match plan.layers:
+            case Layers.TORCH:
+                x, residual = self._torch_layers(x, cos, sin, batch, attn)
+            case Layers.COMPILED_DECODE:
+                x, residual = self._compiled_decode_layers(x, cos, sin, attn)
+            case Layers.NATIVE_DECODE:
+                x, residual = native_layers.run(x, cos, sin, batch.seq_lens, _decode_inputs(attn))
+            case Layers.NATIVE_EXTENDS:
+                x, residual = native_layers.run_extends(x, cos, sin, batch.out_cache_loc, _native_extends(attn),
+                                                        attn.kv_buffer)
         # Only the rows whose next token (or hidden state) is wanted go
         # through the last residual add, the norm and the vocabulary
         # projection, the most expensive matmul for small models.
         x, _ = self.norm(x[rows], residual[rows])
         return x
 
+    def _torch_layers(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend):
+        """(the last layer's MLP output, the residual stream before it), op by op."""
+        residual = None
+        for layer in self.layers:
+            q, k, v, residual = layer.before_attention(x, residual, cos, sin)
+            x, residual = layer.after_attention(layer.self_attn.attend(q, k, v, batch, attn), residual)
+        return x, residual
+
+    def _compiled_decode_layers(self, x, cos, sin, attn: AttentionBackend):
+        """As `_torch_layers`, each layer the one compiled graph (compile_decode)."""
+        compiled = self.compiled_decode_layer
+        if compiled is None:
+            raise ValueError("a step planned for the compiled decode layer before compile_decode")
+        decode_inputs = _decode_inputs(attn)
+        # A zero residual into the first layer (x + 0 is x) keeps every
+        # layer the same graph.
+        residual = torch.zeros_like(x)
+        if x.shape[0] > 1:
+            # The batch size varies between steps; the hidden size does not.
+            for t in (x, residual, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0)
+        for i, layer in enumerate(self.layers):
+            x, residual = compiled(layer, x, residual, cos, sin, decode_inputs(i))
+        return x, residual
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final-norm hidden states, over the whole
         vocabulary (gathered from the ranks' shards)."""
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return self.shard.tp.gather_vocab(logits, self.config.vocab_size).float()
+
+
+def _decode_inputs(attn: AttentionBackend):
+    """The backend's per-layer decode inputs, for a step prepared as a decode step."""
+    if attn.decode_inputs(0) is None:
+        raise ValueError("a step planned as a decode step, which the attention backend did not prepare as one")
+    return attn.decode_inputs
+
+
+def _native_extends(attn: AttentionBackend) -> list[tuple[int, torch.Tensor]]:
+    extends = attn.native_extends()
+    if extends is None:
+        raise ValueError("a step planned for the native extends, which the attention backend did not prepare so")
+    return extends

@@ -1,6 +1,8 @@
 """What every tensor-parallel rank holds and runs: its shard of the weights
-and of the KV cache, the attention backend over that cache, and the CUDA
-graphs that replay decode steps. On one rank, the whole model.
+and of the KV cache, the attention backend over that cache, the CUDA
+graphs that replay decode steps, the native layers of 8da4w CPU steps, and
+each step's plan (step_plan.py: which layers run it, on how many of
+torch's threads). On one rank, the whole model.
 
 Rank 0's ModelRunner and the other ranks' worker loop (tp/worker.py) each
 own one and call `forward` on the same batches in the same order.
@@ -11,11 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from pyserve.model.cpu import blocks, extend_attention, native_layers
+from pyserve.model.cpu import blocks, extend_attention
+from pyserve.model.cpu.native_layers import NativeDecode, unfit_reason
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
@@ -23,6 +27,7 @@ from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import SINGLE, TensorParallel, largest_kv_share
 from pyserve.model.quant import resolve_quant
+from pyserve.model.step_plan import Layers, StepPlan, TorchThreads, adds_one_token
 from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
@@ -65,9 +70,8 @@ def available_memory() -> int:
 
 # 8da4w steps of this many rows and more (long prefill chunks) keep all of
 # torch's threads: their norms, rotary and SiLU over every row cost more
-# on one thread than the two pools' contention (a 1,000-token prompt
-# in-process, three runs each, alternated: medians 1,396 vs 1,551 ms to
-# its first token), and their attention is torch's SDPA on all threads.
+# on one thread than the two pools' contention, and their attention is
+# torch's SDPA on all threads.
 ONE_THREAD_BELOW_ROWS = 128
 
 
@@ -82,8 +86,8 @@ class RankModel:
         self.ranks_on_this_node = ranks_on_this_node
         # The ranks of one machine share its cores.
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
-        if device.type == "cpu":
-            torch.set_num_threads(self.cpu_threads)
+        # torch's thread count, changed only through this object (see `plan`).
+        self.threads = TorchThreads(self.cpu_threads) if device.type == "cpu" else None
         self.quant = resolve_quant(options.torchao_config, model_dir, device)
         if self.quant is not None and self.quant.int8_activations:
             blocks.set_threads(self.cpu_threads)
@@ -93,6 +97,11 @@ class RankModel:
         self.kv_buffer: KVBuffer | None = None
         self.attention: AttentionBackend | None = None
         self.cuda_graphs = None  # replays decode steps when set
+        # 8da4w on a CPU, set by `allocate` where they fit: decode (and some
+        # prefill) steps' layers as one Rust call each, and extends' attention
+        # as extend_attention.py's kernel.
+        self.native_layers: NativeDecode | None = None
+        self.native_extend_fits = False
 
     # -- the KV cache ----------------------------------------------------------
 
@@ -128,7 +137,8 @@ class RankModel:
 
     def allocate(self, num_pages: int) -> None:
         """The KV buffer of `num_pages` pages, the attention backend over it,
-        the CUDA graphs and the compiled decode step as the options ask."""
+        the CUDA graphs, the native layers and the compiled decode step as
+        the options and the machine allow."""
         options = self.options
         self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
                                   self.config.head_dim, self.dtype, self.device, page_size=options.page_size)
@@ -141,36 +151,36 @@ class RankModel:
             # The graphs read the Triton backend's static kv tables.
             if isinstance(self.attention, TritonAttention):
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
-        if self._use_native_decode():
+        self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
+                                   and extend_attention.fits(self.kv_buffer))
+        self.native_layers = self._native_layers()
+        if self.native_layers is not None:
             if options.enable_torch_compile:
                 logger.info("torch.compile: not needed, decode steps run natively")
         elif options.enable_torch_compile:
             self._compile_decode()
 
-    def _use_native_decode(self) -> bool:
+    def _native_layers(self) -> NativeDecode | None:
         """8da4w on a CPU: decode steps' layers as one Rust call each (native_layers.py)."""
-        if self.device.type != "cpu" or self.quant is None or not self.quant.int8_activations:
-            return False
-        if not isinstance(self.attention, TorchAttention):
-            return False
-        reason = native_layers.unfit_reason(self.model)
+        if not self._block_kernels() or not isinstance(self.attention, TorchAttention):
+            return None
+        reason = unfit_reason(self.model)
         if reason is not None:
             logger.info("Decode steps keep the torch layers: %s", reason)
-            return False
-        self.model.native_decode = native_layers.NativeDecode(self.model)
+            return None
         logger.info("Decode steps run natively, one Rust call per layer")
-        return True
+        return NativeDecode(self.model)
+
+    def _block_kernels(self) -> bool:
+        """Whether the layers' products run pyserve's block kernels (8da4w on a CPU)."""
+        return self.device.type == "cpu" and self.quant is not None and self.quant.int8_activations
 
     def _make_attention(self, name: str) -> AttentionBackend:
         if name == "triton":
             from pyserve.model.attention.triton_backend import TritonAttention
 
             return TritonAttention(self.kv_buffer, len(self.model.shard.q_heads), self.context_len)
-        if self.device.type != "cpu":
-            return TorchAttention(self.kv_buffer)
-        # 8da4w steps run torch on one thread (forward), leaving the cores to pyserve's kernels.
-        native_extend = self.quant is not None and self.quant.int8_activations and extend_attention.fits(self.kv_buffer)
-        return TorchAttention(self.kv_buffer, self.cpu_threads, native_extend)
+        return TorchAttention(self.kv_buffer, self.threads)
 
     def _compile_decode(self) -> None:
         """--enable-torch-compile: compile the decode layers now, on dummy
@@ -203,27 +213,43 @@ class RankModel:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.replay(batch)
-        if self._block_kernel_step(batch):
-            # The block kernels' threads spin between their calls; torch's
-            # own threads spin after each of its ops, and on a busy core
-            # each pool waits for the other (measured: twice the step time).
-            # So such steps leave the cores to the kernels and run torch's
-            # ops (small at these sizes) on this thread; only attention over
-            # a long cached prefix takes them back (TorchAttention).
-            torch.set_num_threads(1)
-            try:
-                return self.model(batch, self.attention)
-            finally:
-                torch.set_num_threads(self.cpu_threads)
-        return self.model(batch, self.attention)
+        plan = self.plan(batch)
+        threads = self.threads.using(plan.torch_threads) if self.threads is not None else nullcontext()
+        with threads:
+            return self.model(batch, self.attention, plan, self.native_layers)
 
-    def _block_kernel_step(self, batch: ForwardBatch) -> bool:
-        """Whether the step leaves the cores to pyserve's kernels (8da4w):
-        under ONE_THREAD_BELOW_ROWS rows, or a decode step of the native
-        layers, whose products all run the kernels (the vocabulary
-        projection's too, under VOCAB_DENSE_FROM_ROWS rows)."""
-        if self.quant is None or not self.quant.int8_activations or self.cpu_threads == 1:
-            return False
+    def plan(self, batch: ForwardBatch) -> StepPlan:
+        """How `batch` runs: which layers, on how many torch threads, with
+        which attention kernel. The block kernels' threads spin between
+        their calls, torch's after each of its ops, and on a busy core each
+        pool waits for the other; so steps whose products all run the
+        kernels leave the cores to them and run torch's ops (small at these
+        sizes) on the forward thread. Attention over a long cached prefix
+        still takes all the threads back, unless the extend kernel (which
+        shares the block kernels' threads) attends instead."""
+        one_token = [adds_one_token(n, s) for n, s in zip(batch.extend_lens, batch.seq_lens)]
+        decode = batch.is_decode and all(one_token)
+        threads = self._step_threads(batch)
+        native_extend = self.native_extend_fits and threads == 1
+        if self.native_layers is not None and decode:
+            layers = Layers.NATIVE_DECODE
+        elif self.native_layers is not None and native_extend and not any(one_token):
+            layers = Layers.NATIVE_EXTENDS
+        elif self.model.compiled_decode_layer is not None and decode:
+            layers = Layers.COMPILED_DECODE
+        else:
+            layers = Layers.TORCH
+        long_attention = self.cpu_threads if threads is not None and threads < self.cpu_threads else None
+        return StepPlan(layers, threads, native_extend, long_attention)
+
+    def _step_threads(self, batch: ForwardBatch) -> int | None:
+        """torch's threads for the step (None off the CPU): one for 8da4w
+        steps under ONE_THREAD_BELOW_ROWS rows, and for the native layers'
+        decode steps, whose products all run the kernels (the vocabulary
+        projection's too, under VOCAB_DENSE_FROM_ROWS rows); else all."""
+        if self.threads is None:
+            return None
         rows = batch.input_ids.numel()
-        native_decode = batch.is_decode and self.model.native_decode is not None
-        return rows < ONE_THREAD_BELOW_ROWS or (native_decode and rows < blocks.VOCAB_DENSE_FROM_ROWS)
+        native_decode = batch.is_decode and self.native_layers is not None
+        kernels_only = rows < ONE_THREAD_BELOW_ROWS or (native_decode and rows < blocks.VOCAB_DENSE_FROM_ROWS)
+        return 1 if self._block_kernels() and kernels_only else self.cpu_threads

@@ -1,8 +1,11 @@
 """The interface the model calls for attention over the KV cache.
 
-Per forward pass the model calls `prepare(batch)` once, then `forward` once
-per layer. Backends build whatever per-batch metadata they need (slot
-tables, masks, kernel work lists) in `prepare`, so the layers reuse it.
+Per forward pass the model calls `prepare(batch, plan)` once, then
+`forward` once per layer. Backends build whatever per-batch metadata they
+need (slot tables, masks, kernel work lists) in `prepare`, so the layers
+reuse it. The plan (step_plan.py) is the step owner's word on how the step
+runs; a backend follows what of it concerns attention and infers nothing
+from elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.step_plan import TORCH_STEP, StepPlan
 
 
 class AttentionBackend(ABC):
@@ -23,8 +27,9 @@ class AttentionBackend(ABC):
     _batch: ForwardBatch | None = None
 
     @abstractmethod
-    def prepare(self, batch: ForwardBatch) -> None:
-        """Build the per-batch metadata every layer's `forward` reuses."""
+    def prepare(self, batch: ForwardBatch, plan: StepPlan = TORCH_STEP) -> None:
+        """Build the per-batch metadata every layer's `forward` reuses, for
+        the step as `plan` says it runs."""
 
     @abstractmethod
     def forward(
@@ -55,10 +60,11 @@ class AttentionBackend(ABC):
         return None
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
-        """For a prepared prefill step whose layers may run natively
-        (cpu/native_layers.py, over this backend's `kv_buffer`): each sequence's
-        count of new tokens and its slots, the new tokens' last. None for
-        any other step, and on backends that keep their own attention."""
+        """For a prepared prefill step planned with native extend attention,
+        whose layers may then run natively (cpu/native_layers.py, over this
+        backend's `kv_buffer`): each sequence's count of new tokens and its
+        slots, the new tokens' last. None for any other step, and on
+        backends that keep their own attention."""
         return None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,

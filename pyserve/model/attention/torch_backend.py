@@ -8,7 +8,7 @@ than 3-D inputs or repeating the kv heads.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +19,11 @@ from pyserve.model.cpu import extend_attention
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.step_plan import TORCH_STEP, StepPlan, TorchThreads, adds_one_token
 
 
-# New tokens x keys from which an extend's SDPA gets all the CPU threads
-# (16 queries over 1,024 keys: ~0.7 ms on one thread of this machine).
+# New tokens x keys from which an extend's SDPA is long enough to pay for
+# waking the plan's `long_attention_threads`.
 LONG_ATTENTION = 16 * 1024
 
 
@@ -58,8 +59,8 @@ def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, 
 
 def _gathered(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache[slots] for slots of any shape. index_select copies the rows
-    2-3x faster than advanced indexing on the CPU (1,345 slots of 3 x 64
-    floats: 42-64 vs 126-143 us), and a long extend gathers every layer."""
+    several times faster than advanced indexing on the CPU, and a long
+    extend gathers every layer."""
     return torch.index_select(cache, 0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
@@ -75,37 +76,34 @@ def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tens
 class TorchAttention(AttentionBackend):
     attend_decode = staticmethod(attend_single_tokens)
 
-    def __init__(self, kv_buffer: KVBuffer, cpu_threads: int = 1, native_extend: bool = False):
-        """`cpu_threads`: torch threads for a long extend's SDPA. Steps on
-        the 8da4w block kernels run torch on one thread (RankModel.forward),
-        but new tokens over a long cached prefix (a chat's next turn, a
-        shared system prompt) spend most of their step here: 45 tokens
-        after 1,300 cached, 208 -> 174 ms to the first token with two.
-        `native_extend`: in such one-thread steps extends run extend_attention.py's
-        kernel instead (8da4w on a CPU it fits); with torch on all threads
-        its spinning helpers and torch's slowed each other (a 1,000-token
-        prompt: 1,515-1,565 vs 1,373-1,440 ms with SDPA)."""
+    def __init__(self, kv_buffer: KVBuffer, threads: TorchThreads | None = None):
+        """`threads`: the process's torch thread count, through which a
+        step's plan gives a long extend's SDPA more threads than the step's
+        own (new tokens over a long cached prefix, a chat's next turn or a
+        shared system prompt, spend most of their step here). Without it
+        the backend takes plans that leave the threads alone."""
         self.kv_buffer = kv_buffer
-        self.cpu_threads = cpu_threads
-        self.native_extend = native_extend
+        self.threads = threads
         self._batch: ForwardBatch | None = None
-        self._native_step = False  # this step's extends run extend_attention's kernel
+        self._plan = TORCH_STEP
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
 
-    def prepare(self, batch: ForwardBatch) -> None:
+    def prepare(self, batch: ForwardBatch, plan: StepPlan = TORCH_STEP) -> None:
+        if plan.long_attention_threads is not None and self.threads is None:
+            raise ValueError("the step's plan sets attention threads; this backend was given no TorchThreads")
         self._batch = batch
+        self._plan = plan
         device = batch.input_ids.device
         per_seq = batch.kv_indices.split(batch.seq_lens)
-        self._native_step = self.native_extend and torch.get_num_threads() == 1
         self._extend = []
         single_rows, single_slots = [], []
         start = 0
         for num_new, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, per_seq):
-            if num_new == 1 and seq_len > 1:
+            if adds_one_token(num_new, seq_len):
                 single_rows.append(start)
                 single_slots.append(slots)
-            elif num_new == seq_len or self._native_step:
+            elif num_new == seq_len or plan.native_extend_attention:
                 # No cached prefix (SDPA's causal mask), or the native
                 # kernel, which applies the causal rule itself.
                 self._extend.append(_ExtendSeq(start, num_new, slots, None))
@@ -141,7 +139,7 @@ class TorchAttention(AttentionBackend):
             out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale)
         for s in self._extend:
             rows = slice(s.start, s.start + s.num_new)
-            if self._native_step:
+            if self._plan.native_extend_attention:
                 out[rows] = extend_attention.attend(q[rows], k_cache, v_cache, s.slots, scale)
                 continue
             if s.mask is None:
@@ -162,19 +160,12 @@ class TorchAttention(AttentionBackend):
             out[rows] = o[0].transpose(0, 1)
         return out
 
-    @contextmanager
     def _threads_for(self, work: int):
-        """All `cpu_threads` for an attention of `work` queries x keys from
-        LONG_ATTENTION on, where the step runs torch on fewer."""
-        threads = torch.get_num_threads()
-        if work < LONG_ATTENTION or threads >= self.cpu_threads:
-            yield
-            return
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
+        """The plan's long-attention threads for an SDPA of `work` queries x
+        keys from LONG_ATTENTION on; the step's own below."""
+        if work < LONG_ATTENTION or self._plan.long_attention_threads is None:
+            return nullcontext()
+        return self.threads.using(self._plan.long_attention_threads)
 
     def _additive(self, sees: torch.Tensor) -> torch.Tensor:
         """A boolean "query sees key" mask as the additive one SDPA takes
@@ -197,10 +188,11 @@ class TorchAttention(AttentionBackend):
             torch._dynamo.mark_dynamic(single.mask, 3)
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
-        """Prefill chunks alone, in a step whose extends run extend_attention's
-        kernel: the native layer runs them with that same kernel. Decode
-        rows beside them (a mixed step) keep these layers' batched SDPA."""
-        if not self._native_step or self._single is not None:
+        """Prefill chunks alone, in a step whose plan has extends run
+        extend_attention's kernel: the native layer runs them with that same
+        kernel. Decode rows beside them (a mixed step) keep these layers'
+        batched SDPA."""
+        if not self._plan.native_extend_attention or self._single is not None:
             return None
         return [(s.num_new, s.slots) for s in self._extend]
 

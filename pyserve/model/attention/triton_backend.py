@@ -21,6 +21,7 @@ from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.attention.triton_decode import decode_attention, decode_scratch
 from pyserve.model.attention.triton_extend import extend_attention
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.step_plan import TORCH_STEP, StepPlan
 
 # Decode programs to aim for, per streaming multiprocessor: enough that a
 # small batch still occupies the whole GPU. Measured on an H100 (bf16, 8 kv
@@ -64,7 +65,10 @@ class TritonAttention(AttentionBackend):
         wanted = -(-self._target_programs // (batch_size * self.num_kv_heads))
         return max(1, min(self.max_kv_splits, wanted))
 
-    def prepare(self, batch: ForwardBatch) -> None:
+    def prepare(self, batch: ForwardBatch, plan: StepPlan = TORCH_STEP) -> None:
+        # The plan's CPU thread counts do not concern the GPU kernels.
+        if plan.native_extend_attention:
+            raise ValueError("the Triton backend has no native extend kernel")
         self._batch = batch
         if batch.is_decode:
             bs = batch.batch_size
