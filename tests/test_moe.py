@@ -87,6 +87,18 @@ def test_block_matches_transformers(family, tmp_path):
         assert gate_up.abs().max() > block.spec.swiglu_limit  # the clamp was exercised
 
 
+def test_deepseek_router_stays_float32_in_a_bfloat16_block(tmp_path):
+    """As transformers keeps it (_keep_in_fp32_modules_strict)."""
+    _, config, tensors = tiny_checkpoint("deepseek_v3", tmp_path)
+    block = loaded_block(MoESpec.from_config(config), tensors)
+    router = block.router_weight.clone()
+    block.to(torch.bfloat16)
+    assert block.w13.dtype == torch.bfloat16
+    assert block.router_weight.dtype == block.score_correction_bias.dtype == torch.float32
+    assert torch.equal(block.router_weight, router)
+    assert block(torch.randn(3, config.hidden_size, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_tensor_parallel_ranks_sum_to_the_whole(family, tmp_path):
     """Two ranks, each with half of every expert's intermediate rows (and of

@@ -268,13 +268,15 @@ class MoEBlock(nn.Module):
         with torch.no_grad():
             if where.param == "shared_w13":
                 p = self.shared_part
-                target[where.row // self.spec.shared_intermediate * len(p):][:len(p)].copy_(tensor[p.start:p.stop])
+                up = len(p) if where.row else 0  # this rank's up rows follow its gate rows
+                target[up:up + len(p)].copy_(tensor[p.start:p.stop])
             elif where.param == "shared_w2":
                 target.copy_(tensor[:, self.shared_part.start:self.shared_part.stop])
             elif where.expert is not None:
                 dest = target[where.expert]
                 if where.param == "w13":
-                    dest[where.row // I * L:][:L].copy_(tensor[part.start:part.stop])
+                    up = L if where.row else 0
+                    dest[up:up + L].copy_(tensor[part.start:part.stop])
                 else:
                     dest.copy_(tensor[:, part.start:part.stop])
             elif where.param in ("w13", "b13"):
@@ -293,10 +295,21 @@ class MoEBlock(nn.Module):
                 target.copy_(tensor)
         return True
 
+    def _apply(self, fn, recurse=True):
+        # DeepSeek keeps its router in float32 in a bfloat16 model, as
+        # transformers does (_keep_in_fp32_modules_strict): a cast of the
+        # block moves those two tensors to the new device only.
+        kept = {name: getattr(self, name).data for name in ("router_weight", "score_correction_bias")
+                if self.spec.router_float32 and getattr(self, name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            getattr(self, name).data = before.to(device=getattr(self, name).device, dtype=torch.float32)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if spec.router_float32:
-            logits = F.linear(x.float(), self.router_weight.float())
+            logits = F.linear(x.float(), self.router_weight)
         else:
             logits = F.linear(x, self.router_weight, self.router_bias)
         weights, ids = route(spec, logits, self.score_correction_bias)

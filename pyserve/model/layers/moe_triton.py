@@ -41,6 +41,14 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
 
 
 @triton.jit
+def _block_rows(SortedIds, BlockExpert, n_assign, BLOCK_M: tl.constexpr):
+    """This row block's expert, its rows' assignment indices, and which rows are real (not padding)."""
+    block = tl.program_id(0)
+    rows = tl.load(SortedIds + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(BlockExpert + block).to(tl.int64), rows, rows < n_assign
+
+
+@triton.jit
 def _w13_kernel(
     X, W13, B13, Out, SortedIds, BlockExpert, PaddedTotal,
     n_assign, top_k, hidden, inter, alpha, limit,
@@ -48,15 +56,11 @@ def _w13_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(PaddedTotal):
+    if tl.program_id(0) * BLOCK_M >= tl.load(PaddedTotal):
         return
-    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
-    rows = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = rows < n_assign
+    expert, rows, real = _block_rows(SortedIds, BlockExpert, n_assign, BLOCK_M)
     token = (rows // top_k).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     gate_rows = W13 + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
     up_rows = gate_rows + inter * stride_wn
@@ -86,15 +90,11 @@ def _w2_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(PaddedTotal):
+    if tl.program_id(0) * BLOCK_M >= tl.load(PaddedTotal):
         return
-    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
-    rows = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = rows < n_assign
+    expert, rows, real = _block_rows(SortedIds, BlockExpert, n_assign, BLOCK_M)
     rows64 = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_rows = W2 + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
