@@ -110,7 +110,7 @@ def route(spec: MoESpec, logits: torch.Tensor,
         return F.softmax(top, dim=-1, dtype=top.dtype), ids
     if spec.routing == "grouped_sigmoid":
         scores = logits.sigmoid()
-        choice = scores + correction
+        choice = scores if correction is None else scores + correction
         per_group = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
         allowed = _best_groups(per_group.topk(2, dim=-1)[0].sum(dim=-1), spec)
         ids = torch.topk(choice.masked_fill(~allowed, float("-inf")), k, dim=-1, sorted=False)[1]

@@ -16,7 +16,8 @@ and the k rows of each token are summed in torch. Routing is torch
 The padded length is bounded by N + min(E, N) * (BLOCK_M - 1) rows (each
 expert that received assignments pads at most BLOCK_M - 1), so the grid has
 a size known from the token count alone and blocks past the real padded
-length return at once: no host sync, and a CUDA graph can capture it.
+length return at once: no host sync, so that a CUDA graph can capture it
+(not yet tried on a GPU).
 
 Under TRITON_INTERPRET=1 the kernels run on CPU; the tests compare them with
 the torch path there on small shapes.
@@ -119,7 +120,8 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
     padded_total [1]: the rows in use)."""
     flat = ids.flatten()
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add_, not bincount: bincount reads its maximum back to the host.
+    counts = torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)
