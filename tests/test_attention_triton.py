@@ -27,7 +27,7 @@ from pyserve.model.attention import triton_decode  # noqa: E402
 from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
 from pyserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
-from tests.test_attention_torch import reference_attention  # noqa: E402
+from tests.test_attention_torch import reference_attention, step_batch  # noqa: E402
 
 if DEVICE == "cpu" and not isinstance(triton_decode._decode_split_kernel, InterpretedFunction):
     pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
@@ -71,18 +71,7 @@ class Harness:
             first_pos.append(self.slots[i].numel())
             fresh.append(torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.long))
             self.slots[i] = torch.cat([self.slots[i], fresh[-1]])
-        T = sum(new_lens)
-        batch = ForwardBatch.build(
-            input_ids=[0] * T,
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
-            out_cache_loc=torch.cat(fresh),
-            extend_lens=list(new_lens),
-            slots=self.slots[: len(new_lens)],
-            logits_indices=list(range(len(new_lens))) if decode else [T - 1],
-            is_decode=decode,
-            device=DEVICE,
-        )
-        return batch, first_pos
+        return step_batch(self.slots[: len(new_lens)], fresh, first_pos, decode, DEVICE), first_pos
 
     def fill(self, lens: list[int], layer_id: int = 0) -> None:
         """Cache `lens` tokens of random K/V per sequence without attending

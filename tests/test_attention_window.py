@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pyserve.model.attention.torch_backend import TorchAttention
-from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.step_plan import StepPlan
+from tests.test_attention_torch import step_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS, DIM = 1024, 16
@@ -102,16 +102,7 @@ class Harness:
             self.slots[i] = torch.cat([self.slots[i], fresh[-1]])
             self.keys[i] = torch.cat([self.keys[i], k[starts[i] : starts[i] + n]])
             self.values[i] = torch.cat([self.values[i], v[starts[i] : starts[i] + n]])
-        batch = ForwardBatch.build(
-            input_ids=[0] * T,
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
-            out_cache_loc=torch.cat(fresh),
-            extend_lens=list(new_lens),
-            slots=self.slots[: len(new_lens)],
-            logits_indices=[s + n - 1 for s, n in zip(starts, new_lens)],
-            is_decode=decode,
-            device=self.device,
-        )
+        batch = step_batch(self.slots[: len(new_lens)], fresh, first_pos, decode, self.device)
         return SimpleNamespace(batch=batch, q=q, k=k, v=v, new_lens=new_lens, first_pos=first_pos, starts=starts)
 
     def attend(self, new: SimpleNamespace, **options) -> torch.Tensor:
