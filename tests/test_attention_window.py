@@ -202,31 +202,34 @@ def test_all_options_at_once(backend):
 
 def test_decode_inputs_carry_the_window_to_the_compiled_decode():
     """The tensor-only decode attention (what torch.compile takes into the
-    compiled layer) with a sliding layer's inputs equals that layer's forward."""
+    compiled layer) with a sliding layer's inputs is that layer's forward."""
     h = Harness("torch")
     h.step([5, 40])
-    sinks = torch.tensor([0.5, -0.5, 1.0, 2.0])
-    out, expected = h.step([1, 1], decode=True, window=8, softcap=5.0, sinks=sinks)
-    attn, batch = h.attn, h.attn._batch
-    q = torch.randn(2, 4, DIM, generator=h.gen)
-    k, v = torch.randn(2, 2, DIM, generator=h.gen), torch.randn(2, 2, DIM, generator=h.gen)
-    inputs = attn.decode_inputs(0, window=8)
-    assert inputs[3].shape == (2, 8)  # the 40-token row reads its last 8 slots only
-    direct = attn.attend_decode(q, k, v, *inputs, DIM**-0.5, 5.0, sinks)
-    assert torch.equal(direct, attn.forward(q, k, v, 0, batch, DIM**-0.5, window=8, softcap=5.0, sinks=sinks))
-
-
-def test_without_options_nothing_changes():
-    """No option, or a window no sequence reaches, is the plain causal path,
-    bit for bit; a window one token shorter is not."""
-    h = Harness("torch")
-    h.step([12, 30])
-    new = h.new_tokens([1, 1], decode=True)  # rows of 13 and 31 tokens
+    options = dict(window=8, softcap=5.0, sinks=torch.tensor([0.5, -0.5, 1.0, 2.0]))
+    new = h.new_tokens([1, 1], decode=True)
     h.attn.prepare(new.batch)
+    inputs = h.attn.decode_inputs(0, window=8)
+    assert inputs[3].shape == (2, 8)  # the 41-token row reads its last 8 slots only
+    direct = h.attn.attend_decode(new.q, new.k, new.v, *inputs, DIM**-0.5, options["softcap"], options["sinks"])
+    assert torch.equal(direct, h.attend(new, **options))
+    assert_close(direct, h.expected(new, **options))
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_without_options_nothing_changes(backend, decode):
+    """No option, or a window no sequence reaches, is the plain causal path
+    bit for bit (extends with and without a cached prefix, decode rows);
+    a window one token shorter is not."""
+    h = Harness(backend)
+    h.step([12, 30])
+    new = h.new_tokens([1, 1] if decode else [9, 20, 25], decode=decode)
+    h.attn.prepare(new.batch)
+    longest = max(new.batch.seq_lens)
     plain = h.attend(new)
-    assert torch.equal(plain, h.attend(new, window=31))
-    assert not torch.equal(plain, h.attend(new, window=30))
-    assert_close(h.attend(new, window=30), h.expected(new, window=30))
+    assert torch.equal(plain, h.attend(new, window=longest))
+    narrower = h.attend(new, window=longest - 1)
+    assert not torch.equal(plain, narrower)
+    assert_close(narrower, h.expected(new, window=longest - 1))
     assert_close(plain, h.expected(new))
 
 
