@@ -191,16 +191,21 @@ def test_split_count_depends_on_the_batch_size_only():
     assert [h.triton.num_kv_splits(bs) for bs in (1, 4, 5, 32, 64)] == [8, 8, 7, 1, 1]
 
 
-def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0():
+@pytest.mark.parametrize("options", [{}, dict(window=16, softcap=4.0, sinks=[0.5, -1.0, 2.0, 0.0])],
+                         ids=["plain", "sliding-capped-sinks"])
+def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0(options):
     """A decode batch of 3 run through the static tables padded to 5 rows
-    (what a CUDA-graph replay reads) gives the eager batch's outputs."""
+    (what a CUDA-graph replay reads) gives the eager batch's outputs, with
+    a layer's options too."""
+    if "sinks" in options:
+        options = {**options, "sinks": torch.tensor(options["sinks"], device=DEVICE)}
     h = Harness(4, 2, 32)
     h.fill([3, 40, 9])
     batch, _ = h.batch([1, 1, 1], decode=True)
     q = h.randn(3, 4, 32).to(DEVICE)
     kv = h.randn(3, 2, 32).to(DEVICE)
     h.triton.prepare(batch)
-    eager = h.triton.forward(q, kv, kv, 0, batch, 0.2)
+    eager = h.triton.forward(q, kv, kv, 0, batch, 0.2, **options)
 
     h.triton.init_cuda_graph_state(max_bs=8)
     indptr, indices = h.triton.cuda_graph_kv_tables(5)
@@ -220,7 +225,7 @@ def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0():
     )
     pad = lambda x: torch.cat([x, torch.ones_like(x[:2])])  # noqa: E731
     h.triton.prepare(padded)
-    out = h.triton.forward(pad(q), pad(kv), pad(kv), 0, padded, 0.2)
+    out = h.triton.forward(pad(q), pad(kv), pad(kv), 0, padded, 0.2, **options)
     torch.testing.assert_close(out[:3], eager, atol=1e-5, rtol=1e-5)
 
 

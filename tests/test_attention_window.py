@@ -66,14 +66,14 @@ class Harness:
 
     def __init__(self, backend: str, heads: int = 4, kv_heads: int = 2, seed: int = 0, q_gain: float = 1.0):
         self.heads, self.kv_heads = heads, kv_heads
+        self.device = "cpu" if backend == "torch" else DEVICE
         shape = (SLOTS, kv_heads, DIM)
         self.pool = SimpleNamespace(
             dtype=torch.float32,
-            k_buffer=[torch.zeros(shape, device=DEVICE)],
-            v_buffer=[torch.zeros(shape, device=DEVICE)],
+            k_buffer=[torch.zeros(shape, device=self.device)],
+            v_buffer=[torch.zeros(shape, device=self.device)],
         )
         self.attn = BACKENDS[backend](self.pool, heads)
-        self.device = "cpu" if backend == "torch" else DEVICE
         self.gen = torch.Generator().manual_seed(seed)
         self.q_gain = q_gain  # larger scores, so that a soft-cap bites
         self.free = (torch.randperm(SLOTS - 1, generator=self.gen) + 1).tolist()  # slot 0 is reserved
