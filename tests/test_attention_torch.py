@@ -30,6 +30,23 @@ def reference_attention(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+def step_batch(slots: list[torch.Tensor], fresh: list[torch.Tensor], first_pos: list[int], decode: bool,
+               device="cpu") -> ForwardBatch:
+    """The batch of a step that gives sequence i the slots `fresh[i]` from
+    position `first_pos[i]` on; `slots[i]` are all of its slots after it."""
+    new_lens = [f.numel() for f in fresh]
+    return ForwardBatch.build(
+        input_ids=[0] * sum(new_lens),
+        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
+        out_cache_loc=torch.cat(fresh),
+        extend_lens=new_lens,
+        slots=slots,
+        logits_indices=(torch.tensor(new_lens).cumsum(0) - 1).tolist(),
+        is_decode=decode,
+        device=device,
+    )
+
+
 class Harness:
     """A pool, a backend, and the true K/V of every sequence so far."""
 
@@ -69,16 +86,7 @@ class Harness:
         for i, (s, n) in enumerate(zip(starts, new_lens)):
             self.keys[i] = torch.cat([self.keys[i], k[s : s + n]])
             self.values[i] = torch.cat([self.values[i], v[s : s + n]])
-        batch = ForwardBatch.build(
-            input_ids=[0] * T,
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
-            out_cache_loc=torch.cat(fresh),
-            extend_lens=list(new_lens),
-            slots=self.slots[: len(new_lens)],
-            logits_indices=[s + n - 1 for s, n in zip(starts, new_lens)],
-            is_decode=decode,
-            device="cpu",
-        )
+        batch = step_batch(self.slots[: len(new_lens)], fresh, first_pos, decode)
         scale = DIM**-0.5
         self.attn.prepare(batch, self.plan)
         out = self.attn.forward(q, k, v, layer_id, batch, scale)

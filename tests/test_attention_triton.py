@@ -27,7 +27,7 @@ from pyserve.model.attention import triton_decode  # noqa: E402
 from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
 from pyserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
-from tests.test_attention_torch import reference_attention  # noqa: E402
+from tests.test_attention_torch import reference_attention, step_batch  # noqa: E402
 
 if DEVICE == "cpu" and not isinstance(triton_decode._decode_split_kernel, InterpretedFunction):
     pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
@@ -71,18 +71,7 @@ class Harness:
             first_pos.append(self.slots[i].numel())
             fresh.append(torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.long))
             self.slots[i] = torch.cat([self.slots[i], fresh[-1]])
-        T = sum(new_lens)
-        batch = ForwardBatch.build(
-            input_ids=[0] * T,
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, new_lens)]),
-            out_cache_loc=torch.cat(fresh),
-            extend_lens=list(new_lens),
-            slots=self.slots[: len(new_lens)],
-            logits_indices=list(range(len(new_lens))) if decode else [T - 1],
-            is_decode=decode,
-            device=DEVICE,
-        )
-        return batch, first_pos
+        return step_batch(self.slots[: len(new_lens)], fresh, first_pos, decode, DEVICE), first_pos
 
     def fill(self, lens: list[int], layer_id: int = 0) -> None:
         """Cache `lens` tokens of random K/V per sequence without attending
@@ -202,16 +191,21 @@ def test_split_count_depends_on_the_batch_size_only():
     assert [h.triton.num_kv_splits(bs) for bs in (1, 4, 5, 32, 64)] == [8, 8, 7, 1, 1]
 
 
-def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0():
+@pytest.mark.parametrize("options", [{}, dict(window=16, softcap=4.0, sinks=[0.5, -1.0, 2.0, 0.0])],
+                         ids=["plain", "sliding-capped-sinks"])
+def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0(options):
     """A decode batch of 3 run through the static tables padded to 5 rows
-    (what a CUDA-graph replay reads) gives the eager batch's outputs."""
+    (what a CUDA-graph replay reads) gives the eager batch's outputs, with
+    a layer's options too."""
+    if "sinks" in options:
+        options = {**options, "sinks": torch.tensor(options["sinks"], device=DEVICE)}
     h = Harness(4, 2, 32)
     h.fill([3, 40, 9])
     batch, _ = h.batch([1, 1, 1], decode=True)
     q = h.randn(3, 4, 32).to(DEVICE)
     kv = h.randn(3, 2, 32).to(DEVICE)
     h.triton.prepare(batch)
-    eager = h.triton.forward(q, kv, kv, 0, batch, 0.2)
+    eager = h.triton.forward(q, kv, kv, 0, batch, 0.2, **options)
 
     h.triton.init_cuda_graph_state(max_bs=8)
     indptr, indices = h.triton.cuda_graph_kv_tables(5)
@@ -231,7 +225,7 @@ def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0():
     )
     pad = lambda x: torch.cat([x, torch.ones_like(x[:2])])  # noqa: E731
     h.triton.prepare(padded)
-    out = h.triton.forward(pad(q), pad(kv), pad(kv), 0, padded, 0.2)
+    out = h.triton.forward(pad(q), pad(kv), pad(kv), 0, padded, 0.2, **options)
     torch.testing.assert_close(out[:3], eager, atol=1e-5, rtol=1e-5)
 
 

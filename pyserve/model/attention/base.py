@@ -40,23 +40,36 @@ class AttentionBackend(ABC):
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k/v at `batch.out_cache_loc` in layer `layer_id`'s cache, then
         attend every new token over its own sequence (its stretch of
         `batch.kv_indices`, see ForwardBatch),
         causally: the new token at absolute position p sees positions <= p.
         Query head h reads kv head h // (heads // kv_heads). Returns
-        [T, heads, head_dim] in q's dtype."""
+        [T, heads, head_dim] in q's dtype.
+
+        The layer's options, as transformers applies them (None: off):
+        `window`, a sliding window: position p sees only p - window < j <= p;
+        `softcap`: each score s (after `scale`) becomes
+        softcap * tanh(s / softcap) before the mask and softmax (Gemma 2);
+        `sinks` [heads]: one learned logit per query head that joins the
+        softmax's denominator and nothing else (gpt-oss)."""
 
     # Backends whose decode-step attention is a function of tensors alone
-    # set `attend_decode(q, k, v, *decode_inputs(layer_id), scale)` and
-    # override `decode_inputs`; torch.compile then takes that attention into
-    # the compiled decoder layer (LlamaForCausalLM.compile_decode).
+    # set `attend_decode(q, k, v, *decode_inputs(layer_id, window), scale,
+    # softcap, sinks)` and override `decode_inputs`; torch.compile then
+    # takes that attention into the compiled decoder layer
+    # (LlamaForCausalLM.compile_decode).
     attend_decode = None
 
-    def decode_inputs(self, layer_id: int) -> tuple | None:
-        """The tensors `attend_decode` reads for layer `layer_id` when the
-        prepared batch is a decode step; None otherwise."""
+    def decode_inputs(self, layer_id: int, window: int | None = None) -> tuple | None:
+        """The tensors `attend_decode` reads for layer `layer_id`, of sliding
+        window `window` (None: global), when the prepared batch is a decode
+        step; None otherwise."""
         return None
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
@@ -78,3 +91,14 @@ class AttentionBackend(ABC):
         k_cache[batch.out_cache_loc] = k
         v_cache[batch.out_cache_loc] = v
         return k_cache, v_cache
+
+
+def check_options(num_heads: int, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> None:
+    """Refuse layer options (see AttentionBackend.forward) that mean nothing."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window of {window} tokens sees nothing")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"an attention soft-cap must be positive, not {softcap}")
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {num_heads} query heads")

@@ -4,6 +4,10 @@ The CPU production path and the reference the Triton kernels are checked
 against. Inputs to scaled_dot_product_attention are always 4-D with
 `enable_gqa`: on CPU that takes the fused flash kernel, several times faster
 than 3-D inputs or repeating the kv heads.
+
+A sliding window trims each sequence's slots to the keys its new tokens
+can see and masks the rest, per window size, once per step. Soft-capping
+and sinks have no SDPA form: those layers compute the scores explicitly.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from pyserve.model.cpu import extend_attention
-from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention.base import AttentionBackend, check_options
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.step_plan import TORCH_STEP, StepPlan, TorchThreads, adds_one_token
@@ -47,14 +51,16 @@ class _SingleTokenRows:
     mask: torch.Tensor | None  # [B, 1, 1, max_len] additive; None when no padding
 
 
-def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, scale: float) -> torch.Tensor:
+def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, scale: float,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention for one layer, tensors in, tensor out (so
     torch.compile can take it into the compiled decoder layer, see
     LlamaForCausalLM.compile_decode): store each row's new k/v at its slot,
-    then attend over its sequence's slots."""
+    then attend over its sequence's slots (a window's, from
+    `decode_inputs(layer, window)`)."""
     k_cache[out_cache_loc] = k
     v_cache[out_cache_loc] = v
-    return _single_tokens(q, k_cache, v_cache, slots, mask, scale)
+    return _single_tokens(q, k_cache, v_cache, slots, mask, scale, softcap, sinks)
 
 
 def _gathered(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -64,13 +70,41 @@ def _gathered(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache, 0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
-def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tensor:
+def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float, softcap=None, sinks=None) -> torch.Tensor:
     # One query per sequence: every sequence is padded to the longest
     # (padding reads slot 0, masked out), so the rows are one SDPA call.
     ks = _gathered(k_cache, slots).transpose(1, 2)  # [B, kv_heads, max_len, D]
     vs = _gathered(v_cache, slots).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o[:, :, 0, :]
+    return _attention(q[:, :, None, :], ks, vs, mask, scale, softcap, sinks)[:, :, 0, :]
+
+
+def _attention(q, k, v, mask, scale: float, softcap=None, sinks=None, causal: bool = False) -> torch.Tensor:
+    """q [B, heads, Lq, D] over k, v [B, kv_heads, Lk, D] with an additive
+    `mask` (or `causal`, Lq == Lk). With neither soft-cap nor sinks that is
+    SDPA; otherwise the scores are computed in float32 as transformers'
+    eager attention does: capped as softcap * tanh(s / softcap) before the
+    mask, and with one more logit per head (the sink) in the softmax's
+    denominator only."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v).to(q.dtype)
 
 
 class TorchAttention(AttentionBackend):
@@ -88,6 +122,9 @@ class TorchAttention(AttentionBackend):
         self._plan = TORCH_STEP
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
+        self._single_slots: list[torch.Tensor] = []  # each single-token row's sequence slots
+        # window -> the step's extends and single-token rows trimmed to it
+        self._windowed: dict[int, tuple[list[_ExtendSeq], _SingleTokenRows | None]] = {}
 
     def prepare(self, batch: ForwardBatch, plan: StepPlan = TORCH_STEP) -> None:
         if plan.long_attention_threads is not None and self.threads is None:
@@ -115,29 +152,73 @@ class TorchAttention(AttentionBackend):
                 self._extend.append(_ExtendSeq(start, num_new, slots, self._additive(sees)))
             start += num_new
         self._single = None
+        self._single_slots = single_slots
+        self._windowed = {}
         if single_rows:
-            lens = [s.numel() for s in single_slots]
-            mask = None
-            if min(lens) != max(lens):
-                lens_t = torch.tensor(lens, device=device)
-                sees = torch.arange(max(lens), device=device)[None, :] < lens_t[:, None]
-                mask = self._additive(sees)[:, None, None, :]
             rows = None if len(single_rows) == start else torch.tensor(single_rows, device=device)
-            self._single = _SingleTokenRows(rows, pad_sequence(single_slots, batch_first=True, padding_value=0),
-                                            mask)
-            if rows is None:
-                self._mark_dynamic_decode_dims(batch.out_cache_loc, self._single)
+            self._single = self._single_token_rows(rows, single_slots)
 
-    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        decode = self.decode_inputs(layer_id) if batch is self._batch else None
-        if decode is not None:
-            return attend_single_tokens(q, k, v, *decode, scale)
-        k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
+    def _single_token_rows(self, rows: torch.Tensor | None, slots: list[torch.Tensor]) -> _SingleTokenRows:
+        """Rows `rows` each attending over its `slots`, padded into one call."""
+        lens = [s.numel() for s in slots]
+        mask = None
+        device = slots[0].device
+        if min(lens) != max(lens):
+            lens_t = torch.tensor(lens, device=device)
+            sees = torch.arange(max(lens), device=device)[None, :] < lens_t[:, None]
+            mask = self._additive(sees)[:, None, None, :]
+        single = _SingleTokenRows(rows, pad_sequence(slots, batch_first=True, padding_value=0), mask)
+        if rows is None:
+            self._mark_dynamic_decode_dims(self._batch.out_cache_loc, single)
+        return single
+
+    def _in_window(self, window: int | None) -> tuple[list[_ExtendSeq], _SingleTokenRows | None]:
+        """The step's extends and single-token rows as a layer of sliding
+        window `window` attends them (None: the whole sequence): the new
+        token at position i sees keys at i - window < j <= i (transformers'
+        sliding_window_overlay), so only those slots are gathered. Built on
+        the first layer that asks, reused by the rest."""
+        if window is None:
+            return self._extend, self._single
+        if window not in self._windowed:
+            self._windowed[window] = ([self._extend_in_window(s, window) for s in self._extend],
+                                      self._single_rows_in_window(window))
+        return self._windowed[window]
+
+    def _extend_in_window(self, s: _ExtendSeq, window: int) -> _ExtendSeq:
+        seq_len = s.slots.numel()
+        if seq_len <= window:  # every key is within the window of every query
+            return s
+        device = s.slots.device
+        first = seq_len - s.num_new  # the first new token's position
+        lo = max(0, first - window + 1)  # the first key any new token sees
+        q_pos = torch.arange(first, seq_len, device=device)[:, None]
+        k_pos = torch.arange(lo, seq_len, device=device)[None, :]
+        sees = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        return _ExtendSeq(s.start, s.num_new, s.slots[lo:], self._additive(sees))
+
+    def _single_rows_in_window(self, window: int) -> _SingleTokenRows | None:
         single = self._single
+        if single is None or max(s.numel() for s in self._single_slots) <= window:
+            return single
+        return self._single_token_rows(single.rows, [s[-window:] for s in self._single_slots])
+
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, *, window: int | None = None,
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_options(q.shape[1], window, softcap, sinks)
+        decode = self.decode_inputs(layer_id, window) if batch is self._batch else None
+        if decode is not None:
+            return attend_single_tokens(q, k, v, *decode, scale, softcap, sinks)
+        k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
+        extends, single = self._in_window(window)
+        if extends and self._plan.native_extend_attention and (window, softcap, sinks) != (None, None, None):
+            # The step's owner plans native extends only for layers without options.
+            raise ValueError("the native extend kernel has no sliding window, soft-cap or sinks")
         out = torch.empty_like(q)
         if single is not None:
-            out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale)
-        for s in self._extend:
+            out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale,
+                                              softcap, sinks)
+        for s in extends:
             rows = slice(s.start, s.start + s.num_new)
             if self._plan.native_extend_attention:
                 out[rows] = extend_attention.attend(q[rows], k_cache, v_cache, s.slots, scale)
@@ -148,15 +229,8 @@ class TorchAttention(AttentionBackend):
                 ks, vs = _gathered(k_cache, s.slots), _gathered(v_cache, s.slots)
             # [tokens, heads, dim] -> [1, heads, tokens, dim]
             with self._threads_for(s.num_new * ks.shape[0]):
-                o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1)[None],
-                    ks.transpose(0, 1)[None],
-                    vs.transpose(0, 1)[None],
-                    attn_mask=s.mask,
-                    is_causal=s.mask is None,
-                    scale=scale,
-                    enable_gqa=True,
-                )
+                o = _attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                               s.mask, scale, softcap, sinks, causal=s.mask is None)
             out[rows] = o[0].transpose(0, 1)
         return out
 
@@ -196,12 +270,14 @@ class TorchAttention(AttentionBackend):
             return None
         return [(s.num_new, s.slots) for s in self._extend]
 
-    def decode_inputs(self, layer_id: int) -> tuple | None:
+    def decode_inputs(self, layer_id: int, window: int | None = None) -> tuple | None:
         """For a prepared batch of single-token rows only (a decode step):
         the tensors `attend_single_tokens` takes after q, k, v, for layer
-        `layer_id`; None for any other batch."""
-        single = self._single
-        if single is None or single.rows is not None:
+        `layer_id` of sliding window `window` (None: global); None for any
+        other batch."""
+        if self._single is None or self._single.rows is not None:
             return None
+        check_options(0, window)
+        single = self._in_window(window)[1]
         return (self.kv_buffer.k_buffer[layer_id], self.kv_buffer.v_buffer[layer_id],
                 self._batch.out_cache_loc, single.slots, single.mask)

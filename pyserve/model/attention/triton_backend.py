@@ -1,7 +1,8 @@
 """Attention with the Triton kernels: split-KV decode and paged extend.
 
 The GPU production path. Both kernels read K/V straight from the pool
-through `batch.kv_indices`, so nothing is gathered or padded per layer.
+through `batch.kv_indices`, so nothing is gathered or padded per layer;
+a sliding window only moves where they start reading.
 `prepare` builds what the kernels need besides the batch: the query row
 offsets of an extend batch, the split scratch of a decode batch.
 
@@ -17,7 +18,7 @@ import os
 
 import torch
 
-from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention.base import AttentionBackend, check_options
 from pyserve.model.attention.triton_decode import decode_attention, decode_scratch
 from pyserve.model.attention.triton_extend import extend_attention
 from pyserve.model.forward_batch import ForwardBatch
@@ -81,18 +82,22 @@ class TritonAttention(AttentionBackend):
         self._qo_indptr = torch.tensor(indptr, dtype=torch.long).to(self.device, non_blocking=True)
         self._max_new = max(batch.extend_lens)
 
-    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, *, window: int | None = None,
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The options are kernel arguments, so a CUDA graph captures them
+        as they are: a layer's window and soft-cap are its constants, its
+        sinks a tensor that must stay where it is (a parameter)."""
+        check_options(q.shape[1], window, softcap, sinks)
         k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        options = dict(window=window, softcap=softcap, sinks=sinks)
         if batch.is_decode:
             mid_o, mid_lse = self._mid
-            decode_attention(
-                q, k_cache, v_cache, out, batch.kv_indptr, batch.kv_indices, mid_o, mid_lse, self._num_splits, scale
-            )
+            decode_attention(q, k_cache, v_cache, out, batch.kv_indptr, batch.kv_indices, mid_o, mid_lse,
+                             self._num_splits, scale, **options)
         else:
-            extend_attention(
-                q, k_cache, v_cache, out, self._qo_indptr, batch.kv_indptr, batch.kv_indices, self._max_new, scale
-            )
+            extend_attention(q, k_cache, v_cache, out, self._qo_indptr, batch.kv_indptr, batch.kv_indices,
+                             self._max_new, scale, **options)
         return out
 
     # CUDA graphs (see cuda_graph_runner.py)

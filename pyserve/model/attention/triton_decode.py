@@ -17,6 +17,10 @@ The query heads of one group are computed together as a [BLOCK_H, D] x
 depends only on the batch size and the number of splits; sequence lengths
 are read on the device, so a launch can be captured in a CUDA graph and
 replayed with other lengths.
+
+A sliding window cuts the sequence to its last `window` keys before the
+split, so the pieces share only what is seen and nothing before is read.
+Soft-capping applies to each score; sinks join the merge's denominator.
 """
 
 from __future__ import annotations
@@ -29,6 +33,21 @@ import triton.language as tl
 _BLOCK_N = 64
 # tl.dot needs at least 16 rows on NVIDIA GPUs; unused head rows are masked.
 _MIN_BLOCK_H = 16
+# The window passed for a layer without one: longer than any sequence.
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def capped(s, softcap):
+    """softcap * tanh(s / softcap); tanh as 1 - 2 / (exp(2x) + 1), which
+    saturates to +-1 rather than overflowing (Triton has no tanh)."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+
+
+@triton.jit
+def _window_start(seq_len, window):
+    """The first key position a sequence's newest token sees."""
+    return tl.maximum(seq_len - window, 0)
 
 
 @triton.jit
@@ -40,7 +59,7 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, kv_indptr, kv_indices, Mid_O, Mid_LSE, scale, num_splits,
+    Q, K, V, kv_indptr, kv_indices, Mid_O, Mid_LSE, scale, num_splits, window, softcap,
     stride_q_tok, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
@@ -52,6 +71,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,8 +79,9 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr + seq)
     seq_len = tl.load(kv_indptr + seq + 1) - kv_start
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
-    lo = split * split_len
+    first = _window_start(seq_len, window)
+    split_len = _split_len(seq_len - first, num_splits, BLOCK_N)
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     if lo < hi:
         h = tl.arange(0, BLOCK_H)
@@ -85,6 +106,8 @@ def _decode_split_kernel(
                 K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0
             )
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            if SOFTCAP:
+                s = capped(s, softcap)
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
@@ -103,7 +126,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid_O, Mid_LSE, O, kv_indptr, num_splits,
+    Mid_O, Mid_LSE, O, kv_indptr, Sinks, num_splits, window,
     stride_mo_tok, stride_mo_head, stride_mo_split,
     stride_ml_tok, stride_ml_head,
     stride_o_tok, stride_o_head,
@@ -111,14 +134,16 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
 
     seq_len = tl.load(kv_indptr + seq + 1) - tl.load(kv_indptr + seq)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    seen = seq_len - _window_start(seq_len, window)
+    split_len = _split_len(seen, num_splits, BLOCK_N)
     s = tl.arange(0, BLOCK_S)
-    s_ok = (s < num_splits) & (s * split_len < seq_len)  # the pieces stage 1 wrote
+    s_ok = (s < num_splits) & (s * split_len < seen)  # the pieces stage 1 wrote
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(Mid_LSE + seq * stride_ml_tok + head * stride_ml_head + s, mask=s_ok, other=float("-inf"))
@@ -127,8 +152,15 @@ def _decode_merge_kernel(
         mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    w = tl.exp(lse - tl.max(lse, 0))  # 0 for the empty pieces
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    top = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    w = tl.exp(lse - top)  # 0 for the empty pieces
+    denominator = tl.sum(w, 0)
+    if SINKS:
+        denominator += tl.exp(sink - top)
+    out = tl.sum(w[:, None] * o, 0) / denominator
     tl.store(O + seq * stride_o_tok + head * stride_o_head + d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
@@ -158,6 +190,9 @@ def decode_attention(
     mid_lse: torch.Tensor,
     num_splits: int,  # at most mid_o.shape[2]; a runtime value, so changing it compiles nothing
     scale: float,
+    window: int | None = None,  # see AttentionBackend.forward for the three options
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> None:
     assert q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == out.stride(-1) == 1
     batch, num_heads, head_dim = q.shape
@@ -165,8 +200,9 @@ def decode_attention(
     group = num_heads // num_kv_heads
     assert 1 <= num_splits <= mid_o.shape[2]
     block_d = triton.next_power_of_2(head_dim)
+    window = NO_WINDOW if window is None else window
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, scale, num_splits,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, scale, num_splits, window, softcap or 1.0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -178,11 +214,12 @@ def decode_attention(
         BLOCK_N=_BLOCK_N,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=4,
         num_stages=2,
     )
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, kv_indptr, num_splits,
+        mid_o, mid_lse, out, kv_indptr, q if sinks is None else sinks, num_splits, window,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -190,5 +227,6 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(mid_o.shape[2]),
         BLOCK_N=_BLOCK_N,
         BLOCK_D=block_d,
+        SINKS=sinks is not None,
         num_warps=4,
     )

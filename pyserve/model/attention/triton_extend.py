@@ -9,7 +9,10 @@ case prefix = 0.
 One program per (sequence, query head, block of BLOCK_M new tokens), with
 an online softmax over blocks of BLOCK_N keys. The new token i of a sequence
 of `seq_len` tokens, `num_new` of them new, sits at position
-seq_len - num_new + i and sees the keys at positions up to its own.
+seq_len - num_new + i and sees the keys at positions up to its own, and
+under a sliding window only the last `window` of those: a block's loop
+starts at its first query's window, so keys before it are never read.
+Soft-capping applies to each score; a head's sink joins the denominator.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pyserve.model.attention.triton_decode import dot_precision
+from pyserve.model.attention.triton_decode import NO_WINDOW, capped, dot_precision
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, scale,
+    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, Sinks, scale, window, softcap,
     stride_q_tok, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
@@ -34,6 +37,8 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -50,7 +55,9 @@ def _extend_kernel(
 
         i = block * BLOCK_M + tl.arange(0, BLOCK_M)
         i_ok = i < num_new
-        q_pos = prefix + i
+        # Spare rows past num_new (never stored) take the last row's keys, so
+        # none of them is left without a key to see.
+        q_pos = prefix + tl.minimum(i, num_new - 1)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM  # head_dim need not be a power of two
         q_rows = (q_start + i)[:, None]
@@ -60,10 +67,13 @@ def _extend_kernel(
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max score
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # Keys past the block's last query are never seen. Key 0 is seen by
-        # every row, so after the first block each row's max is finite.
+        # Keys past the block's last query, or before its first query's
+        # window, are never seen. A row's first key is within BLOCK_M of
+        # the block's first (BLOCK_N == BLOCK_M), so after the first block
+        # each row's max is finite.
         end = tl.minimum(prefix + (block + 1) * BLOCK_M, seq_len)
-        for start in range(0, end, BLOCK_N):
+        first = tl.maximum(prefix + block * BLOCK_M - window + 1, 0)
+        for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
             slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0)
@@ -71,7 +81,10 @@ def _extend_kernel(
             k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
                         mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+            if SOFTCAP:
+                s = capped(s, softcap)
+            sees = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+            s = tl.where(n_ok[None, :] & sees, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -80,6 +93,12 @@ def _extend_kernel(
                         mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
+        if SINKS:
+            sink = tl.load(Sinks + head).to(tl.float32)
+            m_sink = tl.maximum(m, sink)
+            alpha = tl.exp(m - m_sink)
+            l = l * alpha + tl.exp(sink - m_sink)
+            acc = acc * alpha[:, None]
         out = acc / l[:, None]
         tl.store(O + q_rows * stride_o_tok + head * stride_o_head + d[None, :], out.to(O.dtype.element_ty),
                  mask=i_ok[:, None] & d_ok[None, :])
@@ -95,6 +114,9 @@ def extend_attention(
     kv_indices: torch.Tensor,
     max_new: int,  # the most new tokens of any sequence
     scale: float,
+    window: int | None = None,  # see AttentionBackend.forward for the three options
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> None:
     assert q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == out.stride(-1) == 1
     batch = qo_indptr.numel() - 1
@@ -104,7 +126,8 @@ def extend_attention(
     block = 64 if block_d <= 128 else 32
     grid = (batch, num_heads, triton.cdiv(max_new, block))
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, scale,
+        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, q if sinks is None else sinks, scale,
+        NO_WINDOW if window is None else window, softcap or 1.0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -115,6 +138,8 @@ def extend_attention(
         BLOCK_N=block,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=4,
         num_stages=2,
     )
