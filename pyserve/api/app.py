@@ -3,7 +3,8 @@ access log, and the drain of requests in flight at shutdown.
 
 Handlers get a decoded msgspec Struct and return a JSON-able dict or an
 async iterator of SSE events. Whatever goes wrong becomes an OpenAI error
-body; the server never answers with a traceback. A client that goes away
+body (an Anthropic one on the Messages routes: a route's Dialect); the
+server never answers with a traceback. A client that goes away
 cancels its handler, which aborts its engine requests; so does the end of
 the drain time at shutdown.
 
@@ -23,6 +24,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from pyserve.api.anthropic import routes as messages
+from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import generate, operations, score, tokenize
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -31,6 +34,7 @@ from pyserve.api.responses import routes as responses
 from pyserve.batches.runner import BatchManager
 from pyserve.http.drain import Drain
 from pyserve.http.errors import APIError
+from pyserve.api.protocol.anthropic import CountTokensRequest, MessagesRequest
 from pyserve.api.protocol.native import NativeGenerateRequest
 from pyserve.http.io import (
     MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
@@ -39,7 +43,7 @@ from pyserve.api.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pyserve.http.proxy import CORS, TrustedProxies
 from pyserve.api.responses.routes import ResponseManager
 from pyserve.api.generation.serving import ServingContext
-from pyserve.http.sse import DisconnectableStream, shutting_down
+from pyserve.http.sse import OPENAI, Dialect, DisconnectableStream, shutting_down
 from pyserve.files.store import FileStore
 
 logger = logging.getLogger("pyserve.http")
@@ -54,6 +58,7 @@ class Route:
     # What the handler gets first: the App's ctx, files (FileStore), batches
     # (BatchManager) or responses (ResponseManager).
     service: str = "ctx"
+    dialect: Dialect = OPENAI  # how its errors and streams are written (auth and body errors included)
 
 
 # Path segments in braces are handed to the handler as keyword arguments;
@@ -80,6 +85,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/responses/{response_id}/cancel"): Route(responses.cancel, service="responses"),
     ("GET", "/v1/responses/{response_id}/input_items"): Route(responses.input_items, raw=True,
                                                                service="responses"),
+    ("POST", "/v1/messages"): Route(messages.create, MessagesRequest, dialect=ANTHROPIC),
+    ("POST", "/v1/messages/count_tokens"): Route(messages.count_tokens, CountTokensRequest, dialect=ANTHROPIC),
     ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
     ("POST", "/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/v1/tokenize"): Route(tokenize.tokenize, dict),
@@ -99,7 +106,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 # Routes that generate text: an --is-embedding server answers them 400.
-GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score)
+GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score,
+                       messages.create)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:
@@ -179,6 +187,12 @@ class App:
             if path_known:
                 raise APIError(f"method {request.method} is not allowed on {request.path}", 405)
             raise APIError(f"no route {request.method} {request.path}", 404, code="not_found")
+        try:
+            return await self._run(request, route, params)
+        except APIError as err:
+            raise route.dialect.error(err) from None
+
+    async def _run(self, request: Request, route: Route, params: dict[str, str]):
         if self.api_key and not route.public:
             self._authorize(request)
         if route.handler in GENERATION_HANDLERS:
@@ -210,15 +224,18 @@ class App:
             raise asyncio.CancelledError
         result = work.result()
         if isinstance(result, AsyncIterator):
-            return DisconnectableStream(result, watcher, shutdown)
+            return DisconnectableStream(result, watcher, shutdown, route.dialect)
         watcher.cancel()
         shutdown.cancel()
         return to_response(result)
 
     def _authorize(self, request: Request) -> None:
+        """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError("invalid or missing API key", 401, "authentication_error", code="invalid_api_key")
 
     async def _respond(self, request: Request, response, send) -> None:

@@ -1,10 +1,12 @@
-"""Server-Sent Events responses, as OpenAI-compatible servers stream."""
+"""Server-Sent Events responses, as OpenAI-compatible servers stream them,
+or as Anthropic's API does (a route family's Dialect says which)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -12,6 +14,24 @@ from pyserve.http.errors import APIError
 
 logger = logging.getLogger("pyserve.http")
 _json = msgspec.json.Encoder()
+
+
+def _same(err: APIError) -> APIError:
+    return err
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How a route family writes its errors and streams. OpenAI's (the
+    default): error bodies as APIError writes them, `data:` frames ended by
+    `data: [DONE]`. Anthropic's: its own error bodies, and each frame named
+    by its event's `type` (`event: message_start`), with no end marker."""
+
+    error: Callable[[APIError], APIError] = _same  # the error as this family writes it
+    named_events: bool = False
+
+
+OPENAI = Dialect()
 
 
 class EventStream:
@@ -23,9 +43,10 @@ class EventStream:
     headers tell proxies not to buffer or transform it (nginx reads
     X-Accel-Buffering), so each event reaches the client as it is made."""
 
-    def __init__(self, events: AsyncIterator):
+    def __init__(self, events: AsyncIterator, dialect: Dialect = OPENAI):
         self.status = 200
         self.events = events
+        self.dialect = dialect
         self.started = False
 
     async def send(self, send) -> None:
@@ -36,14 +57,15 @@ class EventStream:
             except StopAsyncIteration:
                 break
             except APIError as err:
-                await send(_event_frame(err.body()))
+                await send(self._frame(self.dialect.error(err).body()))
                 break
             except Exception:
                 logger.exception("a streamed response failed")
-                await send(_event_frame(APIError("internal server error", 500, "server_error").body()))
+                await send(self._frame(self.dialect.error(APIError("internal server error", 500,
+                                                                   "server_error")).body()))
                 break
-            await send(_event_frame(event))
-        await send(_DONE)
+            await send(self._frame(event))
+        await send(self._end())
 
     async def _start(self, send) -> None:
         if not self.started:
@@ -58,15 +80,18 @@ class EventStream:
     async def end_with(self, send, err: APIError) -> None:
         """Close the stream with an error event, as if the events had raised it."""
         await self._start(send)
-        await send(_event_frame(err.body()))
-        await send(_DONE)
+        await send(self._frame(self.dialect.error(err).body()))
+        await send(self._end())
 
+    def _frame(self, event) -> dict:
+        data = b"data: " + _json.encode(event) + b"\n\n"
+        if self.dialect.named_events:
+            name = event["type"] if isinstance(event, dict) else event.type
+            data = b"event: " + name.encode() + b"\n" + data
+        return {"type": "http.response.body", "body": data, "more_body": True}
 
-_DONE = {"type": "http.response.body", "body": b"data: [DONE]\n\n"}
-
-
-def _event_frame(event) -> dict:
-    return {"type": "http.response.body", "body": b"data: " + _json.encode(event) + b"\n\n", "more_body": True}
+    def _end(self) -> dict:
+        return {"type": "http.response.body", "body": b"" if self.dialect.named_events else b"data: [DONE]\n\n"}
 
 
 class DisconnectableStream(EventStream):
@@ -74,8 +99,9 @@ class DisconnectableStream(EventStream):
     when the drain time at shutdown ends (the stream then closes with an
     error event)."""
 
-    def __init__(self, events: AsyncIterator, disconnect: asyncio.Future, shutdown: asyncio.Future):
-        super().__init__(events)
+    def __init__(self, events: AsyncIterator, disconnect: asyncio.Future, shutdown: asyncio.Future,
+                 dialect: Dialect = OPENAI):
+        super().__init__(events, dialect)
         self.disconnect = disconnect
         self.shutdown = shutdown
 
