@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.test_disconnect import wait_idle
 
 KEY = "sk-messages-test"
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -158,6 +159,18 @@ def test_output_config_format(client):
                                output_config={"format": {"type": "json_schema", "schema": CITY_SCHEMA}})
     assert m.stop_reason == "end_turn"
     assert set(json.loads(m.content[0].text)) == {"name", "country"}
+
+
+def test_a_client_leaving_a_stream_frees_its_request(http):
+    body = {"model": "m", "messages": ASK, "max_tokens": 1900, "stream": True, **GREEDY}
+    with http.stream("POST", "/v1/messages", json=body) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += line == "event: content_block_delta"
+            if deltas >= 4:
+                break
+    assert deltas == 4
+    wait_idle(http)
 
 
 BAD_BODIES = {

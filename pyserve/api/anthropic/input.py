@@ -72,7 +72,8 @@ def _blocks(content: str | list[dict[str, Any]], where: str) -> list[dict[str, A
             if block.get("citations"):
                 raise unsupported(f"{at}.citations", "citations", "pyserve serves no documents to cite")
         elif kind == "tool_use":
-            _string(block, "id", at), _string(block, "name", at)
+            _string(block, "id", at)
+            _string(block, "name", at)
             if not isinstance(block.get("input"), dict):
                 raise bad_request(f"{at}.input: must be an object", f"{at}.input")
             caller = block.get("caller")

@@ -187,7 +187,3 @@ class MessageDelta(msgspec.Struct, kw_only=True):
 
 class MessageStop(msgspec.Struct, kw_only=True):
     type: str = "message_stop"
-
-
-StreamEvent = MessageStart | Ping | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | \
-    MessageStop
