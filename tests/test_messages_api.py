@@ -9,6 +9,7 @@ an API key, which the SDK sends as `x-api-key`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -16,6 +17,10 @@ import httpx
 import openai
 import pytest
 
+from pyserve.api.anthropic.errors import ANTHROPIC
+from pyserve.api.protocol.anthropic import Ping
+from pyserve.http.errors import APIError
+from pyserve.http.sse import EventStream
 from tests.conftest import ServerProcess
 from tests.test_disconnect import wait_idle
 
@@ -275,3 +280,23 @@ def test_thinking_switch_and_effort_reach_the_template(thinking_client):
     assert count(thinking={"type": "enabled", "budget_tokens": 1024}) == plain
     assert count(thinking={"type": "disabled"}) > plain  # the switch off, and effort "none"
     assert count(output_config={"effort": "max"}) == count(output_config={"effort": "high"}) > plain
+
+
+def test_an_error_mid_stream_is_an_error_event():
+    async def events():
+        yield Ping()
+        raise APIError("the engine failed", 500, "server_error")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(EventStream(events(), ANTHROPIC).send(send))
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    ping, error, end = body.split(b"\n\n")
+    assert ping == b'event: ping\ndata: {"type":"ping"}' and end == b""  # no [DONE]
+    name, data = error.split(b"\n")
+    assert name == b"event: error" and json.loads(data[len(b"data: "):]) == {
+        "type": "error", "error": {"type": "api_error", "message": "the engine failed"}}
+    assert sent[-1].get("more_body", False) is False
