@@ -122,7 +122,7 @@ class ServerOptions:
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
                                                          "pythonic", "qwen3_coder"],
                                           help="read tool calls in chat output into message.tool_calls")
-    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY'", secret=True)
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')", secret=True)
     # Per request, unlike the engine-wide --max-running-requests: one request's prompts x n.
     max_sequences_per_request: int = option(
         256, help="most sequences (prompts x n) one request may ask for; more is a 400")
