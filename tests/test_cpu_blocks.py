@@ -1,4 +1,4 @@
-"""The 8da4w layers (pyserve/model/cpu/blocks.py over rust/block_quant.rs):
+"""The 8da4w layers (pyserve/model/cpu/blocks.py over rust/kernels/block_gemm.rs and q8_0/):
 each computes the product its blocks say, up to the rounding of its
 activations to 8 bits per block of 32, eagerly and compiled."""
 
