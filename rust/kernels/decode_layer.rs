@@ -13,7 +13,7 @@
 use crate::kernels::block_gemm::{self, Q4_1Tiles};
 use crate::kernels::decode_attention::{self, Heads};
 use crate::kernels::extend_attention::{self, Extend};
-use crate::kernels::simd::{self, dot};
+use crate::kernels::simd::{self, dot, BLOCK};
 use crate::kernels::spin_pool::SpinPool;
 
 /// The layer's sizes.
@@ -29,6 +29,23 @@ pub struct Dims {
 }
 
 impl Dims {
+    /// Whether the sizes make a layer: query heads in whole groups over
+    /// the KV heads, heads of an even size (rotate-half), and the
+    /// projections' inputs in whole blocks.
+    pub fn check(&self) -> Result<(), String> {
+        let (heads, kv_heads, head_dim) = (self.heads, self.kv_heads, self.head_dim);
+        if kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || head_dim % 2 != 0 {
+            return Err(format!("{heads} query heads over {kv_heads} KV heads of {head_dim} values (an even count)"));
+        }
+        let (hidden, q_size, inter) = (self.hidden, self.q_size(), self.intermediate);
+        if hidden % BLOCK != 0 || q_size % BLOCK != 0 || inter % BLOCK != 0 {
+            return Err(format!(
+                "hidden {hidden}, heads * head_dim {q_size} and intermediate {inter} are whole blocks of {BLOCK}"
+            ));
+        }
+        Ok(())
+    }
+
     fn heads(&self) -> Heads {
         Heads { heads: self.heads, kv_heads: self.kv_heads, head_dim: self.head_dim, scale: self.scale }
     }
@@ -173,13 +190,8 @@ fn check(
     x_len: usize,
     residual_len: usize,
 ) -> Result<(), String> {
+    dims.check()?;
     let (hidden, n) = (dims.hidden, rows.new_slot.len());
-    if dims.kv_heads == 0 || dims.heads % dims.kv_heads != 0 || dims.head_dim == 0 || dims.head_dim % 2 != 0 {
-        return Err(format!(
-            "{} query heads over {} KV heads of {} values (an even count)",
-            dims.heads, dims.kv_heads, dims.head_dim
-        ));
-    }
     if x_len != n * hidden || residual_len != n * hidden {
         return Err(format!("x and the residual are [{n} rows, {hidden}]"));
     }

@@ -279,12 +279,8 @@ fn decode_layer_q4_1<'py>(
 ) -> PyResult<()> {
     let (hidden, heads, kv_heads, head_dim, intermediate, eps, scale) = dims;
     let dims = Dims { hidden, heads, kv_heads, head_dim, intermediate, eps, scale };
+    dims.check().map_err(value_error)?;
     let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
-    require(hidden % BLOCK == 0 && q_size % BLOCK == 0 && intermediate % BLOCK == 0, || {
-        format!(
-            "hidden {hidden}, heads * head_dim {q_size} and intermediate {intermediate} are whole blocks of {BLOCK}"
-        )
-    })?;
     let (mut x, mut residual) = (write("x", x)?, write("residual", residual)?);
     let (input_norm, post_norm, qkv, o, gate_up, down, qkv_bias) = layer;
     let norms = (read("input_norm", &input_norm)?, read("post_norm", &post_norm)?);
