@@ -1,8 +1,20 @@
-"""Type stubs for the Rust extension `pyserve._rust` (sources in rust/).
+"""Type stubs for the Rust extension `pyserve._rust` (sources in rust/:
+text/ and kernels/, bound in python/).
 
 Bad input (an unreadable tokenizer file, a token id outside the
 vocabulary, malformed message content) raises ValueError.
+
+The kernels (pyserve.model.cpu) take numpy arrays, `tensor.numpy()` views
+of CPU tensors, and check them before they read or write: a wrong dtype
+or number of dimensions is a TypeError; an array that is not C-contiguous,
+sizes that do not fit together, a KV slot outside its cache, or an output
+that overlaps another argument is a ValueError. Each borrows its arrays
+for the call and releases the GIL while it computes; `threads` share the
+work, the caller's thread among them.
 """
+
+import numpy as np
+from numpy.typing import NDArray
 
 class Tokenizer:
     """A Hugging Face `tokenizer.json` loaded with the `tokenizers` crate.
@@ -172,3 +184,52 @@ def content_text(content: str | list[dict] | None) -> str:
     """OpenAI message content as one string: a string as is, None as "",
     a list of parts as its text parts joined by newlines (empty ones
     skipped). A part of another type (image_url, ...) is a ValueError."""
+
+
+def q4_1_tiles_size(n: int, k: int) -> int:
+    """Bytes of a Q4_1 weight [n, k] in block_gemm's tiles (k a multiple of 32)."""
+
+def pack_q4_1(codes: NDArray[np.uint8], scales: NDArray[np.float32], mins: NDArray[np.float32],
+              out: NDArray[np.uint8]) -> None:
+    """Packs codes [n, k] (0..15), scales and minimums [n, k / 32] into the tiles `out`."""
+
+def matmul_q4_1(x: NDArray[np.float32], tiles: NDArray[np.uint8], out: NDArray[np.float32],
+                threads: int) -> None:
+    """out [rows, n] = x [rows, k] @ w.T, the Q4_1 weight w [n, k] given by its tiles."""
+
+def matmul_q8_0(x: NDArray[np.float32], codes: NDArray[np.int8], scales: NDArray[np.float32],
+                out: NDArray[np.float32], threads: int) -> None:
+    """out [rows, n] = x [rows, k] @ w.T, w the Q8_0 weight: codes [n, k], scales [n, k / 32]."""
+
+def dequantize_q4_1(tiles: NDArray[np.uint8], out: NDArray[np.float32]) -> None:
+    """out [n, k] = the Q4_1 weight given by its tiles."""
+
+def dequantize_q8_0(codes: NDArray[np.int8], scales: NDArray[np.float32], out: NDArray[np.float32],
+                    threads: int) -> None:
+    """out [n, k] = the Q8_0 weight."""
+
+def attend_extend(q: NDArray[np.float32], k_cache: NDArray[np.float32], v_cache: NDArray[np.float32],
+                  slots: NDArray[np.int64], scale: float, out: NDArray[np.float32], threads: int) -> None:
+    """out [tokens, heads, head_dim] = the causal attention of a sequence's
+    new tokens q (alike) over a layer's caches [cache slots, kv_heads,
+    head_dim] at `slots` (the sequence's, its new tokens' last)."""
+
+def decode_layer_q4_1(
+    x: NDArray[np.float32],
+    residual: NDArray[np.float32],
+    dims: tuple[int, int, int, int, int, float, float],
+    layer: tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.uint8], NDArray[np.uint8],
+                 NDArray[np.uint8], NDArray[np.uint8], NDArray[np.float32] | None],
+    step: tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]],
+    decode: tuple[NDArray[np.int64], NDArray[np.int64]] | None,
+    extends: list[tuple[int, NDArray[np.int64]]],
+    cache: tuple[NDArray[np.float32], NDArray[np.float32]],
+    threads: int,
+) -> None:
+    """One 8da4w decoder layer on x and residual [rows, hidden], in place.
+    dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale);
+    layer: (input norm, post-attention norm, qkv, o, gate_up, down tiles,
+    q/k/v bias or None); step: (cos, sin [rows, head_dim / 2], new KV slot
+    per row); a decode step's `decode` (slots [rows, width], lens [rows]),
+    else a prefill step's `extends` ((new tokens, slots) per sequence);
+    cache: the layer's (k, v) [cache slots, kv_heads, head_dim]."""

@@ -1,17 +1,17 @@
-//! pyserve._rust: the text work of pyserve. Plain Rust types do the work and
-//! are tested without Python; `python.rs` wraps them for Python.
+//! pyserve._rust: the two native parts of pyserve, in plain Rust types
+//! tested without Python.
+//!
+//! - `text`: tokenizer, incremental detokenizer, stop strings and regexes,
+//!   chat helpers (message content, reasoning, tool calls).
+//! - `kernels`: the CPU kernels of the `8da4w` layout (Q4_1 and Q8_0 block
+//!   products, attention over the paged KV cache, a whole decoder layer)
+//!   and the thread pool they share.
+//!
+//! `python` (the `python` feature) wraps both for Python; the kernels'
+//! entry points check the arrays they are given before touching them.
 
-pub mod block_gemm;
-pub mod block_quant;
-mod byte_level;
-pub mod chat;
-pub mod decode_layer;
-pub mod detokenizer;
-pub mod extend_attention;
-pub mod spin_pool;
-pub mod stop;
-pub mod stop_regex;
-pub mod tokenizer;
+pub mod kernels;
+pub mod text;
 
 #[cfg(feature = "python")]
 mod python;

@@ -1,4 +1,4 @@
-"""8da4w decode and prefill steps through rust/decode_layer.rs
+"""8da4w decode and prefill steps through rust/kernels/decode_layer.rs
 (pyserve/model/cpu/native_layers.py): the same logits as the torch layers, the
 embedded model's answers through the engine, and the layouts it leaves to
 torch."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +50,9 @@ class WeightQuant:
     bits: int  # 8 or 4
     group_size: int | None = None  # int4: input columns sharing a scale and zero
     int8_activations: bool = False  # 8da4w: blocks.py's kernels
+    # 8da4w: the threads its kernels split their work among (the caller's
+    # included), which RankModel, the owner of the CPU's threads, gives.
+    kernel_threads: int = field(default=1, compare=False)
 
     @property
     def name(self) -> str:
@@ -89,14 +92,17 @@ def prequantized_file(model_dir: Path, quant: WeightQuant) -> Path:
     return Path(model_dir) / f"model.{quant.stored_as}.safetensors"
 
 
-def resolve_quant(text: str, model_dir: Path, device: torch.device) -> WeightQuant | None:
-    """The quantization to load with: `auto` made concrete, CPU only."""
+def resolve_quant(text: str, model_dir: Path, device: torch.device, kernel_threads: int = 1) -> WeightQuant | None:
+    """The quantization to load with: `auto` made concrete, CPU only; an
+    8da4w one's kernels on `kernel_threads` threads."""
     quant = parse_quant(text)
     if quant == "auto":
         shipped = BLOCK_INT4 if blocks.available() else WeightQuant(4, 32)
-        return shipped if device.type == "cpu" and prequantized_file(model_dir, shipped).is_file() else None
+        quant = shipped if device.type == "cpu" and prequantized_file(model_dir, shipped).is_file() else None
     if quant is not None and device.type != "cpu":
         raise ValueError(f"--torchao-config {quant.name} runs on the CPU only (the GPU path keeps its kernels)")
+    if quant is not None and quant.int8_activations:
+        quant = replace(quant, kernel_threads=kernel_threads)
     return quant
 
 
@@ -198,7 +204,7 @@ def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | No
     """A 4-bit layer of `quant` from int4wo's codes, scales and zeros."""
     codes, scales, zeros = groups
     if quant.int8_activations:
-        return Q4_1Linear(codes, scales, zeros - 8 * scales, bias)
+        return Q4_1Linear(codes, scales, zeros - 8 * scales, bias, quant.kernel_threads)
     return Int4Linear(codes, scales, zeros, quant.group_size, bias)
 
 
@@ -207,7 +213,7 @@ def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
     if quant.bits == 8:
         return Int8Linear.quantize(weight, bias)
     if quant.int8_activations and weight.shape[1] % blocks.BLOCK == 0:
-        return Q4_1Linear.quantize(weight, bias)
+        return Q4_1Linear.quantize(weight, bias, quant.kernel_threads)
     if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
         return Int4Linear.quantize(weight, quant.group_size, bias)
     return None
@@ -230,7 +236,8 @@ def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replacement)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Q8_0Linear.quantize(head.data) if quant.int8_activations else Int8Linear.quantize(head.data)
+    model.lm_head = (Q8_0Linear.quantize(head.data, threads=quant.kernel_threads) if quant.int8_activations
+                     else Int8Linear.quantize(head.data))
     if kept_dense:
         logger.warning("%s: %d linear layers stay dense (their shape does not fit the kernel), e.g. %s",
                        quant.name, len(kept_dense), kept_dense[0])

@@ -88,9 +88,7 @@ class RankModel:
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
         # torch's thread count, changed only through this object (see `plan`).
         self.threads = TorchThreads(self.cpu_threads) if device.type == "cpu" else None
-        self.quant = resolve_quant(options.torchao_config, model_dir, device)
-        if self.quant is not None and self.quant.int8_activations:
-            blocks.set_threads(self.cpu_threads)
+        self.quant = resolve_quant(options.torchao_config, model_dir, device, self.cpu_threads)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
                                               lm_head=not options.is_embedding)
         self.context_len = options.context_length or self.config.max_position_embeddings

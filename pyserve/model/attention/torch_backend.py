@@ -221,7 +221,9 @@ class TorchAttention(AttentionBackend):
         for s in extends:
             rows = slice(s.start, s.start + s.num_new)
             if self._plan.native_extend_attention:
-                out[rows] = extend_attention.attend(q[rows], k_cache, v_cache, s.slots, scale)
+                # The kernel shares the block kernels' threads: all of the plan's attention threads.
+                out[rows] = extend_attention.attend(q[rows], k_cache, v_cache, s.slots, scale,
+                                                    self._plan.long_attention_threads or 1)
                 continue
             if s.mask is None:
                 ks, vs = k[rows], v[rows]

@@ -13,12 +13,12 @@ kernel widens the codes to floats. bench/quality.py measures what the
 activation rounding costs.
 
 A Q4_1 layer packs its weight once, when it is built, into
-rust/block_gemm.rs's tiles (8 weight rows interleaved, the same 4 bits a
+rust/kernels/block_gemm.rs's tiles (8 weight rows interleaved, the same 4 bits a
 code), which every product reads as they lie: prefills, mixed steps and the
-native decode layer (rust/decode_layer.rs) alike, at any row count. So a
+native decode layer (rust/kernels/decode_layer.rs) alike, at any row count. So a
 row's product does not depend on how many rows share the call, nor on
 whether a prefill or a decode step computes it. The vocabulary projection
-(Q8_0, rust/block_quant.rs) sees only the last rows of a prefill and keeps
+(Q8_0, rust/kernels/q8_0/) sees only the last rows of a prefill and keeps
 its kernel up to VOCAB_DENSE_FROM_ROWS rows.
 """
 
@@ -38,20 +38,6 @@ BLOCK = 32  # inputs per block, in weights and activations alike
 VOCAB_DENSE_FROM_ROWS = 512
 
 
-# Threads the kernels split their columns among (the caller's included):
-# set by RankModel, which owns the CPU's threads; else torch's count.
-_kernel_threads: int | None = None
-
-
-def set_threads(count: int) -> None:
-    global _kernel_threads
-    _kernel_threads = count
-
-
-def kernel_threads() -> int:
-    return _kernel_threads or torch.get_num_threads()
-
-
 def available() -> bool:
     """Whether the kernels run their AVX2 code here (else a slow plain loop)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -61,53 +47,57 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
 
 
-def _q4_1_product(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+def _q4_1_product(x: torch.Tensor, tiles: torch.Tensor, out_features: int, threads: int) -> torch.Tensor:
     """x [rows, k] float32 @ the Q4_1 weight [out_features, k].T, from its tiles"""
     out = x.new_empty(x.shape[0], out_features)
-    _rust.matmul_q4_1(x.data_ptr(), x.shape[0], x.shape[1], tiles.data_ptr(), out_features, out.data_ptr(),
-                      kernel_threads())
+    _rust.matmul_q4_1(_view(x), tiles.numpy(), out.numpy(), threads)
     return out
 
 
-def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
     """x [rows, k] float32 @ the Q8_0 weight [n, k].T"""
     out = x.new_empty(x.shape[0], scales.shape[0])
-    _rust.matmul_q8_0(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
-                      scales.shape[0], out.data_ptr(), kernel_threads())
+    _rust.matmul_q8_0(_view(x), codes.numpy(), scales.numpy(), out.numpy(), threads)
     return out
 
 
-def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
     """The Q8_0 weight as float32 [n, k]."""
     w = codes.new_empty(codes.shape, dtype=torch.float32)
-    _rust.dequantize_q8_0(codes.data_ptr(), scales.data_ptr(), *w.shape, w.data_ptr(), kernel_threads())
+    _rust.dequantize_q8_0(codes.numpy(), scales.numpy(), w.numpy(), threads)
     return w
+
+
+def _view(x: torch.Tensor):
+    """The numpy view the kernels borrow (they check its dtype, shape and
+    layout); detached, as the kernels have no gradient."""
+    return x.detach().numpy()
 
 
 # The same products and dequantizers as torch ops, so that a compiled decode
 # layer (--enable-torch-compile) calls them as opaque steps instead of
 # breaking its graph; eager calls skip the op's dispatch (~20 µs a call).
 _LIBRARY = torch.library.Library("pyserve", "DEF")
-_LIBRARY.define("matmul_q4_1(Tensor x, Tensor tiles, int out_features) -> Tensor")
-_LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales) -> Tensor")
-_LIBRARY.define("dense_q8_0(Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.define("matmul_q4_1(Tensor x, Tensor tiles, int out_features, int threads) -> Tensor")
+_LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales, int threads) -> Tensor")
+_LIBRARY.define("dense_q8_0(Tensor codes, Tensor scales, int threads) -> Tensor")
 _LIBRARY.impl("matmul_q4_1", _q4_1_product, "CPU")
 _LIBRARY.impl("matmul_q8_0", _q8_0_product, "CPU")
 _LIBRARY.impl("dense_q8_0", _q8_0_dense, "CPU")
 
 
 @torch.library.register_fake("pyserve::matmul_q4_1")
-def _(x, tiles, out_features):
+def _(x, tiles, out_features, threads):
     return x.new_empty(x.shape[0], out_features)
 
 
 @torch.library.register_fake("pyserve::matmul_q8_0")
-def _(x, codes, scales):
+def _(x, codes, scales, threads):
     return x.new_empty(x.shape[0], scales.shape[0])
 
 
 @torch.library.register_fake("pyserve::dense_q8_0")
-def _(codes, scales):
+def _(codes, scales, threads):
     return codes.new_empty(codes.shape, dtype=torch.float32)
 
 
@@ -133,10 +123,12 @@ def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, to
 
 
 class _BlockLinear(nn.Module):
-    """y = x @ w.T + bias over 2-D rows of x."""
+    """y = x @ w.T + bias over 2-D rows of x, the kernels' work split among
+    `threads` threads (the caller's included), given when the layer is built."""
 
     out_features: int
     bias: torch.Tensor | None
+    threads: int
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -150,7 +142,8 @@ class Q4_1Linear(_BlockLinear):
     """y = x @ w.T + bias, w[n, k] = scale[n, b] * q[n, k] + min[n, b] for
     the block b = k // 32, q in 0..15."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
+                 threads: int = 1):
         """codes: [out, in], 0..15; scales, mins: [out, in / 32]."""
         super().__init__()
         out, cols = codes.shape
@@ -162,42 +155,44 @@ class Q4_1Linear(_BlockLinear):
         codes = codes.to(torch.uint8).contiguous()
         scales, mins = scales.float().contiguous(), mins.float().contiguous()
         tiles = torch.empty(_rust.q4_1_tiles_size(out, cols), dtype=torch.uint8)
-        _rust.pack_q4_1(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), out, cols, tiles.data_ptr())
+        _rust.pack_q4_1(_view(codes), _view(scales), _view(mins), tiles.numpy())
         # The weight as block_gemm's tiles read it; nothing else keeps a copy.
         self.register_buffer("tiles", tiles)
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = cols, out
+        self.threads = threads
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4_1Linear:
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int = 1) -> Q4_1Linear:
         """Each block's minimum and 15 equal steps up to its maximum."""
         _check(weight.shape[1])
-        return cls(*int4_groups(weight, BLOCK), bias)
+        return cls(*int4_groups(weight, BLOCK), bias, threads)
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer multiplies by."""
         w = torch.empty(self.out_features, self.in_features)
-        _rust.dequantize_q4_1(self.tiles.data_ptr(), self.out_features, self.in_features, w.data_ptr())
+        _rust.dequantize_q4_1(self.tiles.numpy(), w.numpy())
         return w
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return _call(torch.ops.pyserve.matmul_q4_1, _q4_1_product, rows, self.tiles, self.out_features)
+        return _call(torch.ops.pyserve.matmul_q4_1, _q4_1_product, rows, self.tiles, self.out_features, self.threads)
 
 
 class Q8_0Linear(_BlockLinear):
     """y = x @ w.T + bias, w[n, k] = scale[n, k // 32] * q[n, k], q int8:
     the vocabulary projection."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threads: int = 1):
         super().__init__()
         _check(codes.shape[1])
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("bias", bias)
         self.out_features = codes.shape[0]
+        self.threads = threads
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q8_0Linear:
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int = 1) -> Q8_0Linear:
         """ggml's Q8_0: each block scaled so that its largest magnitude is 127
         (a Q8_0 tensor dequantized comes back with its own codes)."""
         out, cols = weight.shape
@@ -205,13 +200,13 @@ class Q8_0Linear(_BlockLinear):
         w = weight.float().reshape(out, cols // BLOCK, BLOCK)
         scales = w.abs().amax(dim=-1) / 127
         codes = (w / scales.clamp(min=1e-30)[..., None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(codes.reshape(out, cols), scales, bias)
+        return cls(codes.reshape(out, cols), scales, bias, threads)
 
     def dense_weight(self) -> torch.Tensor:
-        return _call(torch.ops.pyserve.dense_q8_0, _q8_0_dense, self.codes, self.scales)
+        return _call(torch.ops.pyserve.dense_q8_0, _q8_0_dense, self.codes, self.scales, self.threads)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """The decode kernel below VOCAB_DENSE_FROM_ROWS rows, the dense weight from there on."""
         if rows.shape[0] >= VOCAB_DENSE_FROM_ROWS:
             return F.linear(rows, self.dense_weight())
-        return _call(torch.ops.pyserve.matmul_q8_0, _q8_0_product, rows, self.codes, self.scales)
+        return _call(torch.ops.pyserve.matmul_q8_0, _q8_0_product, rows, self.codes, self.scales, self.threads)

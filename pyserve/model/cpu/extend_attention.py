@@ -1,5 +1,5 @@
 """A prefill chunk's attention over its sequence on the CPU, by
-rust/extend_attention.rs: the k and v read from the paged cache by slot,
+rust/kernels/extend_attention.rs: the k and v read from the paged cache by slot,
 8 x 8 transposed tiles of 64 keys against 16 new tokens' query heads,
 the softmax online. Against torch's flash SDPA on the gathered k/v, two
 threads of this 2-core AVX2 machine (9 heads, 3 KV heads, head_dim 64):
@@ -29,21 +29,14 @@ def fits(kv_buffer: KVBuffer) -> bool:
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, threads: int = 1) -> torch.Tensor:
     """q [tokens, heads, head_dim] of a sequence's new tokens; k_cache and
     v_cache [cache slots, kv_heads, head_dim] one layer's; slots int64, the
     sequence's in order, its new tokens' last. Token t of T sees the first
-    len(slots) - T + t + 1 slots."""
-    tokens, heads, head_dim = q.shape
-    cache_slots, kv_heads, _ = k_cache.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
-        raise ValueError("the k and v caches must be contiguous and alike")
-    if heads % kv_heads or k_cache.shape[-1] != head_dim or not 0 < tokens <= slots.numel():
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} and {slots.numel()} slots")
-    q = q.contiguous()
-    slots = slots.to(torch.long).contiguous()
-    out = torch.empty_like(q)
-    _rust.attend_extend(q.data_ptr(), tokens, (k_cache.data_ptr(), v_cache.data_ptr(), cache_slots),
-                        (slots.data_ptr(), slots.numel()), (heads, kv_heads, head_dim, float(scale)),
-                        out.data_ptr(), blocks.kernel_threads())
+    len(slots) - T + t + 1 slots. `threads` share the work, the caller's
+    among them (the attention backend passes RankModel's count). The
+    kernel refuses (ValueError) what does not fit."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _rust.attend_extend(q.detach().contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+                        slots.to(torch.long).contiguous().numpy(), float(scale), out.numpy(), threads)
     return out

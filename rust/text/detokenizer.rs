@@ -15,7 +15,7 @@
 //! decodes to "" (a Metaspace decoder would then strip the next word's
 //! leading space, as at the start of a text).
 
-use crate::tokenizer::Tokenizer;
+use crate::text::tokenizer::Tokenizer;
 
 const REPLACEMENT: char = '\u{FFFD}';
 const REPLACEMENT_LEN: usize = REPLACEMENT.len_utf8();
@@ -132,7 +132,7 @@ fn common_prefix_len(a: &str, b: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::tests::byte_tokenizer;
+    use crate::text::tokenizer::tests::byte_tokenizer;
 
     fn stream(tok: &Tokenizer, context: &[u32], chunks: &[&[u32]], skip: bool) -> Vec<String> {
         let mut st = DecodeStream::new(tok, skip, context).unwrap();

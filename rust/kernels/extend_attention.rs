@@ -15,8 +15,8 @@
 //! Query token t of T new ones sees the sequence's first L - T + t + 1
 //! slots (L slots in all, the new tokens' last): causal over the chunk.
 
-use crate::block_quant::{self, SharedPtr};
-use crate::spin_pool::SpinPool;
+use crate::kernels::simd;
+use crate::kernels::spin_pool::{SharedPtr, SpinPool};
 
 /// New tokens per task.
 const TOKENS_PER_TASK: usize = 16;
@@ -48,22 +48,37 @@ impl Extend<'_> {
         self.slots.len() - self.tokens() + t + 1
     }
 
-    fn check(&self) {
+    /// Whether the sizes fit together and every slot lies inside the cache:
+    /// what `attend`'s unchecked reads rely on.
+    pub fn check(&self) -> Result<(), String> {
+        if self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 || self.heads % self.kv_heads != 0 {
+            return Err(format!("{} query heads do not share {} KV heads evenly", self.heads, self.kv_heads));
+        }
         let (kv_width, tokens) = (self.kv_heads * self.head_dim, self.tokens());
-        assert!(self.heads % self.kv_heads == 0 && self.q.len() == tokens * self.heads * self.head_dim);
-        assert!(tokens <= self.slots.len() && self.k.len() == self.v.len() && self.k.len() % kv_width == 0);
+        if self.q.len() != tokens * self.heads * self.head_dim || tokens == 0 || tokens > self.slots.len() {
+            return Err(format!("{tokens} new tokens over {} slots", self.slots.len()));
+        }
+        if self.k.len() != self.v.len() || self.k.len() % kv_width != 0 {
+            return Err("the k and v caches are not alike, [cache slots, kv_heads * head_dim]".into());
+        }
         let cache_slots = (self.k.len() / kv_width) as u64;
-        assert!(self.slots.iter().all(|&s| (s as u64) < cache_slots), "a slot past the cache");
+        if !self.slots.iter().all(|&s| (s as u64) < cache_slots) {
+            return Err("a slot past the cache".into());
+        }
+        Ok(())
     }
 }
 
 /// out [tokens, heads * head_dim] = each new token's attention, tasks split
-/// among `parts` threads of `pool`.
-pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) {
-    e.check();
-    assert_eq!(out.len(), e.q.len());
+/// among `parts` threads of `pool`; nothing is written unless `e` passes
+/// `Extend::check` and `out` is q's size: else the misfit.
+pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) -> Result<(), String> {
+    e.check()?;
+    if out.len() != e.q.len() {
+        return Err(format!("out holds {} values, q {}", out.len(), e.q.len()));
+    }
     #[cfg(target_arch = "x86_64")]
-    if e.head_dim % 8 == 0 && block_quant::avx2() {
+    if e.head_dim % 8 == 0 && simd::avx2() {
         let blocks = e.tokens().div_ceil(TOKENS_PER_TASK);
         let tasks = blocks * e.kv_heads;
         let out_ptr = SharedPtr(out.as_mut_ptr());
@@ -79,9 +94,10 @@ pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) {
                 unsafe { scratch.attend(e, kv_head, tokens, out_ptr.get()) };
             }
         });
-        return;
+        return Ok(());
     }
-    plain(e, out)
+    plain(e, out);
+    Ok(())
 }
 
 /// `attend` as plain loops: one query row at a time, the whole softmax at
@@ -118,8 +134,7 @@ fn plain(e: &Extend, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Extend, KEY_TILE, TOKENS_PER_TASK};
-    use crate::block_quant::avx2::transpose;
-    use crate::decode_layer::avx2::exponentials;
+    use crate::kernels::simd::avx2::{exponentials, transpose};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -289,7 +304,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block_quant::tests::values;
+    use crate::kernels::simd::test_values as values;
 
     #[test]
     fn tiles_give_the_plain_softmax() {
@@ -308,7 +323,7 @@ mod tests {
             let slots: Vec<i64> = (0..prefix + tokens).map(|i| ((i * 7 + 3) % cache_slots) as i64).collect();
             let e = Extend { q: &q, k: &k, v: &v, slots: &slots, heads, kv_heads, head_dim: d, scale: 0.125 };
             let (mut got, mut want) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-            attend(&pool, 3, &e, &mut got);
+            attend(&pool, 3, &e, &mut got).unwrap();
             plain(&e, &mut want);
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() < 2e-5, "{tokens} tokens after {prefix}, d {d}: {g} vs {w}");
@@ -325,17 +340,18 @@ mod tests {
         let slots: Vec<i64> = (0..tokens as i64).collect();
         let e = Extend { q: &q, k: &k, v: &v, slots: &slots, heads: 1, kv_heads: 1, head_dim: d, scale: 1.0 };
         let mut out = vec![0f32; q.len()];
-        attend(&SpinPool::new(1), 1, &e, &mut out);
+        attend(&SpinPool::new(1), 1, &e, &mut out).unwrap();
         for (o, x) in out[..d].iter().zip(&v[..d]) {
             assert!((o - x).abs() < 1e-6);
         }
     }
 
     #[test]
-    #[should_panic(expected = "a slot past the cache")]
     fn a_slot_past_the_cache_is_refused() {
         let (k, v, q) = (vec![0f32; 16], vec![0f32; 16], vec![0f32; 8]);
         let e = Extend { q: &q, k: &k, v: &v, slots: &[0, 2], heads: 1, kv_heads: 1, head_dim: 8, scale: 1.0 };
-        attend(&SpinPool::new(1), 1, &e, &mut vec![0f32; 8]);
+        let mut out = vec![f32::NAN; 8];
+        assert_eq!(attend(&SpinPool::new(1), 1, &e, &mut out).unwrap_err(), "a slot past the cache");
+        assert!(out.iter().all(|o| o.is_nan()), "nothing written");
     }
 }

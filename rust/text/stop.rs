@@ -13,7 +13,7 @@
 
 use aho_corasick::AhoCorasick;
 
-use crate::stop_regex::StopRegexes;
+use crate::text::stop_regex::StopRegexes;
 
 pub struct StopMatcher {
     /// None when there is no (non-empty) stop string.
@@ -115,7 +115,7 @@ impl StopMatcher {
             .min()
     }
 
-    fn regex_found(&self, m: crate::stop_regex::RegexMatch) -> Found {
+    fn regex_found(&self, m: crate::text::stop_regex::RegexMatch) -> Found {
         (m.end - self.held_at, m.start - self.held_at, self.regex_base + m.pattern)
     }
 

@@ -1,8 +1,10 @@
-"""The 8da4w layers (pyserve/model/cpu/blocks.py over rust/block_quant.rs):
+"""The 8da4w layers (pyserve/model/cpu/blocks.py over rust/kernels/block_gemm.rs and q8_0/):
 each computes the product its blocks say, up to the rounding of its
 activations to 8 bits per block of 32, eagerly and compiled."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -121,3 +123,19 @@ def test_compiled_graph_calls_the_kernels():
         assert explained.graph_break_count == 0
         compiled = torch.compile(step, backend="eager")
         assert torch.allclose(compiled(x), step(x), atol=1e-5)
+
+
+def test_layers_run_on_the_thread_count_they_are_built_with():
+    """The kernels' threads come with the quantization (RankModel gives its
+    CPU count through resolve_quant), not from a process-wide setting; the
+    product does not depend on them."""
+    model = torch.nn.Module()
+    model.up = torch.nn.Linear(64, 16, bias=False)
+    model.embed_tokens = torch.nn.Embedding(16, 64)
+    model.lm_head = None
+    quantize_model(model, dataclasses.replace(BLOCK_INT4, kernel_threads=3))
+    assert model.up.threads == 3 and model.lm_head.threads == 3
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(72, 64, generator=g), torch.randn(5, 64, generator=g)
+    for layer_class in (Q4_1Linear, Q8_0Linear):
+        assert torch.equal(layer_class.quantize(weight, threads=1)(x), layer_class.quantize(weight, threads=3)(x))

@@ -123,8 +123,11 @@ impl StopRegexes {
             let Ok(state) = self.dfa.next_state(&mut self.cache, state, byte) else { continue };
             if state.is_match() && found.is_none() {
                 // Delayed by one byte: the match ended before this one.
-                found = Some(RegexMatch { pattern: self.dfa.match_pattern(&self.cache, state, 0).as_usize(), start,
-                                          end: self.scanned });
+                found = Some(RegexMatch {
+                    pattern: self.dfa.match_pattern(&self.cache, state, 0).as_usize(),
+                    start,
+                    end: self.scanned,
+                });
             }
             // Dead, quit (a Unicode word boundary beside non-ASCII text),
             // too old and repeated states end a search; the oldest is first.

@@ -114,6 +114,27 @@ impl SpinPool {
     }
 }
 
+/// A buffer's start, shared by a job's parts that read it or write
+/// disjoint elements of it (each part's writes are its own to keep apart).
+pub(crate) struct SharedPtr<T>(pub(crate) *mut T);
+impl<T> Clone for SharedPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedPtr<T> {}
+// SAFETY: a SharedPtr is only an address; the parts that dereference it
+// (in unsafe blocks of their own) write disjoint elements while the
+// buffer's owner waits in `SpinPool::run`.
+unsafe impl<T> Send for SharedPtr<T> {}
+unsafe impl<T> Sync for SharedPtr<T> {}
+
+impl<T> SharedPtr<T> {
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 fn helper(shared: &Shared, part: usize) {
     let mut seen = 0;
     loop {

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use tokenizers::Tokenizer as HfTokenizer;
 
-use crate::byte_level::ByteLevelDecoder;
+use crate::text::byte_level::ByteLevelDecoder;
 
 pub struct Tokenizer {
     inner: HfTokenizer,

@@ -1,6 +1,6 @@
 //! Q4_1 weights in pyserve's tile layout, and their products with rows of
 //! activations: every Q4_1 product of the 8da4w layers, decode steps
-//! (rust/decode_layer.rs) and prefills alike.
+//! (decode_layer) and prefills alike.
 //!
 //! The numerics are ggml's Q4_1 x Q8 products (activations quantized to 8
 //! bits per block of 32, integer block dot products, each scaled by the two
@@ -24,8 +24,8 @@
 //! overflow: each is at most 2 * 15 * 127 = 3,810 in magnitude (codes 0..15
 //! times activations within +-127), so 8 make at most 30,480.
 
-use crate::block_quant::{QuantizedRows, SharedPtr, BLOCK};
-use crate::spin_pool::SpinPool;
+use crate::kernels::simd::{self, QuantizedRows, BLOCK};
+use crate::kernels::spin_pool::{SharedPtr, SpinPool};
 
 /// Weight rows interleaved in a tile.
 const TILE_ROWS: usize = 8;
@@ -51,8 +51,20 @@ impl<'a> Q4_1Tiles<'a> {
 
     /// `bytes`, as `pack` wrote them for weights [n, k].
     pub fn new(bytes: &'a [u8], n: usize, k: usize) -> Q4_1Tiles<'a> {
-        assert_eq!(bytes.len(), Self::size(n, k), "tiles of a [{n}, {k}] weight");
-        Q4_1Tiles { bytes, n, k }
+        Self::checked(bytes, n, k).unwrap_or_else(|misfit| panic!("{misfit}"))
+    }
+
+    /// `new`, or why `bytes` cannot be the tiles of weights [n, k].
+    pub fn checked(bytes: &'a [u8], n: usize, k: usize) -> Result<Q4_1Tiles<'a>, String> {
+        if k % BLOCK != 0 || bytes.len() != Self::size(n, k) {
+            return Err(format!("{} bytes are not the Q4_1 tiles of a [{n}, {k}] weight", bytes.len()));
+        }
+        Ok(Q4_1Tiles { bytes, n, k })
+    }
+
+    /// The weight's [n, k].
+    pub fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
     }
 
     fn blocks(&self) -> usize {
@@ -142,7 +154,7 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q4_1Tiles, out
                 // SAFETY: each task writes only its own tiles' columns, inside `out`.
                 let out = unsafe { out_ptr.get().add(row * n + first) };
                 #[cfg(target_arch = "x86_64")]
-                if crate::block_quant::avx2() {
+                if simd::avx2() {
                     // SAFETY: the CPU has AVX2 and FMA; the tile and the rows are inside their buffers.
                     unsafe { avx2::multiply(weights, t, &xs, rows, out, n, count) };
                     continue;
@@ -187,7 +199,7 @@ unsafe fn plain_multiply(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Q4_1Tiles, CODE_BYTES, TILE_ROWS};
-    use crate::block_quant::{QuantizedRows, BLOCK};
+    use crate::kernels::simd::{QuantizedRows, BLOCK};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -272,7 +284,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block_quant::tests::values;
+    use crate::kernels::simd::test_values as values;
 
     /// Weights [n, k]: codes 0..15 one a byte, scales and minimums.
     fn weights(n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
@@ -347,6 +359,8 @@ mod tests {
                     for row in (0..m).step_by(4) {
                         let count = TILE_ROWS.min(n - t * TILE_ROWS);
                         let out = plain[row * n + t * TILE_ROWS..].as_mut_ptr();
+                        // SAFETY: tile t and rows row..row + 4 (at most) exist; `out` has
+                        // `count` columns in each of those rows.
                         unsafe { plain_multiply(&tiles, t, &xs, row..m.min(row + 4), out, n, count) };
                     }
                 }

@@ -96,7 +96,6 @@ impl ReasoningSplitter {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
