@@ -1,9 +1,10 @@
 """The field walk: every field of every OpenAI request struct either
-changes what the engine is asked (prompt or sampling settings), changes
-the response's shape, is refused with a 400 naming it, or is on the short
-documented no-op list (protocol.NO_OP_FIELDS, and `model`: one model is
-served under any name, as SGLang does). A field added to a struct without
-a line here fails `test_every_field_is_walked`.
+changes what the engine is asked (the prompt or the sampling setting it
+maps to, and nothing else), changes the response's shape, is refused with
+a 400 naming it, or is on the short documented no-op list
+(protocol.NO_OP_FIELDS, and `model`: one model is served under any name,
+as SGLang does). A field added to a struct without a line here fails
+`test_every_field_is_walked`.
 
 Driven in-process against the scripted engine of test_api_handlers.py,
 with a chat template that shows every message field, so each effect is
@@ -13,6 +14,7 @@ tested by the sampler, engine and real-server tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -24,6 +26,7 @@ from pyserve.api.protocol.openai import NO_OP_FIELDS, ChatCompletionRequest, Cha
     StreamOptions
 from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
+from pyserve.engine.request import Constraint
 from tests.test_api_handlers import SCRIPT_WITH_THINKING, ScriptedEngine, call, run
 from tests.test_api_handlers import tokenizer  # noqa: F401 (a fixture)
 from tests.test_chat_template import model_dir_with
@@ -42,87 +45,124 @@ TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type":
 CALL = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
 
 ENGINE, RESPONSE, REFUSED, NO_OP = "engine", "response", "refused", "no-op"
+THINK_END = "</think>"  # the qwen3 reasoning parser's: a chat constraint starts after it
 
 
 def probe(effect: str, value=None, **base):
     """`value` sent on top of `base` (what the baseline request sends too)."""
-    return effect, value, base
+    return effect, value, base, None
 
 
-SHARED = {
-    "model": probe(NO_OP, "any-name"),
-    **{name: probe(NO_OP, value) for name, value in zip(NO_OP_FIELDS, ["u", {"k": "v"}, True, "auto", "s", "p"])},
-    "max_tokens": probe(ENGINE, 2),
-    "temperature": probe(ENGINE, 0.5),
-    "top_p": probe(ENGINE, 0.5),
-    "n": probe(ENGINE, 2),
-    "stream": probe(RESPONSE, True),
-    "stream_options": probe(RESPONSE, {"include_usage": True}, stream=True),
-    "stop": probe(ENGINE, ["x"]),
-    "presence_penalty": probe(ENGINE, 0.5),
-    "frequency_penalty": probe(ENGINE, 0.5),
-    "logit_bias": probe(ENGINE, {"5": 1.0}),
-    "seed": probe(ENGINE, 3),
-    "top_k": probe(ENGINE, 5),
-    "min_p": probe(ENGINE, 0.1),
-    "repetition_penalty": probe(ENGINE, 1.1),
-    "stop_token_ids": probe(ENGINE, [5]),
-    "ignore_eos": probe(ENGINE, True),
-    "skip_special_tokens": probe(ENGINE, False),
-    "rid": probe(RESPONSE, "my-request"),
-    "min_tokens": probe(ENGINE, 1),
-    "stop_regex": probe(ENGINE, ["x+"]),
-    "return_token_ids": probe(RESPONSE, True),
-    "prompt_logprobs": probe(ENGINE, 1),
-    "response_format": probe(ENGINE, {"type": "json_object"}),
-    "json_schema": probe(ENGINE, '{"type": "object"}'),
-    "regex": probe(ENGINE, "a+"),
-    "ebnf": probe(ENGINE, 'root ::= "a"'),
-    "structured_outputs": probe(ENGINE, {"regex": "a+"}),
-}
+def engine(value, changes: dict, **base):
+    """A field whose effect is on what the engine is asked: `changes` is
+    what differs from the baseline request, each SamplingParams setting by
+    name, "prompt" the prompt's text, "requests" how many requests; a
+    callable checks a value it cannot spell in full."""
+    return ENGINE, value, base, changes
+
+
+def prompt(text: str) -> dict:
+    return {"prompt": f"thinking=unset|{text}"}
+
+
+def schema_of(check):
+    """A JSON-schema constraint (starting after the thinking) whose schema passes check."""
+    return lambda c: c.kind == "json_schema" and c.after == THINK_END and check(json.loads(c.text))
+
+
+def shared(after: str | None) -> dict:
+    """The fields both routes take; `after`: where the route's constraints start."""
+    return {
+        "model": probe(NO_OP, "any-name"),
+        **{name: probe(NO_OP, value) for name, value in zip(NO_OP_FIELDS, ["u", {"k": "v"}, True, "auto", "s", "p"])},
+        "max_tokens": engine(2, {"max_new_tokens": 2}),
+        "temperature": engine(0.5, {"temperature": 0.5}),
+        "top_p": engine(0.5, {"top_p": 0.5}),
+        "n": engine(2, {"requests": 2}),
+        "stream": probe(RESPONSE, True),
+        "stream_options": probe(RESPONSE, {"include_usage": True}, stream=True),
+        "stop": engine(["x"], {"stop": ["x"]}),
+        "presence_penalty": engine(0.5, {"presence_penalty": 0.5}),
+        "frequency_penalty": engine(0.5, {"frequency_penalty": 0.5}),
+        "logit_bias": engine({"5": 1.0}, {"logit_bias": {5: 1.0}}),
+        "seed": engine(3, {"seed": 3}),
+        "top_k": engine(5, {"top_k": 5}),
+        "min_p": engine(0.1, {"min_p": 0.1}),
+        "repetition_penalty": engine(1.1, {"repetition_penalty": 1.1}),
+        "stop_token_ids": engine([5], {"stop_token_ids": [5]}),
+        "ignore_eos": engine(True, {"ignore_eos": True}),
+        "skip_special_tokens": engine(False, {"skip_special_tokens": False}),
+        "rid": probe(RESPONSE, "my-request"),
+        "min_tokens": engine(1, {"min_new_tokens": 1}),
+        "stop_regex": engine(["x+"], {"stop_regex": ["x+"]}),
+        "return_token_ids": probe(RESPONSE, True),
+        "prompt_logprobs": engine(1, {"prompt_logprobs": True, "prompt_top_logprobs": 1}),
+        "response_format": engine({"type": "json_object"},
+                                  {"constraint": Constraint("json_schema", '{"type": "object"}', after)}),
+        "json_schema": engine('{"type": "object"}',
+                              {"constraint": Constraint("json_schema", '{"type": "object"}', after)}),
+        "regex": engine("a+", {"constraint": Constraint("regex", "a+", after)}),
+        "ebnf": engine('root ::= "a"', {"constraint": Constraint("ebnf", 'root ::= "a"', after)}),
+        "structured_outputs": engine({"regex": "a+"}, {"constraint": Constraint("regex", "a+", after)}),
+    }
+
+
 STREAM_OPTIONS = {
     "stream_options.include_usage": probe(RESPONSE, {"include_usage": True}, stream=True),
     "stream_options.continuous_usage_stats": probe(RESPONSE, {"continuous_usage_stats": True}, stream=True),
 }
+
+
+def _calls_to_now(schema: dict) -> bool:
+    """An array of calls, at least one, each naming `now`."""
+    return (schema["type"] == "array" and schema["minItems"] == 1
+            and schema["items"]["properties"]["name"] == {"const": "now"})
+
+
 CHAT = {
-    **SHARED, **STREAM_OPTIONS,
-    "logprobs": probe(ENGINE, True),
-    "top_logprobs": probe(ENGINE, 2, logprobs=True),
-    "messages": probe(ENGINE, [{"role": "user", "content": "hello"}]),
-    "max_completion_tokens": probe(ENGINE, 2),
-    "tools": probe(ENGINE, TOOLS),
-    "tool_choice": probe(ENGINE, "required", tools=TOOLS),
-    "parallel_tool_calls": probe(ENGINE, False, tools=TOOLS, tool_choice="required"),
-    "chat_template_kwargs": probe(ENGINE, {"enable_thinking": False}),
+    **shared(THINK_END), **STREAM_OPTIONS,
+    "logprobs": engine(True, {"logprobs": True}),
+    "top_logprobs": engine(2, {"top_logprobs": 2}, logprobs=True),
+    "messages": engine([{"role": "user", "content": "hello"}], prompt("<user>hello<assistant>")),
+    "max_completion_tokens": engine(2, {"max_new_tokens": 2}),
+    "tools": engine(TOOLS, prompt(json.dumps(TOOLS) + "<user>hi<assistant>")),
+    "tool_choice": engine("required", {"constraint": schema_of(lambda s: _calls_to_now(s) and "maxItems" not in s)},
+                          tools=TOOLS),
+    "parallel_tool_calls": engine(False, {"constraint": schema_of(lambda s: _calls_to_now(s) and s["maxItems"] == 1)},
+                                  tools=TOOLS, tool_choice="required"),
+    "chat_template_kwargs": engine({"enable_thinking": False}, {"prompt": "thinking=False|<user>hi<assistant>"}),
     "separate_reasoning": probe(RESPONSE, False),
-    "continue_final_message": probe(ENGINE, True, messages=CONTINUED),
+    # The assistant's message is continued, not followed by a new turn.
+    "continue_final_message": engine(True, prompt("<user>hi<assistant>The sea is"), messages=CONTINUED),
     "echo": probe(RESPONSE, True, messages=CONTINUED, continue_final_message=True),
-    "reasoning_effort": probe(ENGINE, "none"),
+    "reasoning_effort": engine("none", {"prompt": "thinking=False|<user>hi<assistant>"}),
     # Each field of a message, on a message of its own.
-    "messages[].role": probe(ENGINE, [{"role": "system", "content": "hi"}]),
-    "messages[].content": probe(ENGINE, [{"role": "user", "content": "bye"}]),
-    "messages[].name": probe(ENGINE, [{**USER, "name": "ann"}]),
-    "messages[].tool_calls": probe(ENGINE, [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, USER]),
-    "messages[].tool_call_id": probe(ENGINE, [USER, {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}]),
-    "messages[].reasoning_content": probe(ENGINE, [USER, {"role": "assistant", "content": "a",
-                                                          "reasoning_content": "why"}, USER]),
-    "messages[].reasoning": probe(ENGINE, [USER, {"role": "assistant", "content": "a", "reasoning": "why"}, USER]),
+    "messages[].role": engine([{"role": "system", "content": "hi"}], prompt("<system>hi<assistant>")),
+    "messages[].content": engine([{"role": "user", "content": "bye"}], prompt("<user>bye<assistant>")),
+    "messages[].name": engine([{**USER, "name": "ann"}], prompt("<user:ann>hi<assistant>")),
+    "messages[].tool_calls": engine(
+        [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, USER],
+        prompt('<user>hi<assistant>[{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": {}}}]'
+               "<user>hi<assistant>")),
+    "messages[].tool_call_id": engine([USER, {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}],
+                                      prompt("<user>hi<tool#call_1>12:00<assistant>")),
+    "messages[].reasoning_content": engine([USER, {"role": "assistant", "content": "a", "reasoning_content": "why"},
+                                            USER], prompt("<user>hi<assistant>[why]a<user>hi<assistant>")),
+    "messages[].reasoning": engine([USER, {"role": "assistant", "content": "a", "reasoning": "why"}, USER],
+                                   prompt("<user>hi<assistant>[why]a<user>hi<assistant>")),
     "messages[].content[].type": probe(REFUSED, [{"role": "user", "content": [{"type": "image_url"}]}]),
-    "messages[].content[].text": probe(ENGINE, [{"role": "user", "content": [{"type": "text", "text": "bye"}]}]),
+    "messages[].content[].text": engine([{"role": "user", "content": [{"type": "text", "text": "bye"}]}],
+                                        prompt("<user>bye<assistant>")),
 }
 COMPLETIONS = {
-    **SHARED, **STREAM_OPTIONS,
-    "logprobs": probe(ENGINE, 2),
+    **shared(None), **STREAM_OPTIONS,
+    "logprobs": engine(2, {"logprobs": True, "top_logprobs": 2}),
     "top_logprobs": probe(REFUSED, 2),  # completions take logprobs as the count
-    "prompt": probe(ENGINE, "bye"),
+    "prompt": engine("bye", {"prompt": "bye"}),
     "echo": probe(RESPONSE, True),
     "suffix": probe(REFUSED, "after"),
     "best_of": probe(REFUSED, 2),
 }
-# Where each walked name sends its value: the top-level field, or messages.
-TARGET = {"messages": ("messages",), "stream_options": ("stream_options",)}
-
-
 def _names(struct: type, prefix: str = "") -> set[str]:
     return {prefix + f.name for f in msgspec.structs.fields(struct)}
 
@@ -154,6 +194,20 @@ def _send(app, engine, path: str, body: dict):
     return status, raw, asked
 
 
+def _changes(baseline: tuple, asked: tuple, tokenizer) -> dict:
+    """What differs in one engine request from the baseline's: "prompt"
+    (the new prompt's text) and each SamplingParams setting that differs."""
+    (ids0, params0), (ids, params) = baseline, asked
+    out = {"prompt": tokenizer.decode(ids)} if ids != ids0 else {}
+    return out | {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+                  if getattr(params, f.name) != getattr(params0, f.name)}
+
+
+def _as_expected(changes: dict, expected: dict) -> bool:
+    return changes.keys() == expected.keys() and all(
+        want(changes[key]) if callable(want) else changes[key] == want for key, want in expected.items())
+
+
 def _field_body(name: str, value, base: dict) -> dict:
     top = name.split(".")[0].split("[")[0]
     if name.startswith("stream_options."):
@@ -162,14 +216,15 @@ def _field_body(name: str, value, base: dict) -> dict:
 
 
 @pytest.mark.parametrize("route, walk", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETIONS)])
-def test_each_field_changes_the_output_or_is_refused_or_a_documented_no_op(app_and_engine, route, walk):
+def test_each_field_changes_the_output_or_is_refused_or_a_documented_no_op(app_and_engine, tokenizer,  # noqa: F811
+                                                                           route, walk):
     app, engine = app_and_engine
     start = {"messages": [USER]} if "chat" in route else {"prompt": "hi"}
     start["max_tokens"] = 8
-    for name, (effect, value, base) in walk.items():
+    for name, (effect, value, base, expected) in walk.items():
         base = {**start, **base}
         status0, raw0, asked0 = _send(app, engine, route, base)
-        assert status0 == 200, (name, raw0)
+        assert status0 == 200 and len(asked0) == 1, (name, raw0)
         status, raw, asked = _send(app, engine, route, _field_body(name, value, base))
         if effect == REFUSED:
             top = name.split(".")[0].split("[")[0]
@@ -177,7 +232,11 @@ def test_each_field_changes_the_output_or_is_refused_or_a_documented_no_op(app_a
             continue
         assert status == 200, (name, raw)
         if effect == ENGINE:
-            assert asked != asked0, name
+            expected = dict(expected)
+            assert len(asked) == expected.pop("requests", 1), name
+            for one in asked:
+                changes = _changes(asked0[0], one, tokenizer)
+                assert _as_expected(changes, expected), (name, changes)
         elif effect == RESPONSE:
             assert asked == asked0 and _normalized(raw) != _normalized(raw0), name
         else:

@@ -1,8 +1,9 @@
 """Embeddings (--is-embedding, POST /v1/embeddings) on tiny Qwen3 embedding
 models laid out as Qwen3-Embedding is, checked against sentence-transformers
-(or transformers pooled by hand when it is not installed) on the same
-weights, float32: the engine's vectors in batches and alone, over the
-prefix cache, and the route through the official openai client."""
+(a dev dependency) on the same weights, float32: the engine's vectors in
+batches and alone, over the prefix cache, and the route through the
+official openai client. The tiny models are built here, so nothing is
+downloaded."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from sentence_transformers import SentenceTransformer
 
 from pyserve.api.app import App
 from pyserve.api.generation.serving import ServingContext
@@ -47,7 +49,7 @@ def model_dirs(tmp_path_factory, default_model_dir):
 
 def by_hand(model_dir, texts: list[str], pooling: str) -> torch.Tensor:
     """transformers' last hidden state, one text at a time, pooled and L2
-    normalised as sentence-transformers does."""
+    normalised by hand: what each pooling's name promises."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -60,12 +62,10 @@ def by_hand(model_dir, texts: list[str], pooling: str) -> torch.Tensor:
     return F.normalize(torch.stack(vectors), dim=-1)
 
 
-def reference(model_dir, texts: list[str], pooling: str) -> torch.Tensor:
-    try:
-        from sentence_transformers import SentenceTransformer
-    except ImportError:
-        return by_hand(model_dir, texts, pooling)
-    return SentenceTransformer(str(model_dir), device="cpu").encode(texts, convert_to_tensor=True).float()
+def reference(model_dir, texts: list[str]) -> torch.Tensor:
+    """sentence-transformers' vectors, with the pooling the model's files declare."""
+    return SentenceTransformer(str(model_dir), device="cpu", local_files_only=True).encode(
+        texts, convert_to_tensor=True).float()
 
 
 def make_engine(model_dir, **options) -> Engine:
@@ -107,7 +107,7 @@ def test_engine_matches_sentence_transformers(model_dirs, pooling):
         return await embed(engine, [engine.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS])
 
     got = torch.stack([v for v, _ in run_engine(model_dir, work, chunked_prefill_size=16)])
-    torch.testing.assert_close(got, reference(model_dir, TEXTS, pooling), atol=TOL, rtol=0)
+    torch.testing.assert_close(got, reference(model_dir, TEXTS), atol=TOL, rtol=0)
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(TEXTS)), atol=TOL)
 
 
@@ -120,14 +120,15 @@ def test_an_untied_model_saved_without_its_lm_head_loads(tmp_path, default_model
         return await embed(engine, [engine.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS])
 
     got = torch.stack([v for v, _ in run_engine(model_dir, work)])
-    torch.testing.assert_close(got, reference(model_dir, TEXTS, "lasttoken"), atol=TOL, rtol=0)
+    torch.testing.assert_close(got, reference(model_dir, TEXTS), atol=TOL, rtol=0)
 
 
 def test_by_hand_reference_agrees_with_sentence_transformers(model_dirs):
-    pytest.importorskip("sentence_transformers")
+    """sentence-transformers reads each tiny model's pooling config as the
+    pooling it is named after (the engine reads the same files)."""
     for pooling in ST_POOLINGS:
-        torch.testing.assert_close(by_hand(model_dirs[pooling], TEXTS, pooling),
-                                   reference(model_dirs[pooling], TEXTS, pooling), atol=TOL, rtol=0)
+        torch.testing.assert_close(reference(model_dirs[pooling], TEXTS),
+                                   by_hand(model_dirs[pooling], TEXTS, pooling), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
@@ -244,8 +245,7 @@ def test_openai_client_float_and_base64(embed_client, model_dirs):
     base64 = embed_client.embeddings.create(model="tiny-embed", input=TEXTS)  # the client asks for base64
     assert [d.index for d in floats.data] == list(range(len(TEXTS))) and floats.model == "tiny-embed"
     torch.testing.assert_close(vectors(base64), vectors(floats), atol=TOL, rtol=0)
-    torch.testing.assert_close(vectors(floats), reference(model_dirs["lasttoken"], TEXTS, "lasttoken"),
-                              atol=TOL, rtol=0)
+    torch.testing.assert_close(vectors(floats), reference(model_dirs["lasttoken"], TEXTS), atol=TOL, rtol=0)
 
 
 def test_every_input_shape_and_usage(embed_client):

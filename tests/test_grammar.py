@@ -37,6 +37,9 @@ PERSON = {"type": "object", "properties": {
 # Compiles in about a second on this machine: far past a budget of 10 ms.
 SLOW_SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 100, "maxLength": 2000},
                "minItems": 50, "maxItems": 500}
+# How long a test waits for a compilation to land in the cache: a bound, far
+# past SLOW_SCHEMA's second on a busy machine, so a bug fails instead of hanging.
+COMPILED_WITHIN_S = 120
 
 
 def run(coro):
@@ -87,8 +90,11 @@ def test_a_slow_compilation_is_refused_within_the_budget_and_cached_once_done(in
         assert "took longer than 0.01 s" in caught.value.message
         # The loop was never blocked, and the compilation goes on: once done
         # it is cached for the next request.
-        while backend.cached(slow) is None:
-            await asyncio.sleep(0.05)
+        async def until_cached():
+            while backend.cached(slow) is None:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(until_cached(), COMPILED_WITHIN_S)
         assert await backend.compile(slow) is backend.cached(slow)
         backend.shutdown()
 

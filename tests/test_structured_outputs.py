@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import xgrammar as xgr
 from pydantic import BaseModel, Field
 
 from pyserve.api.generation.serving import ServingContext
@@ -63,6 +64,26 @@ def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+# xgrammar reads a text by its characters: a vocabulary of one token, the
+# end of text, is all its matcher needs here.
+_EOS = 0
+_COMPILER = xgr.GrammarCompiler(xgr.TokenizerInfo(["</s>"], stop_token_ids=[_EOS]))
+
+
+def json_language(schema: dict) -> xgr.Grammar:
+    """JSON as the schema allows it (strict: no properties beyond the schema's, as the server's)."""
+    return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True, strict_mode=True)
+
+
+def in_language(grammar: xgr.Grammar, text: str, finish_reason: str) -> bool:
+    """Whether `text` is in the grammar's language ("stop": the grammar
+    ended it) or starts a text that is ("length": max_tokens cut it)."""
+    matcher = xgr.GrammarMatcher(_COMPILER.compile_grammar(grammar))
+    if not matcher.accept_string(text):
+        return False
+    return finish_reason == "length" or (finish_reason == "stop" and matcher.accept_token(_EOS))
+
+
 @pytest.mark.parametrize("name, schema", [("person", PERSON), ("lists", LISTS), ("choices", CHOICES)])
 def test_sampled_choices_validate_against_the_json_schema(client, model_name, name, schema):
     r = client.chat.completions.create(
@@ -78,10 +99,10 @@ def test_json_object_outputs_are_objects(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=ask("Describe a cat in JSON."), temperature=0.8,
                                        n=3, max_tokens=200, response_format={"type": "json_object"})
     for choice in r.choices:
-        if choice.finish_reason == "stop":  # a free-form object may run long
+        # A free-form object may run past max_tokens: what it wrote starts an object.
+        assert in_language(json_language({"type": "object"}), choice.message.content, choice.finish_reason), choice
+        if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
-        else:
-            assert choice.message.content.startswith("{")
 
 
 def test_regex_outputs_match_in_full(client, model_name):
@@ -210,6 +231,8 @@ def test_seed_examples_json(client, model_name):
                                                                 "schema": CapitalInfo.model_json_schema()}})
     choice = r.choices[0]
     # The small model may write a population longer than max_tokens; what it wrote follows the schema.
+    assert in_language(json_language(CapitalInfo.model_json_schema()), choice.message.content,
+                       choice.finish_reason), choice
     if choice.finish_reason == "stop":
         CapitalInfo.model_validate_json(choice.message.content)
     else:
@@ -221,7 +244,11 @@ def test_seed_examples_json(client, model_name):
         model=model_name, temperature=0, max_tokens=128,
         messages=ask("Give me the information of the capital of France in the JSON format."),
         response_format={"type": "json_schema", "json_schema": {"name": "foo", "schema": schema}})
-    assert r.choices[0].message.content.startswith('{"name": "')
+    choice = r.choices[0]
+    assert in_language(json_language(schema), choice.message.content, choice.finish_reason), choice
+    assert choice.message.content.startswith('{"name": "')
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 def test_seed_examples_ebnf_and_regex(client, model_name):
@@ -235,26 +262,62 @@ def test_seed_examples_ebnf_and_regex(client, model_name):
     assert r.choices[0].message.content in ("Paris", "London")
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "state": {"type": "string"}},
+           "required": ["city", "state"]}
+DATE = {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}
+FUNCTIONS = {"get_current_weather": WEATHER, "get_current_date": DATE}
+
+
+def function_tags(content) -> list[dict]:
+    """One tag per function, its content the function's parameters' schema as content(schema) writes it."""
+    return [{"begin": f"<function={name}>", "content": content(schema), "end": "</function>"}
+            for name, schema in FUNCTIONS.items()]
+
+
+def triggered_tags(content, at_least_one: bool, stop_after_first: bool) -> dict:
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="], "at_least_one": at_least_one,
+        "stop_after_first": stop_after_first, "tags": function_tags(content)}}
+
+
+def as_xgrammar(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def bounded(schema: dict) -> dict:
+    """The schema with each string at most 12 characters: a call then fits in max_tokens."""
+    return {**schema, "properties": {k: {**v, "maxLength": 12} for k, v in schema["properties"].items()}}
+
+
 def test_seed_examples_structural_tags(client, model_name):
-    weather = {"type": "object", "properties": {"city": {"type": "string"}, "state": {"type": "string"}},
-               "required": ["city", "state"]}
-    date = {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}
     messages = [{"role": "system", "content": "To call a function reply <function=NAME>{parameters}</function>"},
                 {"role": "user", "content": "You are in New York. Please get the current date and time."}]
     legacy = {"type": "structural_tag", "triggers": ["<function="], "structures": [
-        {"begin": "<function=get_current_weather>", "schema": weather, "end": "</function>"},
-        {"begin": "<function=get_current_date>", "schema": date, "end": "</function>"}]}
-    current = {"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": ["<function="], "at_least_one": False, "stop_after_first": False,
-        "tags": [{"begin": "<function=get_current_weather>", "content": weather, "end": "</function>"},
-                 {"begin": "<function=get_current_date>", "content": date, "end": "</function>"}]}}
-    for response_format in (legacy, current):
+        {"begin": f"<function={name}>", "schema": schema, "end": "</function>"} for name, schema in FUNCTIONS.items()]}
+    # The seeds' examples, and what each one's language is, as xgrammar spells it.
+    examples = [
+        (legacy, xgr.Grammar.from_structural_tag(
+            [xgr.StructuralTagItem(begin=f"<function={name}>", schema=schema, end="</function>")
+             for name, schema in FUNCTIONS.items()], ["<function="])),
+        (triggered_tags(lambda s: s, False, False),
+         xgr.Grammar.from_structural_tag(json.dumps(triggered_tags(as_xgrammar, False, False)))),
+    ]
+    for response_format, language in examples:
         r = client.chat.completions.create(model=model_name, messages=messages, response_format=response_format,
                                            max_tokens=64, temperature=0.8, n=2)
         for choice in r.choices:
-            # Every call the model starts is complete and valid.
+            assert in_language(language, choice.message.content, choice.finish_reason), choice
+            # Every call the model completed is valid.
             for name, args in re.findall(r"<function=(\w+)>(.*?)</function>", choice.message.content):
-                jsonschema.validate(json.loads(args), weather if name == "get_current_weather" else date)
+                jsonschema.validate(json.loads(args), FUNCTIONS[name])
+    # at_least_one: the answer starts with a call; stop_after_first: it is one call, and the end.
+    forced = triggered_tags(bounded, True, True)
+    r = client.chat.completions.create(model=model_name, messages=messages, response_format=forced,
+                                       max_tokens=64, temperature=0.8, n=2)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        name, args = re.fullmatch(r"<function=(\w+)>(.*)</function>", choice.message.content, re.S).groups()
+        jsonschema.validate(json.loads(args), bounded(FUNCTIONS[name]))
 
 
 # -- with a reasoning parser, through the app and a scripted engine
