@@ -17,7 +17,7 @@ int4wo layers run the kernel that serving's decode steps run (from 512
 rows, a long prompt's prefill, they multiply by a dense float32 copy
 instead). 8da4w rounds its activations to 8 bits per block of 32 at
 every row count, prefill and decode alike, and its Q4_1 products are
-rust/block_gemm.rs's tiles in both.
+rust/kernels/block_gemm.rs's tiles in both.
 
     python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128

@@ -46,7 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    # Regular expressions that stop it like stop strings (rust/stop_regex.rs).
+    # Regular expressions that stop it like stop strings (rust/text/stop_regex.rs).
     stop_regex: list[str] = field(default_factory=list)
     # Ids that stop it (ids outside the vocabulary never occur); with EOS,
     # masked until min_new_tokens tokens are out.
