@@ -79,6 +79,8 @@ SHARED = {
     "regex": probe(ENGINE, "a+"),
     "ebnf": probe(ENGINE, 'root ::= "a"'),
     "structured_outputs": probe(ENGINE, {"regex": "a+"}),
+    "priority": probe(ENGINE, 3),  # the scripted engine schedules by priority; a real one without it refuses
+    "cache_salt": probe(ENGINE, "tenant-a"),
 }
 STREAM_OPTIONS = {
     "stream_options.include_usage": probe(RESPONSE, {"include_usage": True}, stream=True),
@@ -150,7 +152,7 @@ def _normalized(raw: bytes) -> str:
 def _send(app, engine, path: str, body: dict):
     engine.requests.clear()
     status, _, raw = run(call(app, "POST", path, body))
-    asked = [(r.input_ids, r.params) for r in engine.requests]
+    asked = [(r.input_ids, r.params, r.priority, r.cache_salt) for r in engine.requests]
     return status, raw, asked
 
 
