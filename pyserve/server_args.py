@@ -22,14 +22,29 @@ from typing import Any, NamedTuple
 
 
 def option(default: Any, *flags: str, help: str, choices: list[str] | None = None,
-           inverse: tuple[str, str] | None = None, secret: bool = False) -> Any:
+           inverse: tuple[str, str] | None = None, alias: tuple[str, dict[str, Any], str] | None = None,
+           secret: bool = False) -> Any:
     """An option's field with its command line. `flags` default to the
     field's name (`--max-total-tokens`). A bool field is a switch that sets
-    True; `inverse` is (flag, help) of a second switch that sets False. A
-    `secret` is left out of the options' repr (the start-up log) and of
-    what /get_server_info reports."""
+    True; `inverse` is (flag, help) of a second switch that sets False.
+    `alias` is (flag, {word: value}, help): another server's flag for the
+    same option, whose words name its values. A `secret` is left out of
+    the options' repr (the start-up log) and of what /get_server_info
+    reports."""
     return field(default=default, repr=not secret,
-                 metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse, "secret": secret})
+                 metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse, "alias": alias,
+                           "secret": secret})
+
+
+class _NamedValue(argparse.Action):
+    """An alias's flag: stores the value its word names."""
+
+    def __init__(self, *args, values_by_word: dict[str, Any], **kwargs):
+        super().__init__(*args, choices=list(values_by_word), **kwargs)
+        self.values_by_word = values_by_word
+
+    def __call__(self, parser, namespace, word, option_string=None):
+        setattr(namespace, self.dest, self.values_by_word[word])
 
 
 def _value_type(hint: Any) -> type:
@@ -92,6 +107,12 @@ class EngineOptions:
     chunked_prefill_size: int = option(
         2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
     disable_radix_cache: bool = option(False, help="do not reuse the KV of shared prompt prefixes")
+    # SGLang's flag; vLLM's --scheduling-policy priority means the same.
+    enable_priority_scheduling: bool = option(
+        False, help="order waiting requests by their `priority` field (larger first, as SGLang; aged so that none "
+                    "starves) and retract the least urgent first; without it a `priority` field is refused",
+        alias=("--scheduling-policy", {"fcfs": False, "priority": True},
+               "vLLM's name: priority is --enable-priority-scheduling, fcfs (the default) is without it"))
     # None: overlap on CUDA only. On CPU the forward pass and the loop's own
     # work share the same cores, so overlap buys nothing and delays tokens.
     disable_overlap_schedule: bool | None = option(
@@ -185,6 +206,10 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                 else:
                     section.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
                                          choices=meta["choices"], help=meta["help"])
+                if meta["alias"] is not None:
+                    flag, values_by_word, help = meta["alias"]
+                    section.add_argument(flag, dest=f.name, action=_NamedValue, values_by_word=values_by_word,
+                                         default=argparse.SUPPRESS, help=help)
         return p
 
     @classmethod

@@ -47,12 +47,13 @@ def fan_out_now(engine, *args, **kwargs) -> list[GenerateRequest]:
 
 def test_fan_out_numbers_choices_as_openai_and_validates_each_prompt_once():
     engine = RefusingEngine()
-    requests = fan_out_now(engine, [[1, 2], [3]], SamplingParams(seed=7), 3, "cmpl-x", NAMES, priority=1)
+    requests = fan_out_now(engine, [[1, 2], [3]], SamplingParams(seed=7), 3, "cmpl-x", NAMES, batch=True,
+                           priority=1, cache_salt="t")
     assert [r.rid for r in requests] == ["cmpl-x-0-0", "cmpl-x-0-1", "cmpl-x-0-2",
                                          "cmpl-x-1-0", "cmpl-x-1-1", "cmpl-x-1-2"]
     assert [r.input_ids for r in requests] == [[1, 2]] * 3 + [[3]] * 3
     assert [r.params.seed for r in requests] == [7, 8, 9] * 2
-    assert all(r.priority == 1 for r in requests)
+    assert all(r.batch and r.priority == 1 and r.cache_salt == "t" for r in requests)
     assert [r.rid for r in engine.validated] == ["cmpl-x-0-0", "cmpl-x-1-0"]
     single = fan_out_now(engine, [[1]], SamplingParams(), 1, "chatcmpl-y", NAMES)
     assert [r.rid for r in single] == ["chatcmpl-y"]

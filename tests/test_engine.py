@@ -449,8 +449,6 @@ def test_n_choices_compute_their_shared_prompt_once(tiny_llama_dir):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_interactive_prompt_step_leaves_batch_streams_out(tiny_llama_dir, layout):
-    from pyserve.engine.request import BATCH_PRIORITY
-
     async def main():
         engine = await started_engine(tiny_llama_dir, **layout)
         steps = []  # rids in each step, and which of them are prefilled
@@ -464,7 +462,7 @@ def test_an_interactive_prompt_step_leaves_batch_streams_out(tiny_llama_dir, lay
 
         engine.scheduler.schedule = recording_schedule
         batch_req = GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True),
-                                    rid="batch", priority=BATCH_PRIORITY)
+                                    rid="batch", batch=True)
         batch_tokens = []
 
         async def run_batch():

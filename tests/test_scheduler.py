@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.kv.page_allocator import PageAllocator
-from pyserve.engine.request import BATCH_PRIORITY, SamplingParams
+from pyserve.engine.request import SamplingParams
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 
@@ -18,8 +18,8 @@ def make(pages: int = 257, page_size: int = 1, max_running: int = 8, chunk: int 
     return Scheduler(kv, max_running, max_prefill_tokens=1024, chunk_size=chunk)
 
 
-def add(sched: Scheduler, rid: str, prompt: list[int], priority: int = 0, **params) -> Sequence:
-    seq = Sequence(rid=rid, prompt_ids=prompt, params=SamplingParams(**params), priority=priority)
+def add(sched: Scheduler, rid: str, prompt: list[int], batch: bool = False, **params) -> Sequence:
+    seq = Sequence(rid=rid, prompt_ids=prompt, params=SamplingParams(**params), batch=batch)
     sched.add(seq)
     return seq
 
@@ -59,7 +59,7 @@ def test_running_streams_decode_while_a_long_prompt_is_chunked():
 
 def test_interactive_requests_are_admitted_before_batch_jobs():
     sched = make(max_running=1)
-    add(sched, "batch", list(range(10, 20)), priority=BATCH_PRIORITY)
+    add(sched, "batch", list(range(10, 20)), batch=True)
     add(sched, "chat", list(range(30, 40)))
     assert rows(run_step(sched)) == {"chat": 10}
     assert [s.rid for s in sched.waiting] == ["batch"]  # the running cap holds it back
@@ -67,7 +67,7 @@ def test_interactive_requests_are_admitted_before_batch_jobs():
 
 def test_a_prompt_step_leaves_less_urgent_decode_rows_out_and_their_pages_free():
     sched = make(page_size=4, pages=65)
-    batch = add(sched, "batch", list(range(10, 18)), priority=BATCH_PRIORITY)  # 8 tokens: its next opens a page
+    batch = add(sched, "batch", list(range(10, 18)), batch=True)  # 8 tokens: its next opens a page
     run_step(sched)
     free = sched.kv.allocator.num_free
     add(sched, "chat", list(range(40, 46)))
@@ -82,7 +82,7 @@ def test_a_prompt_step_leaves_less_urgent_decode_rows_out_and_their_pages_free()
 def test_the_newest_least_urgent_stream_is_retracted_when_pages_run_out():
     sched = make(pages=27, chunk=None, cache=False)
     first = add(sched, "first", list(range(10, 20)))
-    second = add(sched, "second", list(range(30, 40)), priority=BATCH_PRIORITY)
+    second = add(sched, "second", list(range(30, 40)), batch=True)
     third = add(sched, "third", list(range(50, 52)))
     run_step(sched)
     assert {s.rid for s in sched.running} == {"first", "second", "third"}

@@ -2,9 +2,9 @@
 
 A batch goes validating -> in_progress -> finalizing -> completed, or
 failed (invalid input), cancelling -> cancelled, or expired (BatchStatus).
-Its requests go through the same handlers as online requests, at batch
-priority and at most `concurrency` at a time, so interactive traffic keeps
-its latency. Result lines are appended as requests finish and the record
+Its requests go through the same handlers as online requests, as batch
+jobs (the engine runs them behind every interactive request) and at most
+`concurrency` at a time, so interactive traffic keeps its latency. Result lines are appended as requests finish and the record
 is saved as it changes, both through the BatchStore, so a restart resumes
 a batch where it stopped.
 """
@@ -25,7 +25,6 @@ from pyserve.http.errors import APIError, bad_request, from_msgspec
 from pyserve.http.io import json_depth_exceeds
 from pyserve.api.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pyserve.api.generation.serving import ServingContext, new_id
-from pyserve.engine.request import BATCH_PRIORITY
 from pyserve.batches.store import (
     BatchError, BatchErrors, BatchLock, BatchRecord, BatchResponse, BatchResult, BatchStatus, BatchStore,
     new_batch_id,
@@ -333,7 +332,7 @@ class BatchManager:
         model_class, handler = ENDPOINTS[record.endpoint]
         request_id = new_id("batch_req_")
         try:
-            body = await handler(self.ctx, msgspec.convert(line["body"], model_class), priority=BATCH_PRIORITY)
+            body = await handler(self.ctx, msgspec.convert(line["body"], model_class), batch=True)
             response, ok = BatchResponse(status_code=200, request_id=request_id, body=body), True
         except APIError as e:
             response, ok = BatchResponse(status_code=e.status, request_id=request_id, body=e.body()), False

@@ -77,6 +77,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, options.max_running_requests, options.max_prefill_tokens,
             options.chunked_prefill_size if options.chunked_prefill_size > 0 else None,
+            priority_scheduling=options.enable_priority_scheduling,
         )
         self.metrics = EngineMetrics()
         # Each request's output side, by its sequence, while it runs.
@@ -174,6 +175,14 @@ class Engine:
             raise RequestError(_GRAMMARS_OFF, "constraint")
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
+        if req.priority is not None and not self.scheduler.priority_scheduling:
+            # Refused as an unknown field is: a priority the server ignored
+            # would be dropped silently.
+            raise RequestError("Unrecognized request argument supplied: 'priority' (this server schedules first "
+                               "come, first served: start it with --enable-priority-scheduling).", "priority",
+                               "unknown_parameter")
+        if req.cache_salt == "":
+            raise RequestError("cache_salt must be a non-empty string", "cache_salt")
 
     async def compile_grammar(self, constraint: Constraint) -> None:
         """Compile (or find cached) a constraint's grammar; RequestError
@@ -199,8 +208,8 @@ class Engine:
             raise RequestError(f"request id {req.rid} is already running", "rid")
         params = replace(req.params, max_new_tokens=self._max_new_tokens(req),
                          pooling=self.pooling.mode if req.embedding else None)
-        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, priority=req.priority,
-                       arrival=time.monotonic())
+        seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, batch=req.batch,
+                       priority=req.priority or 0, cache_salt=req.cache_salt, arrival=time.monotonic())
         if params.pooling:
             self._outputs[seq] = EmbeddingOutput(seq, self.pooling)
         else:

@@ -79,14 +79,19 @@ class GenerateRequest:
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # Lower runs first: interactive requests are 0, batch jobs BATCH_PRIORITY.
-    priority: int = 0
+    # A batch job (batches/runner.py): it runs after every interactive request.
+    batch: bool = False
+    # The client's priority, on a server with priority scheduling: larger
+    # runs first, as SGLang orders them. None: not given (0). A server
+    # without priority scheduling refuses one, as it would an unknown field.
+    priority: int | None = None
+    # Cached prefixes are shared only between requests with equal salts
+    # (None with None): a tenant cannot probe another's prompts by timing.
+    cache_salt: str | None = None
     # An embedding (an --is-embedding server): the pooled vector of the
     # prompt instead of generated tokens.
     embedding: bool = False
 
-
-BATCH_PRIORITY = 1
 
 
 class RequestError(ValueError):

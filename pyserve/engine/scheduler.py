@@ -2,11 +2,22 @@
 
 Every step gives each running sequence its next token (decode rows) and
 spends what is left of the step's token budget on prompts (prefill rows):
-first the sequences in the middle of a chunked prefill, then new requests,
-first-come first-served within their priority (interactive before batch
-jobs) while there is room (running-request cap, token budget, KV pages). A
-step with no prefill rows is a pure decode step, which the attention
-backends and CUDA graphs run on their fast path.
+first the sequences in the middle of a chunked prefill, then new requests
+in order of urgency (`rank`), first-come first-served within a rank, while
+there is room (running-request cap, token budget, KV pages). A step with no
+prefill rows is a pure decode step, which the attention backends and CUDA
+graphs run on their fast path.
+
+Urgency: interactive requests before batch jobs; with priority scheduling
+(--enable-priority-scheduling), then the larger client priority. A request
+more urgent than a running one does not wait for it to end: when the
+running cap or the KV pool leaves it no room, the least urgent running
+request is retracted for it. Aging keeps that from starving anyone: a
+request gains one priority level per AGING_STEPS steps it spends waiting
+(and keeps what it gained once running), so a request of priority p that
+waits is admitted at the latest once p + waited / AGING_STEPS passes the
+priority of everything arriving after it. Batch jobs stay behind
+interactive requests whatever they gained.
 
 An admitted request reuses the longest prefix of its prompt that the radix
 cache holds and computes only the rest. A prompt longer than the chunk size
@@ -37,15 +48,21 @@ from pyserve.engine.step import Rows, ScheduledStep, build_step
 
 logger = logging.getLogger("pyserve.engine")
 _SHARED_HEAD = 32  # prompt tokens two prompts must share before one waits for the other's KV
+# Priority scheduling: steps a request waits per priority level it gains. A
+# step takes tens of milliseconds on a CPU, so a request passed over gains a
+# level every few seconds.
+AGING_STEPS = 64
 
 
 class Scheduler:
     """Owns the requests the engine is serving and decides what each step
     computes; the KV manager finds room and slots for it."""
 
-    def __init__(self, kv: KVManager, max_running: int, max_prefill_tokens: int, chunk_size: int | None):
+    def __init__(self, kv: KVManager, max_running: int, max_prefill_tokens: int, chunk_size: int | None,
+                 priority_scheduling: bool = False):
         self.kv = kv
         self.max_running = max_running
+        self.priority_scheduling = priority_scheduling
         # Tokens one step may compute: a chunk, or a whole prefill batch.
         self.token_budget = chunk_size if chunk_size else max_prefill_tokens
         self.chunked = bool(chunk_size)
@@ -88,7 +105,17 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------
 
+    def rank(self, seq: Sequence) -> tuple[bool, int]:
+        """How urgent `seq` is; lower runs first: interactive requests before
+        batch jobs, then, with priority scheduling, the larger priority,
+        aged by the steps it waited."""
+        if not self.priority_scheduling:
+            return seq.batch, 0
+        return seq.batch, -(seq.priority + seq.waited_steps // AGING_STEPS)
+
     def schedule(self) -> ScheduledStep | None:
+        if self.priority_scheduling:
+            self._make_way_for_urgent()
         decode = self._decode_rows()
         prefill, cached_tokens = self._prefill_rows(self.token_budget - len(decode.seqs), len(decode.seqs))
         decode = self._without_less_urgent(decode, prefill)
@@ -106,6 +133,9 @@ class Scheduler:
                     self.kv.release(seq)
                 else:
                     self.running.append(seq)
+        if self.priority_scheduling:
+            for seq in self.waiting:
+                seq.waited_steps += 1
         return step
 
     def _decode_rows(self) -> Rows:
@@ -128,10 +158,10 @@ class Scheduler:
         wait a step, and the prompt's first token comes sooner."""
         if not prefill.seqs:
             return decode
-        urgent = min(s.priority for s in prefill.seqs)
+        urgent = min(self.rank(s) for s in prefill.seqs)
         kept = Rows()
         for seq, n, slots in zip(decode.seqs, decode.lengths, decode.new_slots):
-            if seq.priority <= urgent:
+            if self.rank(seq) <= urgent:
                 kept.add(seq, n, slots)
             else:
                 self.kv.unuse_slots(seq, slots)
@@ -143,14 +173,13 @@ class Scheduler:
         # Keep a page per sequence free so the next decode step does not have
         # to retract what was just admitted.
         headroom = num_decode
-        # Sequences in the middle of a chunked prefill go first: they hold pages.
-        for seq in self.prefilling:
-            take = min(seq.num_tokens - seq.kv_len, budget)
-            if take <= 0 or not self.kv.make_room(self.kv.pages_needed(seq, take) + headroom + 1):
-                break
-            rows.add(seq, take, self.kv.new_slots(seq, take))
-            budget -= take
-            headroom += 1
+        # Sequences in the middle of a chunked prefill go first (they hold
+        # pages), unless less urgent than a waiting one: those take what
+        # budget the waiting ones leave.
+        urgent = self._next_waiting(set())
+        behind = [s for s in self.prefilling if urgent is not None and self.rank(s) > self.rank(urgent)]
+        budget, headroom = self._continue_prefills([s for s in self.prefilling if s not in behind], rows, budget,
+                                                   headroom)
         # A prompt that starts like one being computed now waits for it to
         # land in the cache instead of computing the same prefix again (n
         # choices of one request, a burst of requests with one system prompt).
@@ -180,35 +209,82 @@ class Scheduler:
             rows.add(seq, take, self.kv.new_slots(seq, take))
             budget -= take
             headroom += 1
+        self._continue_prefills(behind, rows, budget, headroom)
         return rows, cached_tokens
 
+    def _continue_prefills(self, seqs: list[Sequence], rows: Rows, budget: int, headroom: int) -> tuple[int, int]:
+        """The next chunk of each of `seqs` (prompts partly computed) while
+        budget and pages last; returns what budget and headroom are left."""
+        for seq in seqs:
+            take = min(seq.num_tokens - seq.kv_len, budget)
+            if take <= 0 or not self.kv.make_room(self.kv.pages_needed(seq, take) + headroom + 1):
+                break
+            rows.add(seq, take, self.kv.new_slots(seq, take))
+            budget -= take
+            headroom += 1
+        return budget, headroom
+
     def _next_waiting(self, deferred: set[Sequence]) -> Sequence | None:
-        """The oldest waiting sequence of the most urgent priority, not
-        deferred. One just retracted while its last token was still being
-        sampled waits until that token is known."""
+        """The first waiting sequence (in queue order) of the most urgent
+        rank, not deferred. One just retracted while its last token was
+        still being sampled waits until that token is known."""
         ready = [s for s in self.waiting if not s.pending and s not in deferred]
-        return min(ready, key=lambda s: s.priority) if ready else None
+        return min(ready, key=self.rank) if ready else None
 
     @staticmethod
-    def _head(seq: Sequence) -> tuple[int, ...] | None:
-        """The first tokens of a prompt long enough to be worth sharing."""
-        return tuple(seq.prompt_ids[:_SHARED_HEAD]) if len(seq.prompt_ids) > _SHARED_HEAD else None
+    def _head(seq: Sequence) -> tuple[str | None, tuple[int, ...]] | None:
+        """The first tokens of a prompt long enough to be worth sharing,
+        with the salt it may share them under."""
+        if len(seq.prompt_ids) <= _SHARED_HEAD:
+            return None
+        return seq.cache_salt, tuple(seq.prompt_ids[:_SHARED_HEAD])
+
+    def _make_way_for_urgent(self) -> None:
+        """The most urgent waiting request does not wait for less urgent
+        running ones: while the running cap or the KV pool leaves no room
+        for its first chunk, the least urgent holder is retracted (what it
+        computed goes to the cache, so resuming it later is cheap)."""
+        seq = self._next_waiting(set())
+        if seq is None:
+            return
+        hit = self.kv.lookup(seq)
+        self.kv.give_up(hit)
+        chunk_pages = -(-min(seq.num_tokens - hit.length, self.token_budget) // self.kv.page_size)
+        while holders := self.holders():
+            victim = self._least_urgent(holders)
+            if self.rank(victim) <= self.rank(seq):
+                return
+            # What the next step needs: the decode rows' pages, a page of
+            # headroom each (as _prefill_rows keeps), and the chunk.
+            pages = sum(self.kv.pages_needed(s, 1) for s in self.running) + len(self.running) + chunk_pages + 1
+            if len(holders) < self.max_running and self.kv.make_room(pages):
+                return
+            logger.info("retracting request %s (priority %d) for the more urgent %s (priority %d)",
+                        victim.rid, victim.priority, seq.rid, seq.priority)
+            self._retract(victim)
+
+    def _least_urgent(self, holders: list[Sequence]) -> Sequence:
+        """The newest holder of the least urgent rank (holders are in
+        admission order: the last of the max rank is the newest)."""
+        return max(reversed(holders), key=self.rank)
 
     def retract_one(self) -> bool:
-        """Retract the newest sequence of the least urgent priority, unless
-        only one sequence holds pages (it has nothing to wait for): what it
-        computed goes to the cache, and it waits at the head of the queue."""
+        """Retract the newest sequence of the least urgent rank, unless
+        only one sequence holds pages (it has nothing to wait for)."""
         holders = self.holders()
         if len(holders) < 2:
             return False
-        # Admission order: the last of the max priority value is the newest
-        # of the least urgent.
-        seq = max(reversed(holders), key=lambda s: s.priority)
+        seq = self._least_urgent(holders)
         logger.info("KV cache full: retracting request %s (%d tokens)", seq.rid, seq.num_tokens)
+        self._retract(seq)
+        return True
+
+    def _retract(self, seq: Sequence) -> None:
+        """What `seq` computed goes to the cache, and it waits at the head
+        of the queue to be resumed (prompt + tokens so far)."""
         self.kv.release(seq)
         (self.running if seq in self.running else self.prefilling).remove(seq)
         self.waiting.appendleft(seq)
-        return True
 
     def holders(self) -> list[Sequence]:
         """Sequences holding KV: running, or in the middle of their prompt."""

@@ -25,7 +25,9 @@ class Sequence:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    priority: int = 0
+    batch: bool = False  # a batch job: it waits for every interactive request
+    priority: int = 0  # larger runs first (with priority scheduling)
+    cache_salt: str | None = None  # it shares cached prefixes only with requests of the same salt
     arrival: float = 0.0  # time.monotonic() when the engine got it
     channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
 
@@ -45,6 +47,9 @@ class Sequence:
     cache_hit: int | None = None
 
     # The scheduler.
+    # Steps spent in the waiting queue so far: priority scheduling raises a
+    # request's priority with it, so that none waits forever.
+    waited_steps: int = 0
     # Overlap scheduling: tokens sampled by launched steps whose ids have not
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0

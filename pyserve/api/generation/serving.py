@@ -90,11 +90,13 @@ def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True)
 
 
 async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
-                  param_names: Mapping[str, str], priority: int = 0) -> list[GenerateRequest]:
+                  param_names: Mapping[str, str], *, batch: bool = False, priority: int | None = None,
+                  cache_salt: str | None = None) -> list[GenerateRequest]:
     """n requests per prompt: request p * n + i is prompt p's choice i, as
     OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
     n > 1). With a seed, choice i uses seed + i, so the choices differ yet
-    stay reproducible.
+    stay reproducible. Each is a batch job or not (`batch`) and carries the
+    body's `priority` and `cache_salt`.
 
     The engine validates each prompt once, and compiles the constraint
     once, here, before anything streams, so a refusal is still a plain
@@ -111,7 +113,8 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
             base = f"{rid}-{p}" if len(prompts) > 1 else rid
             for i in range(n):
                 choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-                requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, priority))
+                requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
+                                                priority=priority, cache_salt=cache_salt))
             engine.validate(requests[p * n])
         if params.constraint is not None:
             await engine.compile_grammar(params.constraint)

@@ -43,7 +43,8 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     )
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "constraint": constrained and constrained.param}
-    requests = await fan_out(ctx, prompts, params, fields.n, req.rid or new_id(""), names)
+    requests = await fan_out(ctx, prompts, params, fields.n, req.rid or new_id(""), names, priority=req.priority,
+                             cache_salt=req.cache_salt)
     _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None

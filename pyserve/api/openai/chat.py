@@ -206,12 +206,13 @@ def _with_reasoning_tokens(ctx: ServingContext, total: Usage, outputs: list[_Cho
     return replace_struct(total, completion_tokens_details=CompletionTokensDetails(reasoning_tokens=count))
 
 
-async def create(ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
+async def create(ctx: ServingContext, req: ChatCompletionRequest, batch: bool = False):
     prompt_ids, params, calling, constraint_param = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requests = await fan_out(ctx, [prompt_ids], params, req.n, rid,
-                             {"prompt": "messages", "max_new_tokens": limit, "constraint": constraint_param}, priority)
+                             {"prompt": "messages", "max_new_tokens": limit, "constraint": constraint_param},
+                             batch=batch, priority=req.priority, cache_salt=req.cache_salt)
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)
     results = await collect(ctx.engine, requests)

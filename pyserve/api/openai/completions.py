@@ -16,7 +16,7 @@ from pyserve.api.generation.serving import (
 from pyserve.engine.request import GenerateRequest
 
 
-async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0):
+async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = False):
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
@@ -35,7 +35,8 @@ async def create(ctx: ServingContext, req: CompletionRequest, priority: int = 0)
                              prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint)
     rid = req.rid or new_id("cmpl-")
     names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
-    requests = await fan_out(ctx, prompts, params, req.n, rid, names, priority)
+    requests = await fan_out(ctx, prompts, params, req.n, rid, names, batch=batch, priority=req.priority,
+                             cache_salt=req.cache_salt)
     echoes = _echoes(ctx, req.prompt, prompts) if req.echo else [""] * len(prompts)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)

@@ -67,3 +67,7 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    # As on the OpenAI routes: the request's priority (with
+    # --enable-priority-scheduling) and the salt of the prefixes it shares.
+    priority: int | None = None
+    cache_salt: str | None = None

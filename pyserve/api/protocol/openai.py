@@ -157,6 +157,10 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_regex: str | list[str] | None = None  # SGLang: stops that are regular expressions
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
+    # SGLang / vLLM: larger runs first, on a server with --enable-priority-scheduling (refused elsewhere).
+    priority: int | None = None
+    # SGLang / vLLM: cached prefixes are shared only with requests of the same salt.
+    cache_salt: str | None = None
     # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
     # grammar) and vLLM's object; see api/constraints.py.
     response_format: ResponseFormat | None = None

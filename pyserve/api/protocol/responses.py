@@ -142,6 +142,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     service_tier: str | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
+    # SGLang's and vLLM's, as on chat: the request's priority (with
+    # --enable-priority-scheduling) and the salt of the prefixes it shares.
+    priority: int | None = None
+    cache_salt: str | None = None
 
 
 # -- the Response object -------------------------------------------------------

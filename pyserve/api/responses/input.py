@@ -287,7 +287,7 @@ def chat_request(req: ResponsesRequest, items: list[Item], rid: str) -> ChatComp
         max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         tools=tools, tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=chat_response_format(req), user=req.user,
-        reasoning_effort=req.reasoning and req.reasoning.effort,
+        reasoning_effort=req.reasoning and req.reasoning.effort, priority=req.priority, cache_salt=req.cache_salt,
         stream=True, stream_options=StreamOptions(include_usage=True),
     )
 

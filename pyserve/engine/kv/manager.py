@@ -5,9 +5,9 @@ code that sets a sequence's KV fields (`slots`, `shared_len`,
 `prefix_node`, `cache_hit`). The scheduler asks it for room and slots and
 decides nothing about pages itself; the engine and the API read its figures.
 
-Every page is exactly one of: free, owned by the radix cache, or held by one
-running sequence (its slots past the shared prefix). `integrity_problem`
-checks exactly that.
+Every page is exactly one of: free, owned by the radix cache (any salt's
+tree), or held by one running sequence (its slots past the shared prefix).
+`integrity_problem` checks exactly that.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class KVManager:
     # -- prefixes ------------------------------------------------------------
 
     def can_share(self, seq: Sequence) -> bool:
-        """Whether `seq` may start from a cached prefix: not when the cache
-        is off, nor when it wants the logits of every prompt position, nor
+        """Whether `seq` may start from a cached prefix (one cached under its
+        own cache_salt): not when the cache is off, nor when it wants the logits of every prompt position, nor
         when it is an embedding pooled from the first position on."""
         return self.cache is not None and not seq.params.prompt_logprobs and seq.params.pooling in (None, "last")
 
@@ -103,7 +103,7 @@ class KVManager:
         needed."""
         if not self.can_share(seq):
             return PrefixHit(seq.slots[:0], None)
-        slots, node = self.cache.match_prefix(seq.all_ids[:-1])
+        slots, node = self.cache.match_prefix(seq.all_ids[:-1], seq.cache_salt)
         self.cache.lock(node)
         return PrefixHit(slots, node)
 
@@ -132,8 +132,8 @@ class KVManager:
         if whole <= seq.shared_len:
             return
         ids = seq.prompt_ids[:whole]
-        already = self.cache.insert(ids, seq.slots[:whole])
-        shared, node = self.cache.match_prefix(ids)
+        already = self.cache.insert(ids, seq.slots[:whole], seq.cache_salt)
+        shared, node = self.cache.match_prefix(ids, seq.cache_salt)
         self.cache.lock(node)
         if seq.prefix_node is not None:
             self.cache.unlock(seq.prefix_node)
@@ -153,7 +153,7 @@ class KVManager:
         else:
             known = min(seq.kv_len, seq.num_tokens)
             whole = known - known % self.page_size
-            already = self.cache.insert(seq.all_ids[:whole], seq.slots[:whole])
+            already = self.cache.insert(seq.all_ids[:whole], seq.slots[:whole], seq.cache_salt)
             self.allocator.free_slots(seq.slots[seq.shared_len : max(already, seq.shared_len)])
             self.allocator.free_slots(seq.slots[whole:])
         if seq.prefix_node is not None:

@@ -9,6 +9,12 @@ pool runs low, unlocked leaves are evicted least recently used first.
 The tree works in whole pages: every edge holds a multiple of `page_size`
 tokens, children are keyed by their first page of tokens, and a match is
 cut down to whole pages. With page size 1 this is a plain token radix tree.
+
+Tenants: a request's `cache_salt` picks the tree it matches and inserts
+into. Requests without a salt share the unsalted tree; each salt has a tree
+of its own, made on its first insert and dropped once eviction has emptied
+it. Two salts never reach each other's pages, so neither can tell from its
+time to first token whether the other sent a prompt.
 """
 
 from __future__ import annotations
@@ -46,9 +52,19 @@ class RadixCache:
     def __init__(self, allocator: PageAllocator):
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.root = RadixNode(None, [], torch.empty(0, dtype=torch.long))
-        self.root.ref = 1  # never evicted
-        self.total_pages = 0  # pages the tree owns
+        # The root of each salt's tree, None's for requests without a salt;
+        # roots hold no tokens and are never evicted themselves.
+        self.roots: dict[str | None, RadixNode] = {None: self._new_root()}
+        self.total_pages = 0  # pages the trees own
+
+    @staticmethod
+    def _new_root() -> RadixNode:
+        return RadixNode(None, [], torch.empty(0, dtype=torch.long))
+
+    @property
+    def root(self) -> RadixNode:
+        """The root of the unsalted tree."""
+        return self.roots[None]
 
     def _child_key(self, ids: list[int], pos: int) -> tuple[int, ...]:
         return tuple(ids[pos : pos + self.page_size])
@@ -56,9 +72,13 @@ class RadixCache:
     def _whole_pages(self, n: int) -> int:
         return n - n % self.page_size
 
-    def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, RadixNode]:
-        """Slots of the longest cached prefix of `ids` (whole pages), and its last node."""
-        node, pieces, pos = self.root, [], 0
+    def match_prefix(self, ids: list[int], salt: str | None = None) -> tuple[torch.Tensor, RadixNode]:
+        """Slots of the longest cached prefix of `ids` in `salt`'s tree (whole
+        pages), and its last node. A salt without a tree matches nothing; its
+        node is then the unsalted root, which no eviction touches."""
+        node, pieces, pos = self.roots.get(salt), [], 0
+        if node is None:
+            return self.root.slots, self.root
         end = self._whole_pages(len(ids))
         now = time.monotonic()
         while pos < end:
@@ -96,14 +116,18 @@ class RadixCache:
             node.ref -= 1
             node = node.parent
 
-    def insert(self, ids: list[int], slots: torch.Tensor) -> int:
-        """Add ids -> slots; len(ids) must be whole pages. Returns how many
-        leading ids were already cached: the caller's pages for those are
-        duplicates it must free (except where they are the very pages the
-        tree holds)."""
+    def insert(self, ids: list[int], slots: torch.Tensor, salt: str | None = None) -> int:
+        """Add ids -> slots to `salt`'s tree; len(ids) must be whole pages.
+        Returns how many leading ids were already cached: the caller's pages
+        for those are duplicates it must free (except where they are the
+        very pages the tree holds)."""
         if len(ids) % self.page_size:
             raise ValueError("radix cache inserts whole pages only")
-        node, pos = self.root, 0
+        if not ids:
+            return 0
+        node, pos = self.roots.get(salt), 0
+        if node is None:
+            node = self.roots[salt] = self._new_root()
         now = time.monotonic()
         while pos < len(ids):
             key = self._child_key(ids, pos)
@@ -137,13 +161,20 @@ class RadixCache:
             pages = len(leaf.key) // self.page_size
             self.total_pages -= pages
             freed += pages
-            if parent is not self.root and not parent.children and parent.ref == 0:
+            if parent.parent is not None and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(order), parent))
+        self._drop_empty_salts()
         return freed
 
+    def _drop_empty_salts(self) -> None:
+        """Forget the trees of salts that hold nothing and that no sequence
+        has locked, so that salts used once do not pile up."""
+        for salt in [s for s, root in self.roots.items() if s is not None and not root.children and root.ref == 0]:
+            del self.roots[salt]
+
     def _nodes(self) -> list[RadixNode]:
-        """Every node but the root."""
-        out, stack = [], list(self.root.children.values())
+        """Every node of every tree but the roots."""
+        out, stack = [], [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
@@ -155,6 +186,6 @@ class RadixCache:
         return sum(len(n.key) for n in self._nodes() if n.ref == 0) // self.page_size
 
     def all_slots(self) -> torch.Tensor:
-        """Every slot the tree holds (for the integrity check)."""
+        """Every slot the trees hold, every salt's (for the integrity check)."""
         pieces = [n.slots for n in self._nodes()]
         return torch.cat(pieces) if pieces else self.root.slots
