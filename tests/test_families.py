@@ -1,0 +1,61 @@
+"""What the model families add beyond the shared tests (test_model_vs_hf.py,
+test_tensor_parallel.py run every family): LongRoPE on both sides of the
+original context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyserve.model.families import parse_config
+from tests.test_engine_vs_hf import hf_greedy as hf_cached_greedy
+from tests.test_model_vs_hf import hf_greedy, pyserve_greedy, random_prompts
+from tests.tiny_models import build_tiny_model
+
+ORIGINAL_CONTEXT = 64
+# Phi-3's layout: factors per rotating dimension pair (partial rotary: 12 of 16 dimensions).
+LONGROPE = dict(
+    max_position_embeddings=512, original_max_position_embeddings=ORIGINAL_CONTEXT, partial_rotary_factor=0.75,
+    rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                  "long_factor": [3.0 + 2.0 * i for i in range(6)]})
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("phi3-longrope"), "phi3", **LONGROPE)
+
+
+def test_longrope_within_and_beyond_the_original_context_matches_transformers(longrope_dir):
+    """Prompts that stay within the original context with their new tokens
+    (short factors throughout), and prompts beyond it, each prefill chunk
+    too (long factors throughout): transformers' generate, token for token."""
+    prompts = random_prompts(512, [3, 20, 40, 140, 200])
+    ours_logits, ours = pyserve_greedy(longrope_dir, prompts, 16)
+    hf_logits, theirs = hf_greedy(longrope_dir, prompts, 16)
+    torch.testing.assert_close(ours_logits, hf_logits, atol=1e-4, rtol=1e-4)
+    assert ours == theirs
+
+
+def test_longrope_switches_factors_as_a_sequence_outgrows_the_original_context(longrope_dir):
+    """A sequence that crosses the original context while decoding: its new
+    tokens rotate by the long factors from then on, the keys cached before
+    keep theirs, as transformers' model does step by step over its cache.
+    (transformers' generate differs here: at the crossing it drops its
+    cache and recomputes the whole sequence with the long factors.)"""
+    import transformers
+
+    prompts = random_prompts(512, [ORIGINAL_CONTEXT - 6, ORIGINAL_CONTEXT - 1])
+    _, ours = pyserve_greedy(longrope_dir, prompts, 12)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(longrope_dir, dtype=torch.float32)
+    assert ours == [hf_cached_greedy(hf, p, 12) for p in prompts]
+
+
+def test_longrope_config_spellings():
+    base = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 1024}
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for kind in ("su", "longrope", "yarn"):  # transformers reads all three as LongRoPE for Phi-3
+        config = parse_config({**base, "rope_scaling": {"type": kind, **factors}})
+        assert config.rope_scaling == {"rope_type": "longrope", **factors, "original_max_position_embeddings": 1024,
+                                       "factor": 4.0}
