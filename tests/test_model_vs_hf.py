@@ -119,6 +119,7 @@ VARIANTS = {
     "qwen3-qk-norm": ("qwen3", {}),
     "phi3-fused-checkpoint": ("phi3", {}),
     "phi3-partial-rotary-tied": ("phi3", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True}),
+    "granite-multipliers": ("granite", {}),
 }
 
 

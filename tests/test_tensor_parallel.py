@@ -187,6 +187,7 @@ TINY_MODELS = [
     pytest.param("qwen2", {"num_key_value_heads": 1, "vocab_size": 49153}, id="qwen2-bias-replicated-kv"),
     pytest.param("qwen3", {"tie_word_embeddings": True}, id="qwen3-qk-norm-tied"),
     pytest.param("phi3", {}, id="phi3-fused-checkpoint"),
+    pytest.param("granite", {}, id="granite-multipliers"),
 ]
 
 
