@@ -188,6 +188,10 @@ TINY_MODELS = [
     pytest.param("qwen3", {"tie_word_embeddings": True}, id="qwen3-qk-norm-tied"),
     pytest.param("phi3", {}, id="phi3-fused-checkpoint"),
     pytest.param("granite", {}, id="granite-multipliers"),
+    # q/k normalized over all heads: the ranks all-reduce their sums of
+    # squares, the one KV head replicated on both ranks counted once
+    pytest.param("olmo2", {"num_key_value_heads": 1}, id="olmo2-all-heads-qk-norm-replicated-kv"),
+    pytest.param("olmo2", {}, id="olmo2-all-heads-qk-norm"),
 ]
 
 
