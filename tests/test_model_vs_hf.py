@@ -121,6 +121,7 @@ VARIANTS = {
     "phi3-partial-rotary-tied": ("phi3", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True}),
     "granite-multipliers": ("granite", {}),
     "olmo2-post-norms-all-heads-qk-norm": ("olmo2", {}),
+    "glm4-partial-interleaved-rotary": ("glm4", {}),
 }
 
 

@@ -192,6 +192,7 @@ TINY_MODELS = [
     # squares, the one KV head replicated on both ranks counted once
     pytest.param("olmo2", {"num_key_value_heads": 1}, id="olmo2-all-heads-qk-norm-replicated-kv"),
     pytest.param("olmo2", {}, id="olmo2-all-heads-qk-norm"),
+    pytest.param("glm4", {}, id="glm4-partial-interleaved-rotary"),
 ]
 
 
