@@ -59,3 +59,12 @@ def test_longrope_config_spellings():
         config = parse_config({**base, "rope_scaling": {"type": kind, **factors}})
         assert config.rope_scaling == {"rope_type": "longrope", **factors, "original_max_position_embeddings": 1024,
                                        "factor": 4.0}
+
+
+def test_smollm3_nope_layers_from_either_spelling():
+    base = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4}
+    assert parse_config(base).nope_layers == {3, 7}  # every 4th layer by default
+    assert parse_config({**base, "no_rope_layers": [1, 0, 1, 1, 1, 1, 0, 1]}).nope_layers == {1, 6}
+    with pytest.raises(ValueError, match="no_rope_layers"):
+        parse_config({**base, "no_rope_layers": [1, 0]})

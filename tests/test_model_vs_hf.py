@@ -122,6 +122,7 @@ VARIANTS = {
     "granite-multipliers": ("granite", {}),
     "olmo2-post-norms-all-heads-qk-norm": ("olmo2", {}),
     "glm4-partial-interleaved-rotary": ("glm4", {}),
+    "smollm3-nope-layers": ("smollm3", {}),
 }
 
 

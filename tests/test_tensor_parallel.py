@@ -193,6 +193,7 @@ TINY_MODELS = [
     pytest.param("olmo2", {"num_key_value_heads": 1}, id="olmo2-all-heads-qk-norm-replicated-kv"),
     pytest.param("olmo2", {}, id="olmo2-all-heads-qk-norm"),
     pytest.param("glm4", {}, id="glm4-partial-interleaved-rotary"),
+    pytest.param("smollm3", {}, id="smollm3-nope-layers"),
 ]
 
 
