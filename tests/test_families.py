@@ -1,13 +1,18 @@
 """What the model families add beyond the shared tests (test_model_vs_hf.py,
 test_tensor_parallel.py run every family): LongRoPE on both sides of the
-original context."""
+original context, which families the native CPU layer takes, and a family
+served by a real `pyserve` to the official openai client."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pyserve.model.cpu import native_layers
 from pyserve.model.families import parse_config
+from pyserve.model.loader import load_model
+from pyserve.model.quant import parse_quant
+from tests.conftest import ServerProcess
 from tests.test_engine_vs_hf import hf_greedy as hf_cached_greedy
 from tests.test_model_vs_hf import hf_greedy, pyserve_greedy, random_prompts
 from tests.tiny_models import build_tiny_model
@@ -68,3 +73,44 @@ def test_smollm3_nope_layers_from_either_spelling():
     assert parse_config({**base, "no_rope_layers": [1, 0, 1, 1, 1, 1, 0, 1]}).nope_layers == {1, 6}
     with pytest.raises(ValueError, match="no_rope_layers"):
         parse_config({**base, "no_rope_layers": [1, 0]})
+
+
+@pytest.mark.parametrize("arch, reason", [
+    ("phi3", None),  # Llama's layer, fused in its checkpoint
+    ("granite", "scales the sublayers' outputs"),
+    ("olmo2", "Llama's pre-norms"),
+    ("glm4", "outputs"),
+    ("smollm3", "no rotary embedding"),
+])
+def test_native_cpu_layer_takes_llama_shaped_families_only(tmp_path, arch, reason):
+    model, _ = load_model(build_tiny_model(tmp_path, arch), torch.float32, "cpu", parse_quant("8da4w"))
+    found = native_layers.unfit_reason(model)
+    assert found is None if reason is None else reason in found
+
+
+def test_olmo2_served_to_the_openai_client(tmp_path, default_model_dir):
+    """`pyserve --model DIR` on a tiny OLMo 2 (its post-norms and all-heads
+    q/k norms): greedy completions and their logprobs as transformers'."""
+    import openai
+    import transformers
+
+    model_dir = build_tiny_model(tmp_path, "olmo2", tokenizer_dir=default_model_dir)
+    prompts = random_prompts(400, [4, 11], seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    srv = ServerProcess("--model", str(model_dir), "--max-total-tokens", "2048", "--torchao-config", "none",
+                        "--dtype", "float32")
+    try:
+        client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+        model = client.models.list().data[0].id
+        for prompt in prompts:
+            expected = hf_cached_greedy(hf, prompt, 8)
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + expected])).logits[0].log_softmax(-1)
+            expected_logprobs = [logits[len(prompt) - 1 + i, t].item() for i, t in enumerate(expected)]
+            choice = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                               logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+            assert choice.text == tokenizer.decode(expected)
+            assert choice.logprobs.token_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    finally:
+        srv.stop()
