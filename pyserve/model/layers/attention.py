@@ -51,10 +51,12 @@ class Attention(nn.Module):
             self.k_norm = rms_norm(config, self.head_dim, fused_kernels)
         else:
             self.q_norm = self.k_norm = None
-        # This layer's keyword options to AttentionBackend.forward (a sliding
-        # window, a logit soft-cap, sinks), for the families whose layers
-        # attend so; none of the families served here needs one.
-        self.backend_options: dict = {}
+        # This layer's options to AttentionBackend.forward, None: off. A
+        # family whose layers attend so sets them (a sliding window, Gemma 2's
+        # soft-cap, gpt-oss's sinks); the layers built from config alone have none.
+        self.window: int | None = None
+        self.softcap: float | None = None
+        self.sinks: torch.Tensor | None = None
 
     def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the new tokens, q and k rotated."""
@@ -69,7 +71,8 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        return attn.forward(q, k, v, self.layer_id, batch, self.scale, **self.backend_options)
+        return attn.forward(q, k, v, self.layer_id, batch, self.scale, window=self.window, softcap=self.softcap,
+                            sinks=self.sinks)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """o_proj of the attention output [T, heads, head_dim], summed over the ranks."""
@@ -83,6 +86,6 @@ class Attention(nn.Module):
             return "some of its layers have no rotary embedding"
         if self.rotary_interleaved or self.rotary_dim != self.head_dim:
             return "its rotary embedding is interleaved or covers part of each head"
-        if self.backend_options:
-            return "its attention takes options the native layer does not"
+        if (self.window, self.softcap, self.sinks) != (None, None, None):
+            return "its attention has a sliding window, a soft-cap or sinks"
         return None

@@ -89,7 +89,8 @@ class CausalLM(nn.Module):
 
         def decode_layer(layer, x, residual, cos, sin, kv_inputs):
             q, k, v, residual = layer.before_attention(x, residual, cos, sin)
-            out = attend_decode(q, k, v, *kv_inputs, layer.self_attn.scale)
+            attn = layer.self_attn
+            out = attend_decode(q, k, v, *kv_inputs, attn.scale, attn.softcap, attn.sinks)
             return layer.after_attention(out, residual)
 
         self.compiled_decode_layer = torch.compile(decode_layer)
@@ -151,7 +152,7 @@ class CausalLM(nn.Module):
             for t in (x, residual, cos, sin):
                 torch._dynamo.mark_dynamic(t, 0)
         for i, layer in enumerate(self.layers):
-            x, residual = compiled(layer, x, residual, cos, sin, decode_inputs(i))
+            x, residual = compiled(layer, x, residual, cos, sin, decode_inputs(i, layer.self_attn.window))
         return x, residual
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
