@@ -147,7 +147,7 @@ class RotaryEmbedding:
         c = self._tables[0][0] if self._tables else None
         if c is None or c.shape[0] < max_len or c.device != positions.device or c.dtype != dtype:
             self._grow(max_len, positions.device, dtype)
-        (cos, sin) = self._tables[0]
+        cos, sin = self._tables[0]
         cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
         if long_rows is None:
             return cos, sin
