@@ -110,9 +110,9 @@ def workload_from_args(args: argparse.Namespace) -> list[tuple[list[int], int]]:
         from pyserve.model.default_model import default_model_path
 
         args.model = str(default_model_path())
-    from pyserve.model.config import ModelConfig
+    from pyserve.model.families import read_config
 
-    vocab = ModelConfig.from_dir(args.model).vocab_size
+    vocab = read_config(args.model).vocab_size
     return make_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
 
 

@@ -90,10 +90,10 @@ async def cpu_speed(args) -> None:
     from pyserve.engine.engine import Engine
     from pyserve.engine.runner.rank_model import RankModel
     from pyserve.engine.request import GenerateRequest, SamplingParams
-    from pyserve.model.config import ModelConfig
+    from pyserve.model.families import read_config
     from pyserve.server_args import ServerArgs
 
-    vocab = ModelConfig.from_dir(args.model).vocab_size
+    vocab = read_config(args.model).vocab_size
     # Every compiled engine's layers share one compiled function (dynamo keys
     # its cache by code): three engines' shapes would pass the default limit
     # of 8 graphs, and the last engine would silently run eagerly.

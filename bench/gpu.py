@@ -38,7 +38,7 @@ from pyserve.model.attention.triton_backend import TritonAttention  # noqa: E402
 from pyserve.model.config import ModelConfig  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
 from pyserve.model.kv_buffer import KVBuffer  # noqa: E402
-from pyserve.model.llama import LlamaForCausalLM  # noqa: E402
+from pyserve.model.layers.causal_lm import CausalLM  # noqa: E402
 from tests.test_attention_torch import reference_attention  # noqa: E402  the float64 reference the tests use
 
 # Llama 3.2 1B and Llama 3.1 8B dimensions.
@@ -56,14 +56,14 @@ def llama_config(name: str, context_len: int) -> ModelConfig:
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=None, max_position_embeddings=context_len, attention_bias=False, o_proj_bias=False,
-        mlp_bias=False, qk_norm=False, torch_dtype="bfloat16", **SHAPES[name],
+        mlp_bias=False, qk_norm=None, torch_dtype="bfloat16", **SHAPES[name],
     )
 
 
-def random_model(config: ModelConfig) -> LlamaForCausalLM:
+def random_model(config: ModelConfig) -> CausalLM:
     """Built on the meta device, given GPU storage, filled in place."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = CausalLM(config)
     model = model.to(dtype=DTYPE).to_empty(device="cuda").requires_grad_(False).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -74,7 +74,7 @@ def random_model(config: ModelConfig) -> LlamaForCausalLM:
     return model
 
 
-def weight_bytes_per_step(model: LlamaForCausalLM, config: ModelConfig) -> int:
+def weight_bytes_per_step(model: CausalLM, config: ModelConfig) -> int:
     """Weight bytes a decode step reads: every parameter except the
     embedding table, of which it reads one row per token (unless the table
     is tied to the output projection, which reads it whole)."""

@@ -36,10 +36,10 @@ async def decode_rates(model_dir: str, tp_size: int, device: str, **options) -> 
     """Output tokens/s at each batch size on an engine of `tp_size` ranks."""
     from pyserve.engine.engine import Engine
     from pyserve.engine.request import GenerateRequest, SamplingParams
-    from pyserve.model.config import ModelConfig
+    from pyserve.model.families import read_config
     from pyserve.server_args import ServerArgs
 
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    vocab = read_config(model_dir).vocab_size
     engine = Engine.from_args(ServerArgs(model_path=model_dir, device=device, tp_size=tp_size, max_total_tokens=4096,
                                **options))
     await engine.start()

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (pyserve/model/fused_ops.py) against llama.py's torch code.
+"""The fused Triton kernels (pyserve/model/fused_ops.py) against the shared layers' torch code.
 
 Without CUDA the kernels run in Triton's CPU interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1 before any kernel is imported), on small shapes with
@@ -29,7 +29,11 @@ if DEVICE == "cpu":
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from pyserve.model import fused_ops, llama  # noqa: E402
+from pyserve.model import fused_ops  # noqa: E402
+from pyserve.model.config import ModelConfig  # noqa: E402
+from pyserve.model.layers.causal_lm import CausalLM  # noqa: E402
+from pyserve.model.layers.norms import RMSNorm  # noqa: E402
+from pyserve.model.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 if DEVICE == "cpu" and not isinstance(fused_ops._rms_norm_kernel, InterpretedFunction):
     pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
@@ -64,8 +68,8 @@ def randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
 
 
-def norm_module(n: int, dtype) -> llama.RMSNorm:
-    norm = llama.RMSNorm(n, 1e-6)
+def norm_module(n: int, dtype) -> RMSNorm:
+    norm = RMSNorm(n, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(1)))
     return norm.to(DEVICE, dtype)
@@ -119,17 +123,17 @@ def test_silu_and_mul(dtype, intermediate):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 80), (2, 2, 16)])
 def test_rotary_in_place_on_qkv_views(dtype, heads, kv_heads, head_dim):
-    config = llama.ModelConfig(
+    config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=16, hidden_size=heads * head_dim, intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-        attention_bias=False, o_proj_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+        attention_bias=False, o_proj_bias=False, mlp_bias=False, qk_norm=None, tie_word_embeddings=False,
         torch_dtype="float32",
     )
     positions = torch.tensor([0, 7, 3, 31, 12], device=DEVICE)
-    cos, sin = llama.RotaryEmbedding(config).cos_sin(positions, 32, dtype)
+    cos, sin = RotaryEmbedding(config).cos_sin(positions, 32, dtype)
     qkv, q, k, v = qkv_views(len(positions), heads, kv_heads, head_dim, dtype)
-    expected_q, expected_k = llama.apply_rotary(q, cos, sin), llama.apply_rotary(k, cos, sin)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     v_before = v.clone()
     fused_ops.rotary_(q, k, cos, sin)
     check(q, expected_q)
@@ -138,15 +142,15 @@ def test_rotary_in_place_on_qkv_views(dtype, heads, kv_heads, head_dim):
 
 
 def small_model(dtype, hidden, heads, kv_heads, head_dim, qk_norm):
-    config = llama.ModelConfig(
+    config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=hidden, intermediate_size=1536,
         num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-        attention_bias=False, o_proj_bias=False, mlp_bias=False, qk_norm=qk_norm, tie_word_embeddings=True,
+        attention_bias=False, o_proj_bias=False, mlp_bias=False, qk_norm="head" if qk_norm else None, tie_word_embeddings=True,
         torch_dtype="float32",
     )
     torch.manual_seed(0)
-    model = llama.LlamaForCausalLM(config)
+    model = CausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -167,7 +171,7 @@ def test_model_logits_fused_vs_torch(dtype, shape):
     from pyserve.model.forward_batch import ForwardBatch
 
     model, config = small_model(dtype, *shape)
-    unfused = llama.LlamaForCausalLM(config, fused_kernels=False).to(DEVICE, dtype).eval()
+    unfused = CausalLM(config, fused_kernels=False).to(DEVICE, dtype).eval()
     unfused.load_state_dict(model.state_dict())
     pool = KVBuffer(config.num_hidden_layers, 256, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
     attn = TorchAttention(pool)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pyserve.model.config import ModelConfig
+from pyserve.model.families import SERVED_ARCHITECTURES, parse_config, read_config
 from pyserve.model.loader import load_model
 from tests.tiny_models import build_tiny_model
 
@@ -143,11 +143,12 @@ def test_no_weights_is_an_error(tmp_path):
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    with pytest.raises(ValueError, match="unsupported architecture") as refused:
         load_model(tmp_path, torch.float32, "cpu")
+    assert all(arch in str(refused.value) for arch in SERVED_ARCHITECTURES)
 
 
-# ModelConfig
+# The config, as the families read it
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -156,7 +157,7 @@ BASE = {
 
 
 def test_config_defaults_and_derived_fields():
-    c = ModelConfig.from_dicts(BASE)
+    c = parse_config(BASE)
     assert c.num_key_value_heads == 8 and c.head_dim == 8
     assert c.rope_theta == 10000.0 and c.rope_scaling is None
     assert not (c.attention_bias or c.o_proj_bias or c.mlp_bias or c.qk_norm or c.tie_word_embeddings)
@@ -166,51 +167,51 @@ def test_config_defaults_and_derived_fields():
 def test_config_eos_is_the_union_of_both_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 5, "bos_token_id": 1}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 9]}))
-    c = ModelConfig.from_dir(tmp_path)
+    c = read_config(tmp_path)
     assert c.eos_token_ids == [5, 7, 9] and c.bos_token_id == 1
-    assert ModelConfig.from_dicts({**BASE, "eos_token_id": [3, 4]}).eos_token_ids == [3, 4]
+    assert parse_config({**BASE, "eos_token_id": [3, 4]}).eos_token_ids == [3, 4]
 
 
 def test_config_architecture_specifics():
-    qwen2 = ModelConfig.from_dicts({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    qwen2 = parse_config({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
-    qwen3 = ModelConfig.from_dicts({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    qwen3 = parse_config({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
     assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.attention_bias
-    llama = ModelConfig.from_dicts({**BASE, "attention_bias": True, "mlp_bias": True})
+    llama = parse_config({**BASE, "attention_bias": True, "mlp_bias": True})
     assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
-    assert ModelConfig.from_dicts({**BASE, "torch_dtype": "bfloat16"}).torch_dtype == "bfloat16"
-    assert ModelConfig.from_dicts({**BASE, "dtype": "float16"}).torch_dtype == "float16"
+    assert parse_config({**BASE, "torch_dtype": "bfloat16"}).torch_dtype == "bfloat16"
+    assert parse_config({**BASE, "dtype": "float16"}).torch_dtype == "float16"
 
 
 def test_config_rope_spellings():
     llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     # transformers 4: rope_theta at top level, rope_scaling with rope_type or type
-    old = ModelConfig.from_dicts({**BASE, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama3}})
+    old = parse_config({**BASE, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama3}})
     assert old.rope_theta == 5e5 and old.rope_scaling == {"rope_type": "llama3", **llama3}
-    legacy = ModelConfig.from_dicts({**BASE, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    legacy = parse_config({**BASE, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert legacy.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     # transformers 5: everything under rope_parameters
-    new = ModelConfig.from_dicts({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    new = parse_config({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
     assert new.rope_theta == 5e5 and new.rope_scaling == old.rope_scaling
-    plain = ModelConfig.from_dicts({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    plain = parse_config({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert plain.rope_theta == 1e6 and plain.rope_scaling is None
-    yarn = ModelConfig.from_dicts({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    yarn = parse_config({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 
 
 def test_config_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="dynamic"):
-        ModelConfig.from_dicts({**BASE, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+        parse_config({**BASE, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match="gelu"):
-        ModelConfig.from_dicts({**BASE, "hidden_act": "gelu"})
+        parse_config({**BASE, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="no config.json"):
-        ModelConfig.from_dir("/nonexistent")
+        read_config("/nonexistent")
 
 
 def test_config_caps_context_to_a_sliding_window():
     mistral = {**BASE, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
-    assert ModelConfig.from_dicts({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
-    assert ModelConfig.from_dicts({**mistral, "sliding_window": None}).max_position_embeddings == 32768
+    assert parse_config({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
+    assert parse_config({**mistral, "sliding_window": None}).max_position_embeddings == 32768
     qwen2 = {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 512}
-    assert ModelConfig.from_dicts({**qwen2, "use_sliding_window": False}).max_position_embeddings == 1024
-    assert ModelConfig.from_dicts({**qwen2, "use_sliding_window": True}).max_position_embeddings == 512
+    assert parse_config({**qwen2, "use_sliding_window": False}).max_position_embeddings == 1024
+    assert parse_config({**qwen2, "use_sliding_window": True}).max_position_embeddings == 512

@@ -117,6 +117,12 @@ VARIANTS = {
     "qwen2-yarn-rope": ("qwen2", {"rope_scaling": {
         "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
     "qwen3-qk-norm": ("qwen3", {}),
+    "phi3-fused-checkpoint": ("phi3", {}),
+    "phi3-partial-rotary-tied": ("phi3", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True}),
+    "granite-multipliers": ("granite", {}),
+    "olmo2-post-norms-all-heads-qk-norm": ("olmo2", {}),
+    "glm4-partial-interleaved-rotary": ("glm4", {}),
+    "smollm3-nope-layers": ("smollm3", {}),
 }
 
 

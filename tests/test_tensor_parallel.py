@@ -186,6 +186,14 @@ TINY_MODELS = [
     # vocabulary leaves the last rank's shard a padded row
     pytest.param("qwen2", {"num_key_value_heads": 1, "vocab_size": 49153}, id="qwen2-bias-replicated-kv"),
     pytest.param("qwen3", {"tie_word_embeddings": True}, id="qwen3-qk-norm-tied"),
+    pytest.param("phi3", {}, id="phi3-fused-checkpoint"),
+    pytest.param("granite", {}, id="granite-multipliers"),
+    # q/k normalized over all heads: the ranks all-reduce their sums of
+    # squares, the one KV head replicated on both ranks counted once
+    pytest.param("olmo2", {"num_key_value_heads": 1}, id="olmo2-all-heads-qk-norm-replicated-kv"),
+    pytest.param("olmo2", {}, id="olmo2-all-heads-qk-norm"),
+    pytest.param("glm4", {}, id="glm4-partial-interleaved-rotary"),
+    pytest.param("smollm3", {}, id="smollm3-nope-layers"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Mistral / Qwen2 / Qwen3 models, saved by transformers.
+"""Tiny random models of every served family, saved by transformers.
 
 Building them with transformers' own classes and `save_pretrained` means the
 files have exactly the names, shapes and config keys that real checkpoints
@@ -18,7 +18,26 @@ import json
 import shutil
 from pathlib import Path
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# arch -> (transformers config class, model class): names, as transformers spells them.
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+}
+ARCHS = tuple(_CLASSES)
+# Per-arch defaults that make the tiny model exercise what sets its family
+# apart (values of the real checkpoints' order).
+_ARCH_DEFAULTS = {
+    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                    logits_scaling=8.0),
+    "smollm3": dict(no_rope_layer_interval=2),  # layer 1 of 2 without rotary embedding
+}
 # Copied from `tokenizer_dir`; generation_config.json last, so its eos/bos win.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -43,7 +62,7 @@ def build_tiny_model(
 ) -> Path:
     """Write a tiny random model to `out_dir` (created if needed) and return it.
 
-    arch: "llama", "mistral", "qwen2" (q/k/v bias) or "qwen3" (q/k norm).
+    arch: one of ARCHS, e.g. "llama", "qwen2" (q/k/v bias), "qwen3" (q/k norm).
       Defaults: hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads,
       head_dim 16, vocab 512, bos 1, eos 2, untied embeddings, float32.
     tokenizer_dir: a model directory whose tokenizer.json,
@@ -75,6 +94,8 @@ def build_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
+        pad_token_id=None,  # some families' defaults lie beyond the tiny vocabulary
+        **_ARCH_DEFAULTS.get(arch, {}),
     )
     if tokenizer_dir is not None:
         tokenizer_dir = Path(tokenizer_dir)
@@ -86,13 +107,7 @@ def build_tiny_model(
                     config[key] = source[key]
     config.update(overrides)
 
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }
-    config_cls, model_cls = classes[arch]
+    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
     torch.manual_seed(seed)
     model = model_cls(config_cls(**config)).to(torch.float32)
     with torch.no_grad():

@@ -3,7 +3,10 @@
 Checkpoints written by different transformers versions spell the same thing
 differently (`rope_scaling` with `type` or `rope_type`, transformers 5's
 `rope_parameters` holding `rope_theta` too, `torch_dtype` or `dtype`); this
-module folds them into one `ModelConfig` so the model code sees one shape.
+module folds what every family shares into one `ModelConfig`, so the model
+code sees one shape. What a family adds (its biases, norms, multipliers)
+its module in families/ reads, into the options the shared blocks
+(layers/) follow; families/__init__.py puts the two together.
 """
 
 from __future__ import annotations
@@ -15,14 +18,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-# RoPE variants whose frequencies are fixed at load time (see llama.py).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE variants whose frequencies are fixed at load time (see layers/rotary.py).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# RMSNorm roundings (layers/norms.py): Llama's, the weight applied in
+# float32 (Olmo 2), and (1 + weight) in float32 (Gemma).
+NORM_STYLES = ("llama", "float32", "gemma")
 
 
 def _as_id_list(value) -> list[int]:
@@ -31,29 +31,32 @@ def _as_id_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict with a `rope_type` key, or None for plain RoPE)."""
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     kind = rope.get("rope_type") or rope.get("type") or "default"
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope scaling type {kind!r} is not supported; pyserve supports {SUPPORTED_ROPE_TYPES}")
     if kind == "default":
         return theta, None
-    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type")}
-    if kind in ("llama3", "yarn"):
-        # transformers falls back to the model's own context length.
-        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type", "partial_rotary_factor")}
+    if kind in ("llama3", "yarn", "longrope"):
+        # transformers falls back to the model's own context length; Phi-3
+        # keeps the original one beside rope_scaling, and that one wins.
+        original = cfg.get("original_max_position_embeddings") if kind == "longrope" else None
+        scaling["original_max_position_embeddings"] = (
+            original or scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"))
+    if kind == "longrope" and scaling.get("factor") is None:
+        scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     return theta, {"rope_type": kind, **scaling}
 
 
-def _sliding_window(cfg: dict, arch: str) -> int | None:
-    """The attention window the checkpoint was trained with, if any."""
-    if arch == "MistralForCausalLM":
-        return cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
-        return cfg.get("sliding_window")
-    return None
+def partial_rotary_factor(cfg: dict, default: float = 1.0) -> float:
+    """The fraction of each head that rotates (top level or in the rope parameters)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or default)
 
 
 @dataclass
@@ -68,77 +71,80 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None, or {"rope_type": "linear" | "llama3" | "yarn", ...}
+    rope_scaling: dict | None  # None, or {"rope_type": "linear" | "llama3" | "yarn" | "longrope", ...}
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2, some Llamas)
-    o_proj_bias: bool  # the attention output projection carries a bias (Llama attention_bias)
-    mlp_bias: bool  # gate/up/down carry a bias (Llama mlp_bias)
-    qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # What the shared blocks (layers/) follow; each family sets what its checkpoints need.
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, some Llamas)
+    o_proj_bias: bool = False  # the attention output projection carries a bias (Llama attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry a bias (Llama mlp_bias)
+    qk_norm: str | None = None  # RMSNorm of q and k: "head", per head (Qwen3); "all", over all heads (Olmo 2)
+    attention_scale: float | None = None  # multiplies q.k; None: head_dim ** -0.5
+    partial_rotary_factor: float = 1.0  # the fraction of each head that rotates
+    rotary_interleaved: bool = False  # rotary pairs dimensions 2i, 2i + 1 (GLM) rather than i, i + half
+    nope_layers: frozenset[int] = frozenset()  # layers without rotary embedding (SmolLM3)
+    norm_style: str = "llama"  # one of NORM_STYLES
+    pre_norms: bool = True  # norms before attention and before the MLP
+    post_norms: bool = False  # norms of the attention's and the MLP's outputs (Olmo 2, GLM-4, Gemma)
+    embedding_multiplier: float = 1.0  # scales the embeddings (Granite)
+    residual_multiplier: float = 1.0  # scales each sublayer's output before its residual add (Granite)
+    logits_scaling: float = 1.0  # logits are divided by it (Granite)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # The attention window the checkpoint was trained with. Attention here
+    # is full: within the window that is exactly sliding-window attention,
+    # so the context is capped to it (`cap_context_to_window`).
+    sliding_window: int | None = None
 
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        model_dir = Path(model_dir)
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{model_dir} has no config.json")
-        cfg = json.loads(path.read_text())
-        gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls.from_dicts(cfg, gen, source=str(model_dir))
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
-    @classmethod
-    def from_dicts(cls, cfg: dict, gen: dict | None = None, source: str = "config") -> ModelConfig:
-        """From parsed config.json (and generation_config.json) contents."""
-        gen = gen or {}
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or cfg.get('model_type')}; "
-                f"pyserve serves {list(SUPPORTED_ARCHITECTURES)}"
-            )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act {act!r} is not supported (only silu)")
-        heads = cfg["num_attention_heads"]
-        rope_theta, rope_scaling = _rope_settings(cfg)
 
-        max_pos = cfg.get("max_position_embeddings", 4096)
-        window = _sliding_window(cfg, arch)
-        if window is not None and window < max_pos:
-            # Attention here is always full; within the window that is exactly
-            # sliding-window attention, so cap the context rather than be wrong.
-            logger.warning("%s: sliding_window %d is not implemented; context capped to it", source, window)
-            max_pos = window
+def base_fields(cfg: dict, gen: dict, source: str) -> dict:
+    """The ModelConfig fields every family reads the same way, from parsed
+    config.json and generation_config.json contents."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    heads = cfg["num_attention_heads"]
+    rope_theta, rope_scaling = rope_settings(cfg)
+    eos = _as_id_list(cfg.get("eos_token_id"))
+    eos += [i for i in _as_id_list(gen.get("eos_token_id")) if i not in eos]
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        eos_token_ids=eos,
+        bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+    )
 
-        eos = _as_id_list(cfg.get("eos_token_id"))
-        eos += [i for i in _as_id_list(gen.get("eos_token_id")) if i not in eos]
-        bias = bool(cfg.get("attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and never an o_proj bias.
-            attention_bias=True if is_qwen2 else bias,
-            o_proj_bias=False if is_qwen2 else bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            eos_token_ids=eos,
-            bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
-        )
+
+def cap_context_to_window(config: ModelConfig, source: str) -> ModelConfig:
+    window = config.sliding_window
+    if window is not None and window < config.max_position_embeddings:
+        logger.warning("%s: sliding_window %d is not implemented; context capped to it", source, window)
+        config.max_position_embeddings = window
+    return config
+
+
+def read_config_files(model_dir: str | Path) -> tuple[dict, dict]:
+    """(config.json, generation_config.json or {}) of a model directory."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json")
+    gen_path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()), json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -10,7 +10,7 @@ is one kernel:
   silu_and_mul   SiLU(gate) * up on the fused gate_up projection
   rotary_        rotate-half RoPE on q and k, in place, in one launch
 
-The torch code in llama.py is the reference: it matches transformers, and
+The torch code of the shared layers (layers/) is the reference: it matches transformers, and
 these kernels round exactly where it rounds. Everything is computed in
 float32 and cast to the model dtype at each point where torch's result is a
 model-dtype tensor (a bf16 * bf16 product is exact in float32, so one

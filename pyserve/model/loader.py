@@ -1,10 +1,11 @@
-"""Load Hugging Face safetensors weights into LlamaForCausalLM.
+"""Load Hugging Face safetensors weights into a model family's CausalLM.
 
 The model is built on the meta device and then given uninitialised storage
 on the target device in the target dtype, so no throwaway random weights
 (and no float32 copy of a bf16 model) are ever allocated. Tensors are then
 read one at a time from the checkpoint (one file or an index of shards) and
-copied into place; q/k/v and gate/up land in row ranges of the fused
+copied into place where the family's checkpoint names say
+(checkpoint.py): q/k/v and gate/up land in row ranges of the fused
 parameters. Every parameter row range must be filled exactly once. A
 tensor-parallel rank reads only its slice of each tensor (safetensors'
 get_slice), along the dimension its layer is split (parallel.py).
@@ -19,15 +20,16 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
 from pyserve.model.config import ModelConfig
-from pyserve.model.llama import LlamaForCausalLM
+from pyserve.model.families import family_of, read_config
+from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
 from pyserve.model.quant import Int4Groups, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
 
@@ -50,84 +52,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-@dataclass(frozen=True)
-class _Projection:
-    """Where a checkpoint projection goes on this rank: our module (the fused
-    one for q/k/v and gate/up) and its first row there, the dimension its
-    weight is split along (0: column-parallel, 1: row-parallel), this rank's
-    part of that dimension and the checkpoint's whole length of it."""
-
-    module: str
-    row: int | None
-    dim: int
-    part: range
-    full: int
-
-
-def _projections(config: ModelConfig, shard: ModelShard) -> dict[str, _Projection]:
-    hd = config.head_dim
-    q = range(shard.q_heads.start * hd, shard.q_heads.stop * hd)
-    kv = range(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
-    inter = shard.intermediate
-    q_all, kv_all = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    inter_all = config.intermediate_size
-    return {
-        "self_attn.q_proj": _Projection("self_attn.qkv_proj", 0, 0, q, q_all),
-        "self_attn.k_proj": _Projection("self_attn.qkv_proj", len(q), 0, kv, kv_all),
-        "self_attn.v_proj": _Projection("self_attn.qkv_proj", len(q) + len(kv), 0, kv, kv_all),
-        "self_attn.o_proj": _Projection("self_attn.o_proj", None, 1, q, q_all),
-        "mlp.gate_proj": _Projection("mlp.gate_up_proj", 0, 0, inter, inter_all),
-        "mlp.up_proj": _Projection("mlp.gate_up_proj", len(inter), 0, inter, inter_all),
-        "mlp.down_proj": _Projection("mlp.down_proj", None, 1, inter, inter_all),
-    }
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Where one checkpoint tensor goes: into `param` from row `row` (None:
-    an unfused parameter), this rank's `part` of it along `dim` (None: all
-    of it), whose whole length is `full`."""
-
-    param: str
-    row: int | None = None
-    dim: int | None = None
-    part: range | None = None
-    full: int | None = None
-
-
-def _destination(hf_name: str, config: ModelConfig, shard: ModelShard) -> _Piece | None:
-    """Where a checkpoint tensor goes on this rank; None for tensors skipped
-    on purpose."""
-    name = hf_name.removeprefix("model.")
-    if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
-        return None
-    if name == "lm_head.weight" and config.tie_word_embeddings:
-        return None  # some tied checkpoints store the copy anyway
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        return _Piece(name, None, 0, shard.vocab, config.vocab_size)
-    for proj, p in _projections(config, shard).items():
-        if f".{proj}." in name:
-            param = name.replace(proj, p.module)
-            if name.endswith(".bias") and p.dim == 1:
-                # A row-parallel bias is added once, after the all-reduce: rank 0 holds it.
-                return _Piece(param) if shard.tp.rank == 0 else None
-            return _Piece(param, p.row, p.dim if name.endswith(".weight") else 0, p.part, p.full)
-    return _Piece(name)
-
-
-def _expected_pieces(params: dict, config: ModelConfig, shard: ModelShard) -> set[tuple[str, int | None]]:
-    """Every (parameter, first row) the checkpoint must fill exactly once."""
-    rows_of: dict[str, set[int]] = {}
-    for p in _projections(config, shard).values():
-        if p.row is not None:
-            rows_of.setdefault(p.module, set()).add(p.row)
-    pieces = set()
-    for name in params:
-        fused = next((m for m in rows_of if f".{m}." in name), None)
-        pieces.update([(name, None)] if fused is None else [(name, row) for row in rows_of[fused]])
-    return pieces
-
-
 def _read(handle, key: str, dim: int | None, part: range | None, full: int | None) -> torch.Tensor:
     """The tensor `key`, or its `part` along `dim` (clipped to the tensor:
     the last vocabulary shard may run past it). ValueError when the
@@ -141,7 +65,8 @@ def _read(handle, key: str, dim: int | None, part: range | None, full: int | Non
     return view[(slice(None),) * dim + (slice(part.start, min(part.stop, full)),)]
 
 
-def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, group_size: int) -> dict[str, Int4Groups]:
+def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, names: CheckpointNames,
+                  group_size: int) -> dict[str, Int4Groups]:
     """Module name -> its 4-bit groups from a file of `<projection>.codes/.scales/.zeros`
     (codes two to a byte), this rank's part of each, the parts of a fused
     projection concatenated in row order."""
@@ -151,32 +76,49 @@ def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, group_size
             if not key.endswith(".codes"):
                 continue
             projection = key.removesuffix(".codes")
-            piece = _destination(projection + ".weight", config, shard)
-            dim, part, full = piece.dim, piece.part, piece.full
-            if dim == 1 and (part.start % group_size or len(part) % group_size):
-                raise ValueError(
-                    f"{path.name}: tensor-parallel rank {shard.tp.rank} holds columns {part.start}-{part.stop} of "
-                    f"{projection}, which do not begin and end on its groups of {group_size}; serve this model "
-                    "with --torchao-config none or int8wo at this --tp-size")
-            # Along the input dimension codes come two to a byte and scales one per group.
-            per_code, per_group = (1, 1) if dim == 0 else (2, group_size)
-            codes = _read(f, key, dim, range(part.start // per_code, part.stop // per_code), full // per_code)
-            scales, zeros = (
-                _read(f, projection + suffix, dim, range(part.start // per_group, part.stop // per_group),
-                      full // per_group) for suffix in (".scales", ".zeros"))
-            parts.setdefault(piece.param.removesuffix(".weight"), []).append(
-                (piece.row or 0, unpack_nibbles(codes), scales, zeros))
+            for piece in pieces(projection + ".weight", config, shard, names):
+                dim, part, full = piece.dim, piece.part, piece.full
+                if dim == 1 and (part.start % group_size or len(part) % group_size):
+                    raise ValueError(
+                        f"{path.name}: tensor-parallel rank {shard.tp.rank} holds columns {part.start}-{part.stop} "
+                        f"of {projection}, which do not begin and end on its groups of {group_size}; serve this "
+                        "model with --torchao-config none or int8wo at this --tp-size")
+                # Along the input dimension codes come two to a byte and scales one per group.
+                per_code, per_group = (1, 1) if dim == 0 else (2, group_size)
+                codes = _read(f, key, dim, range(part.start // per_code, part.stop // per_code), full // per_code)
+                scales, zeros = (
+                    _read(f, projection + suffix, dim, range(part.start // per_group, part.stop // per_group),
+                          full // per_group) for suffix in (".scales", ".zeros"))
+                parts.setdefault(piece.param.removesuffix(".weight"), []).append(
+                    (piece.row or 0, unpack_nibbles(codes), scales, zeros))
     groups = {}
-    for module, pieces in parts.items():
-        pieces.sort(key=lambda piece: piece[0])
-        groups[module] = tuple(torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
+    for module, stacked in parts.items():
+        stacked.sort(key=lambda piece: piece[0])
+        groups[module] = tuple(torch.cat([p[i] for p in stacked]) for i in (1, 2, 3))
     return groups
+
+
+def _copy_piece(target: torch.Tensor, piece, handle, hf_name: str, path: Path) -> None:
+    """Read one piece of the checkpoint tensor `hf_name` into its place in `target`."""
+    if piece.row is not None:
+        target = target.narrow(0, piece.row, len(piece.part))
+    try:
+        tensor = _read(handle, hf_name, piece.dim, piece.part, piece.full)
+    except ValueError as e:
+        raise ValueError(f"{path.name}: {e}") from None
+    if piece.dim == 0 and piece.row is None and tensor.shape[0] < target.shape[0]:  # vocabulary padding rows
+        target[tensor.shape[0] :].zero_()
+        target = target[: tensor.shape[0]]
+    if tensor.shape != target.shape:
+        raise ValueError(
+            f"{path.name}: {hf_name} has shape {tuple(tensor.shape)}, the config expects {tuple(target.shape)}")
+    target.copy_(tensor)
 
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
     tp: TensorParallel = SINGLE, lm_head: bool = True,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """The model in eval mode with every weight loaded, and its config;
     its linear layers quantized as `quant` when given (CPU only). Under
     tensor parallelism (`tp`), this rank's shard: only its slice of each
@@ -186,16 +128,18 @@ def load_model(
     -8B) ship none."""
     model_dir = Path(model_dir)
     device = torch.device(device)
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
+    family = family_of(config.architecture)
+    names = family.checkpoint
     shard = ModelShard.of(config, tp)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, shard)
+        model = family.model(config, shard)
     if not lm_head:
         model.lm_head = None
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
     params = dict(model.named_parameters())
-    missing = _expected_pieces(params, config, shard)
+    missing = expected_pieces(params, config, shard, names)
 
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
@@ -206,37 +150,22 @@ def load_model(
         for path, handle in zip(files, handles):
             for hf_name in handle.keys():
                 progress.update()
-                piece = _destination(hf_name, config, shard)
-                if piece is None or (piece.param == "lm_head.weight" and model.lm_head is None):
-                    continue
-                if (piece.param, piece.row) not in missing:
-                    raise ValueError(
-                        f"{path.name}: unexpected (or repeated) tensor {hf_name} for {config.architecture}"
-                    )
-                target = params[piece.param].data
-                if piece.row is not None:
-                    target = target.narrow(0, piece.row, len(piece.part))
-                try:
-                    tensor = _read(handle, hf_name, piece.dim, piece.part, piece.full)
-                except ValueError as e:
-                    raise ValueError(f"{path.name}: {e}") from None
-                if piece.dim == 0 and tensor.shape[0] < target.shape[0]:  # vocabulary padding rows
-                    target[tensor.shape[0] :].zero_()
-                    target = target[: tensor.shape[0]]
-                if tensor.shape != target.shape:
-                    raise ValueError(
-                        f"{path.name}: {hf_name} has shape {tuple(tensor.shape)}, "
-                        f"the config expects {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                missing.discard((piece.param, piece.row))
+                for piece in pieces(hf_name, config, shard, names):
+                    if piece.param == "lm_head.weight" and model.lm_head is None:
+                        continue
+                    if (piece.param, piece.row) not in missing:
+                        raise ValueError(
+                            f"{path.name}: unexpected (or repeated) tensor {hf_name} for {config.architecture}"
+                        )
+                    _copy_piece(params[piece.param].data, piece, handle, hf_name, path)
+                    missing.discard((piece.param, piece.row))
     if missing:
-        names = sorted(n if first is None else f"{n} (rows from {first})" for n, first in missing)
-        raise ValueError(f"{model_dir}: {len(names)} weights missing from the checkpoint, e.g. {names[:5]}")
+        absent = sorted(n if first is None else f"{n} (rows from {first})" for n, first in missing)
+        raise ValueError(f"{model_dir}: {len(absent)} weights missing from the checkpoint, e.g. {absent[:5]}")
     if quant is not None:
         shipped = prequantized_file(model_dir, quant)
         quantize_model(model, quant,
-                       _shipped_int4(shipped, config, shard, quant.group_size) if shipped.is_file() else None)
+                       _shipped_int4(shipped, config, shard, names, quant.group_size) if shipped.is_file() else None)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(

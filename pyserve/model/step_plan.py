@@ -21,7 +21,7 @@ class Layers(Enum):
     """Which code runs a step's decoder layers."""
 
     TORCH = "torch"  # the model's modules, op by op: any step
-    COMPILED_DECODE = "compiled decode"  # the torch.compile'd layer (LlamaForCausalLM.compile_decode): decode steps
+    COMPILED_DECODE = "compiled decode"  # the torch.compile'd layer (CausalLM.compile_decode, layers/causal_lm.py): decode steps
     NATIVE_DECODE = "native decode"  # one Rust call per layer (cpu/native_layers.py): decode steps
     NATIVE_EXTENDS = "native extends"  # the same for prefill chunks alone, attending with cpu/extend_attention.py
 

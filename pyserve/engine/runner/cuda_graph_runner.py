@@ -24,7 +24,7 @@ import torch
 
 from pyserve.model.attention.triton_backend import TritonAttention
 from pyserve.model.forward_batch import ForwardBatch
-from pyserve.model.llama import LlamaForCausalLM
+from pyserve.model.layers.causal_lm import CausalLM
 
 logger = logging.getLogger("pyserve.engine")
 
@@ -36,7 +36,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, attention: TritonAttention, max_bs: int, context_len: int):
+    def __init__(self, model: CausalLM, attention: TritonAttention, max_bs: int, context_len: int):
         self.model = model
         self.attention = attention
         self.batch_sizes = capture_batch_sizes(max_bs)

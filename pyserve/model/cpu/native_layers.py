@@ -34,8 +34,9 @@ def unfit_reason(model) -> str | None:
             return "its projections are not all Q4_1 blocks"
         if any(p.bias is not None for p in projections[1:]):
             return "o_proj or the MLP has a bias"
-        if attn.q_norm is not None:
-            return "it normalizes q and k per head"
+        reason = layer.unlike_llama()
+        if reason is not None:
+            return reason
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 for w in norms):
             return f"the model runs in {norms[0].dtype}, the native layer in float32"

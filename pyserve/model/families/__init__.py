@@ -1,0 +1,47 @@
+"""The model families pyserve serves, by architecture name.
+
+A family is one module here declaring a `Family` (family.py): the
+architectures it serves, its config fields, its checkpoint names and its
+model class, built from the shared blocks (layers/). Adding one is that
+module, its line in FAMILIES and its tests (docs/model-families.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyserve.model.config import ModelConfig, base_fields, cap_context_to_window, read_config_files
+from pyserve.model.families import glm4, granite, llama, olmo2, phi3, qwen, smollm3
+from pyserve.model.families.family import Family
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, granite.FAMILY, olmo2.FAMILY, glm4.FAMILY,
+                                smollm3.FAMILY)
+_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
+SERVED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
+
+
+def family_of(architecture: str) -> Family:
+    return _BY_ARCHITECTURE[architecture]
+
+
+def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> ModelConfig:
+    """The config of a served architecture, from parsed config.json (and
+    generation_config.json) contents; ValueError naming what is served otherwise."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in _BY_ARCHITECTURE), None)
+    if arch is None:
+        raise ValueError(f"{source}: unsupported architecture {archs or cfg.get('model_type')}; "
+                         f"pyserve serves {list(SERVED_ARCHITECTURES)}")
+    family = _BY_ARCHITECTURE[arch]
+    fields = base_fields(cfg, gen or {}, source)
+    try:
+        fields.update(family.config_fields(cfg, arch))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    return cap_context_to_window(family.config_class(architecture=arch, **fields), source)
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    """The config of the model in `model_dir` (config.json, generation_config.json)."""
+    cfg, gen = read_config_files(model_dir)
+    return parse_config(cfg, gen, source=str(model_dir))

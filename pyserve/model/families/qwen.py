@@ -1,0 +1,17 @@
+"""Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm per head)."""
+
+from __future__ import annotations
+
+from pyserve.model.families.family import Family
+
+
+def _config_fields(cfg: dict, arch: str) -> dict:
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if arch == "Qwen2ForCausalLM":
+        # Qwen2 always has q/k/v bias and never an o_proj bias.
+        return dict(attention_bias=True, sliding_window=window)
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm="head", sliding_window=window)
+
+
+FAMILY = Family(("Qwen2ForCausalLM", "Qwen3ForCausalLM"), _config_fields)
