@@ -88,18 +88,16 @@ def test_native_cpu_layer_takes_llama_shaped_families_only(tmp_path, arch, reaso
     assert found is None if reason is None else reason in found
 
 
-def test_olmo2_served_to_the_openai_client(tmp_path, default_model_dir):
-    """`pyserve --model DIR` on a tiny OLMo 2 (its post-norms and all-heads
-    q/k norms): greedy completions and their logprobs as transformers'."""
+def assert_served_like_transformers(model_dir, prompts: list[list[int]], *options: str) -> None:
+    """`pyserve --model model_dir` (plus `options`): greedy completions of
+    `prompts` and their logprobs, through the official openai client, as
+    transformers' on the same weights."""
     import openai
     import transformers
 
-    model_dir = build_tiny_model(tmp_path, "olmo2", tokenizer_dir=default_model_dir)
-    prompts = random_prompts(400, [4, 11], seed=3)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    srv = ServerProcess("--model", str(model_dir), "--max-total-tokens", "2048", "--torchao-config", "none",
-                        "--dtype", "float32")
+    srv = ServerProcess("--model", str(model_dir), "--max-total-tokens", "2048", *options)
     try:
         client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
         model = client.models.list().data[0].id
@@ -114,3 +112,11 @@ def test_olmo2_served_to_the_openai_client(tmp_path, default_model_dir):
             assert choice.logprobs.token_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
     finally:
         srv.stop()
+
+
+def test_olmo2_served_to_the_openai_client(tmp_path, default_model_dir):
+    """`pyserve --model DIR` on a tiny OLMo 2 (its post-norms and all-heads
+    q/k norms): greedy completions and their logprobs as transformers'."""
+    model_dir = build_tiny_model(tmp_path, "olmo2", tokenizer_dir=default_model_dir)
+    assert_served_like_transformers(model_dir, random_prompts(400, [4, 11], seed=3),
+                                    "--torchao-config", "none", "--dtype", "float32")

@@ -29,6 +29,9 @@ _CLASSES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 ARCHS = tuple(_CLASSES)
 # Per-arch defaults that make the tiny model exercise what sets its family
@@ -37,6 +40,11 @@ _ARCH_DEFAULTS = {
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
                     logits_scaling=8.0),
     "smollm3": dict(no_rope_layer_interval=2),  # layer 1 of 2 without rotary embedding
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # a shared expert with its gate; layer 1 of 2 the dense MLP
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 # Copied from `tokenizer_dir`; generation_config.json last, so its eos/bos win.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

@@ -10,6 +10,10 @@ parameters. Every parameter row range must be filled exactly once. A
 tensor-parallel rank reads only its slice of each tensor (safetensors'
 get_slice), along the dimension its layer is split (parallel.py).
 
+A mixture-of-experts block (layers/moe.py) places the tensors of its layer
+that it claims itself, whole (each rank keeps its slice of every expert):
+its parameters start as NaN, so one that no tensor filled shows.
+
 With a weight quantization (quant.py) the linear layers are then replaced
 by quantized ones; where the directory ships weights already quantized
 that way (model.int4wo-32.safetensors), those are used as they are.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -30,6 +35,7 @@ from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
 from pyserve.model.config import ModelConfig
 from pyserve.model.families import family_of, read_config
 from pyserve.model.layers.causal_lm import CausalLM
+from pyserve.model.layers.moe import MoEBlock, placement
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
 from pyserve.model.quant import Int4Groups, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
 
@@ -115,6 +121,21 @@ def _copy_piece(target: torch.Tensor, piece, handle, hf_name: str, path: Path) -
     target.copy_(tensor)
 
 
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+def _expert_blocks(model: CausalLM) -> dict[int, MoEBlock]:
+    """The MoE blocks of `model`, by layer index."""
+    return {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)}
+
+
+def _block_claiming(blocks: dict[int, MoEBlock], hf_name: str) -> MoEBlock | None:
+    """The MoE block whose tensor `hf_name` is, if any."""
+    layer = _LAYER.match(hf_name)
+    block = blocks.get(int(layer.group(1))) if layer else None
+    return block if block is not None and placement(block.spec, hf_name) is not None else None
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
     tp: TensorParallel = SINGLE, lm_head: bool = True,
@@ -136,10 +157,22 @@ def load_model(
         model = family.model(config, shard)
     if not lm_head:
         model.lm_head = None
+    blocks = _expert_blocks(model)
+    if quant is not None and blocks:
+        # Only linear layers are quantized; experts in float32 beside them
+        # would be a mode that is neither the quantized one nor float32.
+        raise ValueError(f"{model_dir}: --torchao-config {quant.name} quantizes dense linear layers only, and "
+                         f"{config.architecture}'s experts are not; serve it with --torchao-config none or auto "
+                         "(float32 for mixture-of-experts models)")
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
-    params = dict(model.named_parameters())
+    for block in blocks.values():
+        for p in block.parameters():
+            p.data.fill_(float("nan"))
+    block_prefixes = tuple(f"layers.{i}.mlp." for i in blocks)
+    params = {name: p for name, p in model.named_parameters() if not name.startswith(block_prefixes)}
     missing = expected_pieces(params, config, shard, names)
+    placed = set()  # the MoE blocks' checkpoint tensors
 
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
@@ -150,6 +183,13 @@ def load_model(
         for path, handle in zip(files, handles):
             for hf_name in handle.keys():
                 progress.update()
+                block = _block_claiming(blocks, hf_name)
+                if block is not None:
+                    if hf_name in placed:
+                        raise ValueError(f"{path.name}: repeated tensor {hf_name}")
+                    block.load_weight(hf_name, handle.get_tensor(hf_name))
+                    placed.add(hf_name)
+                    continue
                 for piece in pieces(hf_name, config, shard, names):
                     if piece.param == "lm_head.weight" and model.lm_head is None:
                         continue
@@ -159,6 +199,8 @@ def load_model(
                         )
                     _copy_piece(params[piece.param].data, piece, handle, hf_name, path)
                     missing.discard((piece.param, piece.row))
+    missing |= {(f"layers.{i}.mlp.{name}", None) for i, block in blocks.items()
+                for name, p in block.named_parameters() if p.isnan().any()}
     if missing:
         absent = sorted(n if first is None else f"{n} (rows from {first})" for n, first in missing)
         raise ValueError(f"{model_dir}: {len(absent)} weights missing from the checkpoint, e.g. {absent[:5]}")

@@ -21,6 +21,7 @@ import torch
 
 from pyserve import _rust
 from pyserve.model.cpu.blocks import Q4_1Linear
+from pyserve.model.layers.mlp import MLP
 
 
 def unfit_reason(model) -> str | None:
@@ -29,6 +30,8 @@ def unfit_reason(model) -> str | None:
         return "tensor parallelism all-reduces inside the layer"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, MLP):
+            return "its feed-forward block is a mixture of experts, not the gated MLP"
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, Q4_1Linear) for p in projections):
             return "its projections are not all Q4_1 blocks"

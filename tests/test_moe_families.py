@@ -1,0 +1,98 @@
+"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) on tiny
+random checkpoints that transformers' own classes write, with the embedded
+model's tokenizer: greedy tokens and logprobs against transformers'
+generate through the KV-cached harness (chunked prefill over a cached
+prefix, batched decode), two tensor-parallel ranks against one, what the
+config's dense layers and the quantized CPU modes do, and one family served
+by a real `pyserve` to the openai client."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyserve.model.cpu import native_layers
+from pyserve.model.families import parse_config
+from pyserve.model.layers.mlp import MLP
+from pyserve.model.layers.moe import MoEBlock
+from pyserve.model.loader import load_model
+from pyserve.model.quant import parse_quant, resolve_quant
+from tests.test_families import assert_served_like_transformers
+from tests.test_model_vs_hf import NEW_TOKENS, hf_greedy, pyserve_greedy, random_prompts
+from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
+from tests.tiny_models import build_tiny_model
+
+VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    # a shared expert with its sigmoid gate; layer 1 the dense MLP (mlp_only_layers)
+    "qwen2_moe-shared-expert-dense-layer": ("qwen2_moe", {}),
+    # weights renormalized over the top 2; layer 0 dense by decoder_sparse_step
+    "qwen3_moe-norm-topk-sparse-step": ("qwen3_moe", {"decoder_sparse_step": 2}),
+    "qwen3_moe-raw-topk": ("qwen3_moe", {"norm_topk_prob": False}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_moe_family_matches_transformers(tmp_path, default_model_dir, variant):
+    arch, overrides = VARIANTS[variant]
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, **overrides)
+    prompts = random_prompts(512)
+    ours_logits, ours = pyserve_greedy(model_dir, prompts, NEW_TOKENS)
+    hf_logits, theirs = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    torch.testing.assert_close(ours_logits.log_softmax(-1), hf_logits.log_softmax(-1), atol=1e-4, rtol=0)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, arch):
+    """Each rank holds half of every expert's intermediate dimension (and of
+    the shared expert's, and of the dense layers')."""
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir)
+    assert_same_generation(*_one_and_two_ranks(model_dir))
+
+
+def _config(**fields) -> dict:
+    return {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, **fields}
+
+
+def test_dense_layers_and_expert_count_spellings():
+    config = parse_config(_config(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert config.dense_layers == {0, 2, 3, 4}
+    assert (config.moe.num_experts, config.moe.norm_topk_prob) == (8, False)  # transformers' default
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts
+    config = parse_config(_config(num_local_experts=4, norm_topk_prob=True))
+    assert (config.moe.num_experts, config.moe.norm_topk_prob, config.dense_layers) == (4, True, frozenset())
+
+
+def test_a_checkpoint_without_an_experts_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_tiny_model(tmp_path, "mixtral")
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.w13"):
+        load_model(model_dir, torch.float32, "cpu")
+
+
+def test_quantized_cpu_modes_are_refused_and_auto_is_float32(tmp_path):
+    """The quantized modes replace linear layers, and experts are not; an
+    MoE model is refused them at start, and `auto` (the default) keeps it
+    float32."""
+    model_dir = build_tiny_model(tmp_path, "qwen2_moe")
+    for mode in ("int8wo", "int4wo-32", "8da4w"):
+        with pytest.raises(ValueError, match="--torchao-config none or auto"):
+            load_model(model_dir, torch.float32, "cpu", parse_quant(mode))
+    assert resolve_quant("auto", model_dir, torch.device("cpu")) is None
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    assert [type(layer.mlp) for layer in model.layers] == [MoEBlock, MLP]
+    assert "mixture of experts" in native_layers.unfit_reason(model)
+
+
+def test_qwen3_moe_served_to_the_openai_client(tmp_path, default_model_dir):
+    """`pyserve --model DIR` with its defaults (dtype and --torchao-config
+    auto: float32 for an MoE model) on a tiny Qwen3-MoE."""
+    model_dir = build_tiny_model(tmp_path, "qwen3_moe", tokenizer_dir=default_model_dir, decoder_sparse_step=2)
+    assert_served_like_transformers(model_dir, random_prompts(400, [4, 11], seed=3))
