@@ -300,3 +300,17 @@ def test_an_error_mid_stream_is_an_error_event():
     assert name == b"event: error" and json.loads(data[len(b"data: "):]) == {
         "type": "error", "error": {"type": "api_error", "message": "the engine failed"}}
     assert sent[-1].get("more_body", False) is False
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(client):
+    """Only requests under the same salt read each other's cached prefix."""
+    system = "You answer in one word. " + " ".join(f"Rule {i}: be brief." for i in range(40))
+
+    def cached(salt: str) -> int:
+        m = client.messages.create(model="m", system=system, messages=ASK, max_tokens=2,
+                                   extra_body={"cache_salt": salt})
+        return m.usage.cache_read_input_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0

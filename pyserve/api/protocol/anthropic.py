@@ -77,6 +77,10 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: changes nothing
+    # SGLang's and vLLM's, as on chat: the request's priority (with
+    # --enable-priority-scheduling) and the salt of the prefixes it shares.
+    priority: int | None = None
+    cache_salt: str | None = None
 
 
 # -- the Message -----------------------------------------------------------------
