@@ -88,13 +88,15 @@ def test_native_cpu_layer_takes_llama_shaped_families_only(tmp_path, arch, reaso
     assert found is None if reason is None else reason in found
 
 
-def test_olmo2_served_to_the_openai_client(tmp_path, default_model_dir):
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3-multimodal"])
+def test_family_served_to_the_openai_client(tmp_path, default_model_dir, arch):
     """`pyserve --model DIR` on a tiny OLMo 2 (its post-norms and all-heads
-    q/k norms): greedy completions and their logprobs as transformers'."""
+    q/k norms) and a tiny Gemma 3 image-text checkpoint (served as text,
+    its sliding layers): greedy completions and their logprobs as transformers'."""
     import openai
     import transformers
 
-    model_dir = build_tiny_model(tmp_path, "olmo2", tokenizer_dir=default_model_dir)
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir)
     prompts = random_prompts(400, [4, 11], seed=3)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
