@@ -26,10 +26,11 @@ def greedy_with_logits(model, config, prompts, n, decode_plan: StepPlan = TORCH_
 
 
 @pytest.mark.slow  # inductor compiles on 2 cores: about a minute
-def test_compiled_decode_gives_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: sliding layers, two rotary tables
+def test_compiled_decode_gives_the_eager_tokens(tmp_path, arch):
     """Decode batches of different lengths (padded attention) and batch
     sizes 1 and several: same greedy tokens, logits equal to float32 rounding."""
-    model_dir = build_tiny_model(tmp_path, "llama")
+    model_dir = build_tiny_model(tmp_path, arch)
     model, config = load_model(model_dir, torch.float32, "cpu")
     for prompts in (random_prompts(512, [5]), random_prompts(512, [3, 9, 4])):
         eager, eager_logits = greedy_with_logits(model, config, prompts, 8)

@@ -114,9 +114,11 @@ def assert_served_like_transformers(model_dir, prompts: list[list[int]], *option
         srv.stop()
 
 
-def test_olmo2_served_to_the_openai_client(tmp_path, default_model_dir):
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3-multimodal"])
+def test_family_served_to_the_openai_client(tmp_path, default_model_dir, arch):
     """`pyserve --model DIR` on a tiny OLMo 2 (its post-norms and all-heads
-    q/k norms): greedy completions and their logprobs as transformers'."""
-    model_dir = build_tiny_model(tmp_path, "olmo2", tokenizer_dir=default_model_dir)
+    q/k norms) and a tiny Gemma 3 image-text checkpoint (served as text,
+    its sliding layers): greedy completions and their logprobs as transformers'."""
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir)
     assert_served_like_transformers(model_dir, random_prompts(400, [4, 11], seed=3),
                                     "--torchao-config", "none", "--dtype", "float32")

@@ -27,14 +27,17 @@ class CachedSequences:
     """Sequences whose KV lives in a KVBuffer; `forward` runs one step,
     decode steps as `decode_plan` says."""
 
-    def __init__(self, model, config, num_slots: int = 2048, decode_plan: StepPlan = TORCH_STEP):
+    def __init__(self, model, config, num_slots: int = 2048, decode_plan: StepPlan = TORCH_STEP,
+                 attention=None):
+        """`attention`: builds the attention backend as attention(pool,
+        config); default, the torch backend."""
         self.model = model
         self.decode_plan = decode_plan
         self.pool = KVBuffer(
             config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
         )
         self.pages = PageAllocator(num_slots)
-        self.attn = TorchAttention(self.pool)
+        self.attn = TorchAttention(self.pool) if attention is None else attention(self.pool, config)
         self.slots: dict[int, torch.Tensor] = {}
 
     def forward(self, chunks: dict[int, list[int]]) -> torch.Tensor:
@@ -69,10 +72,11 @@ def random_prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[li
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def pyserve_greedy(model_dir, prompts: list[list[int]], new_tokens: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """(first-step logits [B, vocab], greedy tokens per prompt)."""
+def pyserve_greedy(model_dir, prompts: list[list[int]], new_tokens: int,
+                   attention=None) -> tuple[torch.Tensor, list[list[int]]]:
+    """(first-step logits [B, vocab], greedy tokens per prompt), attending with `attention` (CachedSequences)."""
     model, config = load_model(model_dir, torch.float32, "cpu")
-    seqs = CachedSequences(model, config)
+    seqs = CachedSequences(model, config, attention=attention)
     # Chunked prefill: the first halves together, then the rest over that
     # cached prefix (one-token prompts have no first half).
     firsts = {i: p[: len(p) // 2] for i, p in enumerate(prompts) if len(p) // 2}

@@ -32,6 +32,10 @@ _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # Gemma 3's image-text checkpoint: the text model's config nested with a tiny vision tower.
+    "gemma3-multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
 }
 ARCHS = tuple(_CLASSES)
 # Per-arch defaults that make the tiny model exercise what sets its family
@@ -45,7 +49,17 @@ _ARCH_DEFAULTS = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=64, mlp_only_layers=[1]),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    # A window shorter than the test prompts; scales and caps that bite.
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=10.0),
+    # Gemma 3's layout: five sliding layers, then a global one, each type with its rope base.
+    "gemma3": dict(num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=24, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}}),
 }
+_ARCH_DEFAULTS["gemma3-multimodal"] = dict(_ARCH_DEFAULTS["gemma3"], tie_word_embeddings=True)
+_TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14)
 # Copied from `tokenizer_dir`; generation_config.json last, so its eos/bos win.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -103,8 +117,8 @@ def build_tiny_model(
         eos_token_id=2,
         tie_word_embeddings=False,
         pad_token_id=None,  # some families' defaults lie beyond the tiny vocabulary
-        **_ARCH_DEFAULTS.get(arch, {}),
     )
+    config.update(_ARCH_DEFAULTS.get(arch, {}))
     if tokenizer_dir is not None:
         tokenizer_dir = Path(tokenizer_dir)
         config["vocab_size"] = _tokenizer_vocab_size(tokenizer_dir / "tokenizer.json")
@@ -114,6 +128,10 @@ def build_tiny_model(
                 if source.get(key) is not None:
                     config[key] = source[key]
     config.update(overrides)
+    if arch == "gemma3-multimodal":
+        config = dict(text_config=config, vision_config=_TINY_VISION, mm_tokens_per_image=4,
+                      tie_word_embeddings=config["tie_word_embeddings"], bos_token_id=config["bos_token_id"],
+                      eos_token_id=config["eos_token_id"])
 
     config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ renamed segment by segment first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pyserve.model.config import ModelConfig
 from pyserve.model.parallel import ModelShard
@@ -56,12 +56,24 @@ class CheckpointNames:
     # A checkpoint's name segment -> ours, e.g. Olmo 2's post_attention_layernorm,
     # a norm of the attention's output, is our attention_out_norm.
     renames: dict[str, str] = field(default_factory=dict)
+    # A multimodal checkpoint served as text: the prefixes of its language
+    # model's tensor names, stripped, and those of its other modalities'
+    # tensors (vision tower, projector), skipped.
+    language_model_prefixes: tuple[str, ...] = ()
+    skipped_prefixes: tuple[str, ...] = ()
 
     def with_changes(self, projections: dict[str, Column | Row] | None = None,
                      renames: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> CheckpointNames:
         """These names, with `drop` left out and `projections` and `renames` added."""
         kept = {name: spec for name, spec in self.projections.items() if name not in drop}
-        return CheckpointNames({**kept, **(projections or {})}, {**self.renames, **(renames or {})})
+        return replace(self, projections={**kept, **(projections or {})}, renames={**self.renames, **(renames or {})})
+
+    def language_model_name(self, hf_name: str) -> str | None:
+        """`hf_name` without its language model prefix; None for another modality's tensor."""
+        if hf_name.startswith(self.skipped_prefixes):
+            return None
+        prefix = next((p for p in self.language_model_prefixes if hf_name.startswith(p)), "")
+        return hf_name[len(prefix):]
 
 
 _ROW_PARALLEL = {
@@ -113,6 +125,9 @@ def _slot_rows(fused: Fused, shares: dict[str, tuple[range, int]]) -> list[int]:
 
 def pieces(hf_name: str, config: ModelConfig, shard: ModelShard, names: CheckpointNames) -> list[Piece]:
     """Where a checkpoint tensor goes on this rank; [] for tensors skipped on purpose."""
+    hf_name = names.language_model_name(hf_name)
+    if hf_name is None:
+        return []
     name = ".".join(names.renames.get(part, part) for part in hf_name.removeprefix("model.").split("."))
     if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
         return []

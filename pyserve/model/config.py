@@ -23,6 +23,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # RMSNorm roundings (layers/norms.py): Llama's, the weight applied in
 # float32 (Olmo 2), and (1 + weight) in float32 (Gemma).
 NORM_STYLES = ("llama", "float32", "gemma")
+# The gated MLP's activations (layers/mlp.py), as transformers names them.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def _as_id_list(value) -> list[int]:
@@ -90,6 +92,9 @@ class ModelConfig:
     pre_norms: bool = True  # norms before attention and before the MLP
     post_norms: bool = False  # norms of the attention's and the MLP's outputs (Olmo 2, GLM-4, Gemma)
     embedding_multiplier: float = 1.0  # scales the embeddings (Granite)
+    # The multiplier is first rounded to the model dtype (Gemma's sqrt(hidden_size)).
+    embedding_multiplier_rounded: bool = False
+    hidden_act: str = "silu"  # the gated MLP's activation, one of ACTIVATIONS
     residual_multiplier: float = 1.0  # scales each sublayer's output before its residual add (Granite)
     logits_scaling: float = 1.0  # logits are divided by it (Granite)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
@@ -107,8 +112,8 @@ def base_fields(cfg: dict, gen: dict, source: str) -> dict:
     """The ModelConfig fields every family reads the same way, from parsed
     config.json and generation_config.json contents."""
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported; pyserve supports {ACTIVATIONS}")
     heads = cfg["num_attention_heads"]
     rope_theta, rope_scaling = rope_settings(cfg)
     eos = _as_id_list(cfg.get("eos_token_id"))
@@ -127,6 +132,7 @@ def base_fields(cfg: dict, gen: dict, source: str) -> dict:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        hidden_act=act,
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
     )

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyserve.model.config import ModelConfig, base_fields, cap_context_to_window, read_config_files
-from pyserve.model.families import glm4, granite, llama, mixtral, olmo2, phi3, qwen, qwen_moe, smollm3
+from pyserve.model.families import gemma, glm4, granite, llama, mixtral, olmo2, phi3, qwen, qwen_moe, smollm3
 from pyserve.model.families.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, granite.FAMILY, olmo2.FAMILY, glm4.FAMILY,
-                                smollm3.FAMILY, mixtral.FAMILY, qwen_moe.FAMILY)
+                                smollm3.FAMILY, mixtral.FAMILY, qwen_moe.FAMILY, gemma.FAMILY)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 SERVED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 
@@ -33,6 +33,7 @@ def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> 
         raise ValueError(f"{source}: unsupported architecture {archs or cfg.get('model_type')}; "
                          f"pyserve serves {list(SERVED_ARCHITECTURES)}")
     family = _BY_ARCHITECTURE[arch]
+    cfg = family.text_config(cfg)
     fields = base_fields(cfg, gen or {}, source)
     try:
         fields.update(family.config_fields(cfg, arch))

@@ -23,3 +23,6 @@ class Family:
     model: type[CausalLM] = CausalLM
     # A subclass of ModelConfig where the family's model reads fields of its own.
     config_class: type[ModelConfig] = ModelConfig
+    # config.json contents -> the part that configures the language model
+    # (a multimodal checkpoint's `text_config`), which everything else reads.
+    text_config: Callable[[dict], dict] = lambda cfg: cfg

@@ -57,6 +57,9 @@ class Attention(nn.Module):
         self.window: int | None = None
         self.softcap: float | None = None
         self.sinks: torch.Tensor | None = None
+        # Where the model rotates by several rope bases (rotary.RotaryTables:
+        # Gemma 3's local and global layers), the table this layer's is; None: one table.
+        self.rotary_table: int | None = None
 
     def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the new tokens, q and k rotated."""
@@ -67,6 +70,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
+            if self.rotary_table is not None:
+                cos, sin = cos[:, self.rotary_table], sin[:, self.rotary_table]
             q, k = apply_rotary_qk(q, k, cos, sin, self.fused_kernels, self.rotary_interleaved)
         return q, k, v
 
@@ -86,6 +91,8 @@ class Attention(nn.Module):
             return "some of its layers have no rotary embedding"
         if self.rotary_interleaved or self.rotary_dim != self.head_dim:
             return "its rotary embedding is interleaved or covers part of each head"
+        if self.rotary_table is not None:
+            return "its layers rotate by different rope bases"
         if (self.window, self.softcap, self.sinks) != (None, None, None):
             return "its attention has a sliding window, a soft-cap or sinks"
         return None

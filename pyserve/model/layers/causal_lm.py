@@ -111,8 +111,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"a step planned for the {plan.layers.value} layers needs the native layer runner")
         attn.prepare(batch, plan)
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
-        if self.config.embedding_multiplier != 1:
-            x = x * self.config.embedding_multiplier
+        multiplier = self.config.embedding_multiplier
+        if multiplier != 1:
+            if self.config.embedding_multiplier_rounded:
+                multiplier = torch.tensor(multiplier, dtype=x.dtype).item()
+            x = x * multiplier
         cos, sin = self.rotary.of_batch(batch, x.dtype)
         match plan.layers:
             case Layers.TORCH:

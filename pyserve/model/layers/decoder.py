@@ -80,6 +80,8 @@ class DecoderLayer(nn.Module):
             return "its norms are not Llama's pre-norms"
         if self.attention_out_norm is not None:
             return "it normalizes the attention's and the MLP's outputs"
+        if getattr(self.mlp, "gelu", False):
+            return "its MLP's activation is GELU"
         if self.residual_multiplier != 1:
             return "it scales the sublayers' outputs"
         return self.self_attn.unlike_llama()

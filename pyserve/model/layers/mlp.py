@@ -1,5 +1,6 @@
-"""The gated MLP, down(silu(gate(x)) * up(x)), with gate and up fused
-into one column-parallel matmul and down row-parallel (parallel.py)."""
+"""The gated MLP, down(act(gate(x)) * up(x)), act SiLU or GELU-tanh
+(Gemma), with gate and up fused into one column-parallel matmul and down
+row-parallel (parallel.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class MLP(nn.Module):
         self.tp = shard.tp
         self.fused_kernels = fused_kernels
         self.intermediate_size = len(shard.intermediate)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         # Row-parallel: the ranks' partial outputs are summed, so only rank 0 adds the bias.
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size,
@@ -25,7 +27,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_kernels and gate_up.is_cuda:
+        if self.fused_kernels and gate_up.is_cuda and not self.gelu:
             return self.tp.all_reduce(self.down_proj(fused_ops().silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.tp.all_reduce(self.down_proj(act * up))

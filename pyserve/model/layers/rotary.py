@@ -171,6 +171,27 @@ class RotaryEmbedding:
         return flags.repeat_interleave(torch.tensor(batch.extend_lens)).to(batch.positions.device)
 
 
+class RotaryTables:
+    """RotaryEmbeddings of several rope bases, for models whose layers
+    rotate differently (Gemma 3: local layers by one base, global layers by
+    another with its scaling). cos/sin come stacked as
+    [T, tables, 1, rotary_dim / 2]; each layer takes its table
+    (Attention.rotary_table)."""
+
+    def __init__(self, configs: list[ModelConfig]):
+        self.tables = [RotaryEmbedding(config) for config in configs]
+
+    def cos_sin(self, positions: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return _stacked([table.cos_sin(positions, max_len, dtype) for table in self.tables])
+
+    def of_batch(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return _stacked([table.of_batch(batch, dtype) for table in self.tables])
+
+
+def _stacked(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([cos for cos, _ in pairs], 1), torch.stack([sin for _, sin in pairs], 1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """RoPE on [T, heads, head_dim] over the first 2 * cos.shape[-1]
     dimensions (the rest pass through), the same arithmetic as
