@@ -152,18 +152,37 @@ def greedy(model, config, prompts: list[list[int]], n: int) -> list[list[int]]:
     return outputs
 
 
+# Greedy answers to three plain prompts, as the quantized layers give them
+# against float32's. Measured on this build: int8wo, int4wo-32 and 8da4w (on
+# the torch layers or the native ones) give float32's answers token for token
+# through 16 tokens. The first SAME_START of each answer must be float32's.
+# Later, float32's own lead over its runner-up drops to 0.2 logits in places
+# while quantization moves a lead by up to 0.5 (bench/quality.py follows long
+# answers), and a flipped token changes the rest of its answer: of the
+# 3 x 4 tokens after the start, LATER_AGREE must be float32's (one answer's
+# last three may go).
+PLAIN_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Q: What is 2+2?\nA:"]
+ANSWER_TOKENS, SAME_START, LATER_AGREE = 8, 4, 9
+
+
+def assert_answers_start_as_float32(reference: list[list[int]], got: list[list[int]]) -> None:
+    assert all(len(r) == len(g) == ANSWER_TOKENS for r, g in zip(reference, got)), (reference, got)
+    assert [g[:SAME_START] for g in got] == [r[:SAME_START] for r in reference], (reference, got)
+    later = sum(a == b for r, g in zip(reference, got) for a, b in zip(r[SAME_START:], g[SAME_START:]))
+    assert later >= LATER_AGREE, (later, reference, got)
+
+
 @pytest.mark.parametrize("mode", ["int8wo", "int4wo-32", "8da4w"])
 def test_quantized_embedded_model_answers_like_float32(default_model_dir, mode):
-    """Greedy answers to plain questions: the quantized model's first tokens
-    are float32's (the whole answer may drift later, as bench/quality.py measures)."""
+    """Greedy answers to plain questions start as float32's (see
+    assert_answers_start_as_float32 for how far)."""
     from pyserve._rust import Tokenizer
 
     tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
-    prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):", "Q: What is 2+2?\nA:"]]
-    reference = greedy(*load_model(default_model_dir, torch.float32, "cpu"), prompts, 4)
-    quantized = greedy(*load_model(default_model_dir, torch.float32, "cpu", parse_quant(mode)), prompts, 4)
-    agree = sum(a == b for ref, got in zip(reference, quantized) for a, b in zip(ref, got))
-    assert agree >= 10, (reference, quantized)  # of 12
+    prompts = [tok.encode(t) for t in PLAIN_PROMPTS]
+    reference = greedy(*load_model(default_model_dir, torch.float32, "cpu"), prompts, ANSWER_TOKENS)
+    quantized = greedy(*load_model(default_model_dir, torch.float32, "cpu", parse_quant(mode)), prompts, ANSWER_TOKENS)
+    assert_answers_start_as_float32(reference, quantized)
 
 
 @pytest.mark.parametrize("mode", ["int8wo", "int4wo-32", "8da4w"])

@@ -335,38 +335,58 @@ mod tests {
         out
     }
 
-    #[test]
-    fn products_are_the_quantized_activations_times_the_weights() {
+    /// `matmul`'s products for weights of two whole tiles and one of 4, of
+    /// 48 blocks a row and of one, by 1 to 9 rows of activations with an
+    /// outlier block, as real activations have: `check(tiles, x, product)`.
+    fn each_product(check: impl Fn(&Q4_1Tiles, &[f32], &[f32])) {
         let pool = SpinPool::new(3);
         for (n, k) in [(20, 96), (8, 1536), (3, 32)] {
             let (codes, scales, mins) = weights(n, k);
             let bytes = packed(&codes, &scales, &mins, n, k);
             let tiles = Q4_1Tiles::new(&bytes, n, k);
-            let mut dense = vec![0f32; n * k];
-            dequantize(&tiles, &mut dense);
             for m in [1, 4, 5, 9] {
                 let mut x = values(m * k, m as u32);
-                x[3] = 40.0; // an outlier block, as real activations have
+                x[3] = 40.0;
                 let mut got = vec![0f32; m * n];
                 matmul(&pool, 3, &x, &tiles, &mut got);
-                for (g, e) in got.iter().zip(reference(&x, &dense, k)) {
-                    assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "n {n} k {k} m {m}: {g} vs {e}");
-                }
-                // Without AVX2: the same operations in the same order.
-                let mut plain = vec![0f32; m * n];
-                let xs = QuantizedRows::new(&x, k);
-                for t in 0..tiles.tiles() {
-                    for row in (0..m).step_by(4) {
-                        let count = TILE_ROWS.min(n - t * TILE_ROWS);
-                        let out = plain[row * n + t * TILE_ROWS..].as_mut_ptr();
-                        // SAFETY: tile t and rows row..row + 4 (at most) exist; `out` has
-                        // `count` columns in each of those rows.
-                        unsafe { plain_multiply(&tiles, t, &xs, row..m.min(row + 4), out, n, count) };
-                    }
-                }
-                assert_eq!(got, plain, "n {n} k {k} m {m}");
+                check(&tiles, &x, &got);
             }
         }
+    }
+
+    #[test]
+    fn products_are_the_quantized_activations_times_the_weights() {
+        each_product(|tiles, x, got| {
+            let ((n, k), m) = (tiles.shape(), x.len() / tiles.shape().1);
+            let mut dense = vec![0f32; n * k];
+            dequantize(tiles, &mut dense);
+            for (g, e) in got.iter().zip(reference(x, &dense, k)) {
+                assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "n {n} k {k} m {m}: {g} vs {e}");
+            }
+        });
+    }
+
+    /// The plain loops are the same operations in the same order.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_products_are_the_plain_loops_bit_for_bit() {
+        simd::require_avx2();
+        each_product(|tiles, x, got| {
+            let (n, k) = tiles.shape();
+            let m = x.len() / k;
+            let mut plain = vec![0f32; m * n];
+            let xs = QuantizedRows::new(x, k);
+            for t in 0..tiles.tiles() {
+                for row in (0..m).step_by(4) {
+                    let count = TILE_ROWS.min(n - t * TILE_ROWS);
+                    let out = plain[row * n + t * TILE_ROWS..].as_mut_ptr();
+                    // SAFETY: tile t and rows row..row + 4 (at most) exist; `out` has
+                    // `count` columns in each of those rows.
+                    unsafe { plain_multiply(tiles, t, &xs, row..m.min(row + 4), out, n, count) };
+                }
+            }
+            assert_eq!(got, plain, "n {n} k {k} m {m}");
+        });
     }
 
     #[test]

@@ -291,9 +291,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_attention_is_the_plain_loops() {
-        if !simd::avx2() {
-            return;
-        }
+        simd::require_avx2();
         let mut seed = 7u32;
         let mut value = move || {
             seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);

@@ -306,8 +306,11 @@ mod tests {
     use super::*;
     use crate::kernels::simd::test_values as values;
 
+    /// Every head_dim here is a multiple of 8: `attend` takes the AVX2 tiles.
+    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn tiles_give_the_plain_softmax() {
+    fn avx2_tiles_give_the_plain_softmax() {
+        simd::require_avx2();
         let pool = SpinPool::new(3);
         // (new tokens, cached prefix, heads, kv heads, head dim): a chunk
         // of one task and of several, tiles cut mid-row, a group of 3,

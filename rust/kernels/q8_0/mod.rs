@@ -171,9 +171,12 @@ mod tests {
         }
     }
 
-    /// 5 blocks a row: the pairs of blocks and the odd one.
+    /// 5 blocks a row: the pairs of blocks and the odd one. Without AVX2
+    /// `dot_pair` is two `dot`s.
+    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn weight_rows_in_pairs_give_each_rows_own_dot_product() {
+    fn avx2_weight_rows_in_pairs_give_each_rows_own_dot_product() {
+        simd::require_avx2();
         let k = 160;
         let scales = values(2 * k / BLOCK, 8);
         let codes: Vec<i8> = values(2 * k, 11).iter().map(|v| (v * 127.0) as i8).collect();

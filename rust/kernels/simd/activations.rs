@@ -116,8 +116,11 @@ mod tests {
     use super::*;
     use crate::kernels::simd::test_values;
 
+    /// `QuantizedRows` takes the AVX2 path; `quantize_block` is the plain one.
+    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn activation_blocks_quantize_alike_on_every_path() {
+    fn avx2_activation_blocks_quantize_as_the_plain_loop() {
+        super::super::require_avx2();
         let x = test_values(8 * BLOCK, 12);
         let rows = QuantizedRows::new(&x, 2 * BLOCK);
         for (b, block) in x.chunks(BLOCK).enumerate() {

@@ -86,9 +86,7 @@ mod tests {
 
     #[test]
     fn exponential_is_within_a_few_ulp() {
-        if !super::super::avx2() {
-            return;
-        }
+        super::super::require_avx2();
         let xs: Vec<f32> = (0..=9000).map(|i| -0.01 * i as f32).collect();
         let mut weights = xs.clone();
         // SAFETY: the CPU has AVX2 and FMA.

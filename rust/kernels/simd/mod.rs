@@ -30,6 +30,18 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// For a test that compares the AVX2 path with the plain loops (or checks
+/// the AVX2 path alone): on a CPU without AVX2 and FMA both sides would be
+/// the plain loops and a pass would compare them with themselves. libtest
+/// cannot mark a test ignored at run time, so there such a test fails,
+/// saying why, rather than pass having checked nothing. Every such test has
+/// `avx2` in its path: `cargo test -- --skip avx2` leaves them out there,
+/// and the run counts them as filtered out.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) fn require_avx2() {
+    assert!(avx2(), "not run: this CPU has no AVX2 and FMA, so there is no AVX2 path to check (--skip avx2)");
+}
+
 /// A small deterministic generator of values in -1..=1, so the kernels'
 /// tests need no crate.
 #[cfg(test)]
