@@ -63,7 +63,7 @@ class AttentionBackend(ABC):
     # set `attend_decode(q, k, v, *decode_inputs(layer_id, window), scale,
     # softcap, sinks)` and override `decode_inputs`; torch.compile then
     # takes that attention into the compiled decoder layer
-    # (LlamaForCausalLM.compile_decode).
+    # (CausalLM.compile_decode).
     attend_decode = None
 
     def decode_inputs(self, layer_id: int, window: int | None = None) -> tuple | None:

@@ -55,7 +55,7 @@ def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, 
                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention for one layer, tensors in, tensor out (so
     torch.compile can take it into the compiled decoder layer, see
-    LlamaForCausalLM.compile_decode): store each row's new k/v at its slot,
+    CausalLM.compile_decode): store each row's new k/v at its slot,
     then attend over its sequence's slots (a window's, from
     `decode_inputs(layer, window)`)."""
     k_cache[out_cache_loc] = k

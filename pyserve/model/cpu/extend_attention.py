@@ -1,14 +1,13 @@
 """A prefill chunk's attention over its sequence on the CPU, by
 rust/kernels/extend_attention.rs: the k and v read from the paged cache by slot,
 8 x 8 transposed tiles of 64 keys against 16 new tokens' query heads,
-the softmax online. Against torch's flash SDPA on the gathered k/v, two
-threads of this 2-core AVX2 machine (9 heads, 3 KV heads, head_dim 64):
-45 new tokens after 1,300 cached 1.30 vs 1.44 ms a layer, a 512-token
-prompt 3.97 vs 4.88 ms, a 2,048-token one 58 vs 76 ms.
+the softmax online: faster than torch's flash SDPA over the gathered k/v
+on an AVX2 CPU (bench/README.md, K10).
 
-The kernels' threads spin between calls, so the backend takes this path
-only where torch's own threads are parked: in the 8da4w steps that run
-torch on one thread (RankModel, under 128 rows).
+The kernels' threads spin between calls, so a step takes this path only
+where torch's own threads are parked: the step plan says so
+(StepPlan.native_extend_attention, decided by RankModel for the 8da4w
+steps that run torch on one thread).
 """
 
 from __future__ import annotations
