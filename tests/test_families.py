@@ -75,6 +75,24 @@ def test_smollm3_nope_layers_from_either_spelling():
         parse_config({**base, "no_rope_layers": [1, 0]})
 
 
+def test_sliding_layers_as_transformers_reads_them():
+    """Without layer_types (checkpoints of older transformers), each family's
+    own rule says which layers slide; with them, they do; no window, none."""
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "max_position_embeddings": 4096}
+    mistral = {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 16}
+    assert parse_config(mistral).sliding_layers == {0, 1, 2, 3}
+    assert parse_config(mistral).sliding_window == 16 and parse_config(mistral).max_position_embeddings == 4096
+    assert parse_config({**mistral, "sliding_window": None}).sliding_layers == set()
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16, "max_window_layers": 3}
+    assert parse_config(qwen2).sliding_layers == set()  # use_sliding_window is off
+    assert parse_config({**qwen2, "use_sliding_window": True}).sliding_layers == {3}
+    types = ["full_attention", "sliding_attention"] * 2
+    assert parse_config({**qwen2, "use_sliding_window": True, "layer_types": types}).sliding_layers == {1, 3}
+    with pytest.raises(ValueError, match="layer_types"):
+        parse_config({**qwen2, "use_sliding_window": True, "layer_types": types[:3]})
+
+
 @pytest.mark.parametrize("arch, reason", [
     ("phi3", None),  # Llama's layer, fused in its checkpoint
     ("granite", "scales the sublayers' outputs"),

@@ -86,7 +86,7 @@ def test_gemma2_published_config():
     config = parse_config({**BASE, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
                            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 144,
                            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
-    assert config.sliding_layers == {0, 2} and config.window == 512
+    assert config.sliding_layers == {0, 2} and config.sliding_window == 512
     assert (config.attention_softcap, config.final_logit_softcap) == (50.0, 30.0)
     assert config.attention_scale == 144**-0.5 and config.embedding_multiplier == 8.0
     assert config.tie_word_embeddings and config.max_position_embeddings == 4096  # not capped to the window
@@ -103,7 +103,7 @@ def test_gemma3_published_multimodal_config():
         "vision_config": {"hidden_size": 1152}})
     assert (config.vocab_size, config.num_attention_heads, config.head_dim) == (262_208, 8, 256)
     assert config.eos_token_ids == [1, 106] and config.torch_dtype == "bfloat16"
-    assert config.sliding_layers == {0, 1, 2, 3, 4, 6, 7, 8, 9, 10} and config.window == 1024
+    assert config.sliding_layers == {0, 1, 2, 3, 4, 6, 7, 8, 9, 10} and config.sliding_window == 1024
     assert (config.rope_theta, config.rope_scaling) == (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
     assert config.local_rope == (10_000.0, None) and config.qk_norm == "head"
 

@@ -117,6 +117,10 @@ VARIANTS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "llama-linear-rope": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
     "mistral": ("mistral", {}),
+    # Windows shorter than the prompts: every layer (Mistral, Phi-3), the layers from max_window_layers on (Qwen2).
+    "mistral-sliding-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-sliding-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "phi3-sliding-window": ("phi3", {"sliding_window": 8}),
     "qwen2-bias": ("qwen2", {}),
     "qwen2-yarn-rope": ("qwen2", {"rope_scaling": {
         "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),

@@ -12,11 +12,9 @@ its module in families/ reads, into the options the shared blocks
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
 
 # RoPE variants whose frequencies are fixed at load time (see layers/rotary.py).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -98,10 +96,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # scales each sublayer's output before its residual add (Granite)
     logits_scaling: float = 1.0  # logits are divided by it (Granite)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
-    # The attention window the checkpoint was trained with. Attention here
-    # is full: within the window that is exactly sliding-window attention,
-    # so the context is capped to it (`cap_context_to_window`).
+    # The attention window of the checkpoint's sliding layers: a token there
+    # sees the `sliding_window` latest keys, itself included.
     sliding_window: int | None = None
+    sliding_layers: frozenset[int] = frozenset()
 
     @property
     def rotary_dim(self) -> int:
@@ -138,12 +136,21 @@ def base_fields(cfg: dict, gen: dict, source: str) -> dict:
     )
 
 
-def cap_context_to_window(config: ModelConfig, source: str) -> ModelConfig:
-    window = config.sliding_window
-    if window is not None and window < config.max_position_embeddings:
-        logger.warning("%s: sliding_window %d is not implemented; context capped to it", source, window)
-        config.max_position_embeddings = window
-    return config
+def sliding_window_fields(cfg: dict, window: int | None, default_sliding) -> dict:
+    """`sliding_window` and `sliding_layers` as transformers reads them: the
+    config's `layer_types` where it has them, else `default_sliding(i)`, the
+    family's rule for layer i; no layer slides without a window."""
+    layers = cfg["num_hidden_layers"]
+    if not window:
+        return dict(sliding_window=None, sliding_layers=frozenset())
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        sliding = frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    else:
+        sliding = frozenset(i for i in range(layers) if default_sliding(i))
+    return dict(sliding_window=int(window), sliding_layers=sliding)
 
 
 def read_config_files(model_dir: str | Path) -> tuple[dict, dict]:

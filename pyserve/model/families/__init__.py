@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyserve.model.config import ModelConfig, base_fields, cap_context_to_window, read_config_files
+from pyserve.model.config import ModelConfig, base_fields, read_config_files
 from pyserve.model.families import gemma, glm4, granite, llama, mixtral, olmo2, phi3, qwen, qwen_moe, smollm3
 from pyserve.model.families.family import Family
 
@@ -39,7 +39,7 @@ def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> 
         fields.update(family.config_fields(cfg, arch))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
-    return cap_context_to_window(family.config_class(architecture=arch, **fields), source)
+    return family.config_class(architecture=arch, **fields)
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:

@@ -43,8 +43,6 @@ _GEMMA3_TEXT = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216
 
 @dataclass
 class GemmaConfig(ModelConfig):
-    sliding_layers: frozenset[int] = frozenset()  # the layers that attend within `window`
-    window: int | None = None  # a sliding layer's token sees the `window` latest keys, itself included
     attention_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     # The sliding layers' rope base and scaling where they differ from the
     # global layers' (Gemma 3); None: every layer rotates by rope_theta.
@@ -52,8 +50,8 @@ class GemmaConfig(ModelConfig):
 
 
 class Gemma(CausalLM):
-    """CausalLM with each layer's attention options: its window, the
-    soft-cap, and (Gemma 3) its table of rotary tables."""
+    """CausalLM with each layer's attention soft-cap and (Gemma 3) its
+    rotary table; CausalLM gives the sliding layers their window."""
 
     def __init__(self, config: GemmaConfig, shard: ModelShard | None = None, fused_kernels: bool = True):
         super().__init__(config, shard, fused_kernels)
@@ -62,11 +60,9 @@ class Gemma(CausalLM):
             self.rotary = RotaryTables([config, replace(config, rope_theta=theta, rope_scaling=scaling)])
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            sliding = i in config.sliding_layers
-            attn.window = config.window if sliding else None
             attn.softcap = config.attention_softcap
             if config.local_rope is not None:
-                attn.rotary_table = int(sliding)
+                attn.rotary_table = int(i in config.sliding_layers)
 
 
 def _text_config(cfg: dict) -> dict:
@@ -126,7 +122,7 @@ def _config_fields(cfg: dict, arch: str) -> dict:
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
         final_logit_softcap=cfg.get("final_logit_softcapping"),
         attention_softcap=cfg.get("attn_logit_softcapping"),
-        window=window,
+        sliding_window=window if window else None,
         sliding_layers=frozenset(i for i, t in enumerate(types) if t == "sliding_attention" and window),
     )
     if arch != "Gemma2ForCausalLM":

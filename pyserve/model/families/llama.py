@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pyserve.model.config import sliding_window_fields
 from pyserve.model.families.family import Family
 
 
@@ -12,7 +13,9 @@ def biases(cfg: dict) -> dict:
 
 
 def _config_fields(cfg: dict, arch: str) -> dict:
-    return dict(**biases(cfg), sliding_window=cfg.get("sliding_window") if arch == "MistralForCausalLM" else None)
+    # Mistral's window, when it has one, is every layer's.
+    window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+    return dict(**biases(cfg), **sliding_window_fields(cfg, window, lambda i: True))
 
 
 FAMILY = Family(("LlamaForCausalLM", "MistralForCausalLM"), _config_fields)

@@ -4,12 +4,14 @@ checkpoint, partial rotary embedding, LongRoPE scaling (layers/rotary.py)."""
 from __future__ import annotations
 
 from pyserve.model.checkpoint import GATE_UP, QKV, SEPARATE_PROJECTIONS, Column
-from pyserve.model.config import partial_rotary_factor, rope_settings
+from pyserve.model.config import partial_rotary_factor, rope_settings, sliding_window_fields
 from pyserve.model.families.family import Family
 
 
 def _config_fields(cfg: dict, arch: str) -> dict:
-    fields = dict(partial_rotary_factor=partial_rotary_factor(cfg), sliding_window=cfg.get("sliding_window"))
+    # Phi-3's window, when it has one, is every layer's.
+    fields = dict(partial_rotary_factor=partial_rotary_factor(cfg),
+                  **sliding_window_fields(cfg, cfg.get("sliding_window"), lambda i: True))
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if (rope.get("rope_type") or rope.get("type")) == "yarn":
         # transformers reads Phi-3's "yarn" as LongRoPE too.

@@ -4,6 +4,7 @@ else every `no_rope_layer_interval`-th layer does not."""
 
 from __future__ import annotations
 
+from pyserve.model.config import sliding_window_fields
 from pyserve.model.families.family import Family
 from pyserve.model.families.llama import biases
 
@@ -16,11 +17,10 @@ def _config_fields(cfg: dict, arch: str) -> dict:
         rotates = [int((i + 1) % interval != 0) for i in range(layers)]
     if len(rotates) != layers:
         raise ValueError(f"no_rope_layers has {len(rotates)} entries for {layers} layers")
-    return dict(
-        **biases(cfg),
-        nope_layers=frozenset(i for i, rotating in enumerate(rotates) if not rotating),
-        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
-    )
+    nope = frozenset(i for i, rotating in enumerate(rotates) if not rotating)
+    # With use_sliding_window, the NoPE layers slide.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    return dict(**biases(cfg), nope_layers=nope, **sliding_window_fields(cfg, window, lambda i: i in nope))
 
 
 FAMILY = Family(("SmolLM3ForCausalLM",), _config_fields)

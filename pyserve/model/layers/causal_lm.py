@@ -68,6 +68,8 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, len(shard.vocab), bias=False)
         self.rotary = RotaryEmbedding(config)
+        for i in config.sliding_layers:
+            self.layers[i].self_attn.window = config.sliding_window
         self.compiled_decode_layer = None  # set by compile_decode
 
     def build_mlp(self, config: ModelConfig, layer_id: int, shard: ModelShard, fused_kernels: bool) -> nn.Module:
