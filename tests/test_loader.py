@@ -208,10 +208,14 @@ def test_config_rejects_what_it_cannot_run():
         read_config("/nonexistent")
 
 
-def test_config_caps_context_to_a_sliding_window():
+def test_a_sliding_window_keeps_the_models_context():
+    """The window is served by the attention of the sliding layers, so the
+    context stays the checkpoint's."""
     mistral = {**BASE, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
-    assert parse_config({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
-    assert parse_config({**mistral, "sliding_window": None}).max_position_embeddings == 32768
-    qwen2 = {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 512}
-    assert parse_config({**qwen2, "use_sliding_window": False}).max_position_embeddings == 1024
-    assert parse_config({**qwen2, "use_sliding_window": True}).max_position_embeddings == 512
+    windowed = parse_config({**mistral, "sliding_window": 4096})
+    assert windowed.max_position_embeddings == 32768 and windowed.sliding_window == 4096
+    assert parse_config({**mistral, "sliding_window": None}).sliding_window is None
+    qwen2 = {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 512, "max_window_layers": 0}
+    assert parse_config({**qwen2, "use_sliding_window": False}).sliding_layers == set()
+    on = parse_config({**qwen2, "use_sliding_window": True})
+    assert on.max_position_embeddings == 1024 and on.sliding_window == 512 and on.sliding_layers
