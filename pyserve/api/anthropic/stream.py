@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 
-from msgspec import UNSET
 from msgspec.structs import replace
 
+from pyserve.api.generation.chunks import delta_events, finished, given
 from pyserve.api.generation.serving import new_id
 from pyserve.api.protocol.anthropic import (
     ContentBlockDelta, ContentBlockStart, ContentBlockStop, InputJSONDelta, Message, MessageDelta, MessageStart,
@@ -23,10 +23,6 @@ from pyserve.api.protocol.anthropic import (
 )
 from pyserve.api.protocol.openai import ChatCompletionChunk, Usage as ChatUsage
 from pyserve.http.errors import APIError
-
-
-def _given(value) -> bool:
-    return value is not None and value is not UNSET
 
 
 def anthropic_usage(usage: ChatUsage) -> Usage:
@@ -54,23 +50,15 @@ class MessageBuilder:
         return len(self.message.content) - 1
 
     def feed(self, chunk: ChatCompletionChunk) -> list:
-        if _given(chunk.usage):
+        if given(chunk.usage):
             self.message.usage = anthropic_usage(chunk.usage)
-        if not self.started and all(_given(choice.delta.role) for choice in chunk.choices):
+        if not self.started and all(given(choice.delta.role) for choice in chunk.choices):
             # The role chunk comes before the engine's first output; message_start
             # waits for that, which tells how much of the prompt was cached.
             return []
-        events = self._start()
-        for choice in chunk.choices:
-            delta = choice.delta
-            if _given(delta.reasoning_content) and delta.reasoning_content:
-                events += self._thinking(delta.reasoning_content)
-            if _given(delta.content) and delta.content:
-                events += self._text(delta.content)
-            for call in delta.tool_calls if _given(delta.tool_calls) else ():
-                events += self._call(call)
-            if choice.finish_reason is not None:
-                self.finish_reason, self.matched_stop = choice.finish_reason, choice.matched_stop
+        events = self._start() + delta_events(chunk, self._thinking, self._text, self._call)
+        if (done := finished(chunk)) is not None:
+            self.finish_reason, self.matched_stop = done.finish_reason, done.matched_stop
         return events
 
     def _start(self) -> list:

@@ -13,7 +13,6 @@ order `client.responses.stream(...)` accumulates.
 from __future__ import annotations
 
 import msgspec
-from msgspec import UNSET
 
 from pyserve.http.errors import APIError
 from pyserve.api.protocol.openai import ChatCompletionChunk, Usage
@@ -21,6 +20,7 @@ from pyserve.api.protocol.responses import (
     FunctionCall, IncompleteDetails, InputTokensDetails, Item, Message, OutputText, OutputTokensDetails, Reasoning,
     ReasoningText, Response, ResponseError, ResponseUsage,
 )
+from pyserve.api.generation.chunks import delta_events, finished, given
 from pyserve.api.generation.serving import new_id, now
 
 # -- events --------------------------------------------------------------------
@@ -118,10 +118,6 @@ def snapshot(value):
     return msgspec.json.decode(msgspec.json.encode(value), type=type(value))
 
 
-def _given(value) -> bool:
-    return value is not None and value is not UNSET
-
-
 # -- the builder ---------------------------------------------------------------
 
 
@@ -154,19 +150,11 @@ class ResponseBuilder:
                                ResponseInProgress(response=snapshot(self.response))])
 
     def feed(self, chunk: ChatCompletionChunk) -> list[Event]:
-        events: list[Event] = []
-        if _given(chunk.usage):
+        if given(chunk.usage):
             self.usage = chunk.usage
-        for choice in chunk.choices:
-            delta = choice.delta
-            if _given(delta.reasoning_content) and delta.reasoning_content:
-                events += self._reasoning(delta.reasoning_content)
-            if _given(delta.content) and delta.content:
-                events += self._text(delta.content)
-            for call in delta.tool_calls if _given(delta.tool_calls) else ():
-                events += self._call(call)
-            if choice.finish_reason is not None:
-                self.finish_reason = choice.finish_reason
+        events = delta_events(chunk, self._reasoning, self._text, self._call)
+        if (done := finished(chunk)) is not None:
+            self.finish_reason = done.finish_reason
         return self._numbered(events)
 
     # Each kind of delta goes to an open item of its kind, or opens one
@@ -206,7 +194,7 @@ class ResponseBuilder:
             events = self._open(item)
         elif item is not self.current:
             raise APIError(f"tool call {call.index} went on after the next item began", 500, "server_error")
-        if _given(fragment) and fragment:
+        if given(fragment) and fragment:
             item.arguments += fragment
             events.append(ArgumentsDelta(item_id=item.id, output_index=self._index, delta=fragment))
         return events
