@@ -202,3 +202,24 @@ def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, def
     assert len(asyncio.run(run())) == 6
     head = engine.runner.rank_model.model.lm_head
     assert isinstance(head, Q8_0Linear if mode == "8da4w" else Int8Linear)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_8da4w_serves_layers_with_a_window_or_soft_cap(tmp_path, arch, default_model_dir):
+    """A family whose layers attend with a sliding window (Mistral) or a
+    soft-cap (Gemma 2) under 8da4w: a prompt longer than the window is
+    served to the end, its extends attending through the torch backend."""
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, sliding_window=8)
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config="8da4w"))
+
+    async def run():
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+            return [out async for out in engine.generate(GenerateRequest(list(range(5, 45)), params))]
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(run())
+    assert outputs[-1].finish_reason == "length"
+    assert sum(len(out.token_ids) for out in outputs) == 6

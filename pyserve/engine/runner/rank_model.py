@@ -150,7 +150,7 @@ class RankModel:
             if isinstance(self.attention, TritonAttention):
                 self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
         self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
-                                   and extend_attention.fits(self.kv_buffer))
+                                   and extend_attention.fits(self.kv_buffer, self.model.layers))
         self.native_layers = self._native_layers()
         if self.native_layers is not None:
             if options.enable_torch_compile:

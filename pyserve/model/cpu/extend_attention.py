@@ -19,11 +19,14 @@ from pyserve.model.cpu import blocks
 from pyserve.model.kv_buffer import KVBuffer
 
 
-def fits(kv_buffer: KVBuffer) -> bool:
-    """Whether the kernel serves this cache here: float32 on a CPU with
-    AVX2, heads of a multiple of 8 values."""
+def fits(kv_buffer: KVBuffer, layers) -> bool:
+    """Whether the kernel serves this cache and these decoder layers here:
+    float32 on a CPU with AVX2, heads of a multiple of 8 values, and plain
+    causal attention in every layer (no sliding window, soft-cap or sinks)."""
     k = kv_buffer.k_buffer[0]
-    return (k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0
+    plain = all(layer.self_attn.window is None and layer.self_attn.softcap is None
+                and layer.self_attn.sinks is None for layer in layers)
+    return (plain and k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0
             and blocks.available())
 
 
