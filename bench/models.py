@@ -79,6 +79,8 @@ class PyserveSide:
             if first is None and out.token_ids:
                 first = time.perf_counter()
         end = time.perf_counter()
+        if out.finish_reason != "length":
+            raise RuntimeError(f"the request ended early: {out.finish_reason}")
         return first - start, new_tokens / (end - first)
 
 
