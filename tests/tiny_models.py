@@ -34,6 +34,7 @@ _CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     # Gemma 3's image-text checkpoint: the text model's config nested with a tiny vision tower.
     "gemma3-multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
 }
@@ -56,6 +57,9 @@ _ARCH_DEFAULTS = {
     "gemma3": dict(num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=24, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}}),
+    # A window shorter than the test prompts (layer 0 slides, layer 1 is
+    # global); the real checkpoints' YaRN rope (GptOssConfig's default).
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
 _ARCH_DEFAULTS["gemma3-multimodal"] = dict(_ARCH_DEFAULTS["gemma3"], tie_word_embeddings=True)
 _TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,

@@ -12,7 +12,9 @@ checkpoint's layout (placement() says where each checkpoint tensor goes).
 Under tensor parallelism every rank holds a slice of every expert's
 intermediate dimension (rows of gate and up, columns of down), so each rank
 reads only its share of each expert and one all-reduce per block sums the
-partial outputs, as the dense MLP does.
+partial outputs, as the dense MLP does. gpt-oss's MXFP4 checkpoints store
+the experts as `_blocks` / `_scales` pairs, dequantized into the same
+parameters one expert at a time (mxfp4.py).
 
 On CPU the (token, expert) assignments are sorted by expert and each expert
 that received tokens runs once on its contiguous rows (grouped_experts); on
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyserve.model import mxfp4
 from pyserve.model.parallel import SINGLE, TensorParallel
 
 ROUTINGS = ("softmax", "topk_softmax", "grouped_sigmoid", "grouped_softmax")
@@ -206,14 +209,19 @@ _BLOCK_PREFIX = re.compile(r"(?:^|\.)(?:mlp|block_sparse_moe)\.(.+)$")
 def placement(spec: MoESpec, name: str) -> Placement | None:
     """Where the checkpoint tensor `name` (a full name, e.g.
     model.layers.3.block_sparse_moe.experts.5.w3.weight) goes in the block,
-    or None if it is not one of the block's tensors."""
-    found = _BLOCK_PREFIX.search(name)
+    or None if it is not one of the block's tensors. Each half of an MXFP4
+    pair (gpt-oss's experts.gate_up_proj_blocks, ..._scales) goes where its
+    dense tensor would."""
+    packed = mxfp4.packed_part(name)
+    found = _BLOCK_PREFIX.search(packed[0] if packed else name)
     if not found:
         return None
     for pattern, param, half in _NAMES:
         match = re.fullmatch(pattern, found.group(1))
         if match:
             expert = int(match.group(1)) if match.groups() else None
+            if packed and (param not in ("w13", "w2") or expert is not None):
+                return None  # only the stacked expert weights come packed
             size = spec.shared_intermediate if param == "shared_w13" else spec.intermediate
             row = size if half == "up" else 0
             if expert is not None or param.startswith(("shared", "router", "score")):
@@ -253,6 +261,7 @@ class MoEBlock(nn.Module):
         self.shared_w13 = param(2 * S, H) if S else None
         self.shared_w2 = param(H, S) if S else None
         self.shared_gate = param(1, H) if spec.shared_gate else None
+        self._packed = mxfp4.PairedHalves()  # MXFP4 halves waiting for their other half
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Copies this rank's part of checkpoint tensor `name` into the block;
@@ -263,7 +272,12 @@ class MoEBlock(nn.Module):
         target = getattr(self, where.param)
         if target is None:  # b2 on ranks other than 0
             return True
-        I, part = self.spec.intermediate, self.part
+        if mxfp4.packed_part(name):
+            pair = self._packed.add(name, tensor)
+            if pair is not None:
+                self._load_mxfp4(where, target, *pair)
+            return True
+        part = self.part
         L = len(part)
         with torch.no_grad():
             if where.param == "shared_w13":
@@ -279,21 +293,46 @@ class MoEBlock(nn.Module):
                     dest[up:up + L].copy_(tensor[part.start:part.stop])
                 else:
                     dest.copy_(tensor[:, part.start:part.stop])
-            elif where.param in ("w13", "b13"):
-                if where.layout == "gpt_oss":
-                    gate, up = tensor[..., 0::2], tensor[..., 1::2]
-                    if where.param == "w13":
-                        gate, up = gate.transpose(1, 2), up.transpose(1, 2)
-                else:
-                    gate, up = tensor[:, :I], tensor[:, I:]
-                target[:, :L].copy_(gate[:, part.start:part.stop])
-                target[:, L:].copy_(up[:, part.start:part.stop])
-            elif where.param == "w2":
-                source = tensor.transpose(1, 2) if where.layout == "gpt_oss" else tensor
-                target.copy_(source[..., part.start:part.stop])
+            elif where.param in ("w13", "b13", "w2"):
+                self._copy_stacked(where, target, tensor)
             else:
                 target.copy_(tensor)
         return True
+
+    def _copy_stacked(self, where: Placement, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        """This rank's part of a tensor that stacks experts (all of them, or
+        the one `target` holds), in the layout `where` says."""
+        I, part = self.spec.intermediate, self.part
+        L = len(part)
+        if where.param == "w2":
+            source = tensor.transpose(1, 2) if where.layout == "gpt_oss" else tensor
+            target.copy_(source[..., part.start:part.stop])
+            return
+        if where.layout == "gpt_oss":
+            gate, up = tensor[..., 0::2], tensor[..., 1::2]
+            if where.param == "w13":
+                gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+        else:
+            gate, up = tensor[:, :I], tensor[:, I:]
+        target[:, :L].copy_(gate[:, part.start:part.stop])
+        target[:, L:].copy_(up[:, part.start:part.stop])
+
+    @torch.no_grad()
+    def _load_mxfp4(self, where: Placement, target: torch.Tensor, name: str, blocks: torch.Tensor,
+                    scales: torch.Tensor) -> None:
+        """Dequantize an MXFP4 pair into w13 or w2 one expert at a time (a
+        whole layer's experts at once would take several times their bf16
+        size in temporaries)."""
+        spec = self.spec
+        rows, cols = (2 * spec.intermediate, spec.hidden) if where.param == "w13" else (spec.hidden, spec.intermediate)
+        expected = (spec.num_experts, rows, cols // mxfp4.BLOCK)
+        if tuple(scales.shape) != expected:
+            raise ValueError(f"{name}_scales has shape {tuple(scales.shape)}, the config expects {expected}")
+        for e in range(spec.num_experts):
+            # [out, in], as nn.Linear holds it; dequantized where the block lives
+            dense = mxfp4.dequantize(blocks[e].to(target.device), scales[e].to(target.device), target.dtype)
+            # gpt-oss's bf16 checkpoints hold each expert as [in, out].
+            self._copy_stacked(where, target[e:e + 1], dense.T[None] if where.layout == "gpt_oss" else dense[None])
 
     def _apply(self, fn, recurse=True):
         # DeepSeek keeps its router in float32 in a bfloat16 model, as
