@@ -125,6 +125,15 @@ def test_without_tools_a_call_is_content(harmony_dir):
     assert message.get("tool_calls") is None and message["content"].startswith('Checking both.{"city": "Paris"}')
 
 
+def test_a_constrained_answer_starts_at_the_final_channel(harmony_dir):
+    app, engine = harmony_app(harmony_dir, ANSWER_SCRIPT)
+    assert chat(app, response_format={"type": "json_object"})[0] == 200
+    assert engine.requests[-1].params.constraint.after == "<|channel|>final<|message|>"
+    # With thinking off the model answers at once: the constraint holds from the start.
+    assert chat(app, response_format={"type": "json_object"}, reasoning_effort="none")[0] == 200
+    assert engine.requests[-1].params.constraint.after is None
+
+
 def test_strict_tools_are_refused(harmony_dir):
     app, engine = harmony_app(harmony_dir, CALLS_SCRIPT)
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}

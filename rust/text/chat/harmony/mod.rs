@@ -156,7 +156,7 @@ impl HarmonyParser {
         true
     }
 
-    fn body(&mut self, body: Body, out: &mut Parsed, eof: bool) -> bool {
+    fn body(&mut self, mut body: Body, out: &mut Parsed, eof: bool) -> bool {
         let (text, ended) = match first_marker(&self.held, &BODY_ENDS) {
             Some((at, marker)) => {
                 let text: String = self.held.drain(..at).collect();
@@ -183,17 +183,15 @@ impl HarmonyParser {
                 let text = if ended || eof { text.trim_end() } else { text };
                 if !text.is_empty() {
                     out.calls.push(CallEvent::Arguments { index: self.count, text: text.to_string() });
-                    self.state = State::Body(Body::Call { started: true });
+                    body = Body::Call { started: true };
                 }
             }
         }
         if ended {
-            let body = match self.state {
-                State::Body(body) => body,
-                _ => unreachable!("in a body"),
-            };
             self.end_body(body, out);
             self.state = State::Outside;
+        } else {
+            self.state = State::Body(body);
         }
         ended
     }
