@@ -161,9 +161,9 @@ class ToolCallStream:
         content, deltas = text, found or []
         if self.parser is not None:
             content, deltas = self.parser.feed_events(text)
-        if final and self.parser is not None:
-            rest, more = self.parser.flush_events()
-            content, deltas = content + rest, deltas + more
+            if final:
+                rest, more = self.parser.flush_events()
+                content, deltas = content + rest, deltas + more
         if not self.parallel:
             deltas = [d for d in deltas if d[0] == 0]
         self.count = max([self.count] + [index + 1 for index, _, _ in deltas])
