@@ -173,6 +173,28 @@ class ToolCallParser:
         """End of output: an open call is closed, a section that started no
         call is text, and held text comes out."""
 
+class HarmonyParser:
+    """gpt-oss's Harmony output (`<|channel|>analysis<|message|>...<|end|>`,
+    `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`,
+    `<|channel|>final<|message|>...`) read as a stream of text deltas,
+    detokenized with the special tokens kept. The analysis channel is
+    reasoning; a message to `functions.NAME` is a call of NAME whose body
+    is its JSON arguments (streamed as they come, blanks around them
+    trimmed, `{}` when empty); the final channel, preambles (commentary
+    with no recipient) and text outside messages are content. Markers are
+    never emitted; a tail that could become one is held back. The result
+    does not depend on how the text is split."""
+
+    def __init__(self, functions: list[str] | None = None, read_calls: bool = True) -> None:
+        """`functions`: the names a call may have (a message to another
+        function is content); None: any. `read_calls` False: calls are
+        content."""
+    def feed(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
+        """(reasoning, content, tool call deltas) this text completes."""
+    def flush(self) -> tuple[str, str, list[ToolCallDelta]]:
+        """End of output: an open message ends, a call with it; held text
+        comes out where the stream was."""
+
 def tool_call_prefix(format: str, name: str | None = None) -> str:
     """The start of a call in `format` (every format has one): up to the
     name, or with `name` up to its arguments. Put after the prompt, it

@@ -137,11 +137,11 @@ class ServerOptions:
     served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
     chat_template: str | None = option(
         None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
-    reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1"],
+    reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1", "gpt-oss"],
                                           help="split <think>...</think> into reasoning_content")
     # SGLang's names; qwen25 and hermes are one format.
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
-                                                         "pythonic", "qwen3_coder"],
+                                                         "pythonic", "qwen3_coder", "gpt-oss"],
                                           help="read tool calls in chat output into message.tool_calls")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')", secret=True)
     # Per request, unlike the engine-wide --max-running-requests: one request's prompts x n.

@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyString};
 
 use super::value_error;
 use crate::text::chat::content::{join_parts, Part};
+use crate::text::chat::harmony::HarmonyParser as Harmony;
 use crate::text::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::text::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
 use crate::text::detokenizer::DecodeStream as Stream;
@@ -203,6 +204,34 @@ impl PyToolCallParser {
     }
 }
 
+/// gpt-oss's Harmony output in a text stream (see chat/harmony/): each
+/// step's (reasoning, content, tool call deltas).
+#[pyclass(name = "HarmonyParser", module = "pyserve._rust")]
+struct PyHarmonyParser {
+    parser: Harmony,
+}
+
+#[pymethods]
+impl PyHarmonyParser {
+    /// `functions`: the names calls may have (None: any); `read_calls`:
+    /// False leaves calls as content.
+    #[new]
+    #[pyo3(signature = (functions = None, read_calls = true))]
+    fn new(functions: Option<Vec<String>>, read_calls: bool) -> Self {
+        PyHarmonyParser { parser: Harmony::new(functions, read_calls) }
+    }
+
+    fn feed(&mut self, text: &str) -> (String, String, Deltas) {
+        let parsed = self.parser.feed(text);
+        (parsed.reasoning, parsed.content, delta_tuples(parsed.calls))
+    }
+
+    fn flush(&mut self) -> (String, String, Deltas) {
+        let parsed = self.parser.flush();
+        (parsed.reasoning, parsed.content, delta_tuples(parsed.calls))
+    }
+}
+
 /// The start of a tool call in `format`, to put after the prompt so that
 /// the model goes on with a call (of function `name`, if given).
 #[pyfunction]
@@ -243,6 +272,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStopMatcher>()?;
     m.add_class::<PyReasoningSplitter>()?;
     m.add_class::<PyToolCallParser>()?;
+    m.add_class::<PyHarmonyParser>()?;
     m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     Ok(())

@@ -22,6 +22,9 @@ from pyserve.api.generation.tool_grammar import CallDelta, arguments_key, forced
 from pyserve.engine.request import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# gpt-oss's Harmony format, whose calls the Harmony reader finds beside the
+# reasoning (api/generation/harmony.py) rather than a ToolCallParser.
+HARMONY = "gpt-oss"
 _CHOICES = ("none", "auto", "required")
 
 
@@ -147,15 +150,20 @@ class ToolCallStream:
     def __init__(self, calling: ToolCalling):
         # A forced choice's JSON array of calls is mistral's bare-array
         # format, which its parser reads under either arguments key.
-        self.parser = ToolCallParser(calling.parser or "mistral", calling.tools)
+        self.parser = None if calling.parser == HARMONY else ToolCallParser(calling.parser or "mistral",
+                                                                             calling.tools)
         self.parallel = calling.parallel
         self.count = 0  # calls so far, the next one's index
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
-        content, deltas = self.parser.feed_events(text)
-        if final:
-            rest, more = self.parser.flush_events()
-            content, deltas = content + rest, deltas + more
+    def feed(self, text: str, final: bool = False, found: list[CallDelta] | None = None
+             ) -> tuple[str, list[CallDelta]]:
+        """`found`: the deltas the Harmony reader found in this text."""
+        content, deltas = text, found or []
+        if self.parser is not None:
+            content, deltas = self.parser.feed_events(text)
+            if final:
+                rest, more = self.parser.flush_events()
+                content, deltas = content + rest, deltas + more
         if not self.parallel:
             deltas = [d for d in deltas if d[0] == 0]
         self.count = max([self.count] + [index + 1 for index, _, _ in deltas])

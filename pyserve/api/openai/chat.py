@@ -11,6 +11,7 @@ from msgspec import UNSET
 from msgspec.structs import replace as replace_struct
 
 from pyserve._rust import ReasoningSplitter, content_text
+from pyserve.api.generation.harmony import FINAL_MESSAGE, HarmonyOutput, reads_harmony
 from pyserve.api.generation.constraints import RequestConstraint, only_one, request_constraint
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import PendingLogprobs, chat_logprobs, prompt_logprobs
@@ -23,7 +24,7 @@ from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now, usage,
 )
 from pyserve.api.generation.tool_grammar import CallDelta, new_call_id, with_strict_calls
-from pyserve.api.generation.tools import ToolCalling, plan, whole_calls
+from pyserve.api.generation.tools import HARMONY, ToolCalling, plan, whole_calls
 from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateRequest, SamplingParams
 
@@ -112,7 +113,7 @@ def _constraint(ctx: ServingContext, req: ChatCompletionRequest,
     kwargs = _template_kwargs(req)
     if kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False:
         return asked
-    _, end, _ = REASONING_PARSERS[ctx.reasoning_parser]
+    end = FINAL_MESSAGE if ctx.reasoning_parser == HARMONY else REASONING_PARSERS[ctx.reasoning_parser][1]
     return replace(asked, constraint=replace(asked.constraint, after=end))
 
 
@@ -150,6 +151,8 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              prompt_logprobs=prompt_k is not None, prompt_top_logprobs=prompt_k,
                              constraint=constrained and constrained.constraint)
+    if reads_harmony(ctx.reasoning_parser, ctx.tool_call_parser):
+        params = replace(params, skip_special_tokens=False)  # Harmony's markers are special tokens
     return prompt_ids, params, calling, constrained and constrained.param
 
 
@@ -166,8 +169,10 @@ class _ChoiceOutput:
     """One choice's output text, split into reasoning, content and tool calls."""
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, calling: ToolCalling | None):
-        self.splitter = None
-        if ctx.reasoning_parser is not None and req.separate_reasoning:
+        self.splitter = self.harmony = None
+        if reads_harmony(ctx.reasoning_parser, ctx.tool_call_parser):
+            self.harmony = HarmonyOutput(ctx.reasoning_parser == HARMONY and req.separate_reasoning, calling)
+        elif ctx.reasoning_parser is not None and req.separate_reasoning:
             start, end, opened = REASONING_PARSERS[ctx.reasoning_parser]
             self.splitter = ReasoningSplitter(start, end, opened)
         self.tools = None if calling is None else calling.reader()
@@ -176,15 +181,22 @@ class _ChoiceOutput:
     def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
         """(reasoning, content, tool call deltas) that `text` completes."""
         reasoning, content, calls = "", text, []
-        if self.splitter is not None:
+        if self.harmony is not None:
+            reasoning, content, calls = self.harmony.feed(text, final)
+            self.reasoning += reasoning
+        elif self.splitter is not None:
             reasoning, content = self.splitter.feed(text)
             if final:
                 r, c = self.splitter.flush()
                 reasoning, content = reasoning + r, content + c
             self.reasoning += reasoning
         if self.tools is not None:
-            content, calls = self.tools.feed(content, final)
+            content, calls = self.tools.feed(content, final, calls)
         return reasoning, content, calls
+
+    @property
+    def splits_reasoning(self) -> bool:
+        return self.splitter is not None or (self.harmony is not None and self.harmony.separate_reasoning)
 
     @property
     def calls(self) -> int:
@@ -200,7 +212,7 @@ def _with_reasoning_tokens(ctx: ServingContext, total: Usage, outputs: list[_Cho
     """usage.completion_tokens_details.reasoning_tokens when reasoning is
     split: the reasoning text's tokens as the tokenizer encodes it (the
     markers excluded), summed over the choices."""
-    if all(o.splitter is None for o in outputs):
+    if not any(o.splits_reasoning for o in outputs):
         return total
     count = sum(len(ctx.engine.tokenizer.encode(o.reasoning)) for o in outputs if o.reasoning)
     return replace_struct(total, completion_tokens_details=CompletionTokensDetails(reasoning_tokens=count))

@@ -1,7 +1,8 @@
 //! Helpers for chat requests and responses: message content, reasoning and
-//! tool calls.
+//! tool calls, and gpt-oss's Harmony output, which carries both.
 
 pub mod content;
+pub mod harmony;
 pub mod reasoning;
 pub mod tool_calls;
 
