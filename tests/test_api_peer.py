@@ -147,6 +147,18 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(oai):
     assert all(re.fullmatch(r"token_id:\d+", k) for top in logprobs.top_logprobs for k in top)
 
 
+def test_streamed_logprob_tokens_as_token_ids(oai):
+    stream = oai.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=0, logprobs=True,
+                                         stream=True, extra_body={"return_tokens_as_token_ids": True,
+                                                                  "return_token_ids": True})
+    tokens, ids = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+            tokens += [e.token for e in (choice.logprobs.content if choice.logprobs else [])]
+    assert len(ids) == 4 and tokens == [f"token_id:{i}" for i in ids]
+
+
 # -- sampling extras on /v1/responses (SGLang, vLLM) --------------------------------
 
 
@@ -157,12 +169,12 @@ def test_responses_take_the_peers_sampling_extras(oai):
                                 extra_body={"top_k": 1, "seed": 7, "min_p": 0.0, "frequency_penalty": 0.0,
                                             "presence_penalty": 0.0, "repetition_penalty": 1.0})
     assert top1.output_text == greedy.output_text
-    # stop: the output ends before the stop string.
-    stop = greedy.output_text[2:5]
-    if stop.strip():
-        cut = oai.responses.create(model="m", input="Say something.", max_output_tokens=8, temperature=0,
-                                   extra_body={"stop": [stop]})
-        assert cut.output_text == greedy.output_text[:greedy.output_text.index(stop)]
+    # stop: the output ends before the stop string (a piece of the greedy answer past its start).
+    text = greedy.output_text
+    stop = next(text[i:i + 3] for i in range(2, len(text) - 2) if text[i:i + 3].strip())
+    cut = oai.responses.create(model="m", input="Say something.", max_output_tokens=8, temperature=0,
+                               extra_body={"stop": [stop]})
+    assert cut.output_text == text[:text.index(stop)]
 
 
 @pytest.mark.parametrize("field, value", [("top_k", -5), ("min_p", 2.0), ("repetition_penalty", 0.0),
