@@ -133,6 +133,19 @@ def test_return_token_ids_on_chat_and_completions(oai, http):
     assert len(choice["token_ids"]) == cmpl.usage.completion_tokens == 3
 
 
+def test_return_token_ids_on_a_tool_call_choice(oai, http):
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": {
+        "type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+        "required": ["colour"]}}}]
+    r = oai.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice="required", max_tokens=60,
+                                    temperature=0, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "paint"
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == r.usage.completion_tokens
+    assert "paint" in http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(oai):
     chat = oai.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=0, logprobs=True,
                                        top_logprobs=2,
