@@ -171,6 +171,11 @@ class ServerOptions:
     allowed_origins: str = option(
         "", help="comma-separated origins allowed by CORS (or * for any, without credentials); "
                  "default: none, CORS is off")
+    # Last in ServerOptions: the peer-compatibility options (issue 31).
+    metrics_names: str = option(
+        "pyserve,sglang,vllm",
+        help="comma-separated families of /metrics names: pyserve (SGLang's names under pyserve:), sglang, "
+             "vllm; all by default, so SGLang's and vLLM's dashboards read pyserve unchanged")
 
 
 class Options(NamedTuple):
@@ -249,6 +254,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         for origin in comma_list(self.allowed_origins):
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin such as https://app.example")
+        names = comma_list(self.metrics_names)
+        if not names or not set(names) <= {"pyserve", "sglang", "vllm"}:
+            raise ValueError("--metrics-names takes one or more of pyserve, sglang, vllm, comma-separated")
 
     # Options about generated text, which an embedding server never makes.
     _GENERATION_ONLY = ("chat_template", "reasoning_parser", "tool_call_parser", "default_max_tokens",

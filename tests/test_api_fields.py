@@ -139,6 +139,8 @@ CHAT = {
     "continue_final_message": engine(True, prompt("<user>hi<assistant>The sea is"), messages=CONTINUED),
     "echo": probe(RESPONSE, True, messages=CONTINUED, continue_final_message=True),
     "reasoning_effort": engine("none", {"prompt": "thinking=False|<user>hi<assistant>"}),
+    "add_generation_prompt": engine(False, prompt("<user>hi")),
+    "return_tokens_as_token_ids": probe(RESPONSE, True, logprobs=True),
     # Each field of a message, on a message of its own.
     "messages[].role": engine([{"role": "system", "content": "hi"}], prompt("<system>hi<assistant>")),
     "messages[].content": engine([{"role": "user", "content": "bye"}], prompt("<user>bye<assistant>")),
@@ -165,6 +167,7 @@ COMPLETIONS = {
     "echo": probe(RESPONSE, True),
     "suffix": probe(REFUSED, "after"),
     "best_of": probe(REFUSED, 2),
+    "return_tokens_as_token_ids": probe(RESPONSE, True, logprobs=1),
 }
 def _names(struct: type, prefix: str = "") -> set[str]:
     return {prefix + f.name for f in msgspec.structs.fields(struct)}

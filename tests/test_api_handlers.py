@@ -20,7 +20,7 @@ from pyserve.api.app import App
 from pyserve.http.proxy import CORS
 from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
-from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError
+from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -60,6 +60,7 @@ class ScriptedEngine:
                     finish_reason=("length" if len(steps) < len(self.script) else "stop") if last else None,
                     matched_stop=None if len(steps) < len(self.script) or not last else 2,
                     prompt_tokens=len(req.input_ids), completion_tokens=i + 1,
+                    logprobs=[TokenLogprob(7, -0.5, [])] if req.params.logprobs else None,
                 )
         finally:
             if not done:

@@ -84,6 +84,9 @@ def test_messages_are_the_prompt_a_chat_request_runs(http):
     partial = MESSAGES + [{"role": "assistant", "content": "Paris is"}]
     cont = tokenize(http, messages=partial, add_generation_prompt=False, continue_final_message=True)
     assert http.post("/detokenize", json={"tokens": cont["tokens"]}).json()["prompt"].endswith("Paris is")
+    # add_generation_prompt false: the messages alone, no assistant turn opened.
+    bare = tokenize(http, messages=MESSAGES, add_generation_prompt=False)
+    assert bare["tokens"] == out["tokens"][:bare["count"]] and bare["count"] < out["count"]
 
 
 def test_tokenizer_info(http):
@@ -102,7 +105,6 @@ BAD_TOKENIZE = {
     "empty prompt list": ({"prompt": []}, "prompt"),
     "special tokens with messages": ({"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
     "per-request template": ({"messages": MESSAGES, "chat_template": "{{ 1 }}"}, "chat_template"),
-    "no generation prompt": ({"messages": MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
     "unknown field": ({"prompt": "x", "truncate": 5}, "truncate"),
 }
 

@@ -26,7 +26,7 @@ import msgspec
 
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
-from pyserve.api.native import generate, operations, score, tokenize
+from pyserve.api.native import generate, operations, rerank, score, tokenize
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
 from pyserve.files import routes as files
@@ -94,6 +94,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/detokenize"): Route(tokenize.detokenize, dict),
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("POST", "/v1/score"): Route(score.score, dict),
+    ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
     ("GET", "/get_model_info"): Route(operations.model_info),
     ("GET", "/model_info"): Route(operations.model_info),
     ("GET", "/get_server_info"): Route(operations.server_info),
@@ -107,7 +108,7 @@ ROUTES: dict[tuple[str, str], Route] = {
 }
 # Routes that generate text: an --is-embedding server answers them 400.
 GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score,
-                       messages.create)
+                       messages.create, rerank.rerank)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:

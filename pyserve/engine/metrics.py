@@ -1,10 +1,13 @@
 """Serving metrics in Prometheus' text format, for GET /metrics.
 
-The names follow SGLang's (`sglang:prompt_tokens_total`, ...) under a
-`pyserve:` prefix, so an SGLang dashboard needs only the prefix changed.
-Counters and histograms are updated by the engine as requests arrive,
-produce their first token and finish; gauges are read from the engine when
-scraped.
+Each series is written under the names of the families asked for
+(--metrics-names): `pyserve:` (SGLang's names under pyserve's prefix),
+`sglang:` (SGLang's own) and `vllm:` (vLLM's names for the same meaning),
+so an SGLang or vLLM dashboard reads pyserve unchanged. The peers' series
+carry their `model_name` label, as theirs do. A series a family has no
+name for is left out of it. Counters and histograms are updated by the
+engine as requests arrive, produce their first token and finish; gauges
+are read from the engine when scraped.
 """
 
 from __future__ import annotations
@@ -13,9 +16,34 @@ import bisect
 import math
 from collections import Counter
 
-PREFIX = "pyserve:"
+FAMILIES = ("pyserve", "sglang", "vllm")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# A series' name in each family (pyserve's are SGLang's), None where the family has none.
+_VLLM_NAMES = {
+    "num_running_reqs": "num_requests_running",
+    "num_queue_reqs": "num_requests_waiting",
+    "token_usage": "kv_cache_usage_perc",
+    "cache_hit_rate": None,  # vLLM has the two counters below instead
+    "cached_tokens_total": "prefix_cache_hits_total",
+    "prompt_tokens_cached_queries": "prefix_cache_queries_total",  # vLLM's only
+    "num_requests_total": "request_success_total",
+}
+# vLLM labels a finished request's reason `finished_reason`; SGLang and pyserve, `finish_reason`.
+_REASON_LABEL = {"pyserve": "finish_reason", "sglang": "finish_reason", "vllm": "finished_reason"}
+
+
+def series_name(family: str, name: str) -> str | None:
+    if family == "vllm":
+        name = _VLLM_NAMES.get(name, name)
+    elif name == "prompt_tokens_cached_queries":
+        return None
+    return None if name is None else f"{family}:{name}"
+
+
+def _labels(pairs: dict[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in pairs.items()) + "}" if pairs else ""
 
 
 class Histogram:
@@ -28,14 +56,14 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
-    def lines(self) -> list[str]:
-        out = [f"# HELP {PREFIX}{self.name} {self.help}", f"# TYPE {PREFIX}{self.name} histogram"]
+    def lines(self, name: str, labels: dict[str, str]) -> list[str]:
+        out = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
         running = 0
         for bound, n in zip(list(self.buckets) + [math.inf], self.counts):
             running += n
             le = "+Inf" if bound == math.inf else repr(bound)
-            out.append(f'{PREFIX}{self.name}_bucket{{le="{le}"}} {running}')
-        out += [f"{PREFIX}{self.name}_sum {self.sum}", f"{PREFIX}{self.name}_count {running}"]
+            out.append(f"{name}_bucket{_labels({**labels, 'le': le})} {running}")
+        out += [f"{name}_sum{_labels(labels)} {self.sum}", f"{name}_count{_labels(labels)} {running}"]
         return out
 
 
@@ -63,22 +91,32 @@ class EngineMetrics:
         if ttft is not None and output_tokens > 1:
             self.tpot.observe((seconds - ttft) / (output_tokens - 1))
 
-    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """The exposition text; `gauges`: name -> (value, help)."""
+    def render(self, gauges: dict[str, tuple[float, str]], families: tuple[str, ...] = ("pyserve",),
+               model_name: str = "") -> str:
+        """The exposition text; `gauges`: name -> (value, help), named as
+        pyserve names them; `families`: whose names to write them under."""
+        return "".join(self._family(family, gauges, model_name) for family in families)
+
+    def _family(self, family: str, gauges: dict[str, tuple[float, str]], model_name: str) -> str:
+        labels = {} if family == "pyserve" else {"model_name": model_name}
         lines = []
-        for name, (value, help_text) in gauges.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} gauge", f"{PREFIX}{name} {value}"]
-        counters = {
-            "prompt_tokens_total": (self.prompt_tokens, "Prompt tokens of finished requests."),
-            "generation_tokens_total": (self.generation_tokens, "Generated tokens of finished requests."),
-            "cached_tokens_total": (self.cached_tokens, "Prompt tokens served from the prefix cache."),
-        }
-        for name, (value, help_text) in counters.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name} {value}"]
-        lines += [f"# HELP {PREFIX}num_requests_total Finished requests, by finish reason.",
-                  f"# TYPE {PREFIX}num_requests_total counter"]
+
+        def scalar(kind: str, key: str, value: float, help_text: str) -> None:
+            name = series_name(family, key)
+            if name is not None:
+                lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{_labels(labels)} {value}"])
+
+        for key, (value, help_text) in gauges.items():
+            scalar("gauge", key, value, help_text)
+        scalar("counter", "prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests.")
+        scalar("counter", "generation_tokens_total", self.generation_tokens, "Generated tokens of finished requests.")
+        scalar("counter", "cached_tokens_total", self.cached_tokens, "Prompt tokens served from the prefix cache.")
+        scalar("counter", "prompt_tokens_cached_queries", self.prompt_tokens,
+               "Prompt tokens looked up in the prefix cache.")
+        name = series_name(family, "num_requests_total")
+        lines += [f"# HELP {name} Finished requests, by finish reason.", f"# TYPE {name} counter"]
         for reason in sorted(self.finished):
-            lines.append(f'{PREFIX}num_requests_total{{finish_reason="{reason}"}} {self.finished[reason]}')
+            lines.append(f"{name}{_labels({**labels, _REASON_LABEL[family]: reason})} {self.finished[reason]}")
         for histogram in (self.ttft, self.e2e, self.tpot):
-            lines += histogram.lines()
+            lines += histogram.lines(series_name(family, histogram.name), labels)
         return "\n".join(lines) + "\n"

@@ -33,6 +33,14 @@ class TokenTexts:
                 for t, lp in ((self.text(i), lp) for i, lp in entry.top)]
 
 
+class TokenIdTexts(TokenTexts):
+    """vLLM's return_tokens_as_token_ids: each token reads "token_id:N",
+    which names even a token whose own text is part of a UTF-8 character."""
+
+    def __init__(self):
+        self.text = lambda i: f"token_id:{i}"
+
+
 def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprob]) -> ChatLogprobs:
     content = []
     for e in entries:

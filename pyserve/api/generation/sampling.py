@@ -92,7 +92,9 @@ def sampling_params(
     _check(0.0 <= f.min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
     _check(0.0 < f.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]", "repetition_penalty")
     # Choice i uses seed + i, and torch generators take a signed 64-bit seed.
-    _check(f.seed is None or -(1 << 63) <= f.seed <= (1 << 63) - f.n, "seed must be a signed 64-bit integer", "seed")
+    _check(f.seed is None or -(1 << 63) <= f.seed <= (1 << 63) - f.n, "seed must be a signed 64-bit integer: "
+           f"Input should be greater than or equal to {-(1 << 63)} and less than or equal to {(1 << 63) - f.n}",
+           "seed")
     bias = _logit_bias(f.logit_bias, vocab_size)
     _check(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
            f"{top_logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}", top_logprobs_param)

@@ -21,7 +21,7 @@ from msgspec import UNSET, UnsetType
 
 from pyserve._rust import Tokenizer
 from pyserve.http.errors import APIError, bad_request
-from pyserve.api.generation.logprobs import TokenTexts
+from pyserve.api.generation.logprobs import TokenIdTexts, TokenTexts
 from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
@@ -48,6 +48,11 @@ class ServingContext:
     @cached_property
     def token_texts(self) -> TokenTexts:
         return TokenTexts(self.engine.tokenizer)
+
+    def texts_for(self, fields) -> TokenTexts:
+        """How a request's logprob tokens read: their text, or "token_id:N"
+        (vLLM's return_tokens_as_token_ids)."""
+        return TokenIdTexts() if fields.return_tokens_as_token_ids else self.token_texts
 
 
 def new_id(prefix: str) -> str:
@@ -115,12 +120,32 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
                 choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
                 requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
                                                 priority=priority, cache_salt=cache_salt))
+            _check_prompt(ids, engine.vocab_size)
             engine.validate(requests[p * n])
         if params.constraint is not None:
             await engine.compile_grammar(params.constraint)
     except RequestError as e:
-        raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
+        raise bad_request(_with_peer_phrase(e), param_names.get(e.field, e.field), e.code) from None
     return requests
+
+
+def _check_prompt(ids: list[int], vocab_size: int) -> None:
+    """The prompt checks whose wording SGLang's and vLLM's clients match
+    on ("decoder prompt cannot be empty", "out of vocabulary"), made before
+    the engine's own."""
+    if not ids:
+        raise RequestError("The decoder prompt cannot be empty", "prompt")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"Token id {bad} is out of vocabulary (the vocabulary has {vocab_size} tokens)", "prompt")
+
+
+def _with_peer_phrase(e: RequestError) -> str:
+    """The engine's message, with SGLang's phrase for a prompt longer than
+    the context beside vLLM's (which the engine's message already is)."""
+    if e.code == "context_length_exceeded" and e.field == "prompt":
+        return f"{e.message} The input is longer than the model's context length."
+    return e.message
 
 
 def _check_sequences(cap: int, prompts: int, n: int, param_names: Mapping[str, str]) -> None:

@@ -19,6 +19,7 @@ from pyserve.http.io import Response
 from pyserve.api.protocol.openai import ModelCard, ModelList
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id
 from pyserve.engine.request import GenerateRequest, SamplingParams
+from pyserve.server_args import ServerOptions, comma_list
 
 HEALTH_GENERATE_TIMEOUT = 20.0  # seconds
 
@@ -80,7 +81,9 @@ def metrics(ctx: ServingContext) -> Response:
                         "Share of the KV cache running requests need (cached prefixes nobody uses excluded)."),
         "cache_hit_rate": (_cache_hit_rate(engine), "Share of prompt tokens served from the prefix cache."),
     }
-    return Response(200, m.render(gauges).encode(), "text/plain; version=0.0.4; charset=utf-8")
+    families = tuple(comma_list(ctx.server_args.get("metrics_names", ServerOptions.metrics_names)))
+    return Response(200, m.render(gauges, families, ctx.served_model_name).encode(),
+                    "text/plain; version=0.0.4; charset=utf-8")
 
 
 def _cache_hit_rate(engine) -> float:

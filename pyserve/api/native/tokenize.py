@@ -75,13 +75,10 @@ def _chat_prompt(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
     if req.chat_template is not None:
         raise bad_request("a per-request chat_template is not supported: the server's template renders messages",
                           "chat_template")
-    if not req.add_generation_prompt and not req.continue_final_message:
-        raise bad_request("add_generation_prompt false is not supported: messages are rendered as a chat "
-                          "request renders them (set continue_final_message to end inside the last message)",
-                          "add_generation_prompt")
     chat_req = ChatCompletionRequest(messages=req.messages, tools=req.tools,
                                      chat_template_kwargs=req.chat_template_kwargs,
-                                     continue_final_message=req.continue_final_message)
+                                     continue_final_message=req.continue_final_message,
+                                     add_generation_prompt=req.add_generation_prompt)
     ids, _, _, _ = chat.prepare(ctx, chat_req)
     return ids
 

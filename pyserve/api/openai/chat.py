@@ -137,7 +137,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
     try:
         prompt = ctx.chat_template.render(
             _template_messages(req),
-            add_generation_prompt=True,
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=tools,
             template_kwargs=_template_kwargs(req),
@@ -234,7 +234,7 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, batch: bool = 
                                       usage=_with_reasoning_tokens(ctx, usage([r.final for r in results], req.n),
                                                                    outputs))
     if req.prompt_logprobs is not None:
-        response.prompt_logprobs = prompt_logprobs(ctx.token_texts, results[0].prompt_logprobs)
+        response.prompt_logprobs = prompt_logprobs(ctx.texts_for(req), results[0].prompt_logprobs)
     if req.return_token_ids:
         response.prompt_token_ids = prompt_ids
     return response
@@ -255,7 +255,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, output: _ChoiceOutp
     return ChatChoice(
         index=index,
         message=message,
-        logprobs=chat_logprobs(ctx.token_texts, result.logprobs) if req.logprobs else None,
+        logprobs=chat_logprobs(ctx.texts_for(req), result.logprobs) if req.logprobs else None,
         finish_reason=output.finish_reason(result.final.finish_reason),
         matched_stop=result.final.matched_stop,
         token_ids=result.token_ids if req.return_token_ids else UNSET,
@@ -275,7 +275,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
 
     def choice(i: int, delta: Delta, **fields) -> ChatStreamChoice:
         entries = pending.take(i)
-        logprobs = chat_logprobs(ctx.token_texts, entries) if req.logprobs and entries else None
+        logprobs = chat_logprobs(ctx.texts_for(req), entries) if req.logprobs and entries else None
         token_ids = UNSET
         if req.return_token_ids:
             token_ids, held_ids[i] = held_ids[i], []

@@ -51,11 +51,11 @@ def _choice(ctx: ServingContext, req: CompletionRequest, index: int, request: Ge
     logprobs = None
     if req.logprobs is not None:
         entries = (result.prompt_logprobs if req.echo else []) + result.logprobs
-        logprobs = completion_logprobs(ctx.token_texts, entries, 0, request.input_ids[0])
+        logprobs = completion_logprobs(ctx.texts_for(req), entries, 0, request.input_ids[0])
     choice = CompletionChoice(index=index, text=echo + result.text, logprobs=logprobs,
                               finish_reason=result.final.finish_reason, matched_stop=result.final.matched_stop)
     if req.prompt_logprobs is not None:
-        choice.prompt_logprobs = prompt_logprobs(ctx.token_texts, result.prompt_logprobs)
+        choice.prompt_logprobs = prompt_logprobs(ctx.texts_for(req), result.prompt_logprobs)
     if req.return_token_ids:
         choice.prompt_token_ids, choice.token_ids = request.input_ids, result.token_ids
     return choice
@@ -90,7 +90,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[Ge
     def logprobs_of(i: int):
         if req.logprobs is None:
             return None
-        logprobs = completion_logprobs(ctx.token_texts, pending.take(i), offsets[i], requests[i].input_ids[0])
+        logprobs = completion_logprobs(ctx.texts_for(req), pending.take(i), offsets[i], requests[i].input_ids[0])
         offsets[i] += sum(len(t) for t in logprobs.tokens)
         return logprobs
 

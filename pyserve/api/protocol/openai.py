@@ -157,6 +157,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_regex: str | list[str] | None = None  # SGLang: stops that are regular expressions
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:N"
     # SGLang / vLLM: larger runs first, on a server with --enable-priority-scheduling (refused elsewhere).
     priority: int | None = None
     # SGLang / vLLM: cached prefixes are shared only with requests of the same salt.
@@ -179,6 +180,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     continue_final_message: bool = False
+    add_generation_prompt: bool = True  # vLLM / SGLang: false ends the prompt after the final message
     echo: bool = False  # vLLM: the answer starts with the final assistant message it continues
     reasoning_effort: str | None = None  # "none" turns the template's thinking off; see api/chat.py
 

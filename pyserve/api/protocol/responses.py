@@ -146,6 +146,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # --enable-priority-scheduling) and the salt of the prefixes it shares.
     priority: int | None = None
     cache_salt: str | None = None
+    # SGLang's and vLLM's sampling extras on this route, as on chat.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
 
 
 # -- the Response object -------------------------------------------------------

@@ -289,6 +289,8 @@ def chat_request(req: ResponsesRequest, items: list[Item], rid: str) -> ChatComp
         response_format=chat_response_format(req), user=req.user,
         reasoning_effort=req.reasoning and req.reasoning.effort, priority=req.priority, cache_salt=req.cache_salt,
         stream=True, stream_options=StreamOptions(include_usage=True),
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty, top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
     )
 
 

@@ -1,0 +1,78 @@
+"""POST /v1/rerank in SGLang's shape: a query and documents in, the
+documents' relevance scores out, best first.
+
+A causal LM reranks as SGLang's decoder-only path scores Qwen3-Reranker:
+each document goes into the reranker's judging prompt (a system turn that
+asks for "yes" or "no", then the instruction, the query and the document,
+and an assistant turn with an empty think block), and its score is
+P(yes) / (P(yes) + P(no)) for the next token. Both probabilities come from
+the engine's prompt logprobs, the label appended to the prompt as /v1/score
+reads them. A model whose tokenizer lacks the prompt's chat markers or
+single "yes"/"no" tokens cannot be scored this way: a 400 says so.
+Cross-encoder rerankers (SGLang's --is-embedding rerank models) are not
+served: an embedding server answers this route with a 400.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from pyserve.api.generation.serving import ServingContext, collect, fan_out, new_id
+from pyserve.engine.request import SamplingParams
+from pyserve.http.errors import bad_request
+from pyserve.http.strict import convert_strict
+
+_PARAMS = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=True)
+# Qwen3-Reranker's judging prompt, as its model card writes it.
+_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+           'Note that the answer can only be "yes" or "no".')
+_DEFAULT_INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+_MARKERS = ("<|im_start|>", "<|im_end|>")
+
+
+class RerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    query: str
+    documents: list[str]
+    model: str | None = None
+    instruct: str | None = None
+    top_n: int | None = None
+    return_documents: bool = True
+
+
+def judging_prompt(instruct: str, query: str, document: str) -> str:
+    return (f"<|im_start|>system\n{_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+            f"<Instruct>: {instruct}\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def _labels(ctx: ServingContext) -> tuple[int, int]:
+    """The ids of "no" and "yes", or a 400 naming what the model lacks."""
+    tokenizer = ctx.engine.tokenizer
+    missing = [m for m in _MARKERS if tokenizer.token_to_id(m) is None]
+    labels = [tokenizer.encode(word) for word in ("no", "yes")]
+    if missing or any(len(ids) != 1 for ids in labels):
+        lacks = f"the chat markers {' and '.join(missing)}" if missing else 'single "yes" and "no" tokens'
+        raise bad_request(f"this model cannot rerank: its tokenizer has no {lacks}, which the Qwen3-Reranker "
+                          "judging prompt needs; serve a reranker such as Qwen/Qwen3-Reranker-0.6B",
+                          "model", "model_not_supported")
+    return labels[0][0], labels[1][0]
+
+
+async def rerank(ctx: ServingContext, body: dict) -> list[dict]:
+    req = convert_strict(body, RerankRequest, "/v1/rerank")
+    if not req.documents:
+        raise bad_request("documents must not be empty", "documents")
+    if req.top_n is not None and req.top_n < 1:
+        raise bad_request("top_n must be at least 1", "top_n")
+    no, yes = _labels(ctx)
+    instruct = req.instruct or _DEFAULT_INSTRUCT
+    prompts = ctx.engine.tokenizer.encode_batch([judging_prompt(instruct, req.query, d) for d in req.documents])
+    requests = await fan_out(ctx, [ids + [label] for ids in prompts for label in (no, yes)], _PARAMS, 1,
+                             new_id("rerank-"), {"prompt": "documents", "max_new_tokens": "documents"})
+    logprobs = [result.prompt_logprobs[-1].logprob for result in await collect(ctx.engine, requests)]
+    scores = [1.0 / (1.0 + math.exp(logprobs[i] - logprobs[i + 1])) for i in range(0, len(logprobs), 2)]
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
+    return [{"score": scores[i], **({"document": req.documents[i]} if req.return_documents else {}), "index": i}
+            for i in ranked]

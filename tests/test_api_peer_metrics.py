@@ -1,0 +1,111 @@
+"""/metrics under the names SGLang's and vLLM's dashboards query
+(--metrics-names), and aborted requests leave no running or waiting count
+behind (vLLM's test_abort_metrics_reset), on a real server."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from pyserve.engine.metrics import EngineMetrics
+from tests.conftest import ServerProcess
+
+SERIES = re.compile(r"^([a-z_]+:[a-z_]+)(\{[^}]*\})? (\S+)$")
+
+
+def scrape(http) -> dict[str, float]:
+    """series name with its labels -> value."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if m := SERIES.match(line):
+            out[m[1] + (m[2] or "")] = float(m[3])
+    return out
+
+
+@pytest.fixture(scope="module")
+def metrics_server(tiny_llama_dir):
+    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", "4096", "--max-total-tokens", "16384",
+                        "--served-model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(metrics_server):
+    with httpx.Client(base_url=metrics_server.base_url, timeout=120) as c:
+        yield c
+
+
+def test_every_family_by_default_with_the_same_values(http):
+    r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200
+    s = scrape(http)
+    label = '{model_name="tiny"}'
+    assert s["pyserve:generation_tokens_total"] == s[f"sglang:generation_tokens_total{label}"] \
+        == s[f"vllm:generation_tokens_total{label}"] >= 3
+    assert s["pyserve:prompt_tokens_total"] == s[f"vllm:prompt_tokens_total{label}"] \
+        == s[f"vllm:prefix_cache_queries_total{label}"] > 0
+    assert s["pyserve:cached_tokens_total"] == s[f"vllm:prefix_cache_hits_total{label}"]
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"vllm:{name}{label}" in s
+    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"):
+        assert f"sglang:{name}{label}" in s and f"pyserve:{name}" in s
+    assert s['vllm:request_success_total{model_name="tiny",finished_reason="length"}'] >= 1
+    assert s['sglang:num_requests_total{model_name="tiny",finish_reason="length"}'] >= 1
+    assert s['vllm:time_to_first_token_seconds_bucket{model_name="tiny",le="+Inf"}'] \
+        == s["pyserve:time_to_first_token_seconds_count"] >= 1
+
+
+def test_aborted_requests_leave_no_running_or_waiting_count(metrics_server, http):
+    body = {"prompt": "Count on and on:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    clients = [httpx.Client(base_url=metrics_server.base_url, timeout=60) for _ in range(4)]
+    streams = [c.stream("POST", "/v1/completions", json=body) for c in clients]
+    for s in streams:
+        response = s.__enter__()
+        next(response.iter_lines())  # started
+    running = scrape(http)['vllm:num_requests_running{model_name="tiny"}']
+    for s, c in zip(streams, clients):
+        s.__exit__(None, None, None)
+        c.close()
+    assert running >= 1
+    label = '{model_name="tiny"}'
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        s = scrape(http)
+        if s[f"vllm:num_requests_running{label}"] == s[f"vllm:num_requests_waiting{label}"] == 0:
+            break
+        time.sleep(0.2)
+    assert s[f"vllm:num_requests_running{label}"] == 0 and s[f"vllm:num_requests_waiting{label}"] == 0
+    assert s["pyserve:num_running_reqs"] == s["pyserve:num_queue_reqs"] == 0
+    assert s[f"vllm:kv_cache_usage_perc{label}"] == 0
+
+
+def test_one_family_alone(tiny_llama_dir):
+    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", "256", "--max-total-tokens", "4096",
+                        "--metrics-names", "vllm")
+    try:
+        text = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+        names = {m[1].split(":")[0] for line in text.splitlines() if (m := SERIES.match(line))}
+        assert names == {"vllm"}
+    finally:
+        srv.stop()
+
+
+def test_a_bad_family_is_refused_at_start_up():
+    from pyserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--metrics-names"):
+        ServerArgs(metrics_names="pyserve,prometheus").validate()
+
+
+def test_each_family_renders_every_histogram_bucket():
+    m = EngineMetrics()
+    m.on_first_token(0.03)
+    m.on_finish("stop", 5, 0, 4, 0.2, 0.03)
+    text = m.render({}, ("sglang", "vllm"), "x")
+    for family in ("sglang", "vllm"):
+        assert f'{family}:e2e_request_latency_seconds_bucket{{model_name="x",le="0.25"}} 1' in text
+        assert f'{family}:e2e_request_latency_seconds_count{{model_name="x"}} 1' in text
