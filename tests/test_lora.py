@@ -140,7 +140,7 @@ def test_load_and_unload_while_requests_run(setup):
     async def main():
         engine = await started_engine(model_dir, enable_lora=True, max_loras_per_batch=1, max_lora_rank=8)
         try:
-            await engine.adapters.load("beta", adapters["beta"], engine.scheduler.requests.values())
+            await engine.adapters.load("beta", adapters["beta"])
             running = asyncio.create_task(generate(engine, prompt, "beta", n=24))
             while not any(s.output_ids for s in engine.scheduler.requests.values()):
                 await asyncio.sleep(0.001)
@@ -148,9 +148,9 @@ def test_load_and_unload_while_requests_run(setup):
             with pytest.raises(RequestError):
                 await generate(engine, prompt, "beta")
             with pytest.raises(ValueError, match="slots"):  # its slot is still in use
-                await engine.adapters.load("alpha", adapters["alpha"], engine.scheduler.requests.values())
+                await engine.adapters.load("alpha", adapters["alpha"])
             beta, _ = await running
-            await engine.adapters.load("alpha", adapters["alpha"], engine.scheduler.requests.values())
+            await engine.adapters.load("alpha", adapters["alpha"])
             alpha, _ = await generate(engine, prompt, "alpha")
             return beta, alpha
         finally:

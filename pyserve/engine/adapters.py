@@ -9,7 +9,7 @@ is reused only once no request started under it is still running.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pyserve.engine.request import GenerateRequest, RequestError
 from pyserve.engine.runner.model_runner import ModelRunner
@@ -31,12 +31,13 @@ def parse_lora_paths(value: str | None) -> dict[str, str]:
 
 
 class Adapters:
-    def __init__(self, options: ModelOptions, runner: ModelRunner):
+    def __init__(self, options: ModelOptions, runner: ModelRunner, running: Callable[[], Iterable[Sequence]]):
+        """`running`: the engine's sequences now, whose adapters' slots are in use."""
         if options.tp_size > 1:
             raise ValueError("--enable-lora does not run with --tp-size > 1 yet")
         if options.max_loras_per_batch < 1 or options.max_lora_rank < 1:
             raise ValueError("--max-loras-per-batch and --max-lora-rank must be at least 1")
-        self.runner = runner
+        self.runner, self.running = runner, running
         self.max_rank = options.max_lora_rank
         self.registry = LoraRegistry(options.max_loras_per_batch)
         self.lock = asyncio.Lock()
@@ -48,7 +49,7 @@ class Adapters:
 
     async def load_initial(self) -> None:
         for name, path in self.initial.items():
-            await self.load(name, path, [])
+            await self.load(name, path)
         self.initial = {}
 
     def names(self) -> list[str]:
@@ -65,13 +66,13 @@ class Adapters:
         names = self.names()
         return f"Loaded adapters: {', '.join(names)}." if names else "No LoRA adapters are loaded."
 
-    async def load(self, name: str, path: str, running: Iterable[Sequence]) -> LoraRef:
+    async def load(self, name: str, path: str) -> LoraRef:
         """ValueError (AdapterError for the files) when it cannot be loaded."""
         if not name:
             raise ValueError("lora_name must be a non-empty string")
         adapter = await asyncio.to_thread(read_adapter, path, self.max_rank)
         async with self.lock:
-            ref = self.registry.take_slot(name, path, _slots_in_use(running))
+            ref = self.registry.take_slot(name, path, _slots_in_use(self.running()))
             await self.runner.load_lora(ref.slot, adapter)
             self.registry.add(ref, path)
         return ref

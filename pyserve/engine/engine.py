@@ -88,7 +88,8 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self.overlap = not options.disable_overlap_schedule
         # --enable-lora: the adapters requests pick by name; None: the base model alone.
-        self.adapters = Adapters(model_options, self.runner) if model_options.enable_lora else None
+        self.adapters = Adapters(model_options, self.runner, self.scheduler.requests.values) \
+            if model_options.enable_lora else None
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> Engine:
