@@ -33,8 +33,6 @@ def parse_lora_paths(value: str | None) -> dict[str, str]:
 class Adapters:
     def __init__(self, options: ModelOptions, runner: ModelRunner, running: Callable[[], Iterable[Sequence]]):
         """`running`: the engine's sequences now, whose adapters' slots are in use."""
-        if options.tp_size > 1:
-            raise ValueError("--enable-lora does not run with --tp-size > 1 yet")
         if options.max_loras_per_batch < 1 or options.max_lora_rank < 1:
             raise ValueError("--max-loras-per-batch and --max-lora-rank must be at least 1")
         self.runner, self.running = runner, running
@@ -73,7 +71,7 @@ class Adapters:
         adapter = await asyncio.to_thread(read_adapter, path, self.max_rank)
         async with self.lock:
             ref = self.registry.take_slot(name, path, _slots_in_use(self.running()))
-            await self.runner.load_lora(ref.slot, adapter)
+            await self.runner.load_lora(ref.slot, adapter, path)
             self.registry.add(ref, path)
         return ref
 

@@ -9,24 +9,31 @@ import torch
 
 @dataclass
 class LoraBatch:
-    """A step's tokens grouped by adapter slot. Tokens of base-model rows
-    belong to no group: their layers' outputs are left as the base computes
-    them. `groups` is (slot, token indices) per slot present, computed once
-    per step and read by every adapted layer."""
+    """A step's tokens by adapter slot: `per_token` [T] (-1: the base
+    model), and grouped, (slot, token indices) per slot present, computed
+    once per step and read by every adapted layer. Tokens of base-model
+    rows are in no group: their layers' outputs stay as the base computes
+    them."""
 
+    per_token: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]
 
     @classmethod
     def of_rows(cls, row_slots: list[int], lengths: list[int]) -> LoraBatch | None:
-        """Row i's `lengths[i]` new tokens run under slot `row_slots[i]`
-        (-1: the base model). None when every row is the base model's."""
+        """Row i's `lengths[i]` new tokens run under slot `row_slots[i]`.
+        None when every row is the base model's."""
         if all(slot < 0 for slot in row_slots):
             return None
-        per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
-                                            torch.tensor(lengths, dtype=torch.long))
-        groups = [(slot, (per_token == slot).nonzero().flatten()) for slot in sorted(set(row_slots)) if slot >= 0]
-        return cls(groups)
+        return cls.of_tokens(torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
+                                                     torch.tensor(lengths, dtype=torch.long)))
+
+    @classmethod
+    def of_tokens(cls, per_token: torch.Tensor) -> LoraBatch:
+        slots = [s for s in torch.unique(per_token).tolist() if s >= 0]
+        return cls(per_token, [(slot, (per_token == slot).nonzero().flatten()) for slot in slots])
 
     def to(self, device: torch.device, pin: bool) -> LoraBatch:
-        return LoraBatch([(slot, (idx.pin_memory() if pin else idx).to(device, non_blocking=True))
-                          for slot, idx in self.groups])
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+        return LoraBatch(move(self.per_token), [(slot, move(idx)) for slot, idx in self.groups])

@@ -136,10 +136,17 @@ class ModelRunner:
         once the steps launched so far are done; call from the event loop."""
         self.executor.submit(Sampler.release, self.sampler, seq)
 
-    def load_lora(self, slot: int, adapter: Adapter) -> asyncio.Future:
-        """Put an adapter's weights in `slot` on the forward thread, between
-        steps; call from the event loop with a slot no queued step reads."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, self.rank_model.lora.load, slot, adapter)
+    def load_lora(self, slot: int, adapter: Adapter, path: str) -> asyncio.Future:
+        """Put an adapter's weights (read from `path`) in `slot` on every
+        rank, from the forward thread, between steps; call from the event
+        loop with a slot no queued step reads."""
+        def load() -> None:
+            if self.ranks is not None:
+                self.ranks.check()
+                self.ranks.channel.send_adapter_load(slot, path)
+            self.rank_model.lora.load(slot, adapter)
+
+        return asyncio.get_running_loop().run_in_executor(self.executor, load)
 
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""
