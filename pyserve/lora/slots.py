@@ -3,10 +3,10 @@ their low-rank products to the projections' outputs.
 
 Every adapted projection holds, per target, A [slots, max rank, in] and
 B [slots, out, max rank]; an adapter of lower rank is zero-padded, which
-adds nothing. A step's tokens come grouped by slot (batch.LoraBatch): per
-group one gather, two matmuls and one index_add into the output slice of
-the fused projection the target feeds (q/k/v in qkv_proj, gate/up in
-gate_up_proj). Base-model tokens are in no group and keep the base output.
+adds nothing. The targets of a fused projection (q/k/v in qkv_proj,
+gate/up in gate_up_proj) are blocks of one A and one B, so each projection
+adds one low-rank product per step (see _Projection.add_delta); base-model
+tokens get none and keep the base output exactly.
 
 Tensor parallelism: a rank holds its shard of each projection, so it
 holds the matching shard of each adapter. Column-parallel projections
@@ -26,16 +26,40 @@ from pyserve.lora.batch import LoraBatch
 from pyserve.model.config import ModelConfig
 from pyserve.model.parallel import ModelShard
 
-# projection -> its targets, each with (output offset, output size) in the projection's output.
-_COLUMN = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_ROW = {"o_proj": "o_proj", "down_proj": "down_proj"}
+# Steps of fewer tokens gather each token's adapter weights and run two
+# batched matmuls (few, larger ops: decode); longer ones multiply per
+# adapter group, so no weight is copied per token.
+GATHER_BELOW_TOKENS = 64
+
+
+class _Projection:
+    """The adapters of one (fused) projection: each target it feeds owns a
+    block of `rank` rows of A and the matching columns of B, at its output
+    offset, so one product covers q, k and v (or gate and up)."""
+
+    def __init__(self, slots: int, rank: int, targets: int, in_size: int, out_size: int, dtype, device):
+        self.rank = rank
+        self.A = torch.zeros(slots, targets * rank, in_size, dtype=dtype, device=device)
+        self.B = torch.zeros(slots, out_size, targets * rank, dtype=dtype, device=device)
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        if x.shape[0] < GATHER_BELOW_TOKENS:
+            slots = batch.per_token.clamp(min=0)
+            low = torch.bmm(self.A.index_select(0, slots), x.unsqueeze(2))
+            delta = torch.bmm(self.B.index_select(0, slots), low).squeeze(2)
+            out += delta.mul_((batch.per_token >= 0).unsqueeze(1)).to(out.dtype)
+            return
+        for slot, idx in batch.groups:
+            delta = (x.index_select(0, idx) @ self.A[slot].T) @ self.B[slot].T
+            out.index_add_(0, idx, delta.to(out.dtype))
 
 
 class _Target:
-    def __init__(self, slots: int, rank: int, rows: range, cols: range, offset: int, dtype, device):
-        self.rows, self.cols, self.offset = rows, cols, offset  # this rank's shard of the target
-        self.A = torch.zeros(slots, rank, len(cols), dtype=dtype, device=device)
-        self.B = torch.zeros(slots, len(rows), rank, dtype=dtype, device=device)
+    """Where a target's shard sits: its block in the projection, and this
+    rank's rows (output) and columns (input) of the checkpoint's matrix."""
+
+    def __init__(self, projection: _Projection, block: int, rows: range, cols: range, offset: int):
+        self.projection, self.block, self.rows, self.cols, self.offset = projection, block, rows, cols, offset
 
 
 class LoraSlots:
@@ -44,61 +68,53 @@ class LoraSlots:
         shard: ModelShard = model.shard
         self.num_slots, self.max_rank = num_slots, max_rank
         self.current: LoraBatch | None = None  # the running step's, set by the forward thread
-        hd, hidden = config.head_dim, config.hidden_size
-        q = range(shard.q_heads.start * hd, shard.q_heads.stop * hd)
-        kv = range(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
+        hd, hidden = range(config.head_dim), range(config.hidden_size)
+        q = range(shard.q_heads.start * len(hd), shard.q_heads.stop * len(hd))
+        kv = range(shard.kv_heads.start * len(hd), shard.kv_heads.stop * len(hd))
         inter = shard.intermediate
-        full_hidden = range(hidden)
         self.targets: dict[tuple[int, str], _Target] = {}
         self._hooks = []
+
+        def adapt(layer_id: int, module: nn.Module, names: list[str], rows: list[range], cols: range) -> None:
+            offsets = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+            projection = _Projection(num_slots, max_rank, len(names), len(cols), offsets[-1] + len(rows[-1]),
+                                     dtype, device)
+            for block, (name, r, offset) in enumerate(zip(names, rows, offsets)):
+                self.targets[layer_id, name] = _Target(projection, block, r, cols, offset)
+            self._hooks.append(module.register_forward_hook(self._hook(projection)))
+
         for layer_id, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            new = {
-                "q_proj": (attn.qkv_proj, q, full_hidden, 0),
-                "k_proj": (attn.qkv_proj, kv, full_hidden, len(q)),
-                "v_proj": (attn.qkv_proj, kv, full_hidden, len(q) + len(kv)),
-                "o_proj": (attn.o_proj, full_hidden, q, 0),
-            }
+            adapt(layer_id, attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], [q, kv, kv], hidden)
+            adapt(layer_id, attn.o_proj, ["o_proj"], [hidden], q)
             if hasattr(mlp, "gate_up_proj"):  # a dense MLP; a mixture of experts takes no adapter
-                new.update({"gate_proj": (mlp.gate_up_proj, inter, full_hidden, 0),
-                            "up_proj": (mlp.gate_up_proj, inter, full_hidden, len(inter)),
-                            "down_proj": (mlp.down_proj, full_hidden, inter, 0)})
-            by_module: dict[nn.Module, list[_Target]] = {}
-            for name, (module, rows, cols, offset) in new.items():
-                target = _Target(num_slots, max_rank, rows, cols, offset, dtype, device)
-                self.targets[layer_id, name] = target
-                by_module.setdefault(module, []).append(target)
-            for module, targets in by_module.items():
-                self._hooks.append(module.register_forward_hook(self._hook(targets)))
+                adapt(layer_id, mlp.gate_up_proj, ["gate_proj", "up_proj"], [inter, inter], hidden)
+                adapt(layer_id, mlp.down_proj, ["down_proj"], [hidden], inter)
 
-    def _hook(self, targets: list[_Target]):
-        def add_deltas(module, inputs, out):
-            batch = self.current
-            if batch is None:
-                return None
-            x = inputs[0]
-            for slot, idx in batch.groups:
-                xs = x.index_select(0, idx)
-                for t in targets:
-                    delta = (xs @ t.A[slot].T) @ t.B[slot].T
-                    out[:, t.offset : t.offset + t.B.shape[1]].index_add_(0, idx, delta.to(out.dtype))
+    def _hook(self, projection: _Projection):
+        def add_delta(module, inputs, out):
+            if self.current is not None:
+                projection.add_delta(inputs[0], out, self.current)
             return out
-        return add_deltas
+        return add_delta
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Put `adapter` in `slot`, this rank's shard of it; what it does not
         adapt is zeroed."""
-        missing = {name for _, name in adapter.weights} - {name for _, name in self.targets}
-        if missing or any(where not in self.targets for where in adapter.weights):
-            raise AdapterError(f"the adapter adapts {sorted(missing) or 'layers'} this model does not have")
+        unknown = sorted(f"layer {layer} {name}" for layer, name in adapter.weights
+                         if (layer, name) not in self.targets)
+        if unknown:
+            raise AdapterError(f"the adapter adapts {', '.join(unknown)}, which this model does not have")
         for t in self.targets.values():
-            t.A[slot].zero_()
-            t.B[slot].zero_()
+            t.projection.A[slot].zero_()
+            t.projection.B[slot].zero_()
         for where, (a, b) in adapter.weights.items():
             t = self.targets[where]
             if a.shape[1] < t.cols.stop or b.shape[0] < t.rows.stop:
                 raise AdapterError(f"layer {where[0]} {where[1]}: A {tuple(a.shape)}, B {tuple(b.shape)} do not "
                                    "fit the model")
-            r = a.shape[0]
-            t.A[slot, :r] = a[:, t.cols.start : t.cols.stop].to(t.A.dtype)
-            t.B[slot, :, :r] = b[t.rows.start : t.rows.stop].to(t.B.dtype)
+            p, r = t.projection, a.shape[0]
+            first = t.block * p.rank
+            p.A[slot, first : first + r] = a[:, t.cols.start : t.cols.stop].to(p.A.dtype)
+            p.B[slot, t.offset : t.offset + len(t.rows), first : first + r] = \
+                b[t.rows.start : t.rows.stop].to(p.B.dtype)
