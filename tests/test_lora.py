@@ -180,3 +180,52 @@ def test_prefix_cache_never_shared_across_adapters(setup):
     assert alpha1 == 0 and alpha2 > 0  # the same adapter shares
     assert beta1 == 0 and base == 0  # another adapter, or the base model, does not
     assert beta2 > 0
+
+
+def test_a_quantized_base_stays_quantized_and_adds_the_float_adapter(setup):
+    """8da4w on a CPU: the torch layers run (the native ones have no
+    adapter hooks), each projection still 4-bit, and its output under an
+    adapter is the quantized base's plus x A^T B^T * scaling in float."""
+    from safetensors.torch import load_file
+
+    from pyserve.lora.batch import LoraBatch
+    from pyserve.model.cpu.blocks import Q4_1Linear
+
+    model_dir, adapters = setup
+
+    async def main():
+        engine = await started_engine(model_dir, torchao_config="8da4w", enable_lora=True,
+                                      lora_paths=f"alpha={adapters['alpha']}")
+        try:
+            tokens, _ = await generate(engine, PROMPTS[0], "alpha")
+            return engine.runner.rank_model, tokens
+        finally:
+            await engine.shutdown()
+
+    rank_model, tokens = asyncio.run(main())
+    assert len(tokens) == 8 and rank_model.native_layers is None
+    layer = rank_model.model.layers[1]
+    weights = load_file(f"{adapters['alpha']}/adapter_model.safetensors")
+    scaling = 16 / 4  # make_adapter's lora_alpha / r
+
+    def pair(target, block):
+        prefix = f"base_model.model.model.layers.1.{block}.{target}"
+        return weights[f"{prefix}.lora_A.weight"], weights[f"{prefix}.lora_B.weight"] * scaling
+
+    torch.manual_seed(0)
+    for module, targets, block in ((layer.mlp.down_proj, ["down_proj"], "mlp"),
+                                   (layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], "self_attn")):
+        assert isinstance(module, Q4_1Linear)  # 8da4w's 4-bit blocks
+        x = torch.randn(5, pair(targets[0], block)[0].shape[1])
+        for per_token in ([0, 0, -1, 0, -1], [0] * 70):  # the padded path and the grouped one
+            xs = x.repeat(len(per_token) // 5 + 1, 1)[: len(per_token)]
+            lora = rank_model.lora
+            with torch.inference_mode():
+                lora.current = None
+                base = module(xs)
+                lora.current = LoraBatch.of_tokens(torch.tensor(per_token))
+                adapted = module(xs)
+                lora.current = None
+            want = torch.cat([xs @ a.T @ b.T for a, b in (pair(t, block) for t in targets)], dim=1)
+            want[torch.tensor(per_token) < 0] = 0
+            torch.testing.assert_close(adapted - base, want, atol=1e-4, rtol=1e-4)

@@ -26,10 +26,10 @@ from pyserve.lora.batch import LoraBatch
 from pyserve.model.config import ModelConfig
 from pyserve.model.parallel import ModelShard
 
-# Steps of fewer tokens gather each token's adapter weights and run two
-# batched matmuls (few, larger ops: decode); longer ones multiply per
-# adapter group, so no weight is copied per token.
-GATHER_BELOW_TOKENS = 64
+# Steps of fewer tokens run every adapter group at once, as one padded
+# batched matmul (few ops: decode); longer ones multiply group by group, so
+# no row is padded.
+PAD_BELOW_TOKENS = 64
 
 
 class _Projection:
@@ -43,11 +43,14 @@ class _Projection:
         self.B = torch.zeros(slots, out_size, targets * rank, dtype=dtype, device=device)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
-        if x.shape[0] < GATHER_BELOW_TOKENS:
-            slots = batch.per_token.clamp(min=0)
-            low = torch.bmm(self.A.index_select(0, slots), x.unsqueeze(2))
-            delta = torch.bmm(self.B.index_select(0, slots), low).squeeze(2)
-            out += delta.mul_((batch.per_token >= 0).unsqueeze(1)).to(out.dtype)
+        if x.shape[0] < PAD_BELOW_TOKENS:
+            groups = batch.slots.numel()
+            rows = x.new_zeros(groups * batch.width, x.shape[1])
+            rows.index_copy_(0, batch.padded, x.index_select(0, batch.tokens))
+            low = torch.bmm(rows.view(groups, batch.width, -1), self.A.index_select(0, batch.slots).transpose(1, 2))
+            delta = torch.bmm(low, self.B.index_select(0, batch.slots).transpose(1, 2))
+            out.index_add_(0, batch.tokens, delta.view(groups * batch.width, -1).index_select(0, batch.padded)
+                           .to(out.dtype))
             return
         for slot, idx in batch.groups:
             delta = (x.index_select(0, idx) @ self.A[slot].T) @ self.B[slot].T
