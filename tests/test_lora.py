@@ -229,3 +229,24 @@ def test_a_quantized_base_stays_quantized_and_adds_the_float_adapter(setup):
             want = torch.cat([xs @ a.T @ b.T for a, b in (pair(t, block) for t in targets)], dim=1)
             want[torch.tensor(per_token) < 0] = 0
             torch.testing.assert_close(adapted - base, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("per_token", [[2, -1, 2, 3, -1], [3] * 5, [2, 0, -1, 2, 0] * 14], ids=["gaps", "one-slot",
+                                                                                                 "grouped"])
+def test_each_token_gets_its_own_adapters_product(per_token):
+    """Padded (short steps) or group by group (long ones): token t's output
+    gains x_t A_s^T B_s^T for its slot s, base tokens nothing."""
+    from pyserve.lora.batch import LoraBatch
+    from pyserve.lora.slots import _Projection
+
+    torch.manual_seed(0)
+    projection = _Projection(4, 3, 2, 8, 10, torch.float32, "cpu")
+    projection.A.normal_()
+    projection.B.normal_()
+    x, out = torch.randn(len(per_token), 8), torch.randn(len(per_token), 10)
+    want = out.clone()
+    for t, slot in enumerate(per_token):
+        if slot >= 0:
+            want[t] += projection.B[slot] @ (projection.A[slot] @ x[t])
+    projection.add_delta(x, out, LoraBatch.of_tokens(torch.tensor(per_token)))
+    torch.testing.assert_close(out, want)

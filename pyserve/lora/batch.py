@@ -12,13 +12,14 @@ class LoraBatch:
     """A step's tokens by adapter slot, worked out once per step for every
     adapted layer: `per_token` [T] (-1: the base model); `groups`, (slot,
     token indices) per slot present; and the same groups as one padded
-    block of `width` rows per slot (`slots` [G]): adapted token
-    `tokens[i]` is row `padded[i]` of the G x width block. Tokens of
-    base-model rows are in no group: their outputs stay the base's."""
+    block of `width` rows per slot below `blocks` (= the highest slot + 1):
+    adapted token `tokens[i]` is row `padded[i]` of the blocks x width
+    block. Tokens of base-model rows are in no group: their outputs stay
+    the base's."""
 
     per_token: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]
-    slots: torch.Tensor
+    blocks: int
     tokens: torch.Tensor
     padded: torch.Tensor
     width: int
@@ -37,13 +38,12 @@ class LoraBatch:
         slots = [s for s in torch.unique(per_token).tolist() if s >= 0]
         groups = [(slot, (per_token == slot).nonzero().flatten()) for slot in slots]
         width = max(idx.numel() for _, idx in groups)
-        padded = torch.cat([g * width + torch.arange(idx.numel()) for g, (_, idx) in enumerate(groups)])
-        return cls(per_token, groups, torch.tensor(slots, dtype=torch.long), torch.cat([idx for _, idx in groups]),
-                   padded, width)
+        padded = torch.cat([slot * width + torch.arange(idx.numel()) for slot, idx in groups])
+        return cls(per_token, groups, slots[-1] + 1, torch.cat([idx for _, idx in groups]), padded, width)
 
     def to(self, device: torch.device, pin: bool) -> LoraBatch:
         def move(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
-        return LoraBatch(move(self.per_token), [(slot, move(idx)) for slot, idx in self.groups], move(self.slots),
+        return LoraBatch(move(self.per_token), [(slot, move(idx)) for slot, idx in self.groups], self.blocks,
                          move(self.tokens), move(self.padded), self.width)

@@ -44,12 +44,14 @@ class _Projection:
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
         if x.shape[0] < PAD_BELOW_TOKENS:
-            groups = batch.slots.numel()
-            rows = x.new_zeros(groups * batch.width, x.shape[1])
+            # Slots below `blocks` that the step does not use get zero rows:
+            # cheaper than copying the used slots' weights out of the stacks.
+            blocks = batch.blocks
+            rows = x.new_zeros(blocks * batch.width, x.shape[1])
             rows.index_copy_(0, batch.padded, x.index_select(0, batch.tokens))
-            low = torch.bmm(rows.view(groups, batch.width, -1), self.A.index_select(0, batch.slots).transpose(1, 2))
-            delta = torch.bmm(low, self.B.index_select(0, batch.slots).transpose(1, 2))
-            out.index_add_(0, batch.tokens, delta.view(groups * batch.width, -1).index_select(0, batch.padded)
+            low = torch.bmm(rows.view(blocks, batch.width, -1), self.A[:blocks].transpose(1, 2))
+            delta = torch.bmm(low, self.B[:blocks].transpose(1, 2))
+            out.index_add_(0, batch.tokens, delta.view(blocks * batch.width, -1).index_select(0, batch.padded)
                            .to(out.dtype))
             return
         for slot, idx in batch.groups:
