@@ -6,8 +6,10 @@ model (embedded unless --model), then runs the same --requests greedy
 requests of --tokens tokens three ways, in this one process: on an engine
 without --enable-lora (the base model alone), and on one with it, first all
 on the base model, then spread over the 4 adapters (request i under
-adapter i % 4, so every step mixes them). Figures are tokens per second and
-ratios against the first run.
+adapter i % 4, so every step mixes them). Both engines stay up and the
+three runs take turns for --rounds rounds, so that a busy machine slows
+each alike; figures are the median tokens per second, ratios against the
+base model without --enable-lora.
 
     python bench/lora.py --requests 16 --tokens 64 --torchao-config none
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
@@ -46,22 +49,34 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[str
     return paths
 
 
-async def run(args: ServerArgs, prompts: list[list[int]], tokens: int, adapters: list[str | None]) -> float:
-    engine = Engine.from_args(args)
-    await engine.start()
-    try:
-        async def one(ids, lora):
-            req = GenerateRequest(ids, SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True),
-                                  lora=lora)
-            async for _ in engine.generate(req):
-                pass
+async def throughput(engine: Engine, prompts: list[list[int]], tokens: int, adapters: list[str | None]) -> float:
+    async def one(ids, lora):
+        req = GenerateRequest(ids, SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True), lora=lora)
+        async for _ in engine.generate(req):
+            pass
 
-        await one(prompts[0], adapters[0])  # warm-up
-        start = time.perf_counter()
-        await asyncio.gather(*(one(p, adapters[i % len(adapters)]) for i, p in enumerate(prompts)))
-        return len(prompts) * tokens / (time.perf_counter() - start)
+    start = time.perf_counter()
+    await asyncio.gather(*(one(p, adapters[i % len(adapters)]) for i, p in enumerate(prompts)))
+    return len(prompts) * tokens / (time.perf_counter() - start)
+
+
+async def compare(plain_args: ServerArgs, lora_args: ServerArgs, names: list[str], prompts: list[list[int]],
+                  tokens: int, rounds: int) -> list[float]:
+    plain, lora = Engine.from_args(plain_args), Engine.from_args(lora_args)
+    await plain.start()
+    await lora.start()
+    runs = [(plain, [None]), (lora, [None]), (lora, names)]
+    try:
+        for engine, adapters in runs:  # warm-up
+            await throughput(engine, prompts[:4], 4, adapters)
+        figures = [[] for _ in runs]
+        for _ in range(rounds):
+            for figure, (engine, adapters) in zip(figures, runs):
+                figure.append(await throughput(engine, prompts, tokens, adapters))
+        return [statistics.median(f) for f in figures]
     finally:
-        await engine.shutdown()
+        await plain.shutdown()
+        await lora.shutdown()
 
 
 def main() -> None:
@@ -71,6 +86,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     cli = ap.parse_args()
     if cli.model:
         model_dir = Path(cli.model)
@@ -84,10 +100,11 @@ def main() -> None:
         paths = make_adapters(model_dir, Path(tmp), 4, cli.rank)
         lora = ServerArgs(**common, enable_lora=True, lora_paths=",".join(paths), max_loras_per_batch=4,
                           max_lora_rank=cli.rank)
-        plain = asyncio.run(run(ServerArgs(**common), prompts, cli.tokens, [None]))
-        lora_base = asyncio.run(run(lora, prompts, cli.tokens, [None]))
-        mixed = asyncio.run(run(lora, prompts, cli.tokens, [p.split("=")[0] for p in paths]))
-    print(f"{cli.requests} requests x {cli.tokens} tokens, rank {cli.rank}, --torchao-config {cli.torchao_config}")
+        names = [p.split("=")[0] for p in paths]
+        plain, lora_base, mixed = asyncio.run(compare(ServerArgs(**common), lora, names, prompts, cli.tokens,
+                                                      cli.rounds))
+    print(f"{cli.requests} requests x {cli.tokens} tokens, rank {cli.rank}, --torchao-config {cli.torchao_config}, "
+          f"median of {cli.rounds} rounds")
     print(f"base model, no --enable-lora: {plain:.1f} tok/s")
     print(f"base model, --enable-lora:    {lora_base:.1f} tok/s ({lora_base / plain:.2f}x)")
     print(f"4 adapters mixed:             {mixed:.1f} tok/s ({mixed / plain:.2f}x)")
