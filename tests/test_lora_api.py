@@ -83,3 +83,25 @@ def test_lora_path_is_an_unknown_field_without_enable_lora(tiny_llama_dir):
         assert r.status_code == 400
     finally:
         srv.stop()
+
+
+def test_responses_and_messages_take_the_adapter_from_model(lora_server):
+    srv, _, _ = lora_server
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+    base_name = next(m.id for m in client.models.list().data if m.parent is None)
+    ask = [{"role": "user", "content": "Say hello"}]
+
+    def chat(model):
+        return client.chat.completions.create(model=model, messages=ask, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+
+    under_alpha = chat("alpha")
+    assert under_alpha and under_alpha != chat(base_name)
+    r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "alpha", "max_tokens": 8, "messages": ask,
+                                                        "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["text"] == under_alpha
+    r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "gamma", "max_tokens": 8, "messages": ask})
+    assert r.status_code == 404 and r.json()["type"] == "error" and "alpha" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "gamma", "input": "Say hello"})
+    assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
