@@ -71,6 +71,8 @@ def test_openai_client_picks_adapters_by_model_name(lora_server):
     assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
     r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(model_dir)})
     assert r.status_code == 400 and "adapter" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": base_name, "lora_path": adapters["beta"]})
+    assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
 
 
 def test_lora_path_is_an_unknown_field_without_enable_lora(tiny_llama_dir):
