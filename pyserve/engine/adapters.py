@@ -70,7 +70,7 @@ class Adapters:
             raise ValueError("lora_name must be a non-empty string")
         adapter = await asyncio.to_thread(read_adapter, path, self.max_rank)
         async with self.lock:
-            ref = self.registry.take_slot(name, path, _slots_in_use(self.running()))
+            ref = self.registry.take_slot(name, _slots_in_use(self.running()))
             await self.runner.load_lora(ref.slot, adapter, path)
             self.registry.add(ref, path)
         return ref

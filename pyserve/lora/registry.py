@@ -35,7 +35,7 @@ class LoraRegistry:
     def names(self) -> list[str]:
         return sorted(self.adapters)
 
-    def take_slot(self, name: str, path: str, slots_in_use: set[int]) -> LoraRef:
+    def take_slot(self, name: str, slots_in_use: set[int]) -> LoraRef:
         """A slot for a new adapter `name`; ValueError when every slot is taken."""
         if name in self.adapters:
             raise ValueError(f"an adapter named {name!r} is already loaded")
