@@ -96,6 +96,13 @@ class ModelOptions:
     dist_init_addr: str | None = option(
         None, help="HOST:PORT on node 0 where the tensor-parallel ranks meet (needed with --nnodes > 1; "
                    "default on one machine: a free local port)")
+    # LoRA adapters (README "LoRA adapters"), named as SGLang names them.
+    enable_lora: bool = option(False, help="serve LoRA adapters over the base model, picked per request by name")
+    lora_paths: str | None = option(None, help="adapters loaded at start, NAME=PATH (a PEFT adapter directory), "
+                                               "comma-separated")
+    max_loras_per_batch: int = option(8, help="adapter slots: the most adapters loaded at once, every one of "
+                                              "which a batch may mix")
+    max_lora_rank: int = option(64, help="the largest adapter rank the slots hold")
 
 
 @dataclass(frozen=True)

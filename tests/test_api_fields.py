@@ -107,6 +107,8 @@ def shared(after: str | None) -> dict:
         # The scripted engine schedules by priority; a real one without the flag refuses it.
         "priority": engine(3, {"priority": 3}),
         "cache_salt": engine("tenant-a", {"cache_salt": "tenant-a"}),
+        # The scripted engine takes any adapter; a real one checks the name (tests/test_lora_api.py).
+        "lora_path": engine("alpha", {"lora": "alpha"}),
     }
 
 
@@ -196,18 +198,19 @@ def _normalized(raw: bytes) -> str:
 def _send(app, engine, path: str, body: dict):
     engine.requests.clear()
     status, _, raw = run(call(app, "POST", path, body))
-    asked = [(r.input_ids, r.params, r.priority, r.cache_salt) for r in engine.requests]
+    asked = [(r.input_ids, r.params, r.priority, r.cache_salt, r.lora) for r in engine.requests]
     return status, raw, asked
 
 
 def _changes(baseline: tuple, asked: tuple, tokenizer) -> dict:
     """What differs in one engine request from the baseline's: "prompt"
     (the new prompt's text), each SamplingParams setting that differs, and
-    the request's "priority" and "cache_salt"."""
-    (ids0, params0, priority0, salt0), (ids, params, priority, salt) = baseline, asked
+    the request's "priority", "cache_salt" and "lora"."""
+    (ids0, params0, priority0, salt0, lora0), (ids, params, priority, salt, lora) = baseline, asked
     out = {"prompt": tokenizer.decode(ids)} if ids != ids0 else {}
     out |= {"priority": priority} if priority != priority0 else {}
     out |= {"cache_salt": salt} if salt != salt0 else {}
+    out |= {"lora": lora} if lora != lora0 else {}
     return out | {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
                   if getattr(params, f.name) != getattr(params0, f.name)}
 

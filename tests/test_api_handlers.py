@@ -32,6 +32,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.context_len = 256
+        self.adapters = None  # a server without --enable-lora
         self.script = script
         self.fail_after = fail_after
         self.requests: list[GenerateRequest] = []

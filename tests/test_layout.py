@@ -17,6 +17,8 @@ MAX_RUST_LINES = 600
 LOWER_LAYERS_DO_NOT_IMPORT = {
     "pyserve.model": ("pyserve.engine", "pyserve.http", "pyserve.api", "pyserve.files", "pyserve.batches",
                       "pyserve.asgi", "pyserve.cli"),
+    "pyserve.lora": ("pyserve.engine", "pyserve.http", "pyserve.api", "pyserve.files", "pyserve.batches",
+                     "pyserve.asgi", "pyserve.cli"),
     "pyserve.engine": ("pyserve.http", "pyserve.api", "pyserve.files", "pyserve.batches", "pyserve.asgi",
                        "pyserve.cli"),
     "pyserve.http": ("pyserve.model", "pyserve.engine", "pyserve.api", "pyserve.files", "pyserve.batches",

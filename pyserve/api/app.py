@@ -26,7 +26,7 @@ import msgspec
 
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
-from pyserve.api.native import generate, operations, rerank, score, tokenize
+from pyserve.api.native import adapters, generate, operations, rerank, score, tokenize
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
 from pyserve.files import routes as files
@@ -35,7 +35,7 @@ from pyserve.batches.runner import BatchManager
 from pyserve.http.drain import Drain
 from pyserve.http.errors import APIError
 from pyserve.api.protocol.anthropic import CountTokensRequest, MessagesRequest
-from pyserve.api.protocol.native import NativeGenerateRequest
+from pyserve.api.protocol.native import LoadLoraAdapterRequest, NativeGenerateRequest, UnloadLoraAdapterRequest
 from pyserve.http.io import (
     MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
 )
@@ -88,6 +88,10 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/messages"): Route(messages.create, MessagesRequest, dialect=ANTHROPIC),
     ("POST", "/v1/messages/count_tokens"): Route(messages.count_tokens, CountTokensRequest, dialect=ANTHROPIC),
     ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
+    ("POST", "/load_lora_adapter"): Route(adapters.load, LoadLoraAdapterRequest),
+    ("POST", "/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
+    ("POST", "/v1/load_lora_adapter"): Route(adapters.load, LoadLoraAdapterRequest),
+    ("POST", "/v1/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
     ("POST", "/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/v1/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/detokenize"): Route(tokenize.detokenize, dict),

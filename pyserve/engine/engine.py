@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pyserve._rust import Tokenizer
+from pyserve.engine.adapters import Adapters, adapter_of
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.kv.manager import KVManager
@@ -86,6 +87,9 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.overlap = not options.disable_overlap_schedule
+        # --enable-lora: the adapters requests pick by name; None: the base model alone.
+        self.adapters = Adapters(model_options, self.runner, self.scheduler.requests.values) \
+            if model_options.enable_lora else None
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> Engine:
@@ -116,6 +120,8 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.load_initial()
         if self._loop_task is None:
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.create_task(self._step_loop(), name="pyserve-engine")
@@ -183,6 +189,7 @@ class Engine:
                                "unknown_parameter")
         if req.cache_salt == "":
             raise RequestError("cache_salt must be a non-empty string", "cache_salt")
+        adapter_of(req, self.adapters)
 
     async def compile_grammar(self, constraint: Constraint) -> None:
         """Compile (or find cached) a constraint's grammar; RequestError
@@ -209,7 +216,8 @@ class Engine:
         params = replace(req.params, max_new_tokens=self._max_new_tokens(req),
                          pooling=self.pooling.mode if req.embedding else None)
         seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, batch=req.batch,
-                       priority=req.priority or 0, cache_salt=req.cache_salt, arrival=time.monotonic())
+                       priority=req.priority or 0, cache_salt=req.cache_salt, arrival=time.monotonic(),
+                       lora=adapter_of(req, self.adapters))
         if params.pooling:
             self._outputs[seq] = EmbeddingOutput(seq, self.pooling)
         else:

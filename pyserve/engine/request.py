@@ -88,6 +88,8 @@ class GenerateRequest:
     # Cached prefixes are shared only between requests with equal salts
     # (None with None): a tenant cannot probe another's prompts by timing.
     cache_salt: str | None = None
+    # The LoRA adapter it runs under, by name (an --enable-lora server); None: the base model.
+    lora: str | None = None
     # An embedding (an --is-embedding server): the pooled vector of the
     # prompt instead of generated tokens.
     embedding: bool = False

@@ -17,6 +17,7 @@ import torch
 
 from pyserve.engine.kv.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
+from pyserve.lora.registry import LoraRef
 
 
 @dataclass(eq=False)
@@ -28,6 +29,7 @@ class Sequence:
     batch: bool = False  # a batch job: it waits for every interactive request
     priority: int = 0  # larger runs first (with priority scheduling)
     cache_salt: str | None = None  # it shares cached prefixes only with requests of the same salt
+    lora: LoraRef | None = None  # the adapter it runs under; None: the base model
     arrival: float = 0.0  # time.monotonic() when the engine got it
     channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
 
@@ -64,6 +66,15 @@ class Sequence:
     # False once a forward pass that wrote this sequence's KV failed: its
     # slots must not go into the prefix cache.
     kv_valid: bool = True
+
+    @property
+    def prefix_namespace(self) -> str | tuple[int, str | None] | None:
+        """The radix cache's tree it matches and inserts into: its salt's,
+        within its adapter's load (KV computed under one adapter is not
+        another's); a tuple, so no salt string can name an adapter's tree."""
+        if self.lora is None:
+            return self.cache_salt
+        return self.lora.uid, self.cache_salt
 
     @property
     def all_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ import torch
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.request import prompt_alternatives
 from pyserve.engine.sequence import Sequence
+from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.pooling import pooled_positions
 
@@ -119,6 +120,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     batch = ForwardBatch.build(
         input_ids, positions, torch.cat(new_slots), lengths, [s.slots for s in seqs],
         logits_indices + prompt_rows, is_decode=not prefill.seqs, device="cpu",
+        lora=LoraBatch.of_rows([seq.lora.slot if seq.lora else -1 for seq in seqs], lengths),
     )
     for seq in prefill.seqs:
         kv.share_prompt(seq)

@@ -10,8 +10,12 @@ back through its stretch of `kv_indices`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pyserve.lora.batch import LoraBatch
 
 
 @dataclass
@@ -26,6 +30,7 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64
     logits_indices: torch.Tensor  # [B'] int64: index into T whose logits are wanted
     is_decode: bool  # every sequence adds exactly one token
+    lora: LoraBatch | None = None  # the tokens run under adapters, by slot; None: all under the base model
 
     @property
     def batch_size(self) -> int:
@@ -42,6 +47,7 @@ class ForwardBatch:
         logits_indices: list[int],
         is_decode: bool,
         device: torch.device | str,
+        lora: LoraBatch | None = None,
     ) -> "ForwardBatch":
         """Concatenate per-sequence CPU lists into device tensors, one copy
         each. `slots[i]` are sequence i's KV slots after this step."""
@@ -64,6 +70,7 @@ class ForwardBatch:
             kv_indices=to_dev(torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)),
             logits_indices=to_dev(logits_indices),
             is_decode=is_decode,
+            lora=lora,
         )
 
     def to(self, device: torch.device) -> "ForwardBatch":
@@ -80,4 +87,5 @@ class ForwardBatch:
             self, input_ids=move(self.input_ids), positions=move(self.positions),
             out_cache_loc=move(self.out_cache_loc), kv_indptr=move(self.kv_indptr),
             kv_indices=move(self.kv_indices), logits_indices=move(self.logits_indices),
+            lora=self.lora.to(device, pin) if self.lora is not None else None,
         )

@@ -96,12 +96,12 @@ def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True)
 
 async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
                   param_names: Mapping[str, str], *, batch: bool = False, priority: int | None = None,
-                  cache_salt: str | None = None) -> list[GenerateRequest]:
+                  cache_salt: str | None = None, lora: str | None = None) -> list[GenerateRequest]:
     """n requests per prompt: request p * n + i is prompt p's choice i, as
     OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
     n > 1). With a seed, choice i uses seed + i, so the choices differ yet
     stay reproducible. Each is a batch job or not (`batch`) and carries the
-    body's `priority` and `cache_salt`.
+    body's `priority`, `cache_salt` and LoRA adapter (`lora`, see adapter_name).
 
     The engine validates each prompt once, and compiles the constraint
     once, here, before anything streams, so a refusal is still a plain
@@ -119,14 +119,26 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
             for i in range(n):
                 choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
                 requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
-                                                priority=priority, cache_salt=cache_salt))
+                                                priority=priority, cache_salt=cache_salt, lora=lora))
             _check_prompt(ids, engine.vocab_size)
             engine.validate(requests[p * n])
         if params.constraint is not None:
             await engine.compile_grammar(params.constraint)
     except RequestError as e:
+        if e.code == "model_not_found":  # an unknown adapter: vLLM's 404
+            raise APIError(e.message, 404, param="model", code=e.code) from None
         raise bad_request(_with_peer_phrase(e), param_names.get(e.field, e.field), e.code) from None
     return requests
+
+
+def adapter_name(ctx: ServingContext, model: str | None, lora_path: str | None) -> str | None:
+    """The LoRA adapter a body picks: SGLang's `lora_path`, else, on a server
+    with --enable-lora, a `model` other than the base model's name (vLLM's way)."""
+    if lora_path is not None:
+        return lora_path
+    if ctx.engine.adapters is not None and model and model != ctx.served_model_name:
+        return model
+    return None
 
 
 def _check_prompt(ids: list[int], vocab_size: int) -> None:

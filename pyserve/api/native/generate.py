@@ -11,7 +11,9 @@ from pyserve.api.generation.constraints import request_constraint
 from pyserve.http.errors import bad_request
 from pyserve.api.protocol.native import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.generation.sampling import sampling_params
-from pyserve.api.generation.serving import ServingContext, collect, fan_out, merged_outputs, new_id, prompt_id_lists
+from pyserve.api.generation.serving import (
+    ServingContext, adapter_name, collect, fan_out, merged_outputs, new_id, prompt_id_lists,
+)
 from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
 
 
@@ -44,7 +46,7 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "constraint": constrained and constrained.param}
     requests = await fan_out(ctx, prompts, params, fields.n, req.rid or new_id(""), names, priority=req.priority,
-                             cache_salt=req.cache_salt)
+                             cache_salt=req.cache_salt, lora=adapter_name(ctx, req.model, req.lora_path))
     _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None

@@ -29,14 +29,24 @@ def _model_card(ctx: ServingContext) -> ModelCard:
     return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.engine.context_len)
 
 
+def _adapter_cards(ctx: ServingContext) -> list[ModelCard]:
+    """The loaded LoRA adapters, each with the base model as its parent (as vLLM lists them)."""
+    adapters = ctx.engine.adapters
+    if adapters is None:
+        return []
+    return [ModelCard(id=name, created=ctx.created, root=adapters.registry.paths[name],
+                      parent=ctx.served_model_name, max_model_len=ctx.engine.context_len) for name in adapters.names()]
+
+
 def models(ctx: ServingContext) -> ModelList:
-    return ModelList(data=[_model_card(ctx)])
+    return ModelList(data=[_model_card(ctx), *_adapter_cards(ctx)])
 
 
 def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
-    if model != ctx.served_model_name:
+    card = next((c for c in models(ctx).data if c.id == model), None)
+    if card is None:
         raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
-    return _model_card(ctx)
+    return card
 
 
 async def health_generate(ctx: ServingContext) -> None:

@@ -21,7 +21,8 @@ from pyserve.api.protocol.openai import (
 )
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
-    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now, usage,
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, collect, fan_out, merged_outputs, new_id,
+    now, usage,
 )
 from pyserve.api.generation.tool_grammar import CallDelta, new_call_id, with_strict_calls
 from pyserve.api.generation.tools import HARMONY, ToolCalling, plan, whole_calls
@@ -224,7 +225,8 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, batch: bool = 
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requests = await fan_out(ctx, [prompt_ids], params, req.n, rid,
                              {"prompt": "messages", "max_new_tokens": limit, "constraint": constraint_param},
-                             batch=batch, priority=req.priority, cache_salt=req.cache_salt)
+                             batch=batch, priority=req.priority, cache_salt=req.cache_salt,
+                             lora=adapter_name(ctx, req.model, req.lora_path))
     if req.stream:
         return _stream(ctx, req, requests, rid, calling)
     results = await collect(ctx.engine, requests)

@@ -10,8 +10,8 @@ from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, c
 from pyserve.api.protocol.openai import CompletionChoice, CompletionRequest, CompletionResponse
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
-    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, collect, fan_out, merged_outputs, new_id, now,
-    prompt_id_lists, usage,
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, collect, fan_out, merged_outputs, new_id,
+    now, prompt_id_lists, usage,
 )
 from pyserve.engine.request import GenerateRequest
 
@@ -36,7 +36,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
     rid = req.rid or new_id("cmpl-")
     names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
     requests = await fan_out(ctx, prompts, params, req.n, rid, names, batch=batch, priority=req.priority,
-                             cache_salt=req.cache_salt)
+                             cache_salt=req.cache_salt, lora=adapter_name(ctx, req.model, req.lora_path))
     echoes = _echoes(ctx, req.prompt, prompts) if req.echo else [""] * len(prompts)
     if req.stream:
         return _stream(ctx, req, requests, rid, echoes)

@@ -71,3 +71,17 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     # --enable-priority-scheduling) and the salt of the prefixes it shares.
     priority: int | None = None
     cache_salt: str | None = None
+    lora_path: str | None = None  # SGLang: the LoRA adapter, by name (with --enable-lora)
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # SGLang's; every adapter here stays in its slot until unloaded
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name alone says which

@@ -162,6 +162,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     priority: int | None = None
     # SGLang / vLLM: cached prefixes are shared only with requests of the same salt.
     cache_salt: str | None = None
+    # SGLang: the LoRA adapter, by name (with --enable-lora; vLLM's way is `model`).
+    lora_path: str | None = None
     # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
     # grammar) and vLLM's object; see api/constraints.py.
     response_format: ResponseFormat | None = None
@@ -329,7 +331,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     created: int
     owned_by: str = "pyserve"
     root: str
-    parent: None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -103,7 +103,7 @@ class KVManager:
         needed."""
         if not self.can_share(seq):
             return PrefixHit(seq.slots[:0], None)
-        slots, node = self.cache.match_prefix(seq.all_ids[:-1], seq.cache_salt)
+        slots, node = self.cache.match_prefix(seq.all_ids[:-1], seq.prefix_namespace)
         self.cache.lock(node)
         return PrefixHit(slots, node)
 
@@ -132,8 +132,8 @@ class KVManager:
         if whole <= seq.shared_len:
             return
         ids = seq.prompt_ids[:whole]
-        already = self.cache.insert(ids, seq.slots[:whole], seq.cache_salt)
-        shared, node = self.cache.match_prefix(ids, seq.cache_salt)
+        already = self.cache.insert(ids, seq.slots[:whole], seq.prefix_namespace)
+        shared, node = self.cache.match_prefix(ids, seq.prefix_namespace)
         self.cache.lock(node)
         if seq.prefix_node is not None:
             self.cache.unlock(seq.prefix_node)
@@ -153,7 +153,7 @@ class KVManager:
         else:
             known = min(seq.kv_len, seq.num_tokens)
             whole = known - known % self.page_size
-            already = self.cache.insert(seq.all_ids[:whole], seq.slots[:whole], seq.cache_salt)
+            already = self.cache.insert(seq.all_ids[:whole], seq.slots[:whole], seq.prefix_namespace)
             self.allocator.free_slots(seq.slots[seq.shared_len : max(already, seq.shared_len)])
             self.allocator.free_slots(seq.slots[whole:])
         if seq.prefix_node is not None:

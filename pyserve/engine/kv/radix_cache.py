@@ -13,7 +13,8 @@ cut down to whole pages. With page size 1 this is a plain token radix tree.
 Tenants: a request's `cache_salt` picks the tree it matches and inserts
 into. Requests without a salt share the unsalted tree; each salt has a tree
 of its own, made on its first insert and dropped once eviction has emptied
-it. Two salts never reach each other's pages, so neither can tell from its
+it. A request under a LoRA adapter has the namespace (adapter load, salt)
+instead (Sequence.prefix_namespace), so adapters never share either. Two salts never reach each other's pages, so neither can tell from its
 time to first token whether the other sent a prompt.
 """
 

@@ -33,6 +33,7 @@ from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.step import ScheduledStep
+from pyserve.lora.adapter import Adapter
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.pooling import sum_spans
 from pyserve.server_args import ModelOptions
@@ -134,6 +135,18 @@ class ModelRunner:
         """Have the forward thread drop an ended request's sampling state
         once the steps launched so far are done; call from the event loop."""
         self.executor.submit(Sampler.release, self.sampler, seq)
+
+    def load_lora(self, slot: int, adapter: Adapter, path: str) -> asyncio.Future:
+        """Put an adapter's weights (read from `path`) in `slot` on every
+        rank, from the forward thread, between steps; call from the event
+        loop with a slot no queued step reads."""
+        def load() -> None:
+            if self.ranks is not None:
+                self.ranks.check()
+                self.ranks.channel.send_adapter_load(slot, path)
+            self.rank_model.lora.load(slot, adapter)
+
+        return asyncio.get_running_loop().run_in_executor(self.executor, load)
 
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""

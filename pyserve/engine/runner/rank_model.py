@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pyserve.lora.slots import LoraSlots
 from pyserve.model.cpu import blocks, extend_attention
 from pyserve.model.cpu.native_layers import NativeDecode, unfit_reason
 from pyserve.model.attention.base import AttentionBackend
@@ -92,6 +93,9 @@ class RankModel:
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
                                               lm_head=not options.is_embedding)
         self.context_len = options.context_length or self.config.max_position_embeddings
+        # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
+        self.lora = LoraSlots(self.model, options.max_loras_per_batch, options.max_lora_rank, self.dtype, device) \
+            if options.enable_lora else None
         self.kv_buffer: KVBuffer | None = None
         self.attention: AttentionBackend | None = None
         self.cuda_graphs = None  # replays decode steps when set
@@ -142,7 +146,8 @@ class RankModel:
                                   self.config.head_dim, self.dtype, self.device, page_size=options.page_size)
         self.attention = self._make_attention(options.attention_backend)
         graph_max_bs = options.cuda_graph_max_bs  # resolved: at most --max-running-requests
-        if self.device.type == "cuda" and not options.disable_cuda_graph and graph_max_bs > 0:
+        # The adapters' hooks pick their tokens on the host each step: LoRA runs eagerly.
+        if self.device.type == "cuda" and not options.disable_cuda_graph and graph_max_bs > 0 and self.lora is None:
             from pyserve.engine.runner.cuda_graph_runner import CudaGraphRunner
             from pyserve.model.attention.triton_backend import TritonAttention
 
@@ -152,7 +157,10 @@ class RankModel:
         self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
                                    and extend_attention.fits(self.kv_buffer, self.model.layers))
         self.native_layers = self._native_layers()
-        if self.native_layers is not None:
+        if self.lora is not None:
+            if options.enable_torch_compile:
+                logger.info("torch.compile: off, LoRA adapters run eagerly")
+        elif self.native_layers is not None:
             if options.enable_torch_compile:
                 logger.info("torch.compile: not needed, decode steps run natively")
         elif options.enable_torch_compile:
@@ -161,6 +169,9 @@ class RankModel:
     def _native_layers(self) -> NativeDecode | None:
         """8da4w on a CPU: decode steps' layers as one Rust call each (native_layers.py)."""
         if not self._block_kernels() or not isinstance(self.attention, TorchAttention):
+            return None
+        if self.lora is not None:  # the native layers have no adapter hooks; the quantized torch layers do
+            logger.info("Decode steps keep the torch layers: LoRA adapters are on")
             return None
         reason = unfit_reason(self.model)
         if reason is not None:
@@ -211,6 +222,8 @@ class RankModel:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.replay(batch)
+        if self.lora is not None:
+            self.lora.current = batch.lora
         plan = self.plan(batch)
         threads = self.threads.using(plan.torch_threads) if self.threads is not None else nullcontext()
         with threads:

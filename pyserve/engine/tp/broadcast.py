@@ -8,7 +8,9 @@ previous step on the device travel as they are). The other ranks rebuild
 the same batch and run the same forward, joining the model's collectives.
 A header of all -1 tells them to stop. Before the first step, rank 0
 tells them the KV cache's size (it decides it; every rank holds as many
-pages), and every rank says it is ready.
+pages), and every rank says it is ready. A LoRA adapter loaded at run
+time reaches them the same way, between steps: a header saying which slot
+and how long its path is, then the path (each rank reads its own shard).
 """
 
 from __future__ import annotations
@@ -16,18 +18,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dataclasses import dataclass
+
 from pyserve.engine.tp.group import Membership
+from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
 
-# tokens, sequences, is_decode, logits rows, kv slots
-_HEADER = 5
+# tokens, sequences, is_decode, logits rows, kv slots, whether tokens run under adapters
+_HEADER = 6
 _STOP = -1
+_LOAD_ADAPTER = -2  # then the slot and the path's length in bytes
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """Rank 0's word to put the adapter at `path` in `slot`."""
+
+    slot: int
+    path: str
 
 
 def header(batch: ForwardBatch) -> torch.Tensor:
     """The batch's sizes, on the CPU."""
     return torch.tensor([batch.input_ids.numel(), batch.batch_size, int(batch.is_decode),
-                         batch.logits_indices.numel(), batch.kv_indices.numel()], dtype=torch.long)
+                         batch.logits_indices.numel(), batch.kv_indices.numel(), int(batch.lora is not None)],
+                        dtype=torch.long)
 
 
 def payload(batch: ForwardBatch) -> torch.Tensor:
@@ -36,25 +51,26 @@ def payload(batch: ForwardBatch) -> torch.Tensor:
     lists = torch.tensor(batch.extend_lens + batch.seq_lens, dtype=torch.long)
     if device.type == "cuda":
         lists = lists.pin_memory().to(device, non_blocking=True)
+    adapters = [batch.lora.per_token] if batch.lora is not None else []
     return torch.cat([batch.input_ids, batch.positions, batch.out_cache_loc, lists, batch.kv_indptr,
-                      batch.kv_indices, batch.logits_indices])
+                      batch.kv_indices, batch.logits_indices, *adapters])
 
 
 def payload_size(sizes: list[int]) -> int:
-    tokens, seqs, _, logits_rows, kv_slots = sizes
-    return 3 * tokens + 3 * seqs + 1 + kv_slots + logits_rows
+    tokens, seqs, _, logits_rows, kv_slots, lora = sizes
+    return (3 + lora) * tokens + 3 * seqs + 1 + kv_slots + logits_rows
 
 
 def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
     """The batch whose header is `sizes` from its payload; tensors are views of it."""
-    tokens, seqs, is_decode, logits_rows, kv_slots = sizes
-    split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows]
-    input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices = data.split(split)
+    tokens, seqs, is_decode, logits_rows, kv_slots, lora = sizes
+    split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows, lora * tokens]
+    input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices, per_token = data.split(split)
     lists = lists.tolist()
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=lists[:seqs],
         seq_lens=lists[seqs:], kv_indptr=kv_indptr, kv_indices=kv_indices, logits_indices=logits_indices,
-        is_decode=bool(is_decode),
+        is_decode=bool(is_decode), lora=LoraBatch.of_tokens(per_token) if lora else None,
     )
 
 
@@ -77,18 +93,28 @@ class StepChannel:
     def send_stop(self) -> None:
         self._broadcast_header(torch.full((_HEADER,), _STOP, dtype=torch.long))
 
+    def send_adapter_load(self, slot: int, path: str) -> None:
+        data = torch.tensor(list(path.encode()), dtype=torch.uint8)
+        self._broadcast_header(torch.tensor([_LOAD_ADAPTER, slot, data.numel()] + [0] * (_HEADER - 3)))
+        dist.broadcast(data, src=0, group=self.member.control)
+
     def send_value(self, value: int) -> None:
         self._broadcast_header(torch.tensor([value] * _HEADER, dtype=torch.long))
 
     # ranks 1..N-1
 
-    def receive(self) -> ForwardBatch | None:
-        """The next step's batch on this rank's device, or None when rank 0 stops."""
+    def receive(self) -> ForwardBatch | AdapterLoad | None:
+        """The next step's batch on this rank's device, an adapter to load,
+        or None when rank 0 stops."""
         sizes = torch.empty(_HEADER, dtype=torch.long)
         self._broadcast_header(sizes)
         sizes = sizes.tolist()
         if sizes[0] == _STOP:
             return None
+        if sizes[0] == _LOAD_ADAPTER:
+            path = torch.empty(sizes[2], dtype=torch.uint8)
+            dist.broadcast(path, src=0, group=self.member.control)
+            return AdapterLoad(sizes[1], bytes(path.tolist()).decode())
         data = torch.empty(payload_size(sizes), dtype=torch.long, device=self.member.device)
         dist.broadcast(data, src=0, group=self.member.tp.group)
         return unpack(sizes, data)

@@ -22,7 +22,8 @@ import torch
 
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
-from pyserve.engine.tp.broadcast import StepChannel
+from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel
+from pyserve.lora.adapter import read_adapter
 from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
@@ -44,8 +45,11 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
         channel.barrier()  # ready
         logger.info("tensor-parallel rank %d ready (pid %d)", rank, os.getpid())
         with torch.inference_mode():
-            while (batch := channel.receive()) is not None:
-                model.forward(batch)
+            while (message := channel.receive()) is not None:
+                if isinstance(message, AdapterLoad):
+                    model.lora.load(message.slot, read_adapter(message.path, options.max_lora_rank))
+                else:
+                    model.forward(message)
         tp_group.leave()
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -1,0 +1,96 @@
+"""The engine's LoRA adapters (--enable-lora): loading and unloading them
+by name at run time and resolving a request's adapter name to its slot.
+
+Runs on the event loop; the weights go into their slot on the forward
+thread (ModelRunner.load_lora), between steps. An unloaded adapter's slot
+is reused only once no request started under it is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from pyserve.engine.request import GenerateRequest, RequestError
+from pyserve.engine.runner.model_runner import ModelRunner
+from pyserve.engine.sequence import Sequence
+from pyserve.lora.adapter import read_adapter
+from pyserve.lora.registry import LoraRef, LoraRegistry
+from pyserve.server_args import ModelOptions
+
+
+def parse_lora_paths(value: str | None) -> dict[str, str]:
+    """--lora-paths: NAME=PATH items, comma-separated (a bare PATH is named by itself)."""
+    out = {}
+    for item in (value or "").split(","):
+        item = item.strip()
+        if item:
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+            out[name.strip()] = path.strip()
+    return out
+
+
+class Adapters:
+    def __init__(self, options: ModelOptions, runner: ModelRunner, running: Callable[[], Iterable[Sequence]]):
+        """`running`: the engine's sequences now, whose adapters' slots are in use."""
+        if options.max_loras_per_batch < 1 or options.max_lora_rank < 1:
+            raise ValueError("--max-loras-per-batch and --max-lora-rank must be at least 1")
+        self.runner, self.running = runner, running
+        self.max_rank = options.max_lora_rank
+        self.registry = LoraRegistry(options.max_loras_per_batch)
+        self.lock = asyncio.Lock()
+        self.initial = parse_lora_paths(options.lora_paths)
+        if len(self.initial) > self.registry.num_slots:
+            raise ValueError(f"--lora-paths names {len(self.initial)} adapters, more than --max-loras-per-batch")
+        for name, path in self.initial.items():  # checked now, so that a bad one stops the start
+            read_adapter(path, self.max_rank)
+
+    async def load_initial(self) -> None:
+        for name, path in self.initial.items():
+            await self.load(name, path)
+        self.initial = {}
+
+    def names(self) -> list[str]:
+        return self.registry.names()
+
+    def resolve(self, name: str) -> LoraRef:
+        ref = self.registry.get(name)
+        if ref is None:
+            raise RequestError(f"The model `{name}` does not exist. {self.describe()}", "model",
+                               "model_not_found")
+        return ref
+
+    def describe(self) -> str:
+        names = self.names()
+        return f"Loaded adapters: {', '.join(names)}." if names else "No LoRA adapters are loaded."
+
+    async def load(self, name: str, path: str) -> LoraRef:
+        """ValueError (AdapterError for the files) when it cannot be loaded."""
+        if not name:
+            raise ValueError("lora_name must be a non-empty string")
+        adapter = await asyncio.to_thread(read_adapter, path, self.max_rank)
+        async with self.lock:
+            ref = self.registry.take_slot(name, _slots_in_use(self.running()))
+            await self.runner.load_lora(ref.slot, adapter, path)
+            self.registry.add(ref, path)
+        return ref
+
+    def unload(self, name: str) -> None:
+        """KeyError for a name not loaded; its running requests finish under it."""
+        self.registry.remove(name)
+
+
+def adapter_of(req: GenerateRequest, adapters: Adapters | None) -> LoraRef | None:
+    """The adapter `req` names; RequestError for an unknown one, or for any
+    on a server without --enable-lora (as for an unknown field)."""
+    if req.lora is None:
+        return None
+    if adapters is None:
+        raise RequestError("Unrecognized request argument supplied: 'lora_path' (this server serves the base "
+                           "model alone: start it with --enable-lora).", "lora", "unknown_parameter")
+    return adapters.resolve(req.lora)
+
+
+def _slots_in_use(running: Iterable[Sequence]) -> set[int]:
+    return {seq.lora.slot for seq in running if seq.lora is not None}
+

@@ -1,0 +1,1 @@
+"""LoRA adapters served over one base model (docs/lora.md)."""

@@ -1,0 +1,109 @@
+"""LoRA adapters through a real server: the openai client picks one by
+`model`, /generate by SGLang's `lora_path`, /v1/models lists them beside
+the base model, adapters load and unload at run time, an unknown one is a
+404 naming those loaded, and a server without --enable-lora refuses
+`lora_path` as an unknown field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.test_lora import make_adapter, reference_tokens
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("peft")
+
+PROMPT = [5, 17, 99, 3, 42, 42]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("lora-api")
+    adapters = {"alpha": make_adapter(tiny_llama_dir, root / "alpha", 1),
+                "beta": make_adapter(tiny_llama_dir, root / "beta", 2, r=8, targets=["q_proj", "down_proj"])}
+    srv = ServerProcess("--model-path", str(tiny_llama_dir), "--enable-lora", "--lora-paths",
+                        f"alpha={adapters['alpha']}", "--max-lora-rank", "8", "--max-loras-per-batch", "2")
+    yield srv, tiny_llama_dir, adapters
+    srv.stop()
+
+
+def completion(client, model):
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    return out.choices[0]
+
+
+def completion_tokens(client, model):
+    return completion(client, model).token_ids
+
+
+def test_openai_client_picks_adapters_by_model_name(lora_server):
+    srv, model_dir, adapters = lora_server
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+    cards = {m.id: m for m in client.models.list().data}
+    base_name = next(name for name, card in cards.items() if card.parent is None)
+    assert set(cards) == {base_name, "alpha"} and cards["alpha"].parent == base_name
+
+    assert completion_tokens(client, "alpha") == reference_tokens(model_dir, adapters["alpha"], PROMPT, 8)
+    assert completion_tokens(client, base_name) == reference_tokens(model_dir, None, PROMPT, 8)
+
+    with pytest.raises(openai.NotFoundError) as e:
+        completion_tokens(client, "beta")
+    assert "alpha" in str(e.value)
+
+    r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": adapters["beta"]})
+    assert r.status_code == 200, r.text
+    assert "beta" in {m.id for m in client.models.list().data}
+    beta = completion(client, "beta")
+    assert beta.token_ids == reference_tokens(model_dir, adapters["beta"], PROMPT, 8)
+    # SGLang's field on /generate names it too.
+    r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": PROMPT, "lora_path": "beta", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == beta.text
+
+    assert httpx.post(f"{srv.base_url}/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        completion_tokens(client, "beta")
+    r = httpx.post(f"{srv.base_url}/v1/unload_lora_adapter", json={"lora_name": "beta"})
+    assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(model_dir)})
+    assert r.status_code == 400 and "adapter" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": base_name, "lora_path": adapters["beta"]})
+    assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
+
+
+def test_lora_path_is_an_unknown_field_without_enable_lora(tiny_llama_dir):
+    srv = ServerProcess("--model-path", str(tiny_llama_dir))
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/completions", json={"model": "x", "prompt": PROMPT, "max_tokens": 2,
+                                                               "lora_path": "alpha"}, timeout=60)
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+        r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"})
+        assert r.status_code == 400
+    finally:
+        srv.stop()
+
+
+def test_responses_and_messages_take_the_adapter_from_model(lora_server):
+    srv, _, _ = lora_server
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+    base_name = next(m.id for m in client.models.list().data if m.parent is None)
+    ask = [{"role": "user", "content": "Say hello"}]
+
+    def chat(model):
+        return client.chat.completions.create(model=model, messages=ask, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+
+    under_alpha = chat("alpha")
+    assert under_alpha and under_alpha != chat(base_name)
+    r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "alpha", "max_tokens": 8, "messages": ask,
+                                                        "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["text"] == under_alpha
+    r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "gamma", "max_tokens": 8, "messages": ask})
+    assert r.status_code == 404 and r.json()["type"] == "error" and "alpha" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "gamma", "input": "Say hello"})
+    assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
