@@ -45,6 +45,9 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.cached_tokens = 0
         self.finished = Counter()  # finish reason -> requests
+        # Speculative decoding: verify steps of drafted rows, and the tokens they emitted.
+        self.spec_verify_steps = 0
+        self.spec_emitted_tokens = 0
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.tpot = Histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
@@ -52,6 +55,10 @@ class EngineMetrics:
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def on_verify(self, emitted: int) -> None:
+        self.spec_verify_steps += 1
+        self.spec_emitted_tokens += emitted
 
     def on_finish(self, reason: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
                   seconds: float, ttft: float | None) -> None:
@@ -72,6 +79,9 @@ class EngineMetrics:
             "prompt_tokens_total": (self.prompt_tokens, "Prompt tokens of finished requests."),
             "generation_tokens_total": (self.generation_tokens, "Generated tokens of finished requests."),
             "cached_tokens_total": (self.cached_tokens, "Prompt tokens served from the prefix cache."),
+            "spec_verify_steps_total": (self.spec_verify_steps, "Decode rows that verified draft tokens."),
+            "spec_accepted_tokens_total": (self.spec_emitted_tokens,
+                                           "Tokens those rows emitted (accepted drafts + the target's own)."),
         }
         for name, (value, help_text) in counters.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name} {value}"]
@@ -79,6 +89,9 @@ class EngineMetrics:
                   f"# TYPE {PREFIX}num_requests_total counter"]
         for reason in sorted(self.finished):
             lines.append(f'{PREFIX}num_requests_total{{finish_reason="{reason}"}} {self.finished[reason]}')
+        accept_len = self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+        lines += [f"# HELP {PREFIX}spec_accept_length Mean tokens emitted per verify step (SGLang's accept len).",
+                  f"# TYPE {PREFIX}spec_accept_length gauge", f"{PREFIX}spec_accept_length {accept_len}"]
         for histogram in (self.ttft, self.e2e, self.tpot):
             lines += histogram.lines()
         return "\n".join(lines) + "\n"
