@@ -131,7 +131,7 @@ class EngineOptions:
     speculative_num_steps: int | None = option(None, help="drafting steps per verify (NGRAM: unused)")
     speculative_num_draft_tokens: int = option(4, help="draft tokens verified per step and request")
     speculative_ngram_min_match_window_size: int = option(
-        1, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
+        3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(
         12, help="NGRAM: longest suffix matched against the request's earlier tokens")
     speculative_draft_model_path: str | None = option(None, help="STANDALONE: the draft model (not implemented)")

@@ -14,7 +14,8 @@ from pyserve.engine.speculative.ngram import find_draft
 from pyserve.engine.speculative.verify import accepted_counts, rejection_sample
 from pyserve.server_args import ServerArgs
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+        "speculative_ngram_min_match_window_size": 1}  # drafts as often as possible: the most runs checked
 
 
 async def started(model_dir, **kwargs) -> Engine:

@@ -37,10 +37,7 @@ def find_draft(ids: list[int], min_window: int, max_window: int, k: int) -> list
     last = ids[-1]
     lo = max(0, n - _SEARCH_SPAN)
     best_len, best_end = 0, -1
-    # Candidate ends: earlier positions holding the last token, latest first.
-    for end in range(n - 2, lo - 1, -1):
-        if ids[end] != last:
-            continue
+    for end in reversed(_positions(ids, last, lo, n - 1)):  # candidate ends, latest first
         length = 1
         while length < max_window and end - length >= 0 and ids[end - length] == ids[n - 1 - length]:
             length += 1
@@ -51,6 +48,18 @@ def find_draft(ids: list[int], min_window: int, max_window: int, k: int) -> list
     if best_len < min_window:
         return []
     return ids[best_end + 1 : best_end + 1 + k]
+
+
+def _positions(ids: list[int], token: int, start: int, stop: int) -> list[int]:
+    """Where `token` occurs in ids[start:stop] (list.index scans in C)."""
+    found = []
+    try:
+        while True:
+            start = ids.index(token, start, stop)
+            found.append(start)
+            start += 1
+    except ValueError:
+        return found
 
 
 def drafts_exactly(p: SamplingParams) -> bool:
