@@ -148,3 +148,30 @@ def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(defa
     assert plain[2][3].finish_reason == "stop"
     assert len(spec[1][1]) == 9  # max_tokens never exceeded
     assert spec[4][3].finish_reason == "stop" and len(spec[4][1]) < 60
+
+
+def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir):
+    """A pool too small for every request at once: requests are retracted
+    and resumed mid-draft, and still decode as without speculation."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
+    requests = [(repetitive(40 + i), greedy) for i in range(4)]
+    plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": 4, "max_total_tokens": 200})
+    same(plain, spec)
+    assert verify_steps > 0
+
+
+def test_accept_length_is_reported(default_model_dir):
+    from pyserve._rust import Tokenizer
+
+    ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
+
+    async def main():
+        engine = await started(default_model_dir, **SPEC)
+        try:
+            await collect(engine, ids, temperature=0, max_new_tokens=30)
+            return engine.metrics.render({})
+        finally:
+            await engine.shutdown()
+    text = asyncio.run(main())
+    line = next(x for x in text.splitlines() if x.startswith("pyserve:spec_accept_length "))
+    assert float(line.split()[1]) > 1.0  # the copy is drafted and accepted several tokens a step
