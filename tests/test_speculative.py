@@ -160,18 +160,20 @@ def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir):
     assert verify_steps > 0
 
 
-def test_accept_length_is_reported(default_model_dir):
+def test_accept_length_is_reported(default_model_dir, caplog):
     from pyserve._rust import Tokenizer
 
     ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
 
     async def main():
-        engine = await started(default_model_dir, **SPEC)
+        engine = await started(default_model_dir, **SPEC, decode_log_interval=2)
         try:
             await collect(engine, ids, temperature=0, max_new_tokens=30)
             return engine.metrics.render({})
         finally:
             await engine.shutdown()
-    text = asyncio.run(main())
+    with caplog.at_level("INFO", logger="pyserve.engine"):
+        text = asyncio.run(main())
+    assert any("accept len: " in r.getMessage() for r in caplog.records if "Decode batch." in r.getMessage())
     line = next(x for x in text.splitlines() if x.startswith("pyserve:spec_accept_length "))
     assert float(line.split()[1]) > 1.0  # the copy is drafted and accepted several tokens a step

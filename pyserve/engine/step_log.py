@@ -30,6 +30,7 @@ class StepLog:
         self._decode_tokens = 0
         self._since = time.perf_counter()
         self._verify_steps = self._emitted = 0  # the metrics' figures at the last decode line
+        self._drafts_counted = 0  # accepted drafts already in the throughput
 
     def on_launch(self, step: ScheduledStep) -> None:
         s = self.scheduler
@@ -61,4 +62,13 @@ class StepLog:
     def on_done(self, step: ScheduledStep) -> None:
         if not step.is_prefill:
             self._decode_steps += 1
-            self._decode_tokens += len(step.seqs) + sum(len(d) for d in step.drafts)
+            self._decode_tokens += len(step.seqs) + self._accepted_drafts()
+
+    def _accepted_drafts(self) -> int:
+        """Draft tokens accepted since the last call: generated tokens beyond one per row."""
+        m = self.metrics
+        if m is None:
+            return 0
+        total = m.spec_emitted_tokens - m.spec_verify_steps
+        new, self._drafts_counted = total - self._drafts_counted, total
+        return new
