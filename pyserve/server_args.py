@@ -131,6 +131,17 @@ class EngineOptions:
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
+    # Speculative decoding (engine/speculative/): SGLang's flags.
+    speculative_algorithm: str | None = option(
+        None, choices=["NGRAM", "STANDALONE", "EAGLE3"],
+        help="propose draft tokens and verify them in one forward pass; NGRAM (prompt lookup) is implemented")
+    speculative_num_steps: int | None = option(None, help="drafting steps per verify (NGRAM: unused)")
+    speculative_num_draft_tokens: int = option(4, help="draft tokens verified per step and request")
+    speculative_ngram_min_match_window_size: int = option(
+        3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
+    speculative_ngram_max_match_window_size: int = option(
+        12, help="NGRAM: longest suffix matched against the request's earlier tokens")
+    speculative_draft_model_path: str | None = option(None, help="STANDALONE: the draft model (not implemented)")
 
 
 @dataclass(frozen=True)

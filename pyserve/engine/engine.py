@@ -40,6 +40,8 @@ from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, 
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.commit import accepted_runs, row_sequences
+from pyserve.engine.speculative.options import drafter_of
 from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
 from pyserve.model.config import ModelConfig
@@ -75,18 +77,19 @@ class Engine:
         kv_buffer = self.runner.rank_model.kv_buffer
         self.kv = KVManager(PageAllocator(kv_buffer.num_pages, kv_buffer.page_size),
                             use_radix_cache=not options.disable_radix_cache)
+        self.drafter = drafter_of(options)  # None unless --speculative-algorithm
         self.scheduler = Scheduler(
             self.kv, options.max_running_requests, options.max_prefill_tokens,
             options.chunked_prefill_size if options.chunked_prefill_size > 0 else None,
-            priority_scheduling=options.enable_priority_scheduling,
-        )
+            priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.metrics = EngineMetrics()
         # Each request's output side, by its sequence, while it runs.
         self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
-        self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval)
+        self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval, self.metrics)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self.overlap = not options.disable_overlap_schedule
+        # With speculation each step waits for the previous one's accepted runs (its input and KV).
+        self.overlap = not options.disable_overlap_schedule and self.drafter is None
         # --enable-lora: the adapters requests pick by name; None: the base model alone.
         self.adapters = Adapters(model_options, self.runner, self.scheduler.requests.values) \
             if model_options.enable_lora else None
@@ -316,7 +319,7 @@ class Engine:
         try:
             output = await self.runner.wait(launched)
             next_ids = output.ids.tolist()
-            logprobs = sampled_logprobs(output, step.sampled, next_ids)
+            logprobs = sampled_logprobs(output, row_sequences(step), next_ids)
             prompt = prompt_logprobs(output, step)
         except Exception:
             self._on_failed_step(step)
@@ -329,9 +332,14 @@ class Engine:
         for seq, entries in prompt:
             if not seq.finished:
                 self._outputs[seq].add_prompt_logprobs(entries)
-        for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
-            if not seq.finished:  # else aborted, or finished by an earlier token, while this step ran
-                self._on_token(seq, token_id, logprob)
+        if output.counts is None:
+            for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
+                if not seq.finished:  # else aborted, or finished by an earlier token, while this step ran
+                    self._on_token(seq, token_id, logprob)
+        else:
+            for seq, rows in accepted_runs(step, output.counts, self.kv, self.drafter, self.metrics):
+                for j in (j for j in rows if not seq.finished):  # a stop inside the run ends it there
+                    self._on_token(seq, next_ids[j], logprobs[j])
         for (seq, start, count), total in zip(step.embed_spans, [] if output.pooled is None else output.pooled):
             if not seq.finished:
                 self._outputs[seq].add(start, count, total)

@@ -73,6 +73,9 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.cached_tokens = 0
         self.finished = Counter()  # finish reason -> requests
+        # Speculative decoding: verify steps of drafted rows, and the tokens they emitted.
+        self.spec_verify_steps = 0
+        self.spec_emitted_tokens = 0
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.tpot = Histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
@@ -80,6 +83,10 @@ class EngineMetrics:
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def on_verify(self, emitted: int) -> None:
+        self.spec_verify_steps += 1
+        self.spec_emitted_tokens += emitted
 
     def on_finish(self, reason: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
                   seconds: float, ttft: float | None) -> None:
@@ -117,6 +124,12 @@ class EngineMetrics:
         lines += [f"# HELP {name} Finished requests, by finish reason.", f"# TYPE {name} counter"]
         for reason in sorted(self.finished):
             lines.append(f"{name}{_labels({**labels, _REASON_LABEL[family]: reason})} {self.finished[reason]}")
+        scalar("counter", "spec_verify_steps_total", self.spec_verify_steps, "Decode rows that verified draft tokens.")
+        scalar("counter", "spec_accepted_tokens_total", self.spec_emitted_tokens,
+               "Tokens those rows emitted (accepted drafts + the target's own).")
+        scalar("gauge", "spec_accept_length",
+               self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0,
+               "Mean tokens emitted per verify step (SGLang's accept len).")
         for histogram in (self.ttft, self.e2e, self.tpot):
             lines += histogram.lines(series_name(family, histogram.name), labels)
         return "\n".join(lines) + "\n"

@@ -34,6 +34,9 @@ Overlap: the engine schedules step N+1 while step N still runs, so a
 sequence's newest token may not be known yet (`Sequence.pending`, counted
 by `on_launched` / `on_results`). Its decode row then carries a
 placeholder (see step.py) that the model runner fills in.
+
+Speculative decoding: a drafter (engine/speculative/) proposes draft
+tokens for each decode row, which then asks for room for all of them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from collections import deque
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.penalties import reads_history
 from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.ngram import NgramDrafter
 from pyserve.engine.step import Rows, ScheduledStep, build_step
 
 logger = logging.getLogger("pyserve.engine")
@@ -59,8 +63,9 @@ class Scheduler:
     computes; the KV manager finds room and slots for it."""
 
     def __init__(self, kv: KVManager, max_running: int, max_prefill_tokens: int, chunk_size: int | None,
-                 priority_scheduling: bool = False):
+                 priority_scheduling: bool = False, drafter: NgramDrafter | None = None):
         self.kv = kv
+        self.drafter = drafter
         self.max_running = max_running
         self.priority_scheduling = priority_scheduling
         # Tokens one step may compute: a chunk, or a whole prefill batch.
@@ -117,7 +122,7 @@ class Scheduler:
         if self.priority_scheduling:
             self._make_way_for_urgent()
         decode = self._decode_rows()
-        prefill, cached_tokens = self._prefill_rows(self.token_budget - len(decode.seqs), len(decode.seqs))
+        prefill, cached_tokens = self._prefill_rows(self.token_budget - sum(decode.lengths), len(decode.seqs))
         decode = self._without_less_urgent(decode, prefill)
         if not decode.seqs and not prefill.seqs:
             return None
@@ -142,14 +147,17 @@ class Scheduler:
         """One token for every running sequence, retracting sequences while
         the pool cannot hold them all."""
         rows = Rows()
+        for seq in self.running:
+            seq.draft_ids = self.drafter.propose(seq) if self.drafter is not None and not seq.pending else []
         while self.running:
-            needed = sum(self.kv.pages_needed(s, 1) for s in self.running)
+            needed = sum(self.kv.pages_needed(s, 1 + len(s.draft_ids)) for s in self.running)
             if self.kv.make_room(needed):
                 break
             if not self.retract_one():
                 return rows
         for seq in self.running:
-            rows.add(seq, 1, self.kv.new_slots(seq, 1))
+            n = 1 + len(seq.draft_ids)
+            rows.add(seq, n, self.kv.new_slots(seq, n))
         return rows
 
     def _without_less_urgent(self, decode: Rows, prefill: Rows) -> Rows:

@@ -60,6 +60,15 @@ class Sequence:
     # (prompt_logprobs); survives retraction, so none is computed twice.
     next_prompt_logprob: int = 1
 
+    # Speculative decoding (engine/speculative/): the scheduler writes the
+    # drafts its next step verifies; the engine counts what was accepted and
+    # turns drafting off for a request whose drafts keep failing.
+    draft_ids: list[int] = field(default_factory=list)
+    drafting: bool = True
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+
     # The engine.
     finished: bool = False
     first_token_at: float | None = None

@@ -9,6 +9,10 @@ Overlap: when step N+1 is built while step N still runs, a sequence's
 newest token may not be known yet. Its decode row then carries a
 placeholder, -(row + 1), that the model runner replaces with row `row` of
 step N's sampled ids before the forward pass.
+
+Speculative decoding: a decode row with k draft tokens (Sequence.draft_ids)
+computes k + 1 tokens, its last known token and the drafts, with logits at
+every one of them; the runner keeps the longest run the target agrees with.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class ScheduledStep:
     # sampled ids; a sequence in the middle of a chunked prefill is
     # computed but not sampled.
     sampled: list[Sequence]
+    # Per sampled sequence, the draft tokens its row verifies ([] for none);
+    # it has len(drafts) + 1 logits rows, in order. Empty when nothing is drafted.
+    drafts: list[list[int]] = field(default_factory=list)
     num_prefill_seqs: int = 0
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens newly admitted requests took from the radix cache
@@ -81,6 +88,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     positions: list[int] = []
     logits_indices: list[int] = []
     sampled: list[Sequence] = []
+    drafts: list[list[int]] = []
     has_placeholders = False
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
@@ -94,7 +102,8 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     for seq, n, slots in zip(seqs, lengths, new_slots):
         start = seq.kv_len
         if start < seq.num_tokens:
-            new = seq.uncached_ids[:n]
+            # Only a decode row asks for more tokens than are known: its drafts.
+            new = (seq.uncached_ids + seq.draft_ids)[:n]
         else:  # a decode row whose input is still being sampled
             new = [-(seq.pending_row + 1)]
             has_placeholders = True
@@ -114,18 +123,21 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         kv.append_slots(seq, slots)
         if seq.params.pooling and seq.kv_len == seq.num_total:  # an embedding ends with its prompt
             embedded.append(seq)
-        elif seq.kv_len == seq.num_total:  # the whole sequence is in: sample
-            logits_indices.append(len(input_ids) - 1)
+        elif seq.kv_len >= seq.num_total:  # the whole sequence is in: sample
+            drafted = seq.kv_len - seq.num_total
+            logits_indices.extend(range(len(input_ids) - 1 - drafted, len(input_ids)))
             sampled.append(seq)
+            drafts.append(new[len(new) - drafted :] if drafted else [])
     batch = ForwardBatch.build(
         input_ids, positions, torch.cat(new_slots), lengths, [s.slots for s in seqs],
-        logits_indices + prompt_rows, is_decode=not prefill.seqs, device="cpu",
+        logits_indices + prompt_rows, is_decode=not prefill.seqs and len(input_ids) == len(seqs), device="cpu",
         lora=LoraBatch.of_rows([seq.lora.slot if seq.lora else -1 for seq in seqs], lengths),
     )
     for seq in prefill.seqs:
         kv.share_prompt(seq)
     return ScheduledStep(
-        seqs=seqs, batch=batch, sampled=sampled, num_prefill_seqs=len(prefill.seqs),
+        seqs=seqs, batch=batch, sampled=sampled, drafts=drafts if any(drafts) else [],
+        num_prefill_seqs=len(prefill.seqs),
         num_prefill_tokens=sum(prefill.lengths), num_cached_tokens=cached_tokens,
         has_placeholders=has_placeholders, prompt_targets=prompt_targets, prompt_spans=prompt_spans,
         embed_rows=embed_rows, embed_spans=embed_spans, embedded=embedded,

@@ -13,6 +13,7 @@ import logging
 import time
 
 from pyserve.engine.kv.manager import KVManager
+from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.step import ScheduledStep
 
@@ -20,13 +21,16 @@ logger = logging.getLogger("pyserve.engine")
 
 
 class StepLog:
-    def __init__(self, scheduler: Scheduler, kv: KVManager, interval: int):
+    def __init__(self, scheduler: Scheduler, kv: KVManager, interval: int, metrics: EngineMetrics | None = None):
         self.scheduler = scheduler
+        self.metrics = metrics  # where the speculative figures are counted
         self.kv = kv
         self.interval = interval
         self._decode_steps = 0
         self._decode_tokens = 0
         self._since = time.perf_counter()
+        self._verify_steps = self._emitted = 0  # the metrics' figures at the last decode line
+        self._drafts_counted = 0  # accepted drafts already in the throughput
 
     def on_launch(self, step: ScheduledStep) -> None:
         s = self.scheduler
@@ -40,11 +44,17 @@ class StepLog:
         elif self._decode_steps % self.interval == 0 and self._decode_steps:
             now = time.perf_counter()
             throughput = self._decode_tokens / max(now - self._since, 1e-9)
+            m = self.metrics
+            spec = ""
+            if m is not None and s.drafter is not None:
+                steps, emitted = m.spec_verify_steps - self._verify_steps, m.spec_emitted_tokens - self._emitted
+                spec = f", accept len: {emitted / steps if steps else 0.0:.2f}"
+                self._verify_steps, self._emitted = m.spec_verify_steps, m.spec_emitted_tokens
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                "gen throughput (token/s): %.2f, #queue-req: %d",
+                "gen throughput (token/s): %.2f, #queue-req: %d%s",
                 len(s.running), self.kv.owned_tokens(s.holders()), self.kv.token_usage(), throughput,
-                len(s.waiting),
+                len(s.waiting), spec,
             )
             self._decode_tokens = 0
             self._since = now
@@ -52,4 +62,13 @@ class StepLog:
     def on_done(self, step: ScheduledStep) -> None:
         if not step.is_prefill:
             self._decode_steps += 1
-            self._decode_tokens += len(step.seqs)
+            self._decode_tokens += len(step.seqs) + self._accepted_drafts()
+
+    def _accepted_drafts(self) -> int:
+        """Draft tokens accepted since the last call: generated tokens beyond one per row."""
+        m = self.metrics
+        if m is None:
+            return 0
+        total = m.spec_emitted_tokens - m.spec_verify_steps
+        new, self._drafts_counted = total - self._drafts_counted, total
+        return new

@@ -86,8 +86,18 @@ class KVManager:
         """Give back slots from `new_slots` that the step will not use after
         all: the pages they opened, if any (slots in `seq`'s last page stay
         free there)."""
-        if seq.kv_len % self.page_size == 0:
-            self.allocator.free_slots(slots)
+        room = -seq.kv_len % self.page_size  # slots that were left in its last page
+        if slots.numel() > room:
+            self.allocator.free_slots(slots[room:])
+
+    def drop_tail(self, seq: Sequence, keep: int) -> None:
+        """Keep `seq`'s first `keep` slots and free the pages past them: the
+        KV of draft tokens the target rejected."""
+        ps = self.page_size
+        first_free_page = -(-keep // ps) * ps
+        if first_free_page < seq.kv_len:
+            self.allocator.free_slots(seq.slots[first_free_page:])
+        seq.slots = seq.slots[:keep]
 
     # -- prefixes ------------------------------------------------------------
 

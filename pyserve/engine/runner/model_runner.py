@@ -32,6 +32,7 @@ from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.verify import accepted_counts, first_rows
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
 from pyserve.model.forward_batch import ForwardBatch
@@ -57,6 +58,10 @@ class StepOutput:
     # Sampled sequences whose grammar refused the token they sampled the
     # step before (a bug): the engine ends them.
     refused: list[Sequence] = field(default_factory=list)
+    # Speculative steps: ids holds the target's token at every logits row
+    # (ScheduledStep.drafts), and counts how many of each sequence's rows
+    # it emits (accepted drafts + the target's own token).
+    counts: list[int] | None = None
 
     def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
@@ -178,8 +183,12 @@ class ModelRunner:
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
                 all_logits, pooled = self._forward_on_every_rank(batch, step)
-                logits = all_logits[: len(seqs)]
-                next_ids = self.sampler.sample(logits, states)
+                num_rows = len(seqs) + sum(len(d) for d in step.drafts)
+                logits = all_logits[:num_rows]
+                if step.drafts:
+                    next_ids, counts = self._verify(logits, states, step.drafts)
+                else:
+                    next_ids, counts = self.sampler.sample(logits, states), None
                 refused = [s.seq for s in states if s.refused]
                 logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):
@@ -187,22 +196,37 @@ class ModelRunner:
                                               max(s.params.top_logprobs for s in seqs))
                 if step.prompt_targets:
                     targets = torch.tensor(step.prompt_targets, device=self.device)
-                    prompt_logprobs = token_logprobs(all_logits[len(seqs) :], targets, step.prompt_top_logprobs)
+                    prompt_logprobs = token_logprobs(all_logits[num_rows:], targets, step.prompt_top_logprobs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
                                     to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None,
-                                    refused)
+                                    refused, counts)
                 output.ready.record()
                 return output
         except Exception:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise
+
+    def _verify(self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
+                ) -> tuple[torch.Tensor, list[int]]:
+        """The target's token at every logits row of a speculative step and
+        how many each sequence emits. Each sequence's first row is sampled as
+        in any step; drafted sequences are greedy (NgramDrafter only drafts
+        for those), so their later rows are the argmax."""
+        firsts = torch.tensor(first_rows(drafts), device=logits.device)
+        ids = logits.argmax(dim=-1)
+        ids[firsts] = self.sampler.sample(logits[firsts], states).to(ids.device)
+        host = ids.tolist()
+        counts = accepted_counts(host, drafts)
+        for state, count in zip(states, counts):
+            state.sampled += count - 1
+        return ids, counts
 
     def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits (and pooled sums), the other tensor-parallel ranks

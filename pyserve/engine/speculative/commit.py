@@ -1,0 +1,36 @@
+"""Committing a speculative step's results on the event loop: each
+sequence keeps the KV of its accepted run and frees its rejected drafts'
+slots at once, before its tokens are handed out (a stop inside the run
+then releases exactly the KV of known tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pyserve.engine.kv.manager import KVManager
+from pyserve.engine.metrics import EngineMetrics
+from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.ngram import NgramDrafter
+from pyserve.engine.step import ScheduledStep
+
+
+def row_sequences(step: ScheduledStep) -> list[Sequence]:
+    """The sequence of every sampled logits row, in order."""
+    if not step.drafts:
+        return step.sampled
+    return [seq for seq, draft in zip(step.sampled, step.drafts) for _ in range(len(draft) + 1)]
+
+
+def accepted_runs(step: ScheduledStep, counts: list[int], kv: KVManager, drafter: NgramDrafter,
+                  metrics: EngineMetrics) -> Iterator[tuple[Sequence, range]]:
+    """Per live sampled sequence, the logits rows whose tokens it emits."""
+    row = 0
+    for seq, draft, count in zip(step.sampled, step.drafts, counts):
+        if not seq.finished:  # else aborted while the step ran: its KV is already back
+            if draft:
+                # KV stays for the last known token and the accepted drafts.
+                kv.drop_tail(seq, seq.kv_len - (len(draft) - (count - 1)))
+                drafter.on_verified(seq, len(draft), count - 1)
+                metrics.on_verify(count)
+            yield seq, range(row, row + count)
+        row += len(draft) + 1

@@ -1,0 +1,179 @@
+"""NGRAM speculative decoding: greedy output identical to decoding without
+it, whatever lands inside an accepted run, and every KV page back after."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
+from pyserve.engine.speculative.ngram import find_draft
+from pyserve.engine.speculative.verify import accepted_counts, rejection_sample
+from pyserve.server_args import ServerArgs
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+        "speculative_ngram_min_match_window_size": 1}  # drafts as often as possible: the most runs checked
+
+
+async def started(model_dir, **kwargs) -> Engine:
+    kwargs.setdefault("max_total_tokens", 4096)
+    kwargs.setdefault("disable_overlap_schedule", True)
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), **kwargs))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: Engine, ids, **params):
+    text, tokens, logprobs, last = "", [], [], None
+    async for out in engine.generate(GenerateRequest(list(ids), SamplingParams(**params))):
+        text += out.text
+        tokens += out.token_ids
+        logprobs += out.logprobs or []
+        last = out
+    return text, tokens, logprobs, last
+
+
+def outputs(model_dir, requests, engine_args=None):
+    """Each request's (text, tokens, logprobs, finish) with and without NGRAM,
+    all requests run together."""
+    async def main(extra):
+        engine = await started(model_dir, **(engine_args or {}), **extra)
+        try:
+            got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
+            engine.check_integrity()
+            assert engine.kv_usage()["in_use"] == 0
+            return got, engine.metrics.spec_verify_steps
+        finally:
+            await engine.shutdown()
+    plain, _ = asyncio.run(main({}))
+    spec, verify_steps = asyncio.run(main(SPEC))
+    return plain, spec, verify_steps
+
+
+def same(plain, spec, logprob_tol=1e-4):
+    for (t0, ids0, lp0, last0), (t1, ids1, lp1, last1) in zip(plain, spec):
+        assert ids1 == ids0
+        assert t1 == t0
+        assert (last1.finish_reason, last1.matched_stop) == (last0.finish_reason, last0.matched_stop)
+        assert len(lp1) == len(lp0)
+        for a, b in zip(lp0, lp1):
+            assert b.token_id == a.token_id
+            if logprob_tol is not None:
+                assert b.logprob == pytest.approx(a.logprob, abs=logprob_tol)
+                assert [t for t, _ in b.top] == [t for t, _ in a.top]
+
+
+def repetitive(n=40):
+    return [int(t) for t in (list(range(200, 220)) * 4)[:n]]
+
+
+def test_find_draft_takes_what_followed_the_latest_longest_match():
+    ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert find_draft(ids, 1, 4, 3) == [7, 8, 5]  # suffix [2, 3] last seen before 7
+    assert find_draft(ids, 3, 4, 3) == []  # [x, 2, 3] with x = 5 never recurs
+    assert find_draft([4, 4, 4], 1, 2, 5) == [4]
+
+
+def test_accepted_counts_stop_at_the_first_disagreement():
+    # Two sequences: drafts [5, 6, 7] against target rows [5, 6, 9, 1]; [3] against [4, 2].
+    assert accepted_counts([5, 6, 9, 1, 4, 2], [[5, 6, 7], [3]]) == [3, 1]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A point-mass draft on a 4-token vocabulary: accepted or resampled, the
+    tokens come out as the target's distribution (chi-square, p ~ 1e-4)."""
+    p = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    for draft in (1, 3):
+        counts = torch.zeros(4)
+        for _ in range(n):
+            token, _ = rejection_sample(p, draft, g)
+            counts[token] += 1
+        expected = p * n
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 21.1  # 3 degrees of freedom
+
+
+def test_refuses_unimplemented_algorithms(tiny_llama_dir):
+    with pytest.raises(ValueError, match="EAGLE3 is not implemented"):
+        Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), speculative_algorithm="EAGLE3"))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_identical_on_a_tiny_checkpoint(tiny_llama_dir, page_size):
+    greedy = {"temperature": 0, "ignore_eos": True}
+    requests = [
+        (repetitive(), {**greedy, "max_new_tokens": 30}),
+        (repetitive(33), {**greedy, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
+        ([5, 17, 99], {**greedy, "max_new_tokens": 12}),
+        (repetitive(), {"temperature": 0.8, "seed": 3, "max_new_tokens": 10, "ignore_eos": True}),  # plain
+        (repetitive(), {**greedy, "max_new_tokens": 20, "presence_penalty": 0.5}),  # plain
+    ]
+    plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": page_size})
+    same(plain, spec)
+    assert verify_steps > 0
+
+
+SCHEMA = '{"type": "object", "properties": {"text": {"type": "string", "maxLength": 30}}, "required": ["text"]}'
+COPY = ("Rewrite this text, changing nothing: The quick brown fox jumps over the lazy dog. "
+        "The quick brown fox jumps over the lazy dog again. Then the fox sleeps.\nText: ")
+
+
+# float32: logprobs as decoding computes them. The default 4-bit mode runs a
+# verify step through the block kernels' extend path, whose activation
+# rounding differs from the decode path's: the same tokens, but logprob
+# values differ (by up to ~0.15 measured), so only tokens are compared there.
+@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
+def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, mode, tol):
+    from pyserve._rust import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    ids = tok.encode(COPY)
+    greedy = {"temperature": 0}
+    requests = [
+        (ids, {**greedy, "max_new_tokens": 40}),
+        (ids, {**greedy, "max_new_tokens": 9}),
+        (ids, {**greedy, "max_new_tokens": 40, "stop": ["lazy"]}),
+        (ids, {**greedy, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
+        (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
+        (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
+    ]
+    plain, spec, verify_steps = outputs(default_model_dir, requests, mode)
+    same(plain, spec, tol)
+    assert verify_steps > 0
+    assert plain[2][3].finish_reason == "stop"
+    assert len(spec[1][1]) == 9  # max_tokens never exceeded
+    assert spec[4][3].finish_reason == "stop" and len(spec[4][1]) < 60
+
+
+def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir):
+    """A pool too small for every request at once: requests are retracted
+    and resumed mid-draft, and still decode as without speculation."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
+    requests = [(repetitive(40 + i), greedy) for i in range(4)]
+    plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": 4, "max_total_tokens": 200})
+    same(plain, spec)
+    assert verify_steps > 0
+
+
+def test_accept_length_is_reported(default_model_dir, caplog):
+    from pyserve._rust import Tokenizer
+
+    ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
+
+    async def main():
+        engine = await started(default_model_dir, **SPEC, decode_log_interval=2)
+        try:
+            await collect(engine, ids, temperature=0, max_new_tokens=30)
+            return engine.metrics.render({})
+        finally:
+            await engine.shutdown()
+    with caplog.at_level("INFO", logger="pyserve.engine"):
+        text = asyncio.run(main())
+    assert any("accept len: " in r.getMessage() for r in caplog.records if "Decode batch." in r.getMessage())
+    line = next(x for x in text.splitlines() if x.startswith("pyserve:spec_accept_length "))
+    assert float(line.split()[1]) > 1.0  # the copy is drafted and accepted several tokens a step
