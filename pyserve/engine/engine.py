@@ -29,6 +29,7 @@ import torch
 
 from pyserve._rust import Tokenizer
 from pyserve.engine.adapters import Adapters, adapter_of
+from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.kv.manager import KVManager
@@ -49,7 +50,6 @@ from pyserve.model.pooling import PoolingConfig
 from pyserve.server_args import EngineOptions, ModelOptions, ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
-_GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-backend none"
 
 
 class Engine:
@@ -159,39 +159,10 @@ class Engine:
     def validate(self, req: GenerateRequest) -> None:
         """Raise RequestError for a request the engine cannot run. The one
         place these checks live: the API asks here before it answers."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", "prompt")
-        bad = next((i for i in req.input_ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
-        max_new = req.params.max_new_tokens
-        if max_new is not None and max_new < 1:
-            raise RequestError("max_new_tokens must be at least 1", "max_new_tokens")
-        if n >= self.context_len or (max_new is not None and n + max_new > self.context_len):
-            # vLLM's wording, which clients already know how to read.
-            asked = max_new or 0
-            raise RequestError(
-                f"This model's maximum context length is {self.context_len} tokens. However, you requested "
-                f"{n + asked} tokens ({n} in the prompt, {asked} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "prompt" if n >= self.context_len else "max_new_tokens", "context_length_exceeded",
-            )
-        capacity = self.kv.allocator.capacity_tokens
-        if n + 1 > capacity:
-            raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {capacity}", "prompt")
-        if req.params.constraint is not None and self.grammars is None:
-            raise RequestError(_GRAMMARS_OFF, "constraint")
+        check_prompt(req, self.vocab_size, self.context_len, self.kv.allocator.capacity_tokens)
+        check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
-        if req.priority is not None and not self.scheduler.priority_scheduling:
-            # Refused as an unknown field is: a priority the server ignored
-            # would be dropped silently.
-            raise RequestError("Unrecognized request argument supplied: 'priority' (this server schedules first "
-                               "come, first served: start it with --enable-priority-scheduling).", "priority",
-                               "unknown_parameter")
-        if req.cache_salt == "":
-            raise RequestError("cache_salt must be a non-empty string", "cache_salt")
         adapter_of(req, self.adapters)
 
     async def compile_grammar(self, constraint: Constraint) -> None:
@@ -200,7 +171,7 @@ class Engine:
         Callers that must answer before streaming call this first; generate
         does it too."""
         if self.grammars is None:
-            raise RequestError(_GRAMMARS_OFF, "constraint")
+            raise RequestError(GRAMMARS_OFF, "constraint")
         await self.grammars.compile(constraint)
 
     def _max_new_tokens(self, req: GenerateRequest) -> int:

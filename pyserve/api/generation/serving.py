@@ -120,14 +120,13 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
                 choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
                 requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
                                                 priority=priority, cache_salt=cache_salt, lora=lora))
-            _check_prompt(ids, engine.vocab_size)
             engine.validate(requests[p * n])
         if params.constraint is not None:
             await engine.compile_grammar(params.constraint)
     except RequestError as e:
         if e.code == "model_not_found":  # an unknown adapter: vLLM's 404
             raise APIError(e.message, 404, param="model", code=e.code) from None
-        raise bad_request(_with_peer_phrase(e), param_names.get(e.field, e.field), e.code) from None
+        raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
     return requests
 
 
@@ -139,25 +138,6 @@ def adapter_name(ctx: ServingContext, model: str | None, lora_path: str | None) 
     if ctx.engine.adapters is not None and model and model != ctx.served_model_name:
         return model
     return None
-
-
-def _check_prompt(ids: list[int], vocab_size: int) -> None:
-    """The prompt checks whose wording SGLang's and vLLM's clients match
-    on ("decoder prompt cannot be empty", "out of vocabulary"), made before
-    the engine's own."""
-    if not ids:
-        raise RequestError("The decoder prompt cannot be empty", "prompt")
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"Token id {bad} is out of vocabulary (the vocabulary has {vocab_size} tokens)", "prompt")
-
-
-def _with_peer_phrase(e: RequestError) -> str:
-    """The engine's message, with SGLang's phrase for a prompt longer than
-    the context beside vLLM's (which the engine's message already is)."""
-    if e.code == "context_length_exceeded" and e.field == "prompt":
-        return f"{e.message} The input is longer than the model's context length."
-    return e.message
 
 
 def _check_sequences(cap: int, prompts: int, n: int, param_names: Mapping[str, str]) -> None:

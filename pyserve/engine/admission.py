@@ -1,0 +1,50 @@
+"""What a request must be for the engine to run it: the one place these
+checks live (Engine.validate calls them; the API asks before it answers).
+Where SGLang's or vLLM's clients match on a phrase for the same condition,
+the message carries it."""
+
+from __future__ import annotations
+
+from pyserve.engine.request import GenerateRequest, RequestError
+
+GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-backend none"
+
+
+def check_prompt(req: GenerateRequest, vocab_size: int, context_len: int, kv_capacity: int) -> None:
+    """The prompt and its room: not empty, in the vocabulary, within the
+    context with max_new_tokens, and within the KV cache."""
+    n = len(req.input_ids)
+    if n == 0:
+        raise RequestError("The decoder prompt cannot be empty", "prompt")  # vLLM's wording
+    bad = next((i for i in req.input_ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"Token id {bad} is out of vocabulary (the vocabulary has {vocab_size} tokens)", "prompt")
+    max_new = req.params.max_new_tokens
+    if max_new is not None and max_new < 1:
+        raise RequestError("max_new_tokens must be at least 1", "max_new_tokens")
+    if n >= context_len or (max_new is not None and n + max_new > context_len):
+        # vLLM's wording, then SGLang's phrase for the prompt alone.
+        asked = max_new or 0
+        sglang = " The input is longer than the model's context length." if n >= context_len else ""
+        raise RequestError(
+            f"This model's maximum context length is {context_len} tokens. However, you requested "
+            f"{n + asked} tokens ({n} in the prompt, {asked} in the completion). "
+            f"Please reduce the length of the messages or completion.{sglang}",
+            "prompt" if n >= context_len else "max_new_tokens", "context_length_exceeded",
+        )
+    if n + 1 > kv_capacity:
+        raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {kv_capacity}", "prompt")
+
+
+def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: bool) -> None:
+    """The request's fields that need the server's options."""
+    if req.params.constraint is not None and not grammars_on:
+        raise RequestError(GRAMMARS_OFF, "constraint")
+    if req.priority is not None and not priority_scheduling:
+        # Refused as an unknown field is: a priority the server ignored
+        # would be dropped silently.
+        raise RequestError("Unrecognized request argument supplied: 'priority' (this server schedules first "
+                           "come, first served: start it with --enable-priority-scheduling).", "priority",
+                           "unknown_parameter")
+    if req.cache_salt == "":
+        raise RequestError("cache_salt must be a non-empty string", "cache_salt")
