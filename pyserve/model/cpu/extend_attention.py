@@ -19,7 +19,7 @@ from pyserve.model.cpu import blocks
 from pyserve.model.kv_buffer import KVBuffer
 
 
-def fits(kv_buffer: KVBuffer, layers) -> bool:
+def fits(kv_buffer: KVBuffer, layers=()) -> bool:
     """Whether the kernel serves this cache and these decoder layers here:
     float32 on a CPU with AVX2, heads of a multiple of 8 values, and plain
     causal attention in every layer (no sliding window, soft-cap or sinks)."""
