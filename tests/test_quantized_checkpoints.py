@@ -126,3 +126,49 @@ def test_quantization_flag_forces_or_refuses(tmp_path, default_model_dir):
     (quant_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'hqq' is not served"):
         load_model(quant_dir, torch.float32, "cpu")
+
+
+# compressed-tensors checkpoints written by llm-compressor itself (data-free
+# schemes: round-to-nearest weights, no calibration set needed). Tiny shapes
+# its 128-wide groups and blocks divide.
+CT_SCHEMES = ["W4A16", "W4A16_ASYM", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK"]
+CT_SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+def compressed_pair(tmp_path, default_model_dir, scheme: str, arch: str = "llama"):
+    """(llm-compressor's checkpoint, the weights compressed-tensors decompresses it to, as a float copy)."""
+    pytest.importorskip("llmcompressor")
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    float_dir = build_tiny_model(tmp_path / "float", arch, tokenizer_dir=default_model_dir, **CT_SHAPE)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head", "re:.*mlp.gate$"]))
+    out = tmp_path / scheme
+    model.save_pretrained(out, save_compressed=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (float_dir / name).is_file():
+            (out / name).write_bytes((float_dir / name).read_bytes())
+    decompressed = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()
+    original = load_file(float_dir / "model.safetensors")
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(decompressed[down], original[down])  # the reference is the quantized weight
+    names = original.keys()
+    return out, dense_copy(float_dir, tmp_path / f"{scheme}-dense", {k: decompressed[k] for k in names})
+
+
+@pytest.mark.parametrize("scheme", CT_SCHEMES)
+def test_llm_compressor_checkpoints_match_transformers(tmp_path, default_model_dir, scheme):
+    quant_dir, dense_dir = compressed_pair(tmp_path, default_model_dir, scheme)
+    model, config = load_model(quant_dir, torch.float32, "cpu")
+    reference, _ = load_model(dense_dir, torch.float32, "cpu")
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(got, want, rtol=0, atol=1e-6), name
+    assert greedy(model, config, PROMPTS, NEW_TOKENS) == hf_greedy(dense_dir)
+    quant = resolve_quant("auto", quant_dir, torch.device("cpu"))
+    assert quant.bits == (4 if scheme.startswith("W4") else 8)
+    assert len(greedy(*load_model(quant_dir, torch.float32, "cpu", quant), PROMPTS, 4)[0]) == 4
