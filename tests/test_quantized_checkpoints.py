@@ -172,3 +172,13 @@ def test_llm_compressor_checkpoints_match_transformers(tmp_path, default_model_d
     quant = resolve_quant("auto", quant_dir, torch.device("cpu"))
     assert quant.bits == (4 if scheme.startswith("W4") else 8)
     assert len(greedy(*load_model(quant_dir, torch.float32, "cpu", quant), PROMPTS, 4)[0]) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "olmo2", "glm4", "granite", "smollm3",
+                                  "mistral", "gemma3", "mixtral", "qwen2_moe"])
+def test_every_family_serves_a_gptq_checkpoint(tmp_path, default_model_dir, arch):
+    """q/k/v bias, fused qkv and gate_up (Phi-3), post-norms, experts: the
+    quantized layers land where each family's float ones do."""
+    quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "gptq-int4-sym", arch)
+    model, config = load_model(quant_dir, torch.float32, "cpu")
+    assert greedy(model, config, PROMPTS, NEW_TOKENS) == hf_greedy(dense_dir)
