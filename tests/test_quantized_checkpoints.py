@@ -182,3 +182,18 @@ def test_every_family_serves_a_gptq_checkpoint(tmp_path, default_model_dir, arch
     quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "gptq-int4-sym", arch)
     model, config = load_model(quant_dir, torch.float32, "cpu")
     assert greedy(model, config, PROMPTS, NEW_TOKENS) == hf_greedy(dense_dir)
+
+
+@pytest.mark.parametrize("mode", ["int4wo-64", "int4wo-32", "8da4w"])
+def test_forced_4bit_modes_hold_the_checkpoints_codes(tmp_path, default_model_dir, mode):
+    """AWQ groups of 64 in int4wo-64 as they are, in int4wo-32 and 8da4w as two groups each."""
+    from pyserve.model.quant import parse_quant
+
+    quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "awq-int4-g64")
+    model, _ = load_model(quant_dir, torch.float32, "cpu", parse_quant(mode))
+    reference, _ = load_model(dense_dir, torch.float32, "cpu")
+    for name in ("self_attn.qkv_proj", "mlp.down_proj"):
+        proj = model.layers[1].get_submodule(name)
+        assert isinstance(proj, Q4_1Linear if mode == "8da4w" else Int4Linear)
+        want = reference.layers[1].get_submodule(name).weight
+        assert torch.allclose(proj.dense_weight(), want, rtol=0, atol=1e-6), name

@@ -43,7 +43,7 @@ from pyserve.model.families import family_of, read_config
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.layers.moe import MoEBlock, placement
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
-from pyserve.model.quant import Int4Groups, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
+from pyserve.model.quant import Int4Groups, Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
 from pyserve.model.quantized.modules import QuantizedModules, dense_weights
 from pyserve.model.quantized.scheme import detect
 
@@ -275,9 +275,11 @@ def load_model(
         shipped = prequantized_file(model_dir, quant)
         if shipped.is_file():
             own = _shipped_int4(shipped, config, shard, names, quant.group_size)
-        else:  # a module whose fused parts are not all int4 groups is quantized from its dense weight
+        else:  # a module whose fused parts are not all int4 groups, or that the kernel cannot hold,
+            # is quantized from its dense weight
             own = {module: groups for module, groups in _stacked(group_parts).items()
-                   if groups[0].shape == params[module + ".weight"].shape}
+                   if groups[0].shape == params[module + ".weight"].shape
+                   and (quant.int8_activations or Int4Linear.fits(groups[0], quant.group_size))}
         quantize_model(model, quant, own)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
