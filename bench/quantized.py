@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every format, alternated; the best is kept")
     parser.add_argument("--one", nargs=2, metavar=("DIR", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -148,12 +149,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="pyserve-bench-quantized-"))
     try:
         dirs = write_models(root, args)
-        rows = []
-        for name, model_dir in dirs.items():
-            mode = "none" if name == "float32" else "auto"
-            out = subprocess.run([sys.executable, __file__, "--device", args.device, "--steps", str(args.steps),
-                                  "--one", str(model_dir), mode], capture_output=True, text=True, check=True)
-            rows.append((name, json.loads(out.stdout.strip().splitlines()[-1])))
+        # Rounds alternate the formats, and each figure is its best round:
+        # on a shared machine, other work only ever slows a step down.
+        best: dict[str, dict] = {}
+        for _ in range(args.rounds):
+            for name, model_dir in dirs.items():
+                mode = "none" if name == "float32" else "auto"
+                out = subprocess.run([sys.executable, __file__, "--device", args.device, "--steps", str(args.steps),
+                                      "--one", str(model_dir), mode], capture_output=True, text=True, check=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                kept = best.setdefault(name, r)
+                for key in ("ms_per_step_b1", "ms_per_step_b8"):
+                    kept[key] = min(kept[key], r[key])
+        rows = list(best.items())
     finally:
         shutil.rmtree(root)
     base = rows[0][1]
