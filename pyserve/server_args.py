@@ -85,6 +85,10 @@ class ModelOptions:
     torchao_config: str = option("auto", help="CPU quantization: none, int8wo, int4wo-<group> (32/64/128/256), "
                                  "8da4w (4-bit weights in blocks of 32, 8-bit dynamic activations), or auto: "
                                  "the 4-bit weights the model ships (the embedded model's) as 8da4w with AVX2")
+    quantization: str = option("auto", help="the checkpoint's own quantization: auto (config.json's "
+                               "quantization_config), awq, gptq, fp8 or compressed-tensors to insist on it, "
+                               "none to refuse a quantized checkpoint",
+                               choices=["auto", "awq", "gptq", "fp8", "compressed-tensors", "none"])
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     random_seed: int = option(0, help="seed of sampling for requests that set none")
     # Tensor parallelism (README "Tensor parallelism"), named as SGLang names it.

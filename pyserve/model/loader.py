@@ -17,6 +17,12 @@ its parameters start as NaN, so one that no tensor filled shows.
 With a weight quantization (quant.py) the linear layers are then replaced
 by quantized ones; where the directory ships weights already quantized
 that way (model.int4wo-32.safetensors), those are used as they are.
+
+A checkpoint quantized by another tool (AWQ, GPTQ, FP8, compressed-tensors:
+quantized/) has each quantized layer's tensors read together into its
+dense weight, which then lands like any other tensor (sliced for this
+rank, or handed to its MoE block); where the CPU's 4-bit mode can hold a
+layer's codes exactly, those codes are what it is built from.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from pyserve.model.families import family_of, read_config
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.layers.moe import MoEBlock, placement
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
-from pyserve.model.quant import Int4Groups, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
+from pyserve.model.quant import Int4Groups, Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
+from pyserve.model.quantized.modules import QuantizedModules, dense_weights
+from pyserve.model.quantized.scheme import detect
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +84,7 @@ def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, names: Che
     """Module name -> its 4-bit groups from a file of `<projection>.codes/.scales/.zeros`
     (codes two to a byte), this rank's part of each, the parts of a fused
     projection concatenated in row order."""
-    parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    parts: dict[str, list[tuple[int, Int4Groups]]] = {}
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for key in f.keys():
             if not key.endswith(".codes"):
@@ -96,12 +104,56 @@ def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, names: Che
                     _read(f, projection + suffix, dim, range(part.start // per_group, part.stop // per_group),
                           full // per_group) for suffix in (".scales", ".zeros"))
                 parts.setdefault(piece.param.removesuffix(".weight"), []).append(
-                    (piece.row or 0, unpack_nibbles(codes), scales, zeros))
+                    (piece.row or 0, (unpack_nibbles(codes), scales, zeros)))
+    return _stacked(parts)
+
+
+def _sliced_groups(groups: Int4Groups, piece, group_size: int, module: str) -> Int4Groups:
+    """This rank's part of a layer's int4 groups (codes [out, in], scales and zeros per group)."""
+    if piece.dim is None:
+        return groups
+    part = piece.part
+    if piece.dim == 0:
+        return tuple(t[part.start:part.stop] for t in groups)
+    if part.start % group_size or len(part) % group_size:
+        raise ValueError(f"tensor-parallel rank holds columns {part.start}-{part.stop} of {module}, which do not "
+                         f"begin and end on its groups of {group_size}")
+    codes, scales, zeros = groups
+    g = slice(part.start // group_size, part.stop // group_size)
+    return codes[:, part.start:part.stop], scales[:, g], zeros[:, g]
+
+
+def _stacked(parts: dict[str, list[tuple[int, Int4Groups]]]) -> dict[str, Int4Groups]:
+    """The parts of each fused module's groups concatenated in row order."""
     groups = {}
     for module, stacked in parts.items():
         stacked.sort(key=lambda piece: piece[0])
-        groups[module] = tuple(torch.cat([p[i] for p in stacked]) for i in (1, 2, 3))
+        groups[module] = tuple(torch.cat([p[1][i] for p in stacked]) for i in range(3))
     return groups
+
+
+class _Tensors:
+    """Dense tensors read as a safetensors handle reads its own."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def get_slice(self, key: str):
+        return _TensorView(self.tensors[key])
+
+
+class _TensorView:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        return self.tensor[index]
 
 
 def _copy_piece(target: torch.Tensor, piece, handle, hf_name: str, path: Path) -> None:
@@ -138,7 +190,7 @@ def _block_claiming(blocks: dict[int, MoEBlock], hf_name: str) -> MoEBlock | Non
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
-    tp: TensorParallel = SINGLE, lm_head: bool = True,
+    tp: TensorParallel = SINGLE, lm_head: bool = True, quantization: str = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """The model in eval mode with every weight loaded, and its config;
     its linear layers quantized as `quant` when given (CPU only). Under
@@ -146,10 +198,12 @@ def load_model(
     checkpoint tensor is read. `lm_head` False (embedding servers, which
     read hidden states and never logits): no vocabulary projection is
     held or read, since untied embedding checkpoints (Qwen3-Embedding-4B,
-    -8B) ship none."""
+    -8B) ship none. `quantization` (`--quantization`): the checkpoint's
+    own quantization, auto (as config.json says), a method insisted on, or none."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = read_config(model_dir)
+    scheme = detect(json.loads((model_dir / "config.json").read_text()), quantization)
     family = family_of(config.architecture)
     names = family.checkpoint
     shard = ModelShard.of(config, tp)
@@ -173,32 +227,45 @@ def load_model(
     params = {name: p for name, p in model.named_parameters() if not name.startswith(block_prefixes)}
     missing = expected_pieces(params, config, shard, names)
     placed = set()  # the MoE blocks' checkpoint tensors
+    # A quantized checkpoint's int4 groups in the 4-bit mode's group size, by module.
+    group_size = None if quant is None or quant.bits != 4 else (32 if quant.int8_activations else quant.group_size)
+    group_parts: dict[str, list[tuple[int, Int4Groups]]] = {}
+
+    def place(hf_name: str, handle, path_name: str, groups: Int4Groups | None = None) -> None:
+        block = _block_claiming(blocks, hf_name)
+        if block is not None:
+            if hf_name in placed:
+                raise ValueError(f"{path_name}: repeated tensor {hf_name}")
+            block.load_weight(hf_name, handle.get_tensor(hf_name))
+            placed.add(hf_name)
+            return
+        for piece in pieces(hf_name, config, shard, names):
+            if piece.param == "lm_head.weight" and model.lm_head is None:
+                continue
+            if (piece.param, piece.row) not in missing:
+                raise ValueError(f"{path_name}: unexpected (or repeated) tensor {hf_name} for {config.architecture}")
+            _copy_piece(params[piece.param].data, piece, handle, hf_name, Path(path_name))
+            missing.discard((piece.param, piece.row))
+            if groups is not None:
+                group_parts.setdefault(piece.param.removesuffix(".weight"), []).append(
+                    (piece.row or 0, _sliced_groups(groups, piece, group_size, hf_name)))
 
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files]
+        quantized = None if scheme is None else QuantizedModules(scheme, handles)
         total = sum(len(h.keys()) for h in handles)
         progress = stack.enter_context(tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor",
                                             disable=tp.rank > 0))
         for path, handle in zip(files, handles):
             for hf_name in handle.keys():
                 progress.update()
-                block = _block_claiming(blocks, hf_name)
-                if block is not None:
-                    if hf_name in placed:
-                        raise ValueError(f"{path.name}: repeated tensor {hf_name}")
-                    block.load_weight(hf_name, handle.get_tensor(hf_name))
-                    placed.add(hf_name)
-                    continue
-                for piece in pieces(hf_name, config, shard, names):
-                    if piece.param == "lm_head.weight" and model.lm_head is None:
-                        continue
-                    if (piece.param, piece.row) not in missing:
-                        raise ValueError(
-                            f"{path.name}: unexpected (or repeated) tensor {hf_name} for {config.architecture}"
-                        )
-                    _copy_piece(params[piece.param].data, piece, handle, hf_name, path)
-                    missing.discard((piece.param, piece.row))
+                if quantized is None or not quantized.claims(hf_name):
+                    place(hf_name, handle, path.name)
+        if quantized is not None:
+            for module, weight, dense in dense_weights(quantized, dtype):
+                groups = None if group_size is None else weight.int4_groups(group_size)
+                place(module + ".weight", _Tensors({module + ".weight": dense}), scheme.name, groups)
     missing |= {(f"layers.{i}.mlp.{name}", None) for i, block in blocks.items()
                 for name, p in block.named_parameters() if p.isnan().any()}
     if missing:
@@ -206,14 +273,21 @@ def load_model(
         raise ValueError(f"{model_dir}: {len(absent)} weights missing from the checkpoint, e.g. {absent[:5]}")
     if quant is not None:
         shipped = prequantized_file(model_dir, quant)
-        quantize_model(model, quant,
-                       _shipped_int4(shipped, config, shard, names, quant.group_size) if shipped.is_file() else None)
+        if shipped.is_file():
+            own = _shipped_int4(shipped, config, shard, names, quant.group_size)
+        else:  # a module whose fused parts are not all int4 groups, or that the kernel cannot hold,
+            # is quantized from its dense weight
+            own = {module: groups for module, groups in _stacked(group_parts).items()
+                   if groups[0].shape == params[module + ".weight"].shape
+                   and (quant.int8_activations or Int4Linear.fits(groups[0], quant.group_size))}
+        quantize_model(model, quant, own)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "Loaded %s (%s, %.1fM dense parameters%s) as %s on %s%s",
+        "Loaded %s (%s, %.1fM dense parameters%s%s) as %s on %s%s",
         model_dir, config.architecture, n_params / 1e6,
         f" in tensor-parallel rank {tp.rank}'s shard of {tp.size}" if tp.size > 1 else "",
+        f", checkpoint {scheme.name}" if scheme else "",
         str(dtype).removeprefix("torch."), device, f", linear layers {quant.name}" if quant else "",
     )
     return model, config

@@ -17,8 +17,11 @@ Modes: `int8wo`, `int4wo-<group>` (group 32, 64, 128 or 256), `8da4w`
 Q4_1 x Q8 products by pyserve's Rust kernels: blocks.py), `none`,
 and `auto`: on the CPU, the 4-bit weights a model directory ships already
 (the embedded model's, converted once from its GGUF file,
-default_model.py) as 8da4w where the CPU has AVX2 (else int4wo-32), or
-none without them. The vocabulary projection (lm_head, or the tied
+default_model.py) as 8da4w where the CPU has AVX2 (else int4wo-32); a
+checkpoint quantized by another tool (quantized/) in its natural mode:
+4-bit ones as 8da4w (else int4wo with their group size), 8-bit and FP8
+ones as int8wo; none otherwise, and for mixture-of-experts models, whose
+experts stay in the model's dtype. The vocabulary projection (lm_head, or the tied
 embedding matrix) is int8 in every mode (Q8_0 blocks in 8da4w): it is the
 largest matmul and the most sensitive to rounding; the embedding lookup
 stays dense.
@@ -26,6 +29,7 @@ stays dense.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -37,6 +41,7 @@ from torch import nn
 
 from pyserve.model.cpu import blocks
 from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear, int4_groups
+from pyserve.model.quantized.scheme import Scheme, detect
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +97,39 @@ def prequantized_file(model_dir: Path, quant: WeightQuant) -> Path:
     return Path(model_dir) / f"model.{quant.stored_as}.safetensors"
 
 
-def resolve_quant(text: str, model_dir: Path, device: torch.device, kernel_threads: int = 1) -> WeightQuant | None:
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def natural_quant(scheme: Scheme, config: dict) -> WeightQuant | None:
+    """The CPU mode a quantized checkpoint's weights fit: its 4-bit codes
+    as they are, 8-bit and FP8 weights dequantized at load and held as
+    int8wo; None (the model's dtype) for mixture-of-experts models."""
+    if any(config.get(key) for key in _EXPERT_COUNTS):
+        return None
+    if scheme.kind == "int" and scheme.bits == 4:
+        if blocks.available():
+            return BLOCK_INT4
+        return WeightQuant(4, scheme.group_size if scheme.group_size in INT4_GROUP_SIZES else 32)
+    return WeightQuant(8)
+
+
+def resolve_quant(text: str, model_dir: Path, device: torch.device, kernel_threads: int = 1,
+                  quantization: str = "auto") -> WeightQuant | None:
     """The quantization to load with: `auto` made concrete, CPU only; an
-    8da4w one's kernels on `kernel_threads` threads."""
+    8da4w one's kernels on `kernel_threads` threads. `quantization` is
+    `--quantization`, the checkpoint's own (quantized/scheme.py)."""
     quant = parse_quant(text)
     if quant == "auto":
+        config_file = Path(model_dir) / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        scheme = detect(config, quantization)
         shipped = BLOCK_INT4 if blocks.available() else WeightQuant(4, 32)
-        quant = shipped if device.type == "cpu" and prequantized_file(model_dir, shipped).is_file() else None
+        if device.type != "cpu":
+            quant = None
+        elif scheme is not None:
+            quant = natural_quant(scheme, config)
+        else:
+            quant = shipped if prequantized_file(model_dir, shipped).is_file() else None
     if quant is not None and device.type != "cpu":
         raise ValueError(f"--torchao-config {quant.name} runs on the CPU only (the GPU path keeps its kernels)")
     if quant is not None and quant.int8_activations:

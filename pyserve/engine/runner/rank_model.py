@@ -89,9 +89,10 @@ class RankModel:
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
         # torch's thread count, changed only through this object (see `plan`).
         self.threads = TorchThreads(self.cpu_threads) if device.type == "cpu" else None
-        self.quant = resolve_quant(options.torchao_config, model_dir, device, self.cpu_threads)
+        self.quant = resolve_quant(options.torchao_config, model_dir, device, self.cpu_threads,
+                                   options.quantization)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
-                                              lm_head=not options.is_embedding)
+                                              lm_head=not options.is_embedding, quantization=options.quantization)
         self.context_len = options.context_length or self.config.max_position_embeddings
         # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
         self.lora = LoraSlots(self.model, options.max_loras_per_batch, options.max_lora_rank, self.dtype, device) \
