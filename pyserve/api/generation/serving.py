@@ -126,7 +126,9 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     except RequestError as e:
         if e.code == "model_not_found":  # an unknown adapter: vLLM's 404
             raise APIError(e.message, 404, param="model", code=e.code) from None
-        raise bad_request(e.message, param_names.get(e.field, e.field), e.code) from None
+        # The engine's "lora" is the body's lora_path (a `model` naming no adapter is the 404 above).
+        default = "lora_path" if e.field == "lora" else e.field
+        raise bad_request(e.message, param_names.get(e.field, default), e.code) from None
     return requests
 
 
