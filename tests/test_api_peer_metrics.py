@@ -57,9 +57,25 @@ def test_every_family_by_default_with_the_same_values(http):
     assert s['sglang:num_requests_total{model_name="tiny",finish_reason="length"}'] >= 1
     assert s['vllm:time_to_first_token_seconds_bucket{model_name="tiny",le="+Inf"}'] \
         == s["pyserve:time_to_first_token_seconds_count"] >= 1
+    # Every forward step: at least one per generated token of the requests above, each of >= 1 token.
+    steps = s['vllm:iteration_tokens_total_count{model_name="tiny"}']
+    assert steps == s["pyserve:iteration_tokens_total_count"] and steps >= 3
+    assert s['vllm:iteration_tokens_total_sum{model_name="tiny"}'] >= steps
 
 
-def test_aborted_requests_leave_no_running_or_waiting_count(metrics_server, http):
+def test_aborted_requests_leave_no_running_or_waiting_count():
+    # The embedded model, which decodes slowly enough on a CPU that the
+    # streams are still running when they are cut (the tiny model would
+    # finish 4,000 tokens first on an idle machine).
+    srv = ServerProcess("--served-model-name", "tiny", "--max-total-tokens", "16384")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            _abort_streams(srv, http)
+    finally:
+        srv.stop()
+
+
+def _abort_streams(metrics_server, http):
     body = {"prompt": "Count on and on:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     clients = [httpx.Client(base_url=metrics_server.base_url, timeout=60) for _ in range(4)]
     streams = [c.stream("POST", "/v1/completions", json=body) for c in clients]

@@ -318,6 +318,7 @@ class Engine:
             if not seq.finished:
                 self._finish(seq, self._outputs[seq].finish())
         self._step_log.on_done(step)
+        self.metrics.on_step(step.batch.input_ids.numel())
 
     def _on_failed_step(self, step: ScheduledStep) -> None:
         """What the step wrote may be garbage, and prompts go into the prefix

@@ -18,6 +18,7 @@ from collections import Counter
 
 FAMILIES = ("pyserve", "sglang", "vllm")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TOKEN_LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # A series' name in each family (pyserve's are SGLang's), None where the family has none.
@@ -80,6 +81,11 @@ class EngineMetrics:
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.tpot = Histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
                               _TOKEN_LATENCY_BUCKETS)
+        self.step_tokens = Histogram("iteration_tokens_total", "Tokens computed by each forward step.",
+                                     _STEP_TOKEN_BUCKETS)
+
+    def on_step(self, tokens: int) -> None:
+        self.step_tokens.observe(tokens)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -130,6 +136,6 @@ class EngineMetrics:
         scalar("gauge", "spec_accept_length",
                self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0,
                "Mean tokens emitted per verify step (SGLang's accept len).")
-        for histogram in (self.ttft, self.e2e, self.tpot):
+        for histogram in (self.ttft, self.e2e, self.tpot, self.step_tokens):
             lines += histogram.lines(series_name(family, histogram.name), labels)
         return "\n".join(lines) + "\n"
