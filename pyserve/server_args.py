@@ -160,7 +160,8 @@ class ServerOptions:
     chat_template: str | None = option(
         None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
     reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1", "gpt-oss"],
-                                          help="split <think>...</think> into reasoning_content")
+                                          help="split the reasoning (<think>...</think>; gpt-oss: the analysis "
+                                               "channel) into reasoning_content")
     # SGLang's names; qwen25 and hermes are one format.
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
                                                          "pythonic", "qwen3_coder", "gpt-oss"],
