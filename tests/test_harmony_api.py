@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 
 import pytest
 
@@ -24,7 +25,9 @@ from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
 from tests.conftest import ServerProcess
 from tests.harmony_model import SPECIAL, build_harmony_tokenizer
-from tests.test_api_handlers import ScriptedEngine, call, run, sse_events
+from tests.test_api_handlers import ScriptedEngine
+from tests.test_api_tools import chat as tools_chat
+from tests.test_api_tools import chat_stream as tools_chat_stream
 from tests.test_api_tools import rebuilt_by_openai
 from tests.tiny_models import build_tiny_model
 
@@ -59,15 +62,9 @@ def harmony_app(harmony_dir, script, reasoning_parser="gpt-oss", tool_call_parse
     return App(ctx), engine
 
 
-def chat(app, **body):
-    status, _, raw = run(call(app, "POST", CHAT, {"messages": MSG, **body}))
-    return status, json.loads(raw)
-
-
-def chat_stream(app, **body) -> list[dict]:
-    status, _, raw = run(call(app, "POST", CHAT, {"messages": MSG, "stream": True, **body}))
-    assert status == 200
-    return sse_events(raw)[:-1]
+# The tool tests' request helpers, asking this file's question.
+chat = partial(tools_chat, messages=MSG)
+chat_stream = partial(tools_chat_stream, messages=MSG)
 
 
 def test_reasoning_preamble_and_calls_whole_and_streamed(harmony_dir):
