@@ -79,16 +79,17 @@ def _abort_streams(metrics_server, http):
     body = {"prompt": "Count on and on:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     clients = [httpx.Client(base_url=metrics_server.base_url, timeout=60) for _ in range(4)]
     streams = [c.stream("POST", "/v1/completions", json=body) for c in clients]
-    for s in streams:
-        response = s.__enter__()
-        next(response.iter_lines())  # started
+    # Each line iterator is kept: dropping one closes its connection.
+    lines = [s.__enter__().iter_lines() for s in streams]
+    for it in lines:
+        next(it)  # started
     started = scrape(http)
     in_engine = started['vllm:num_requests_running{model_name="tiny"}'] + \
         started['vllm:num_requests_waiting{model_name="tiny"}']
     for s, c in zip(streams, clients):
         s.__exit__(None, None, None)
         c.close()
-    assert in_engine >= 1
+    assert in_engine == len(streams)
     label = '{model_name="tiny"}'
     deadline = time.time() + 30
     while time.time() < deadline:
