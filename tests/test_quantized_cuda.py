@@ -1,0 +1,200 @@
+"""The GPU layers of quantized checkpoints against the dequantized float
+weight: the Triton W4A16 kernel (in Triton's interpreter on CPU, compiled
+on CUDA) over several group sizes, with and without zero points and with
+an act-order g_idx; torch's tinygemm int4 kernel through the same module
+(its CPU twin here, the CUDA op on a GPU); FP8's per-token activation
+quantization and `torch._scaled_mm` (which torch also runs on CPU), its
+dequantizing fallback, and the dispatch between them. Weights come from
+the GPTQ / AWQ / FP8 layouts tests/test_quantized_formats.py writes and
+checks against its own dequantizing reader."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # in case this file runs without conftest.py
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from pyserve.model.quantized import awq, compressed, fp8, gptq, triton_w4a16  # noqa: E402
+from pyserve.model.quantized.cuda import cuda_linear  # noqa: E402
+from pyserve.model.quantized.fp8_linear import FP8_MAX, Fp8Linear, quantize_per_token  # noqa: E402
+from pyserve.model.quantized.int4_linear import W4A16Linear, choose_backend  # noqa: E402
+from pyserve.model.quantized.weights import IntWeight  # noqa: E402
+from tests.test_quantized_formats import (  # noqa: E402
+    awq_dequantized, awq_tensors, fp8_block_dequantized, fp8_block_tensors, fp8_tensor_dequantized,
+    fp8_tensor_tensors, gptq_dequantized, gptq_tensors,
+)
+
+if not CUDA and not isinstance(triton_w4a16._w4a16_kernel, InterpretedFunction):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _weight(out=48, cols=128, seed=0) -> torch.Tensor:
+    return torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _x(rows, cols, dtype, seed=1) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def _reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """The product in float32 of the inputs as the kernel sees them (x and W in x's dtype)."""
+    return x.float() @ dense.to(x.dtype).float().to(x.device).T
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    err = (y.float() - ref).abs().max().item()
+    assert err <= tol * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+# The interpreter's tl.dot mis-reads bfloat16 operands (Triton 3.9), so bfloat16 runs on CUDA only.
+TRITON_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("group,symmetric,act_order", [
+    (16, False, False), (32, True, False), (64, False, False), (128, True, False), (32, False, True),
+    (64, True, True),
+], ids=["g16-zeros", "g32-sym", "g64-zeros", "row-sym", "g32-zeros-act-order", "g64-sym-act-order"])
+def test_triton_w4a16_matches_the_dequantized_gptq_weight(group, symmetric, act_order, dtype):
+    t = gptq_tensors(_weight(), 4, group, symmetric, act_order)
+    weight = gptq.read(t, 4, group, zero_offset=1)
+    layer = W4A16Linear(weight, dtype, DEVICE, "triton")
+    assert (layer.zeros is None) == symmetric and (layer.perm is not None) == act_order
+    for rows in (1, 5, 37):  # decode, a few rows, more than one row block
+        x = _x(rows, 128, dtype, seed=rows)
+        _close(layer(x), _reference(x, gptq_dequantized(t, 4)), dtype)
+
+
+def test_triton_w4a16_awq_weight_with_a_bias_and_batch_dims():
+    t = awq_tensors(_weight(64, 64), 32)
+    bias = torch.randn(64)
+    layer = W4A16Linear(awq.read(t, 32), torch.float16, DEVICE, "triton", bias=bias)
+    x = _x(6, 64, torch.float16).view(2, 3, 64)
+    ref = _reference(x.view(6, 64), awq_dequantized(t, 32)) + bias.half().float().to(DEVICE)
+    y = layer(x)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.float16
+    _close(y.view(6, 64), ref, torch.float16)
+
+
+def test_pack_puts_eight_codes_per_word_along_the_inputs():
+    codes = torch.randint(0, 16, (3, 16))
+    words = triton_w4a16.pack(codes)
+    assert words.shape == (2, 3)
+    for k in range(16):
+        assert torch.equal((words[k // 8] >> (4 * (k % 8))) & 0xF, codes[:, k].int())
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_tinygemm_backend_matches_the_dequantized_weight(act_order):
+    """The aten kernel's layout (scales and float zeros per group, act-order reordering)."""
+    t = gptq_tensors(_weight(64, 128), 4, 32, symmetric=False, act_order=act_order)
+    layer = W4A16Linear(gptq.read(t, 4, 32, zero_offset=1), torch.bfloat16, DEVICE, "aten")
+    x = _x(5, 128, torch.bfloat16)
+    _close(layer(x), _reference(x, gptq_dequantized(t, 4)), torch.bfloat16)
+
+
+def test_backend_choice():
+    def weight(out=64, cols=256, group=128, bits=4):
+        return IntWeight(torch.zeros(out, cols, dtype=torch.int32), torch.zeros(out, cols // group),
+                         torch.ones(out, cols // group), group, bits)
+
+    assert choose_backend(weight(), torch.bfloat16) == "aten"  # the library op where it covers the layer
+    assert choose_backend(weight(), torch.float16) == "triton"  # tinygemm takes bfloat16 activations only
+    assert choose_backend(weight(group=16), torch.bfloat16) == "triton"
+    assert choose_backend(weight(out=60), torch.bfloat16) == "triton"
+    assert choose_backend(weight(bits=8), torch.bfloat16) is None
+    assert cuda_linear(weight(bits=8), torch.bfloat16, "cpu") is None  # served dense
+    with pytest.raises(ValueError, match="aten int4 kernel does not cover"):
+        W4A16Linear(weight(), torch.float16, "cpu", "aten")
+
+
+def test_compressed_tensors_w4a16_through_the_triton_kernel():
+    """compressed-tensors' signed codes (offset by 8) and its symmetric zeros."""
+    codes = torch.randint(-8, 8, (32, 64))
+    packed = (((codes + 8).view(32, 8, 8).int()) << (torch.arange(8) * 4).int()).sum(-1, dtype=torch.int32)
+    scales = torch.rand(32, 2) * 0.1
+    weight = compressed.read({"weight_packed": packed, "weight_scale": scales, "weight_shape": torch.tensor([32, 64])},
+                             "pack-quantized", 4, 32, None)
+    dense = codes.float() * scales.repeat_interleave(32, 1)
+    layer = W4A16Linear(weight, torch.float16, DEVICE, "triton")
+    assert layer.zeros is None
+    x = _x(3, 64, torch.float16)
+    _close(layer(x), _reference(x, dense), torch.float16)
+
+
+def test_per_token_activation_quantization():
+    x = torch.randn(6, 64) * torch.logspace(-3, 2, 6)[:, None]
+    x[2] = 0
+    q, scale = quantize_per_token(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and torch.isfinite(scale).all()
+    assert torch.equal(q.float().abs().amax(-1)[[0, 1, 3, 4, 5]], torch.full((5,), FP8_MAX))
+    assert torch.equal(q.float()[2], torch.zeros(64))
+    # e4m3 keeps 3 mantissa bits: each value within half a step, 2^-4 of its magnitude.
+    back = q.float() * scale
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -9).all()
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_scaled_mm_layer_against_the_dequantized_weight(per_channel):
+    """The FP8 GEMM path, which torch also runs on CPU: within the rounding
+    of the activations to float8 (relative 2^-4 per value)."""
+    w = _weight(64, 128)
+    if per_channel:
+        scale = (w.abs().amax(-1, keepdim=True) / 448)
+        t = {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
+        dense = t["weight"].float() * scale
+    else:
+        t = fp8_tensor_tensors(w)
+        dense = fp8_tensor_dequantized(t)
+    layer = Fp8Linear(fp8.read(t, None), torch.bfloat16, DEVICE, "scaled_mm")
+    x = _x(5, 128, torch.bfloat16)
+    y = layer(x).float()
+    ref = _reference(x, dense)
+    assert y.dtype == torch.float32 and ((y - ref).abs().max() <= 0.03 * ref.abs().max())
+    x_rounded = (lambda q, s: q.float() * s)(*quantize_per_token(x))
+    assert torch.allclose(y, x_rounded @ dense.to(DEVICE).T, rtol=1e-2, atol=1e-3)
+
+
+def test_fp8_fallback_dequantizes_block_scales():
+    t = fp8_block_tensors(_weight(64, 128))
+    layer = Fp8Linear(fp8.read(t, (32, 32)), torch.float32, DEVICE)
+    assert layer.backend == "dense"
+    with pytest.raises(ValueError, match="not blocks"):
+        Fp8Linear(fp8.read(t, (32, 32)), torch.float32, DEVICE, "scaled_mm")
+    x = _x(4, 128, torch.float32)
+    _close(layer(x), _reference(x, fp8_block_dequantized(t)), torch.float32)
+
+
+def test_fp8_dispatch_without_an_fp8_gpu():
+    layer = cuda_linear(fp8.read(fp8_tensor_tensors(_weight(64, 128)), None), torch.bfloat16, "cpu")
+    assert isinstance(layer, Fp8Linear) and layer.backend == "dense"
+
+
+@needs_cuda
+def test_cuda_dispatch_runs_each_format_on_the_gpu():
+    fp8_gpu = torch.cuda.get_device_capability() >= (8, 9)
+    t = gptq_tensors(_weight(64, 256), 4, 128, symmetric=False, act_order=True)
+    layer = cuda_linear(gptq.read(t, 4, 128, zero_offset=1), torch.bfloat16, "cuda")
+    assert isinstance(layer, W4A16Linear) and layer.backend == "aten" and layer.packed.is_cuda
+    x = _x(9, 256, torch.bfloat16)
+    _close(layer(x), _reference(x, gptq_dequantized(t, 4)), torch.bfloat16)
+    layer = cuda_linear(gptq.read(t, 4, 128, zero_offset=1), torch.float16, "cuda")
+    assert layer.backend == "triton"
+    _close(layer(x.half()), _reference(x.half(), gptq_dequantized(t, 4)), torch.float16)
+    t = fp8_tensor_tensors(_weight(64, 256))
+    layer = cuda_linear(fp8.read(t, None), torch.bfloat16, "cuda")
+    assert layer.backend == ("scaled_mm" if fp8_gpu else "dense")
+    ref = _reference(x, fp8_tensor_dequantized(t))
+    assert (layer(x).float() - ref).abs().max() <= 0.03 * ref.abs().max()
