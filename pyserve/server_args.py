@@ -23,17 +23,18 @@ from typing import Any, NamedTuple
 
 def option(default: Any, *flags: str, help: str, choices: list[str] | None = None,
            inverse: tuple[str, str] | None = None, alias: tuple[str, dict[str, Any], str] | None = None,
-           secret: bool = False) -> Any:
+           secret: bool = False, items: bool = False) -> Any:
     """An option's field with its command line. `flags` default to the
     field's name (`--max-total-tokens`). A bool field is a switch that sets
     True; `inverse` is (flag, help) of a second switch that sets False.
     `alias` is (flag, {word: value}, help): another server's flag for the
     same option, whose words name its values. A `secret` is left out of
     the options' repr (the start-up log) and of what /get_server_info
-    reports."""
+    reports. An `items` option takes one or more words (`--lora-paths a=/p
+    b=/q`, SGLang's form) and holds them comma-joined, as if given `a=/p,b=/q`."""
     return field(default=default, repr=not secret,
                  metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse, "alias": alias,
-                           "secret": secret})
+                           "secret": secret, "items": items})
 
 
 class _NamedValue(argparse.Action):
@@ -45,6 +46,13 @@ class _NamedValue(argparse.Action):
 
     def __call__(self, parser, namespace, word, option_string=None):
         setattr(namespace, self.dest, self.values_by_word[word])
+
+
+class _CommaJoined(argparse.Action):
+    """An `items` option's flag: its words, comma-joined."""
+
+    def __call__(self, parser, namespace, words, option_string=None):
+        setattr(namespace, self.dest, ",".join(words))
 
 
 def _value_type(hint: Any) -> type:
@@ -102,8 +110,9 @@ class ModelOptions:
                    "default on one machine: a free local port)")
     # LoRA adapters (README "LoRA adapters"), named as SGLang names them.
     enable_lora: bool = option(False, help="serve LoRA adapters over the base model, picked per request by name")
-    lora_paths: str | None = option(None, help="adapters loaded at start, NAME=PATH (a PEFT adapter directory), "
-                                               "comma-separated")
+    lora_paths: str | None = option(None, items=True,
+                                    help="adapters loaded at start, NAME=PATH (a PEFT adapter directory) each, "
+                                         "space- or comma-separated")
     max_loras_per_batch: int = option(8, help="adapter slots: the most adapters loaded at once, every one of "
                                               "which a batch may mix")
     max_lora_rank: int = option(64, help="the largest adapter rank the slots hold")
@@ -231,6 +240,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                     if meta["inverse"] is not None:
                         flag, help = meta["inverse"]
                         section.add_argument(flag, dest=f.name, action="store_const", const=False, help=help)
+                elif meta["items"]:
+                    section.add_argument(*flags, dest=f.name, nargs="+", action=_CommaJoined, default=f.default,
+                                         help=meta["help"])
                 else:
                     section.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
                                          choices=meta["choices"], help=meta["help"])

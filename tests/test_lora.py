@@ -250,3 +250,13 @@ def test_each_token_gets_its_own_adapters_product(per_token):
             want[t] += projection.B[slot] @ (projection.A[slot] @ x[t])
     projection.add_delta(x, out, LoraBatch.of_tokens(torch.tensor(per_token)))
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("argv", [["a=/p", "b=/q"], ["a=/p,b=/q"], ["a=/p,", "b=/q"]],
+                         ids=["sglang-spaces", "commas", "both"])
+def test_lora_paths_take_sglangs_space_separated_form(argv):
+    from pyserve.engine.adapters import parse_lora_paths
+    from pyserve.server_args import ServerArgs
+
+    args = ServerArgs.from_cli(["--model-path", "m", "--enable-lora", "--lora-paths", *argv, "--max-lora-rank", "8"])
+    assert parse_lora_paths(args.lora_paths) == {"a": "/p", "b": "/q"} and args.max_lora_rank == 8

@@ -103,6 +103,12 @@ def test_responses_and_messages_take_the_adapter_from_model(lora_server):
                                                         "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["content"][0]["text"] == under_alpha
+    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "alpha", "input": ask, "max_output_tokens": 8,
+                                                         "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "alpha" and r.json()["output"][0]["content"][0]["text"] == under_alpha
+    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": base_name, "input": ask, "max_output_tokens": 8})
+    assert r.status_code == 200 and r.json()["model"] == base_name, r.text
     r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "gamma", "max_tokens": 8, "messages": ask})
     assert r.status_code == 404 and r.json()["type"] == "error" and "alpha" in r.json()["error"]["message"]
     r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "gamma", "input": "Say hello"})

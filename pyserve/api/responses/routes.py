@@ -27,7 +27,7 @@ from pyserve.api.protocol.responses import (
     ACTIVE, ReasoningConfig, Response, ResponseError, ResponsesRequest, StoredResponse, TextConfig,
 )
 from pyserve.api.responses.stream import Event, ResponseBuilder, snapshot
-from pyserve.api.generation.serving import ServingContext, now
+from pyserve.api.generation.serving import ServingContext, adapter_name, now
 from pyserve.http.strict import convert_strict
 from pyserve.api.responses.store import ResponseNotFound, ResponseStore, RunLock, new_response_id
 
@@ -87,7 +87,8 @@ class ResponseManager:
             id=response_id, created_at=now(), status="queued" if req.background else "in_progress",
             background=bool(req.background), instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
-            model=self.ctx.served_model_name,
+            # The adapter a request picked by `model` is the model that answers.
+            model=adapter_name(self.ctx, req.model, None) or self.ctx.served_model_name,
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             prompt_cache_key=req.prompt_cache_key, reasoning=req.reasoning or ReasoningConfig(),
             safety_identifier=req.safety_identifier, store=req.store is not False, temperature=req.temperature,
