@@ -15,7 +15,8 @@ class LoraBatch:
     block of `width` rows per slot below `blocks` (= the highest slot + 1):
     adapted token `tokens[i]` is row `padded[i]` of the blocks x width
     block. Tokens of base-model rows are in no group: their outputs stay
-    the base's."""
+    the base's. `segments` (int32 [3, groups]: each group's slot, its
+    first position in `tokens` and its length) is what the CUDA kernel reads."""
 
     per_token: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]
@@ -23,6 +24,7 @@ class LoraBatch:
     tokens: torch.Tensor
     padded: torch.Tensor
     width: int
+    segments: torch.Tensor
 
     @classmethod
     def of_rows(cls, row_slots: list[int], lengths: list[int]) -> LoraBatch | None:
@@ -39,11 +41,15 @@ class LoraBatch:
         groups = [(slot, (per_token == slot).nonzero().flatten()) for slot in slots]
         width = max(idx.numel() for _, idx in groups)
         padded = torch.cat([slot * width + torch.arange(idx.numel()) for slot, idx in groups])
-        return cls(per_token, groups, slots[-1] + 1, torch.cat([idx for _, idx in groups]), padded, width)
+        lengths = torch.tensor([idx.numel() for _, idx in groups], dtype=torch.int32)
+        starts = torch.cumsum(lengths, 0, dtype=torch.int32) - lengths
+        segments = torch.stack([torch.tensor(slots, dtype=torch.int32), starts, lengths])
+        return cls(per_token, groups, slots[-1] + 1, torch.cat([idx for _, idx in groups]), padded, width, segments)
 
     def to(self, device: torch.device, pin: bool) -> LoraBatch:
         def move(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
         return LoraBatch(move(self.per_token), [(slot, move(idx)) for slot, idx in self.groups], self.blocks,
-                         move(self.tokens), move(self.padded), self.width)
+                         move(self.tokens), move(self.padded), self.width,
+                         move(self.segments))

@@ -26,9 +26,10 @@ from pyserve.lora.batch import LoraBatch
 from pyserve.model.config import ModelConfig
 from pyserve.model.parallel import ModelShard
 
-# Steps of fewer tokens run every adapter group at once, as one padded
-# batched matmul (few ops: decode); longer ones multiply group by group, so
-# no row is padded.
+# On CUDA the segmented Triton kernel (triton_kernel.py) adds every
+# group's delta in two launches. In torch, steps of fewer tokens run every
+# adapter group at once, as one padded batched matmul (few ops: decode);
+# longer ones multiply group by group, so no row is padded.
 PAD_BELOW_TOKENS = 64
 
 
@@ -43,6 +44,11 @@ class _Projection:
         self.B = torch.zeros(slots, out_size, targets * rank, dtype=dtype, device=device)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        if x.is_cuda and out.is_contiguous():
+            from pyserve.lora.triton_kernel import add_lora_delta
+
+            add_lora_delta(x.contiguous(), out, self.A, self.B, batch.tokens, batch.segments, batch.width)
+            return
         if x.shape[0] < PAD_BELOW_TOKENS:
             # Slots below `blocks` that the step does not use get zero rows:
             # cheaper than copying the used slots' weights out of the stacks.

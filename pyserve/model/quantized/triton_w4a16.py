@@ -24,7 +24,8 @@ SYMMETRIC_ZERO = 8
 def _w4a16_kernel(
     X, QW, S, Z, Y, M, N, K, group,
     stride_xm, stride_qk, stride_sg, stride_ym,
-    HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,7 +45,7 @@ def _w4a16_kernel(
         else:
             z = tl.full((BLOCK_N,), 8.0, tl.float32)
         w = ((q - z[None, :]) * s[None, :]).to(x.dtype)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w, input_precision=PRECISION)
     tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -78,6 +79,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _w4a16_kernel[grid](
         x, qweight, scales, scales if zeros is None else zeros, y, m, n, k, group,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        HAS_ZEROS=zeros is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+        HAS_ZEROS=zeros is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
     )
     return y
