@@ -25,6 +25,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pyserve.model.quantized import awq, compressed, fp8, gptq, triton_w4a16  # noqa: E402
 from pyserve.model.quantized.cuda import cuda_linear  # noqa: E402
+from pyserve.model.quantized.gpu_layers import sliced, stacked, use_gpu_layers  # noqa: E402
 from pyserve.model.quantized.fp8_linear import FP8_MAX, Fp8Linear, quantize_per_token  # noqa: E402
 from pyserve.model.quantized.int4_linear import W4A16Linear, choose_backend  # noqa: E402
 from pyserve.model.quantized.weights import IntWeight  # noqa: E402
@@ -198,3 +199,47 @@ def test_cuda_dispatch_runs_each_format_on_the_gpu():
     assert layer.backend == ("scaled_mm" if fp8_gpu else "dense")
     ref = _reference(x, fp8_tensor_dequantized(t))
     assert (layer(x).float() - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_tensor_parallel_parts_and_fused_stacks_keep_the_weight(act_order):
+    """Each rank's rows or inputs, and q/k/v stacked, dequantize to the
+    same slices of the dense weights; act-order inputs cannot be split."""
+    parts = [gptq.read(gptq_tensors(_weight(32, 128, seed), 4, 32, False, act_order, seed=3), 4, 32, 1)
+             for seed in range(3)]
+    if act_order:  # a fused projection's parts share their inputs' order
+        parts = [IntWeight(p.codes, p.zeros, p.scales, 32, 4, parts[0].g_idx) for p in parts]
+    half = range(16, 32)
+    fused = stacked([(32 * i, sliced(p, 0, half)) for i, p in enumerate(parts)])
+    assert torch.equal(fused.dense(), torch.cat([p.dense()[16:] for p in parts]))
+    columns = sliced(parts[0], 1, range(64, 128))
+    assert (columns is None) == act_order
+    if not act_order:
+        assert torch.equal(columns.dense(), parts[0].dense()[:, 64:])
+        assert sliced(parts[0], 1, range(48, 128)) is None  # not on a group boundary
+
+
+def test_fp8_parts_stack_with_their_own_scales():
+    a, b = fp8_tensor_tensors(_weight(32, 64, 0)), fp8_tensor_tensors(_weight(16, 64, 1) * 3)
+    fused = stacked([(32, sliced(fp8.read(b, None), 0, range(0, 16))), (0, fp8.read(a, None))])
+    assert torch.equal(fused.dense(), torch.cat([fp8_tensor_dequantized(a), fp8_tensor_dequantized(b)]))
+    blocks = fp8.read(fp8_block_tensors(_weight(64, 128)), (32, 32))
+    assert torch.equal(sliced(blocks, 1, range(32, 96)).dense(), blocks.dense()[:, 32:96])
+    assert sliced(blocks, 0, range(16, 48)) is None
+
+
+def test_use_gpu_layers_replaces_the_linears_it_can_hold():
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.proj = torch.nn.Linear(128, 64, bias=True, dtype=torch.bfloat16)
+    model.down = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+    t = gptq_tensors(_weight(64, 128), 4, 32, symmetric=False, act_order=False)
+    int8 = gptq.read(gptq_tensors(_weight(64, 64), 8, 32, True, False), 8, 32, 1)
+    replaced = use_gpu_layers(model, {"attn.proj": gptq.read(t, 4, 32, 1), "down": int8}, torch.bfloat16, DEVICE)
+    assert replaced == ["attn.proj"] and isinstance(model.attn.proj, W4A16Linear)
+    assert isinstance(model.down, torch.nn.Linear)  # 8-bit codes: the dense weight stays
+    x = _x(3, 128, torch.bfloat16)
+    bias = model.attn.proj.bias.float()
+    _close(model.attn.proj(x).float() - bias, _reference(x, gptq_dequantized(t, 4)), torch.bfloat16)
+    with pytest.raises(ValueError, match="shape"):
+        use_gpu_layers(model, {"down": gptq.read(t, 4, 32, 1)}, torch.bfloat16, DEVICE)

@@ -48,7 +48,10 @@ class _Projection:
             from pyserve.lora.triton_kernel import add_lora_delta
 
             add_lora_delta(x.contiguous(), out, self.A, self.B, batch.tokens, batch.segments, batch.width)
-            return
+        else:
+            self.add_delta_torch(x, out, batch)
+
+    def add_delta_torch(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
         if x.shape[0] < PAD_BELOW_TOKENS:
             # Slots below `blocks` that the step does not use get zero rows:
             # cheaper than copying the used slots' weights out of the stacks.
