@@ -117,6 +117,9 @@ def test_backend_choice():
     assert choose_backend(weight(out=60), torch.bfloat16) == "triton"
     assert choose_backend(weight(bits=8), torch.bfloat16) is None
     assert cuda_linear(weight(bits=8), torch.bfloat16, "cpu") is None  # served dense
+    uneven = weight()
+    uneven.g_idx = torch.tensor([0] * 100 + [1] * 156)  # act-order groups no reordering makes 128 wide
+    assert choose_backend(uneven, torch.bfloat16) is None and cuda_linear(uneven, torch.bfloat16, "cpu") is None
     with pytest.raises(ValueError, match="aten int4 kernel does not cover"):
         W4A16Linear(weight(), torch.float16, "cpu", "aten")
 

@@ -1,8 +1,8 @@
 """Which GPU layer serves a checkpoint's quantized linear weight: int4
 groups through W4A16Linear (tinygemm or the Triton kernel), FP8 through
 Fp8Linear (`torch._scaled_mm` or dequantized); None where neither holds
-the weight (8-bit integer codes, int4 groups no kernel covers), which is
-then served dense in the model's dtype."""
+the weight (8-bit integer codes, int4 groups no kernel covers, act-order
+groups of unequal sizes), which is then served dense in the model's dtype."""
 
 from __future__ import annotations
 
@@ -20,7 +20,4 @@ def cuda_linear(weight: QuantizedWeight, dtype: torch.dtype, device: torch.devic
         return Fp8Linear(weight, dtype, device, bias=bias)
     if choose_backend(weight, dtype) is None:
         return None
-    try:
-        return W4A16Linear(weight, dtype, device, bias=bias)
-    except ValueError:  # act-order groups of unequal sizes: no contiguous reordering
-        return None
+    return W4A16Linear(weight, dtype, device, bias=bias)

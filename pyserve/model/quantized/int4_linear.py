@@ -27,16 +27,16 @@ BACKENDS = ("aten", "triton")
 _ATEN_GROUPS = (32, 64, 128, 256)
 
 
-def contiguous_groups(weight: IntWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+def contiguous_groups(weight: IntWeight) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The weight's codes with each group a contiguous run of inputs, and
-    the input order that makes it so (None: already in order). ValueError
-    where the groups of a g_idx are not all `group_size` inputs."""
+    the input order that makes it so (None: already in order); None where
+    the groups of a g_idx are not all `group_size` inputs."""
     if weight.contiguous_groups():
         return weight.codes, None
     g_idx = weight.g_idx.long()
     perm = torch.argsort(g_idx, stable=True)
     if not torch.equal(g_idx[perm], torch.arange(g_idx.numel()) // weight.group_size):
-        raise ValueError("act-order g_idx whose groups are not all group_size inputs")
+        return None
     return weight.codes[:, perm], perm
 
 
@@ -54,7 +54,10 @@ def triton_covers(weight: IntWeight) -> bool:
 
 
 def choose_backend(weight: IntWeight, dtype: torch.dtype) -> str | None:
-    """The library kernel where it covers the layer, else Triton; None: neither (serve it dense)."""
+    """The library kernel where it covers the layer, else Triton; None:
+    neither, or act-order groups no reordering makes contiguous (serve it dense)."""
+    if weight.bits != 4 or contiguous_groups(weight) is None:
+        return None
     if aten_covers(weight, dtype):
         return "aten"
     return "triton" if triton_covers(weight) else None
@@ -79,7 +82,10 @@ class W4A16Linear(nn.Module):
                              f"({tuple(weight.codes.shape)}, {weight.bits} bits, group {weight.group_size}, {dtype})")
         self.backend, self.group_size, self.dtype = backend, weight.group_size, dtype
         self.out_features, self.in_features = weight.codes.shape
-        codes, perm = contiguous_groups(weight)
+        grouped = contiguous_groups(weight)
+        if grouped is None:
+            raise ValueError("act-order g_idx whose groups are not all group_size inputs")
+        codes, perm = grouped
         self.register_buffer("bias", None if bias is None else bias.to(dtype).to(device))
         self.register_buffer("perm", None if perm is None else perm.to(device))
         scales, zeros = weight.scales.float(), weight.zeros.float()
