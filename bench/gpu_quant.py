@@ -3,8 +3,9 @@ time, against the same layer dense in bfloat16 (in the same run):
 
 - int4 groups (group 128, asymmetric; and act-order): torch's tinygemm
   (`_weight_int4pack_mm`) and the Triton W4A16 GEMM, through W4A16Linear;
-- FP8 per-channel: `torch._scaled_mm` with per-token activation scales
-  (compute capability 8.9+), through Fp8Linear;
+- FP8 (compute capability 8.9+), through Fp8Linear: per-channel scales
+  through `torch._scaled_mm` with per-token activation scales, 128x128
+  block scales through the Triton block-scaled kernel;
 - LoRA: the segmented Triton kernel against the torch path of the same
   projection (4 adapters of rank 16 and base rows mixed).
 
@@ -67,6 +68,9 @@ def layers(out: int, cols: int):
         scale = torch.rand(out, 1) * 0.001
         fp8 = FloatWeight(torch.randn(out, cols).to(torch.float8_e4m3fn), scale)
         yield "fp8 scaled_mm", Fp8Linear(fp8, torch.bfloat16, "cuda", "scaled_mm")
+        blocks = torch.rand(-(-out // 128), -(-cols // 128)) * 0.001
+        block_fp8 = FloatWeight(fp8.values, blocks, (128, 128))
+        yield "fp8 128x128 triton", Fp8Linear(block_fp8, torch.bfloat16, "cuda", "triton_block")
 
 
 def lora_cases():

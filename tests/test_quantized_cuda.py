@@ -173,12 +173,29 @@ def test_scaled_mm_layer_against_the_dequantized_weight(per_channel):
 
 def test_fp8_fallback_dequantizes_block_scales():
     t = fp8_block_tensors(_weight(64, 128))
-    layer = Fp8Linear(fp8.read(t, (32, 32)), torch.float32, DEVICE)
+    layer = Fp8Linear(fp8.read(t, (32, 32)), torch.float32, "cpu")
     assert layer.backend == "dense"
     with pytest.raises(ValueError, match="not blocks"):
-        Fp8Linear(fp8.read(t, (32, 32)), torch.float32, DEVICE, "scaled_mm")
-    x = _x(4, 128, torch.float32)
+        Fp8Linear(fp8.read(t, (32, 32)), torch.float32, "cpu", "scaled_mm")
+    x = _x(4, 128, torch.float32).cpu()
     _close(layer(x), _reference(x, fp8_block_dequantized(t)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("out,cols,block", [(64, 128, (32, 32)), (80, 96, (32, 32)), (48, 256, (16, 128))],
+                         ids=["whole-blocks", "ragged-rows", "wide-blocks"])
+def test_block_scaled_fp8_kernel_matches_the_dequantized_weight(out, cols, block, dtype):
+    """The Triton kernel for block-wise scales (`weight_block_size`), blocks
+    cut short at the last rows as DeepSeek's shapes allow."""
+    g = torch.Generator().manual_seed(out)
+    scale = torch.rand(-(-out // block[0]), -(-cols // block[1]), generator=g) * 0.01 + 0.001
+    weight = fp8.read({"weight": torch.randn(out, cols, generator=g).mul(50).to(torch.float8_e4m3fn),
+                       "weight_scale_inv": scale}, block)
+    bias = torch.randn(out, generator=g)
+    layer = Fp8Linear(weight, dtype, DEVICE, "triton_block", bias=bias)
+    for rows in (1, 19):
+        x = _x(rows, cols, dtype, seed=rows)
+        _close(layer(x), _reference(x, weight.dense()) + bias.to(dtype).float().to(DEVICE), dtype)
 
 
 def test_fp8_dispatch_without_an_fp8_gpu():
@@ -197,6 +214,10 @@ def test_cuda_dispatch_runs_each_format_on_the_gpu():
     layer = cuda_linear(gptq.read(t, 4, 128, zero_offset=1), torch.float16, "cuda")
     assert layer.backend == "triton"
     _close(layer(x.half()), _reference(x.half(), gptq_dequantized(t, 4)), torch.float16)
+    t = fp8_block_tensors(_weight(64, 256))
+    layer = cuda_linear(fp8.read(t, (32, 32)), torch.bfloat16, "cuda")
+    assert layer.backend == ("triton_block" if fp8_gpu else "dense")
+    _close(layer(x), _reference(x, fp8_block_dequantized(t)), torch.bfloat16)
     t = fp8_tensor_tensors(_weight(64, 256))
     layer = cuda_linear(fp8.read(t, None), torch.bfloat16, "cuda")
     assert layer.backend == ("scaled_mm" if fp8_gpu else "dense")

@@ -8,10 +8,11 @@ the activations are quantized per token at each call (dynamic scaling, as
 vLLM's FP8 does: each row's amax maps to float8_e4m3fn's 448), the weight
 scale is one float per output, and the kernel applies both in its epilogue.
 
-Elsewhere, and for block-wise scales (DeepSeek's and Qwen's
-`weight_block_size`), the weight is dequantized at load to the model's
-dtype and multiplied densely: `_scaled_mm`'s row-wise recipe has no
-128x128 weight blocks, and a block-scaled Triton GEMM is not written yet.
+Block-wise scales (DeepSeek's and Qwen's `weight_block_size`), which
+`_scaled_mm`'s row-wise recipe cannot take, run through a block-scaled
+Triton GEMM on the same GPUs (triton_fp8_block.py: the FP8 weight and its
+block scales kept, activations in the model's dtype). Elsewhere the weight
+is dequantized at load to the model's dtype and multiplied densely.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pyserve.model.quantized.weights import FloatWeight
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-BACKENDS = ("scaled_mm", "dense")
+BACKENDS = ("scaled_mm", "triton_block", "dense")
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +50,19 @@ def output_scales(weight: FloatWeight) -> torch.Tensor | None:
     return scale.expand(out).reshape(1, out).contiguous()
 
 
+def _block_fits(weight: FloatWeight) -> bool:
+    from pyserve.model.quantized.triton_fp8_block import block_k
+
+    return weight.block is not None and block_k(weight.block, weight.values.shape[1]) is not None
+
+
 def choose_backend(weight: FloatWeight, device: torch.device) -> str:
+    if not has_fp8_gemm(device):
+        return "dense"
     out, cols = weight.values.shape
-    fits = output_scales(weight) is not None and out % 16 == 0 and cols % 16 == 0
-    return "scaled_mm" if fits and has_fp8_gemm(device) else "dense"
+    if output_scales(weight) is not None and out % 16 == 0 and cols % 16 == 0:
+        return "scaled_mm"
+    return "triton_block" if _block_fits(weight) else "dense"
 
 
 class Fp8Linear(nn.Module):
@@ -74,6 +84,13 @@ class Fp8Linear(nn.Module):
                 raise ValueError("torch._scaled_mm takes per-tensor or per-channel weight scales, not blocks")
             self.register_buffer("values", weight.values.to(device))
             self.register_buffer("scales", scales.to(device))
+        elif backend == "triton_block":
+            if not _block_fits(weight):
+                raise ValueError("the block-scaled FP8 kernel takes block-wise scales whose width and K share "
+                                 "a multiple of 16")
+            self.block = weight.block
+            self.register_buffer("values", weight.values.to(device))
+            self.register_buffer("scales", weight.scale.float().to(device))
         else:
             self.register_buffer("weight", weight.dense().to(dtype).to(device))
 
@@ -81,8 +98,13 @@ class Fp8Linear(nn.Module):
         if self.backend == "dense":
             return F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
         rows = x.reshape(-1, x.shape[-1])
-        q, scale = quantize_per_token(rows)
-        # Row-wise scaling produces bfloat16.
-        y = torch._scaled_mm(q, self.values.t(), scale_a=scale, scale_b=self.scales, out_dtype=torch.bfloat16)
+        if self.backend == "triton_block":
+            from pyserve.model.quantized.triton_fp8_block import fp8_block_matmul
+
+            y = fp8_block_matmul(rows.to(self.dtype), self.values, self.scales, self.block)
+        else:
+            q, scale = quantize_per_token(rows)
+            # Row-wise scaling produces bfloat16.
+            y = torch._scaled_mm(q, self.values.t(), scale_a=scale, scale_b=self.scales, out_dtype=torch.bfloat16)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
