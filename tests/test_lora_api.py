@@ -58,6 +58,10 @@ def test_openai_client_picks_adapters_by_model_name(lora_server):
     assert "beta" in {m.id for m in client.models.list().data}
     beta = completion(client, "beta")
     assert beta.token_ids == reference_tokens(model_dir, adapters["beta"], PROMPT, 8)
+    # Responses name the adapter that answered, streamed or whole, as vLLM's do.
+    chunks = client.completions.create(model="beta", prompt=PROMPT, max_tokens=2, stream=True)
+    assert {c.model for c in chunks} == {"beta"}
+    assert client.completions.create(model=base_name, prompt=PROMPT, max_tokens=2).model == base_name
     # SGLang's field on /generate names it too.
     r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": PROMPT, "lora_path": "beta", "sampling_params": {
         "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60)
@@ -94,15 +98,16 @@ def test_responses_and_messages_take_the_adapter_from_model(lora_server):
     ask = [{"role": "user", "content": "Say hello"}]
 
     def chat(model):
-        return client.chat.completions.create(model=model, messages=ask, max_tokens=8,
-                                              temperature=0).choices[0].message.content
+        out = client.chat.completions.create(model=model, messages=ask, max_tokens=8, temperature=0)
+        assert out.model == model
+        return out.choices[0].message.content
 
     under_alpha = chat("alpha")
     assert under_alpha and under_alpha != chat(base_name)
     r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "alpha", "max_tokens": 8, "messages": ask,
                                                         "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["content"][0]["text"] == under_alpha
+    assert r.json()["content"][0]["text"] == under_alpha and r.json()["model"] == "alpha"
     r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "alpha", "input": ask, "max_output_tokens": 8,
                                                          "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text

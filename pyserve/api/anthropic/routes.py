@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from pyserve.api.anthropic.input import chat_request, messages_error
 from pyserve.api.anthropic.stream import MessageBuilder
-from pyserve.api.generation.serving import ServingContext, new_id
+from pyserve.api.generation.serving import ServingContext, answering_model, new_id
 from pyserve.api.openai import chat
 from pyserve.api.protocol.anthropic import CountTokensRequest, Message, MessagesRequest, TokenCount, Usage
 from pyserve.http.errors import APIError
@@ -26,7 +26,7 @@ async def create(ctx: ServingContext, req: MessagesRequest) -> Message | AsyncIt
     except APIError as e:
         raise messages_error(e) from None
     omit = req.thinking is not None and req.thinking.display == "omitted"
-    builder = MessageBuilder(Message(id=message_id, model=ctx.served_model_name,
+    builder = MessageBuilder(Message(id=message_id, model=answering_model(ctx, req.model, None),
                                      usage=Usage(input_tokens=0, output_tokens=0)), omit)
     events = _events(builder, chunks)
     if req.stream:

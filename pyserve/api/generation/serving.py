@@ -142,6 +142,11 @@ def adapter_name(ctx: ServingContext, model: str | None, lora_path: str | None) 
     return None
 
 
+def answering_model(ctx: ServingContext, model: str | None, lora_path: str | None) -> str:
+    """The name a response reports: the adapter that answered, else the served model."""
+    return adapter_name(ctx, model, lora_path) or ctx.served_model_name
+
+
 def _check_sequences(cap: int, prompts: int, n: int, param_names: Mapping[str, str]) -> None:
     if prompts * n <= cap:
         return

@@ -21,8 +21,8 @@ from pyserve.api.protocol.openai import (
 )
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
-    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, collect, fan_out, merged_outputs, new_id,
-    now, usage,
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
+    merged_outputs, new_id, now, usage,
 )
 from pyserve.api.generation.tool_grammar import CallDelta, new_call_id, with_strict_calls
 from pyserve.api.generation.tools import HARMONY, ToolCalling, plan, whole_calls
@@ -232,7 +232,8 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, batch: bool = 
     results = await collect(ctx.engine, requests)
     outputs = [_ChoiceOutput(ctx, req, calling) for _ in results]
     choices = [_choice(ctx, req, output, i, result) for i, (output, result) in enumerate(zip(outputs, results))]
-    response = ChatCompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
+    response = ChatCompletionResponse(id=rid, created=now(), model=answering_model(ctx, req.model, req.lora_path),
+                                      choices=choices,
                                       usage=_with_reasoning_tokens(ctx, usage([r.final for r in results], req.n),
                                                                    outputs))
     if req.prompt_logprobs is not None:
@@ -269,7 +270,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
     """OpenAI's chunk order: a role chunk per choice, content and tool call
     deltas, a finish chunk per choice, then (if asked) one usage chunk with
     no choices."""
-    chunk = ChunkFactory(ChatCompletionChunk, rid, ctx.served_model_name)
+    chunk = ChunkFactory(ChatCompletionChunk, rid, answering_model(ctx, req.model, req.lora_path))
     outputs = [_ChoiceOutput(ctx, req, calling) for _ in requests]
     pending = PendingLogprobs(len(requests))
     stream_usage = StreamUsage(req.stream_options, requests, req.n)

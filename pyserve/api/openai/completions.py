@@ -10,8 +10,8 @@ from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, c
 from pyserve.api.protocol.openai import CompletionChoice, CompletionRequest, CompletionResponse
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
-    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, collect, fan_out, merged_outputs, new_id,
-    now, prompt_id_lists, usage,
+    ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
+    merged_outputs, new_id, now, prompt_id_lists, usage,
 )
 from pyserve.engine.request import GenerateRequest
 
@@ -42,8 +42,8 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
         return _stream(ctx, req, requests, rid, echoes)
     results = await collect(ctx.engine, requests)
     choices = [_choice(ctx, req, i, requests[i], r, echoes[i // req.n]) for i, r in enumerate(results)]
-    return CompletionResponse(id=rid, created=now(), model=ctx.served_model_name, choices=choices,
-                              usage=usage([r.final for r in results], req.n))
+    return CompletionResponse(id=rid, created=now(), model=answering_model(ctx, req.model, req.lora_path),
+                              choices=choices, usage=usage([r.final for r in results], req.n))
 
 
 def _choice(ctx: ServingContext, req: CompletionRequest, index: int, request: GenerateRequest, result: ChoiceResult,
@@ -75,7 +75,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[Ge
     """An echoed prompt comes first, in a chunk of its own per choice: at
     once, or with logprobs once the engine has scored the prompt, so that
     chunk carries the prompt's logprobs."""
-    chunk = ChunkFactory(CompletionResponse, rid, ctx.served_model_name)
+    chunk = ChunkFactory(CompletionResponse, rid, answering_model(ctx, req.model, req.lora_path))
     stream_usage = StreamUsage(req.stream_options, requests, req.n)
     echo_waits = [req.echo and req.logprobs is not None] * len(requests)
     if req.echo and req.logprobs is None:

@@ -27,7 +27,7 @@ from pyserve.api.protocol.responses import (
     ACTIVE, ReasoningConfig, Response, ResponseError, ResponsesRequest, StoredResponse, TextConfig,
 )
 from pyserve.api.responses.stream import Event, ResponseBuilder, snapshot
-from pyserve.api.generation.serving import ServingContext, adapter_name, now
+from pyserve.api.generation.serving import ServingContext, answering_model, now
 from pyserve.http.strict import convert_strict
 from pyserve.api.responses.store import ResponseNotFound, ResponseStore, RunLock, new_response_id
 
@@ -88,7 +88,7 @@ class ResponseManager:
             background=bool(req.background), instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
             # The adapter a request picked by `model` is the model that answers.
-            model=adapter_name(self.ctx, req.model, None) or self.ctx.served_model_name,
+            model=answering_model(self.ctx, req.model, None),
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             prompt_cache_key=req.prompt_cache_key, reasoning=req.reasoning or ReasoningConfig(),
             safety_identifier=req.safety_identifier, store=req.store is not False, temperature=req.temperature,
