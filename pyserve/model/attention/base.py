@@ -50,7 +50,8 @@ class AttentionBackend(ABC):
         `batch.kv_indices`, see ForwardBatch),
         causally: the new token at absolute position p sees positions <= p.
         Query head h reads kv head h // (heads // kv_heads). Returns
-        [T, heads, head_dim] in q's dtype.
+        [T, heads, v's head_dim] in q's dtype. In a latent cache
+        (kv_buffer.LatentDim) v is a view of k, and stored with it.
 
         The layer's options, as transformers applies them (None: off):
         `window`, a sliding window: position p sees only p - window < j <= p;
@@ -89,7 +90,8 @@ class AttentionBackend(ABC):
         k_cache = self.kv_buffer.k_buffer[layer_id]
         v_cache = self.kv_buffer.v_buffer[layer_id]
         k_cache[batch.out_cache_loc] = k
-        v_cache[batch.out_cache_loc] = v
+        if v_cache.data_ptr() != k_cache.data_ptr():  # a latent cache's V is K's first values, just written
+            v_cache[batch.out_cache_loc] = v
         return k_cache, v_cache
 
 

@@ -59,7 +59,8 @@ def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, 
     then attend over its sequence's slots (a window's, from
     `decode_inputs(layer, window)`)."""
     k_cache[out_cache_loc] = k
-    v_cache[out_cache_loc] = v
+    if v_cache.data_ptr() != k_cache.data_ptr():  # a latent cache's V is K's first values, just written
+        v_cache[out_cache_loc] = v
     return _single_tokens(q, k_cache, v_cache, slots, mask, scale, softcap, sinks)
 
 
@@ -214,7 +215,7 @@ class TorchAttention(AttentionBackend):
         if extends and self._plan.native_extend_attention and (window, softcap, sinks) != (None, None, None):
             # The step's owner plans native extends only for layers without options.
             raise ValueError("the native extend kernel has no sliding window, soft-cap or sinks")
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if single is not None:
             out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale,
                                               softcap, sinks)

@@ -37,6 +37,10 @@ class TritonAttention(AttentionBackend):
         [num_slots, kv_heads, head_dim] tensors."""
         self.kv_buffer = kv_buffer
         k0 = kv_buffer.k_buffer[0]
+        if kv_buffer.v_buffer[0].shape[2] != k0.shape[2]:
+            raise ValueError("the triton attention backend reads V heads as wide as K's, and this model's cache "
+                             "holds a latent whose V is part of K (DeepSeek's multi-head latent attention); "
+                             "serve it with --attention-backend torch")
         self.device = k0.device
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention backend needs CUDA (on CPU use --attention-backend torch)")
