@@ -181,7 +181,7 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, v3_dir):
     mtp_dir = tmp_path / "mtp"
     shutil.copytree(v3_dir, mtp_dir)
     tensors = load_file(mtp_dir / "model.safetensors")
-    tensors.update({k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if ".layers.2." in k})
+    tensors.update({k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k})
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(tensors, mtp_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((mtp_dir / "config.json").read_text())
