@@ -20,7 +20,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pyserve.engine.engine import Engine
-from pyserve.model.attention.triton_backend import TritonAttention
 from pyserve.model.families import parse_config
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.mla import MultiHeadLatentAttention
@@ -217,6 +216,9 @@ def test_config_reads_the_published_fields():
 
 
 def test_triton_backend_refuses_the_latent_cache():
+    """Said at start, before the kernels would read V as wide as K."""
+    from pyserve.model.attention.triton_backend import TritonAttention
+
     kv = KVBuffer(1, 2, 1, parse_config(_v3_config()).head_dim, torch.float32, "cpu")
     with pytest.raises(ValueError, match="--attention-backend torch"):
         TritonAttention(kv, 4, 64)
@@ -224,3 +226,22 @@ def test_triton_backend_refuses_the_latent_cache():
 
 def _v3_config() -> dict:
     return {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 100, **_COMMON, "q_lora_rank": 24}
+
+
+@pytest.mark.slow  # inductor compiles on 2 cores: about a minute
+def test_compiled_decode_gives_the_eager_tokens(v3_dir):
+    """--enable-torch-compile's decode layer takes the latent attention (the
+    absorbed query, the latent cache write, V narrower than K) into its graph."""
+    from pyserve.model.attention.torch_backend import TorchAttention
+    from pyserve.model.step_plan import Layers, StepPlan
+    from tests.test_compile import greedy_with_logits
+
+    model, config = load_model(v3_dir, torch.float32, "cpu")
+    prompts = random_prompts(512, [3, 9, 4])
+    eager, eager_logits = greedy_with_logits(model, config, prompts, 8)
+    model.compile_decode(TorchAttention.attend_decode)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled, compiled_logits = greedy_with_logits(model, config, prompts, 8, StepPlan(Layers.COMPILED_DECODE))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert compiled == eager
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)

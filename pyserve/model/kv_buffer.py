@@ -58,9 +58,7 @@ class KVBuffer:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
-        # V in K (a latent cache): writing K writes V.
-        self.v_in_k = isinstance(head_dim, LatentDim)
-        if self.v_in_k:
+        if isinstance(head_dim, LatentDim):  # V is a view of K's first values
             self.v_pages = [k[..., :head_dim.value_dim] for k in self.k_pages]
             self.v_buffer = [k[..., :head_dim.value_dim] for k in self.k_buffer]
         else:

@@ -51,7 +51,8 @@ class AttentionBackend(ABC):
         causally: the new token at absolute position p sees positions <= p.
         Query head h reads kv head h // (heads // kv_heads). Returns
         [T, heads, v's head_dim] in q's dtype. In a latent cache
-        (kv_buffer.LatentDim) v is a view of k, and stored with it.
+        (kv_buffer.LatentDim) v is a view of k's first values, so storing
+        it writes those values again.
 
         The layer's options, as transformers applies them (None: off):
         `window`, a sliding window: position p sees only p - window < j <= p;
@@ -90,8 +91,7 @@ class AttentionBackend(ABC):
         k_cache = self.kv_buffer.k_buffer[layer_id]
         v_cache = self.kv_buffer.v_buffer[layer_id]
         k_cache[batch.out_cache_loc] = k
-        if v_cache.data_ptr() != k_cache.data_ptr():  # a latent cache's V is K's first values, just written
-            v_cache[batch.out_cache_loc] = v
+        v_cache[batch.out_cache_loc] = v
         return k_cache, v_cache
 
 

@@ -59,8 +59,7 @@ def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, 
     then attend over its sequence's slots (a window's, from
     `decode_inputs(layer, window)`)."""
     k_cache[out_cache_loc] = k
-    if v_cache.data_ptr() != k_cache.data_ptr():  # a latent cache's V is K's first values, just written
-        v_cache[out_cache_loc] = v
+    v_cache[out_cache_loc] = v
     return _single_tokens(q, k_cache, v_cache, slots, mask, scale, softcap, sinks)
 
 
