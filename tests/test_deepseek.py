@@ -215,17 +215,30 @@ def test_config_reads_the_published_fields():
     assert KVBuffer.bytes_per_token(27, 1, config.head_dim, torch.bfloat16) == 27 * 576 * 2
 
 
-def test_triton_backend_refuses_the_latent_cache():
-    """Said at start, before the kernels would read V as wide as K."""
-    from pyserve.model.attention.triton_backend import TritonAttention
+@pytest.mark.parametrize("latent", [None, (256, 32)], ids=["tiny-latent", "latent-wider-than-256"])
+def test_triton_backend_matches_transformers(tmp_path, default_model_dir, v3_dir, latent):
+    """The Triton kernels (in the interpreter without CUDA) over the latent
+    cache: K the latent and rotated key part, V its first kv_lora_rank
+    values, the output as wide as V; extend over a cached prefix and decode.
+    A latent of 256 + 32 takes the kernels' smaller tiles for wide heads."""
+    from tests.test_attention_window import triton_backend
 
-    kv = KVBuffer(1, 2, 1, parse_config(_v3_config()).head_dim, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        TritonAttention(kv, 4, 64)
+    model_dir = v3_dir
+    if latent is not None:
+        version, overrides = VARIANTS["v3-q-lora-interleaved-yarn"]
+        overrides = dict(overrides, kv_lora_rank=latent[0], qk_rope_head_dim=latent[1])
+        model_dir = build_tiny_deepseek(tmp_path, version, default_model_dir, **overrides)
+    rank = latent[0] if latent else KV_LORA_RANK
 
+    def triton(pool, config):
+        assert pool.v_buffer[0].shape[2] == rank < pool.k_buffer[0].shape[2]
+        return triton_backend(pool, config.num_attention_heads)
 
-def _v3_config() -> dict:
-    return {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 100, **_COMMON, "q_lora_rank": 24}
+    prompts = random_prompts(512, [3, 13, 22])
+    ours_logits, ours = pyserve_greedy(model_dir, prompts, 6, triton)
+    hf_logits, theirs = hf_greedy(model_dir, prompts, 6)
+    torch.testing.assert_close(ours_logits.log_softmax(-1), hf_logits.log_softmax(-1), atol=1e-4, rtol=0)
+    assert ours == theirs
 
 
 @pytest.mark.slow  # inductor compiles on 2 cores: about a minute
