@@ -174,7 +174,8 @@ def test_served_to_the_openai_client(v3_dir):
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path, v3_dir):
     """A V3 checkpoint with its MTP layer (layer 3 of a 3-layer model)
-    loads to the same tokens; one without a layer's tensor is refused."""
+    loads to the same tokens, skipped as num_nextn_predict_layers says;
+    one without a layer's tensor is refused."""
     import shutil
 
     mtp_dir = tmp_path / "mtp"
@@ -187,6 +188,11 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, v3_dir):
     (mtp_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     assert parse_config(json.loads((mtp_dir / "config.json").read_text())).mtp_layers == 1
     assert_matches_transformers(mtp_dir, random_prompts(512, [7, 19]), 6, reference_dir=v3_dir)
+    # Without num_nextn_predict_layers, layer 3 is no layer of the model.
+    (mtp_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"unexpected .*layers\.3\."):
+        load_model(mtp_dir, torch.float32, "cpu")
+    (mtp_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     del tensors["model.layers.2.self_attn.kv_b_proj.weight"]
     save_file(tensors, mtp_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing.*layers\.2\.self_attn\.kv_b_proj"):

@@ -100,8 +100,8 @@ class Deepseek(MoECausalLM):
         rope_dim = config.mla.qk_rope_head_dim
         self.rotary = RotaryEmbedding(replace(config, head_dim=rope_dim, partial_rotary_factor=1.0))
         if config.mtp_layers:
-            logger.info("%s: the checkpoint's %d multi-token-prediction layer(s) are not used; skipped at load",
-                        config.architecture, config.mtp_layers)
+            logger.info("%s: num_nextn_predict_layers %d: its multi-token-prediction layers are not run; "
+                        "their tensors are skipped at load", config.architecture, config.mtp_layers)
 
 
 def _head_split(config: DeepseekConfig) -> dict[str, int]:
