@@ -46,8 +46,9 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_a
                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                pad_token_id=None)
 VARIANTS = {
-    "v2-q-lora-group-limited-yarn": ("v2", dict(q_lora_rank=24, n_shared_experts=2,
-                                                topk_method="group_limited_greedy", rope_parameters=YARN)),
+    # attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    "v2-q-lora-group-limited-yarn-bias": ("v2", dict(q_lora_rank=24, n_shared_experts=2, attention_bias=True,
+                                                     topk_method="group_limited_greedy", rope_parameters=YARN)),
     "v2-lite-q-proj-greedy": ("v2", dict(q_lora_rank=None, n_shared_experts=2, topk_method="greedy", n_group=None,
                                          topk_group=None)),
     "v3-q-lora-interleaved-yarn": ("v3", dict(q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True,
@@ -157,7 +158,7 @@ def test_engine_with_a_cached_prefix_matches_transformers(v3_dir):
     assert [tokens for tokens, _ in got] == [hf_cached_greedy(hf, p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("variant", ["v2-q-lora-group-limited-yarn", "v3-q-proj-rotate-half"])
+@pytest.mark.parametrize("variant", ["v2-q-lora-group-limited-yarn-bias", "v3-q-proj-rotate-half"])
 def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, variant):
     """Each rank holds two of the four heads (their rows of q / q_b and
     kv_b, their columns of o_proj), the whole latent path and cache, and
@@ -202,7 +203,7 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, v3_dir):
 def test_config_reads_the_published_fields():
     """DeepSeek-V2-Lite's config.json fields: q_proj (q_lora_rank null),
     YaRN with mscale 0.707 both ways, greedy routing over 64 experts."""
-    config = parse_config({
+    published = {
         "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
         "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
         "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
@@ -211,12 +212,15 @@ def test_config_reads_the_published_fields():
         "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
         "max_position_embeddings": 163840, "rope_theta": 10000, "rope_scaling": {
             "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
-            "original_max_position_embeddings": 4096, "type": "yarn"}})
+            "original_max_position_embeddings": 4096, "type": "yarn"}}
+    config = parse_config(published)
     assert config.mla.q_lora_rank is None and config.mla.latent_dim == 576
     assert (config.num_key_value_heads, config.head_dim, config.head_dim.value_dim) == (1, 576, 512)
     mscale = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1
     assert config.attention_scale == pytest.approx(192**-0.5 * mscale**2)
     assert config.moe.routing == "softmax" and config.dense_layers == {0}
+    # DeepSeek's rule: experts from first_k_dense_replace on, every moe_layer_freq-th layer.
+    assert parse_config({**published, "moe_layer_freq": 2, "num_hidden_layers": 5}).dense_layers == {0, 1, 3}
     # A token's cache: 27 layers x 576 values, against 27 x 16 heads x (192 + 128) expanded.
     assert KVBuffer.bytes_per_token(27, 1, config.head_dim, torch.bfloat16) == 27 * 576 * 2
 
