@@ -63,7 +63,9 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _config_fields(cfg: dict, arch: str) -> dict:
-    cfg = {**_DEFAULTS[arch], **_MLA_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}}
+    # A null field takes the default, but a null q_lora_rank means one q_proj (V2-Lite).
+    given = {k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
+    cfg = {**_DEFAULTS[arch], **_MLA_DEFAULTS, **given}
     v3 = arch == "DeepseekV3ForCausalLM"
     spec = MLASpec(q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"],
                    qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
