@@ -12,6 +12,8 @@ renamed segment by segment first.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pyserve.model.config import ModelConfig
@@ -22,7 +24,8 @@ from pyserve.model.parallel import ModelShard
 class Fused:
     """A column-parallel parameter of ours whose rows stack slots, each the
     rank's share of a quantity split over ranks: "q" (query heads x
-    head_dim), "kv" (KV heads x head_dim) or "intermediate"."""
+    head_dim), "kv" (KV heads x head_dim), "intermediate", or one of the
+    family's own (CheckpointNames.head_split)."""
 
     module: str
     slots: tuple[str, ...]
@@ -61,6 +64,13 @@ class CheckpointNames:
     # tensors (vision tower, projector), skipped.
     language_model_prefixes: tuple[str, ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
+    # (config) -> {quantity: values per query head}: the family's own
+    # quantities split over ranks by query head, named in its Fused slots
+    # and Row splits (DeepSeek's q, kv_b and o_proj heads, each its own width).
+    head_split: Callable[[ModelConfig], dict[str, int]] | None = None
+    # (config) -> the checkpoint's layers that are skipped on purpose
+    # (DeepSeek V3's multi-token-prediction layers after the model's own).
+    skipped_layers: Callable[[ModelConfig], range] | None = None
 
     def with_changes(self, projections: dict[str, Column | Row] | None = None,
                      renames: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> CheckpointNames:
@@ -104,14 +114,19 @@ class Piece:
     full: int | None = None
 
 
-def _shares(config: ModelConfig, shard: ModelShard) -> dict[str, tuple[range, int]]:
+def _shares(config: ModelConfig, shard: ModelShard, names: CheckpointNames) -> dict[str, tuple[range, int]]:
     """Each split quantity: (this rank's range of it, its whole length)."""
     hd = config.head_dim
+    per_head = {"q": hd, **(names.head_split(config) if names.head_split else {})}
     return {
-        "q": (range(shard.q_heads.start * hd, shard.q_heads.stop * hd), config.num_attention_heads * hd),
+        **{kind: (range(shard.q_heads.start * n, shard.q_heads.stop * n), config.num_attention_heads * n)
+           for kind, n in per_head.items()},
         "kv": (range(shard.kv_heads.start * hd, shard.kv_heads.stop * hd), config.num_key_value_heads * hd),
         "intermediate": (shard.intermediate, config.intermediate_size),
     }
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def _slot_rows(fused: Fused, shares: dict[str, tuple[range, int]]) -> list[int]:
@@ -131,11 +146,14 @@ def pieces(hf_name: str, config: ModelConfig, shard: ModelShard, names: Checkpoi
     name = ".".join(names.renames.get(part, part) for part in hf_name.removeprefix("model.").split("."))
     if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
         return []
+    layer = _LAYER.match(name)
+    if layer and names.skipped_layers and int(layer.group(1)) in names.skipped_layers(config):
+        return []
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return []  # some tied checkpoints store the copy anyway
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return [Piece(name, None, 0, shard.vocab, config.vocab_size)]
-    shares = _shares(config, shard)
+    shares = _shares(config, shard, names)
     for proj, spec in names.projections.items():
         if f".{proj}." not in name:
             continue
@@ -161,7 +179,7 @@ def pieces(hf_name: str, config: ModelConfig, shard: ModelShard, names: Checkpoi
 def expected_pieces(params, config: ModelConfig, shard: ModelShard,
                     names: CheckpointNames) -> set[tuple[str, int | None]]:
     """Every (parameter, first row) of `params` (names) the checkpoint must fill exactly once."""
-    shares = _shares(config, shard)
+    shares = _shares(config, shard, names)
     rows_of = {spec.into.module: _slot_rows(spec.into, shares)
                for spec in names.projections.values() if isinstance(spec, Column)}
     expected = set()

@@ -5,6 +5,12 @@ head_dim]. Attention addresses it by token slot, `page * page_size +
 offset`, through the flat views `k_buffer[layer]` / `v_buffer[layer]`
 [num_pages * page_size, kv_heads, head_dim].
 
+A latent cache (DeepSeek's multi-head latent attention, layers/mla.py)
+has a head dim of type LatentDim: its one KV head holds a token's
+compressed latent and its rotated key part, and V is the latent, the
+head's first `value_dim` values: `v_buffer[layer]` is a view of K, no
+second copy.
+
 This is only the memory. Which pages are free and who holds which is the
 engine's business (engine/kv/manager.py); page 0 is never handed out, so
 its slots are the harmless target of padded rows.
@@ -13,6 +19,26 @@ its slots are the harmless target of padded rows.
 from __future__ import annotations
 
 import torch
+
+
+class LatentDim(int):
+    """The head dim of a cache whose V is the first `value_dim` values of
+    each K head (a view), as a config's `head_dim` carries it to the cache."""
+
+    value_dim: int
+
+    def __new__(cls, dim: int, value_dim: int):
+        if not 0 < value_dim <= dim:
+            raise ValueError(f"a latent value of {value_dim} values in a head of {dim}")
+        self = super().__new__(cls, dim)
+        self.value_dim = value_dim
+        return self
+
+    def __getnewargs__(self):
+        return int(self), self.value_dim
+
+    def __repr__(self) -> str:
+        return f"LatentDim({int(self)}, value_dim={self.value_dim})"
 
 
 class KVBuffer:
@@ -31,11 +57,16 @@ class KVBuffer:
         self.dtype = dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
-        self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
+        if isinstance(head_dim, LatentDim):  # V is a view of K's first values
+            self.v_pages = [k[..., :head_dim.value_dim] for k in self.k_pages]
+            self.v_buffer = [k[..., :head_dim.value_dim] for k in self.k_buffer]
+        else:
+            self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+        """K and V of one token across all layers (K alone for a latent cache)."""
+        tensors = 1 if isinstance(head_dim, LatentDim) else 2
+        return tensors * num_layers * num_kv_heads * head_dim * dtype.itemsize

@@ -50,7 +50,9 @@ class AttentionBackend(ABC):
         `batch.kv_indices`, see ForwardBatch),
         causally: the new token at absolute position p sees positions <= p.
         Query head h reads kv head h // (heads // kv_heads). Returns
-        [T, heads, head_dim] in q's dtype.
+        [T, heads, v's head_dim] in q's dtype. In a latent cache
+        (kv_buffer.LatentDim) v is a view of k's first values, so storing
+        it writes those values again.
 
         The layer's options, as transformers applies them (None: off):
         `window`, a sliding window: position p sees only p - window < j <= p;

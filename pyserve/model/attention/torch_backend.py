@@ -214,7 +214,7 @@ class TorchAttention(AttentionBackend):
         if extends and self._plan.native_extend_attention and (window, softcap, sinks) != (None, None, None):
             # The step's owner plans native extends only for layers without options.
             raise ValueError("the native extend kernel has no sliding window, soft-cap or sinks")
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if single is not None:
             out[single.rows] = _single_tokens(q[single.rows], k_cache, v_cache, single.slots, single.mask, scale,
                                               softcap, sinks)

@@ -42,6 +42,7 @@ class TritonAttention(AttentionBackend):
             raise ValueError("the triton attention backend needs CUDA (on CPU use --attention-backend torch)")
         self.num_heads = num_heads
         self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
+        self.v_dim = kv_buffer.v_buffer[0].shape[2]  # narrower than K's in a latent cache
         self.context_len = context_len
         self.max_kv_splits = max_kv_splits
         self._target_programs = 0  # 0: always max_kv_splits (the CPU interpreter in tests)
@@ -73,7 +74,7 @@ class TritonAttention(AttentionBackend):
         self._batch = batch
         if batch.is_decode:
             bs = batch.batch_size
-            self._mid = decode_scratch(bs, self.num_heads, self.head_dim, self.max_kv_splits, self.device)
+            self._mid = decode_scratch(bs, self.num_heads, self.v_dim, self.max_kv_splits, self.device)
             self._num_splits = self.num_kv_splits(bs)
             return
         indptr = [0]
@@ -89,7 +90,7 @@ class TritonAttention(AttentionBackend):
         sinks a tensor that must stay where it is (a parameter)."""
         check_options(q.shape[1], window, softcap, sinks)
         k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(*q.shape[:-1], self.v_dim, dtype=q.dtype, device=q.device)
         options = dict(window=window, softcap=softcap, sinks=sinks)
         if batch.is_decode:
             mid_o, mid_lse = self._mid

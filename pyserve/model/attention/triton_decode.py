@@ -29,8 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Keys per inner iteration; a piece is a whole number of blocks.
+# Keys per inner iteration; a piece is a whole number of blocks. Heads
+# wider than 256 values (a latent cache's 576) take fewer, so the key
+# tiles still fit in shared memory.
 _BLOCK_N = 64
+_WIDE_BLOCK_N = 16
 # tl.dot needs at least 16 rows on NVIDIA GPUs; unused head rows are masked.
 _MIN_BLOCK_H = 16
 # The window passed for a layer without one: longer than any sequence.
@@ -67,9 +70,11 @@ def _decode_split_kernel(
     stride_ml_tok, stride_ml_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
@@ -89,6 +94,8 @@ def _decode_split_kernel(
         head_ok = h < GROUP
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM  # head_dim need not be a power of two
+        dv = tl.arange(0, BLOCK_DV)
+        dv_ok = dv < V_DIM  # V may be narrower than K (a latent cache)
         q = tl.load(
             Q + seq * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
             mask=head_ok[:, None] & d_ok[None, :],
@@ -96,15 +103,13 @@ def _decode_split_kernel(
         )
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max score
         l = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0
-            )
+            k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 s = capped(s, softcap)
@@ -113,13 +118,12 @@ def _decode_split_kernel(
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :], mask=kv_mask, other=0.0
-            )
+            v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         mo = seq * stride_mo_tok + heads * stride_mo_head + split * stride_mo_split
-        tl.store(Mid_O + mo[:, None] + d[None, :], acc / l[:, None], mask=head_ok[:, None] & d_ok[None, :])
+        tl.store(Mid_O + mo[:, None] + dv[None, :], acc / l[:, None], mask=head_ok[:, None] & dv_ok[None, :])
         ml = seq * stride_ml_tok + heads * stride_ml_head + split
         tl.store(Mid_LSE + ml, m + tl.log(l), mask=head_ok)
 
@@ -168,7 +172,7 @@ def decode_scratch(
     batch_size: int, num_heads: int, head_dim: int, max_splits: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's float32 outputs: per piece, the partial output
-    [B, heads, max_splits, head_dim] and its log-sum-exp [B, heads, max_splits]."""
+    [B, heads, max_splits, head_dim] (V's head dim) and its log-sum-exp [B, heads, max_splits]."""
     mid_o = torch.empty(batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
     mid_lse = torch.empty(batch_size, num_heads, max_splits, dtype=torch.float32, device=device)
     return mid_o, mid_lse
@@ -182,8 +186,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 def decode_attention(
     q: torch.Tensor,  # [B, heads, head_dim]
     k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim]
-    v_buffer: torch.Tensor,
-    out: torch.Tensor,  # [B, heads, head_dim], written
+    v_buffer: torch.Tensor,  # [num_slots, kv_heads, v_dim], v_dim <= head_dim
+    out: torch.Tensor,  # [B, heads, v_dim], written
     kv_indptr: torch.Tensor,  # [B + 1]
     kv_indices: torch.Tensor,
     mid_o: torch.Tensor,  # from decode_scratch
@@ -199,7 +203,9 @@ def decode_attention(
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
     assert 1 <= num_splits <= mid_o.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
+    v_dim = v_buffer.shape[2]
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
+    block_n = _BLOCK_N if block_d <= 256 else _WIDE_BLOCK_N
     window = NO_WINDOW if window is None else window
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, scale, num_splits, window, softcap or 1.0,
@@ -210,9 +216,11 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
+        V_DIM=v_dim,
         BLOCK_H=max(_MIN_BLOCK_H, triton.next_power_of_2(group)),
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         DOT_PRECISION=dot_precision(q.dtype),
         SOFTCAP=softcap is not None,
         num_warps=4,
@@ -223,10 +231,10 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
+        HEAD_DIM=v_dim,
         BLOCK_S=triton.next_power_of_2(mid_o.shape[2]),
-        BLOCK_N=_BLOCK_N,
-        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        BLOCK_D=block_dv,
         SINKS=sinks is not None,
         num_warps=4,
     )

@@ -33,9 +33,11 @@ def _extend_kernel(
     stride_o_tok, stride_o_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
@@ -60,13 +62,15 @@ def _extend_kernel(
         q_pos = prefix + tl.minimum(i, num_new - 1)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM  # head_dim need not be a power of two
+        dv = tl.arange(0, BLOCK_DV)
+        dv_ok = dv < V_DIM  # V may be narrower than K (a latent cache)
         q_rows = (q_start + i)[:, None]
         q = tl.load(Q + q_rows * stride_q_tok + head * stride_q_head + d[None, :],
                     mask=i_ok[:, None] & d_ok[None, :], other=0.0)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max score
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         # Keys past the block's last query, or before its first query's
         # window, are never seen. A row's first key is within BLOCK_M of
         # the block's first (BLOCK_N == BLOCK_M), so after the first block
@@ -77,9 +81,8 @@ def _extend_kernel(
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
             slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 s = capped(s, softcap)
@@ -89,8 +92,8 @@ def _extend_kernel(
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-                        mask=kv_mask, other=0.0)
+            v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         if SINKS:
@@ -100,15 +103,15 @@ def _extend_kernel(
             l = l * alpha + tl.exp(sink - m_sink)
             acc = acc * alpha[:, None]
         out = acc / l[:, None]
-        tl.store(O + q_rows * stride_o_tok + head * stride_o_head + d[None, :], out.to(O.dtype.element_ty),
-                 mask=i_ok[:, None] & d_ok[None, :])
+        tl.store(O + q_rows * stride_o_tok + head * stride_o_head + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=i_ok[:, None] & dv_ok[None, :])
 
 
 def extend_attention(
     q: torch.Tensor,  # [T, heads, head_dim]: the new tokens of all sequences
     k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim], new K already stored
-    v_buffer: torch.Tensor,
-    out: torch.Tensor,  # [T, heads, head_dim], written
+    v_buffer: torch.Tensor,  # [num_slots, kv_heads, v_dim], v_dim <= head_dim
+    out: torch.Tensor,  # [T, heads, v_dim], written
     qo_indptr: torch.Tensor,  # [B + 1]: sequence i's new tokens are rows qo_indptr[i]:qo_indptr[i + 1]
     kv_indptr: torch.Tensor,  # [B + 1]
     kv_indices: torch.Tensor,
@@ -122,8 +125,9 @@ def extend_attention(
     batch = qo_indptr.numel() - 1
     _, num_heads, head_dim = q.shape
     block_d = triton.next_power_of_2(head_dim)
-    # Tiles of q, k and v must fit in shared memory together.
-    block = 64 if block_d <= 128 else 32
+    # Tiles of q, k and v must fit in shared memory together (a latent
+    # cache's K head of 576 values takes a block of 1024).
+    block = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
     grid = (batch, num_heads, triton.cdiv(max_new, block))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, q if sinks is None else sinks, scale,
@@ -134,9 +138,11 @@ def extend_attention(
         out.stride(0), out.stride(1),
         GROUP=num_heads // k_buffer.shape[1],
         HEAD_DIM=head_dim,
+        V_DIM=v_buffer.shape[2],
         BLOCK_M=block,
         BLOCK_N=block,
         BLOCK_D=block_d,
+        BLOCK_DV=triton.next_power_of_2(v_buffer.shape[2]),
         DOT_PRECISION=dot_precision(q.dtype),
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,

@@ -342,7 +342,10 @@ class MoEBlock(nn.Module):
                 if self.spec.router_float32 and getattr(self, name) is not None}
         super()._apply(fn, recurse)
         for name, before in kept.items():
-            getattr(self, name).data = before.to(device=getattr(self, name).device, dtype=torch.float32)
+            device = getattr(self, name).device
+            # A meta tensor (a model built on the meta device, then given storage) has no values to keep.
+            getattr(self, name).data = (torch.empty_like(before, dtype=torch.float32, device=device) if before.is_meta
+                                        else before.to(device=device, dtype=torch.float32))
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
