@@ -268,3 +268,9 @@ def test_compiled_decode_gives_the_eager_tokens(v3_dir):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     assert compiled == eager
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_is_refused_at_start_with_the_reason(v3_dir):
+    """Adapters hook fused q/k/v projections, which latent attention has not."""
+    with pytest.raises(ValueError, match="--enable-lora: DeepseekV3ForCausalLM's attention takes no LoRA adapters"):
+        Engine.from_args(ServerArgs(model_path=str(v3_dir), enable_lora=True, max_total_tokens=1024))

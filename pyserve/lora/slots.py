@@ -99,6 +99,8 @@ class LoraSlots:
 
         for layer_id, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            if not hasattr(attn, "qkv_proj"):  # DeepSeek's latent attention has other projections
+                raise ValueError(f"--enable-lora: {config.architecture}'s attention takes no LoRA adapters")
             adapt(layer_id, attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], [q, kv, kv], hidden)
             adapt(layer_id, attn.o_proj, ["o_proj"], [hidden], q)
             if hasattr(mlp, "gate_up_proj"):  # a dense MLP; a mixture of experts takes no adapter
