@@ -60,9 +60,14 @@ class DraftModel:
 
     def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel):
         # No adapters, CUDA graphs or second rank: the draft runs eagerly on
-        # rank 0's device, over positions as long as the target's context.
+        # rank 0's device, over positions as long as the target's context,
+        # in the CPU weight mode the target runs in (auto picks per checkpoint).
+        mode = options.torchao_config
+        if mode == "auto" and target.device.type == "cpu":
+            mode = target.quant.name if target.quant is not None else "none"
         options = replace(options, model_path=str(draft_dir), enable_lora=False, lora_paths=None,
-                          disable_cuda_graph=True, context_length=target.context_len, is_embedding=False)
+                          disable_cuda_graph=True, context_length=target.context_len, is_embedding=False,
+                          torchao_config=mode)
         self.model = RankModel(options, draft_dir, target.device)
         self.model.allocate(target.kv_buffer.num_pages)
         self.vocab_size = target.config.vocab_size
@@ -116,9 +121,8 @@ class DraftModel:
 
     def follow(self, batch: ForwardBatch) -> None:
         """Run the step's batch (drafts filled in) through the draft model:
-        its KV at every slot the target just wrote. One logits row at most
-        (none is read)."""
-        self.model.forward(replace(batch, logits_indices=batch.logits_indices[-1:]))
+        its KV at every slot the target just wrote. No logits are computed."""
+        self.model.forward(replace(batch, logits_indices=batch.logits_indices[:0]))
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the target's vocabulary (the same
