@@ -19,7 +19,9 @@ final norm and (tied) output embedding, saved as a checkpoint of its own.
 That is a real draft model of the target's tokenizer, a third of its
 layers, untrained as a stand-alone model: what it measures is the
 machinery's cost against what an early-exit draft of this model gets
-accepted, not what a trained draft of a larger target would give.
+accepted, not what a trained draft of a larger target would give. A last
+row drafts with the target's own checkpoint (every draft kept, each draft
+token as dear as a target step): the bound of what acceptance alone buys.
 
 Rounds alternate off, on, on, off (ABBA) and each figure is the median
 over rounds of decode tokens per second (after the first token), so the

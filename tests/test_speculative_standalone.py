@@ -83,20 +83,25 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("draft", ["noisy", "small"])
 def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, draft):
+    from pyserve._rust import Tokenizer
+
     plain_run = asyncio.run(_plain_tokens(tiny_llama_dir, repetitive(), 30))
-    stop_token = plain_run[9]  # first emitted as the 10th token: inside a run when drafts are kept
+    stop_token = plain_run[9]  # emitted as the 10th token: inside a run when drafts are kept
+    stop_text = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")).decode(plain_run[12:14])
     requests = [
         (repetitive(), {**GREEDY, "max_new_tokens": 30}),
         (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
         ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
         (repetitive(), {**GREEDY, "max_new_tokens": 30, "stop_token_ids": [stop_token]}),
         (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+        (repetitive(), {**GREEDY, "max_new_tokens": 30, "stop": [stop_text]}),
     ]
     plain, got, metrics = run_both(tiny_llama_dir, requests, drafts[draft], {"page_size": page_size})
     same(plain, got)
     assert metrics.spec_verify_steps > 0
     assert got[3][3].finish_reason == "stop" and got[3][1][-1] == stop_token
     assert len(got[1][1]) == 7
+    assert got[5][3].finish_reason == "stop" and stop_text not in got[5][0]
     if draft == "noisy":
         assert metrics.spec_emitted_tokens > 1.5 * metrics.spec_verify_steps  # runs of several tokens happened
 
@@ -168,3 +173,41 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_llama_dir, draf
         Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), **spec(other)))
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), speculative_algorithm="STANDALONE"))
+
+
+def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
+    """`pyserve --model T --speculative-algorithm STANDALONE
+    --speculative-draft-model-path D`: streamed text equals the non-streamed
+    text, n=2 gives two identical greedy choices, and the answers equal a
+    server without speculation."""
+    import httpx
+    import openai
+
+    from tests.conftest import ServerProcess
+
+    base = ("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--torchao-config", "none")
+    prompt = "one two three four five one two three four five one two three four"
+
+    def answers(*args: str):
+        srv = ServerProcess(*base, *args)
+        try:
+            client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+            model = client.models.list().data[0].id
+            whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, n=2)
+            stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
+            assert info["kv_integrity"] == "ok", info["kv_integrity"]
+            metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+            return [c.text for c in whole.choices], streamed, whole.usage.completion_tokens, metrics
+        finally:
+            srv.stop()
+
+    texts, streamed, tokens, metrics = answers("--speculative-algorithm", "STANDALONE",
+                                               "--speculative-draft-model-path", str(drafts["noisy"]))
+    plain_texts, _, _, _ = answers()
+    assert texts[0] == texts[1] == streamed == plain_texts[0]
+    assert tokens == 48
+    verified = next(float(line.split()[1]) for line in metrics.splitlines()
+                    if line.startswith("pyserve:spec_verify_steps_total"))
+    assert verified > 0
