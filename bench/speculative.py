@@ -84,14 +84,16 @@ def truncated_draft(model_dir: Path, out: Path, layers: int) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     config["num_hidden_layers"] = layers
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tensors = {}
-    with safe_open(model_dir / "model.safetensors", "pt") as f:
-        for key in f.keys():
-            parts = key.split(".")
-            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
-                continue
-            tensors[key] = f.get_tensor(key)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    # The weights, and the 4-bit codes the target ships (model.int4wo-32.safetensors), if any.
+    for path in sorted(model_dir.glob("model*.safetensors")):
+        tensors = {}
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                parts = key.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                    continue
+                tensors[key] = f.get_tensor(key)
+        save_file(tensors, out / path.name, metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / name)

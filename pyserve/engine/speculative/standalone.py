@@ -80,17 +80,7 @@ class DraftModel:
         Returns the drafts and, per sequence, the [k, vocab] distributions
         sampled ones were drawn from (None for greedy or undrafted ones)."""
         drafted = [i for i, d in enumerate(drafts) if d]
-        firsts = first_rows(drafts)
-        starts = [0]
-        for n in host.extend_lens:
-            starts.append(starts[-1] + n)
-        # Per drafted sequence: its last known token's index among the step's
-        # tokens, and its batch row's KV slots (known tokens, then the drafts').
-        token_at = [int(host.logits_indices[firsts[i]]) for i in drafted]
-        slots = []
-        for t in token_at:
-            row = bisect.bisect_right(starts, t) - 1
-            slots.append(host.kv_indices[int(host.kv_indptr[row]) : int(host.kv_indptr[row + 1])])
+        token_at, slots = _drafted_rows(host, drafts, drafted)
         inputs = [int(host.input_ids[t]) for t in token_at]
         out: list[list[int]] = [[] for _ in drafts]
         dists: list[list[torch.Tensor]] = [[] for _ in drafts]
@@ -132,3 +122,19 @@ class DraftModel:
             return logits[:, : self.vocab_size]
         pad = logits.new_full((logits.shape[0], self.vocab_size - n), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+def _drafted_rows(host: ForwardBatch, drafts: list[list[int]], drafted: list[int]
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """Per drafted sequence: the index of its last known token among the
+    step's tokens, and its batch row's KV slots (known tokens, then the drafts')."""
+    firsts = first_rows(drafts)
+    starts = [0]
+    for n in host.extend_lens:
+        starts.append(starts[-1] + n)
+    token_at = [int(host.logits_indices[firsts[i]]) for i in drafted]
+    slots = []
+    for t in token_at:
+        row = bisect.bisect_right(starts, t) - 1
+        slots.append(host.kv_indices[int(host.kv_indptr[row]) : int(host.kv_indptr[row + 1])])
+    return token_at, slots
