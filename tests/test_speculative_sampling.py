@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyserve.engine.speculative.rejection import rejection_run
-from tests.test_speculative import collect, repetitive, started
+from tests.test_speculative import COPY, collect, repetitive, started
 from tests.test_speculative_standalone import noisy_copy
 
 
@@ -155,24 +155,32 @@ def test_standalone_sampling_matches_the_target_on_a_tiny_model(tiny_llama_dir, 
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
-def test_a_seeded_sampled_request_is_drafted_and_reproducible(tiny_llama_dir, tmp_path, algorithm):
+def test_a_seeded_sampled_request_is_drafted_and_reproducible(tiny_llama_dir, default_model_dir, tmp_path, algorithm):
     """The same seed gives the same text alone and in a batch of others,
-    while its steps are verified drafts."""
+    while its steps are verified drafts. NGRAM on the embedded model asked
+    to copy a text (a random tiny model never repeats itself, so it would
+    never be drafted); STANDALONE on the tiny model."""
+    from pyserve._rust import Tokenizer
+
     spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 4,
             "speculative_ngram_min_match_window_size": 1}
     if algorithm == "STANDALONE":
+        model, prompt = tiny_llama_dir, repetitive()
         spec["speculative_draft_model_path"] = str(noisy_copy(tiny_llama_dir, tmp_path / "draft", noise=0.05))
-    seeded = dict(temperature=0.9, seed=11, max_new_tokens=24, ignore_eos=True)
+    else:
+        model = default_model_dir
+        prompt = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
+    seeded = dict(temperature=0.7, seed=11, max_new_tokens=24, ignore_eos=True)
 
     async def main():
-        engine = await started(tiny_llama_dir, torchao_config="none", **spec)
+        engine = await started(model, torchao_config="none", **spec)
         try:
-            alone = await collect(engine, repetitive(), **seeded)
+            alone = await collect(engine, prompt, **seeded)
             steps = engine.metrics.spec_verify_steps
-            others = [collect(engine, repetitive(30 + i), temperature=0.7, max_new_tokens=20, ignore_eos=True)
+            others = [collect(engine, prompt[: 20 + i], temperature=0.7, max_new_tokens=20, ignore_eos=True)
                       for i in range(3)]
-            batched, *_ = await asyncio.gather(collect(engine, repetitive(), **seeded), *others)
-            different = await collect(engine, repetitive(), **{**seeded, "seed": 12})
+            batched, *_ = await asyncio.gather(collect(engine, prompt, **seeded), *others)
+            different = await collect(engine, prompt, **{**seeded, "seed": 12})
             engine.check_integrity()
             return alone[1], batched[1], different[1], steps
         finally:
