@@ -1,16 +1,35 @@
-"""NGRAM speculative decoding: batch-1 decode speed with it on vs off.
+"""Speculative decoding: batch-1 decode speed with it on vs off.
 
-Two engines in this process, the same model, one with
---speculative-algorithm NGRAM. Two workloads, greedy: a copy-heavy one
-(rewrite a ~300-token text with one change: most of the answer is in the
-prompt) and free chat (nothing to copy; the drafter must switch itself
-off). Rounds alternate off, on, on, off (ABBA) and each figure is the
-median over rounds of decode tokens per second (after the first token),
-so the ratio holds on a noisy machine. In float32 both engines give the
-same tokens (the script checks it); in the 4-bit mode a verify row runs
-the block kernels' extend path, whose rounding differs from the decode
-path's, so a near-tie can go the other way: the script reports how many
-leading tokens agree.
+Engines in this process on the same target model: one without
+speculation, one with --speculative-algorithm NGRAM, one with STANDALONE.
+Each row compares one of them with the plain engine on one workload:
+
+- copy-heavy (rewrite a ~300-token text with one change: most of the
+  answer is in the prompt) and free chat (nothing to copy; the drafter must
+  switch itself off), greedy, for NGRAM and STANDALONE;
+- the copy-heavy workload sampled at temperature 0.7 (seeded per round,
+  the same seed on both sides), for NGRAM: sampled drafts go through
+  rejection sampling, so the text differs from the plain engine's but
+  follows the same distribution.
+
+No draft model smaller than the embedded SmolLM2-135M with its tokenizer
+is on this machine, so the STANDALONE draft is built by the script from
+the target's own checkpoint: its first --draft-layers decoder layers, its
+final norm and (tied) output embedding, saved as a checkpoint of its own.
+That is a real draft model of the target's tokenizer, a third of its
+layers, untrained as a stand-alone model: what it measures is the
+machinery's cost against what an early-exit draft of this model gets
+accepted, not what a trained draft of a larger target would give. A last
+row drafts with the target's own checkpoint (every draft kept, each draft
+token as dear as a target step): the bound of what acceptance alone buys.
+
+Rounds alternate off, on, on, off (ABBA) and each figure is the median
+over rounds of decode tokens per second (after the first token), so the
+ratio holds on a noisy machine. In float32 greedy engines give the same
+tokens (the script checks it); in the 4-bit mode a verify row runs the
+block kernels' extend path, whose rounding differs from the decode path's,
+so a near-tie can go the other way: the script reports how many leading
+tokens agree.
 
     python bench/speculative.py                 # embedded model, CPU
     python bench/speculative.py --rounds 6 --max-tokens 300
@@ -23,7 +42,9 @@ import asyncio
 import json
 import platform
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 TEXT = (
     "The harbour town of Kelmsford wakes early. Before dawn the fishing boats slip out past the breakwater, "
@@ -40,31 +61,79 @@ TEXT = (
 )
 COPY = f"Rewrite the following text exactly, but change the town's name from Kelmsford to Ashby.\n\n{TEXT}"
 CHAT = "Write a short story about a robot who learns to paint."
+# (row name, prompt, engine compared with "off", temperature)
+ROWS = [
+    ("ngram_copy", COPY, "ngram", 0.0),
+    ("ngram_chat", CHAT, "ngram", 0.0),
+    ("ngram_copy_t0.7", COPY, "ngram", 0.7),
+    ("standalone_copy", COPY, "standalone", 0.0),
+    ("standalone_chat", CHAT, "standalone", 0.0),
+    ("standalone_self_copy", COPY, "standalone_self", 0.0),
+]
 
 
-async def decode_speed(engine, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """(decode tokens per second after the first token, the tokens) of one greedy request."""
+def truncated_draft(model_dir: Path, out: Path, layers: int) -> Path:
+    """The checkpoint's first `layers` decoder layers with its embeddings,
+    final norm and head: a draft model with the target's tokenizer."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    # The weights, and the 4-bit codes the target ships (model.int4wo-32.safetensors), if any.
+    for path in sorted(model_dir.glob("model*.safetensors")):
+        tensors = {}
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                parts = key.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                    continue
+                tensors[key] = f.get_tensor(key)
+        save_file(tensors, out / path.name, metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out
+
+
+async def decode_speed(engine, ids: list[int], max_tokens: int, temperature: float, seed: int
+                       ) -> tuple[float, list[int]]:
+    """(decode tokens per second after the first token, the tokens) of one request."""
     from pyserve.engine.request import GenerateRequest, SamplingParams
 
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                            seed=seed if temperature else None)
     tokens, first = [], None
-    async for out in engine.generate(GenerateRequest(ids, SamplingParams(max_new_tokens=max_tokens, temperature=0))):
+    async for out in engine.generate(GenerateRequest(ids, params)):
         tokens += out.token_ids
         if first is None and tokens:
             first, first_count = time.perf_counter(), len(tokens)
     return (len(tokens) - first_count) / (time.perf_counter() - first), tokens
 
 
-async def run(args) -> dict:
+async def run(args, model_dir: Path, draft_dir: Path) -> dict:
     from pyserve.chat_template import ChatTemplate
     from pyserve.engine.engine import Engine
     from pyserve.server_args import ServerArgs
 
-    common = dict(model_path=args.model, device=args.device, max_total_tokens=16384, disable_radix_cache=True,
+    common = dict(model_path=str(model_dir), device=args.device, max_total_tokens=16384, disable_radix_cache=True,
                   torchao_config=args.torchao_config)
     engines = {"off": Engine.from_args(ServerArgs(**common)),
-               "on": Engine.from_args(ServerArgs(**common, speculative_algorithm="NGRAM",
-                                                 speculative_num_draft_tokens=args.draft_tokens,
-                                                 speculative_ngram_min_match_window_size=args.min_window))}
+               "ngram": Engine.from_args(ServerArgs(**common, speculative_algorithm="NGRAM",
+                                                    speculative_num_draft_tokens=args.draft_tokens,
+                                                    speculative_ngram_min_match_window_size=args.min_window)),
+               "standalone": Engine.from_args(ServerArgs(**common, speculative_algorithm="STANDALONE",
+                                                         speculative_draft_model_path=str(draft_dir),
+                                                         speculative_num_steps=args.draft_steps)),
+               # The target's own checkpoint as its draft: every draft kept, at
+               # a draft cost of a whole target step; bounds what acceptance buys.
+               "standalone_self": Engine.from_args(ServerArgs(**common, speculative_algorithm="STANDALONE",
+                                                              speculative_draft_model_path=str(model_dir),
+                                                              speculative_num_steps=args.draft_steps))}
     for engine in engines.values():
         await engine.start()
     template = ChatTemplate.for_model(engines["off"].model_dir)
@@ -74,27 +143,35 @@ async def run(args) -> dict:
                                                                 add_generation_prompt=True))
 
     result = {}
-    for name, text in (("copy", COPY), ("chat", CHAT)):
+    for name, text, side, temperature in ROWS:
+        if args.only and name not in args.only:
+            continue
         ids = prompt(text)
+        engine = engines[side]
         speeds = {"off": [], "on": []}
         outputs = {}
-        await decode_speed(engines["on"], ids, 8)  # warm-up
-        await decode_speed(engines["off"], ids, 8)
+        await decode_speed(engine, ids, 8, temperature, 0)  # warm-up
+        await decode_speed(engines["off"], ids, 8, temperature, 0)
+        m = engine.metrics
+        steps0, emitted0 = m.spec_verify_steps, m.spec_emitted_tokens
         for r in range(args.rounds):
-            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                speed, tokens = await decode_speed(engines[side], ids, args.max_tokens)
-                speeds[side].append(speed)
-                outputs[side] = tokens
-        same = next((i for i, (a, b) in enumerate(zip(outputs["on"], outputs["off"])) if a != b),
-                    min(len(outputs["on"]), len(outputs["off"])))
-        if args.torchao_config == "none":
-            assert outputs["on"] == outputs["off"], f"{name}: speculation changed the greedy output"
+            for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                speed, tokens = await decode_speed(engines["off"] if which == "off" else engine, ids,
+                                                   args.max_tokens, temperature, r)
+                speeds[which].append(speed)
+                outputs[which] = tokens
         on, off = statistics.median(speeds["on"]), statistics.median(speeds["off"])
-        m = engines["on"].metrics
-        result[name] = {"prompt_tokens": len(ids), "output_tokens": len(outputs["on"]),
-                        "off_tok_s": round(off, 1), "on_tok_s": round(on, 1), "ratio": round(on / off, 2),
-                        "identical_leading_tokens": same}
-        result[name]["accept_len_so_far"] = round(m.spec_emitted_tokens / max(m.spec_verify_steps, 1), 2)
+        row = {"prompt_tokens": len(ids), "output_tokens": len(outputs["on"]), "off_tok_s": round(off, 1),
+               "on_tok_s": round(on, 1), "ratio": round(on / off, 2),
+               "accept_len": round((m.spec_emitted_tokens - emitted0) / max(m.spec_verify_steps - steps0, 1), 2)}
+        if temperature == 0:
+            row["identical_leading_tokens"] = next(
+                (i for i, (a, b) in enumerate(zip(outputs["on"], outputs["off"])) if a != b),
+                min(len(outputs["on"]), len(outputs["off"])))
+            if args.torchao_config == "none":
+                assert outputs["on"] == outputs["off"], f"{name}: speculation changed the greedy output"
+        result[name] = row
+        print(name, json.dumps(row), flush=True)
     for engine in engines.values():
         await engine.shutdown()
     return result
@@ -107,11 +184,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--torchao-config", default="auto", help="CPU quantization mode; none = float32")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--draft-tokens", type=int, default=6)
+    p.add_argument("--draft-tokens", type=int, default=6, help="NGRAM: --speculative-num-draft-tokens")
     p.add_argument("--min-window", type=int, default=3, help="--speculative-ngram-min-match-window-size")
+    p.add_argument("--draft-layers", type=int, default=10, help="STANDALONE: the target's layers the draft keeps")
+    p.add_argument("--draft-steps", type=int, default=4, help="STANDALONE: --speculative-num-steps")
+    p.add_argument("--only", nargs="*", help="row names to run (default: all)")
     args = p.parse_args(argv)
-    result = asyncio.run(run(args))
+    from pyserve.model.default_model import default_model_path
+
+    model_dir = Path(args.model) if args.model else default_model_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_dir = truncated_draft(model_dir, Path(tmp) / "draft", args.draft_layers)
+        result = asyncio.run(run(args, model_dir, draft_dir))
     result["machine"] = platform.machine()
+    result["draft"] = f"the target's first {args.draft_layers} layers"
     print(json.dumps(result, indent=2))
     return result
 

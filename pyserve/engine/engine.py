@@ -77,7 +77,8 @@ class Engine:
         kv_buffer = self.runner.rank_model.kv_buffer
         self.kv = KVManager(PageAllocator(kv_buffer.num_pages, kv_buffer.page_size),
                             use_radix_cache=not options.disable_radix_cache)
-        self.drafter = drafter_of(options)  # None unless --speculative-algorithm
+        # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
+        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner)
         self.scheduler = Scheduler(
             self.kv, options.max_running_requests, options.max_prefill_tokens,
             options.chunked_prefill_size if options.chunked_prefill_size > 0 else None,

@@ -47,7 +47,7 @@ from collections import deque
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.penalties import reads_history
 from pyserve.engine.sequence import Sequence
-from pyserve.engine.speculative.ngram import NgramDrafter
+from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import Rows, ScheduledStep, build_step
 
 logger = logging.getLogger("pyserve.engine")
@@ -63,7 +63,7 @@ class Scheduler:
     computes; the KV manager finds room and slots for it."""
 
     def __init__(self, kv: KVManager, max_running: int, max_prefill_tokens: int, chunk_size: int | None,
-                 priority_scheduling: bool = False, drafter: NgramDrafter | None = None):
+                 priority_scheduling: bool = False, drafter: Drafter | None = None):
         self.kv = kv
         self.drafter = drafter
         self.max_running = max_running

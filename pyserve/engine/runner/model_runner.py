@@ -32,7 +32,7 @@ from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
-from pyserve.engine.speculative.verify import accepted_counts, first_rows
+from pyserve.engine.speculative.rejection import verify_drafts
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
 from pyserve.model.forward_batch import ForwardBatch
@@ -58,9 +58,9 @@ class StepOutput:
     # Sampled sequences whose grammar refused the token they sampled the
     # step before (a bug): the engine ends them.
     refused: list[Sequence] = field(default_factory=list)
-    # Speculative steps: ids holds the target's token at every logits row
-    # (ScheduledStep.drafts), and counts how many of each sequence's rows
-    # it emits (accepted drafts + the target's own token).
+    # Speculative steps: ids holds the token each logits row emits
+    # (ScheduledStep.drafts; speculative/rejection.py), and counts how many
+    # of each sequence's rows it emits (accepted drafts + the target's own token).
     counts: list[int] | None = None
 
     def wait(self) -> None:
@@ -95,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        self.draft = None  # --speculative-algorithm STANDALONE: its DraftModel (speculative/options.py sets it)
         kv_buffer = self.rank_model.kv_buffer
         capacity = (kv_buffer.num_pages - 1) * kv_buffer.page_size  # page 0 is never handed out
         logger.info(
@@ -182,11 +183,16 @@ class ModelRunner:
                 batch = step.batch.to(self.device)
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
+                drafts, draft_probs = step.drafts, None
+                if self.draft is not None and drafts:
+                    drafts, draft_probs = self.draft.propose(step.batch, batch, drafts, states, self.sampler)
                 all_logits, pooled = self._forward_on_every_rank(batch, step)
+                if self.draft is not None:
+                    self.draft.follow(batch)
                 num_rows = len(seqs) + sum(len(d) for d in step.drafts)
                 logits = all_logits[:num_rows]
-                if step.drafts:
-                    next_ids, counts = self._verify(logits, states, step.drafts)
+                if drafts:
+                    next_ids, counts = verify_drafts(logits, states, drafts, draft_probs, self.sampler)
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
                 refused = [s.seq for s in states if s.refused]
@@ -212,21 +218,6 @@ class ModelRunner:
         except Exception:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise
-
-    def _verify(self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
-                ) -> tuple[torch.Tensor, list[int]]:
-        """The target's token at every logits row of a speculative step and
-        how many each sequence emits. Each sequence's first row is sampled as
-        in any step; drafted sequences are greedy (NgramDrafter only drafts
-        for those), so their later rows are the argmax."""
-        firsts = torch.tensor(first_rows(drafts), device=logits.device)
-        ids = logits.argmax(dim=-1)
-        ids[firsts] = self.sampler.sample(logits[firsts], states).to(ids.device)
-        host = ids.tolist()
-        counts = accepted_counts(host, drafts)
-        for state, count in zip(states, counts):
-            state.sampled += count - 1
-        return ids, counts
 
     def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits (and pooled sums), the other tensor-parallel ranks

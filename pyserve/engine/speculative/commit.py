@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.sequence import Sequence
-from pyserve.engine.speculative.ngram import NgramDrafter
+from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import ScheduledStep
 
 
@@ -21,7 +21,7 @@ def row_sequences(step: ScheduledStep) -> list[Sequence]:
     return [seq for seq, draft in zip(step.sampled, step.drafts) for _ in range(len(draft) + 1)]
 
 
-def accepted_runs(step: ScheduledStep, counts: list[int], kv: KVManager, drafter: NgramDrafter,
+def accepted_runs(step: ScheduledStep, counts: list[int], kv: KVManager, drafter: Drafter,
                   metrics: EngineMetrics) -> Iterator[tuple[Sequence, range]]:
     """Per live sampled sequence, the logits rows whose tokens it emits."""
     row = 0

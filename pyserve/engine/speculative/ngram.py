@@ -4,26 +4,15 @@ earlier occurrence of the request's own last tokens.
 Copy-heavy work (edits, RAG answers, code rewrites) repeats long stretches
 of its prompt, so where the request's newest tokens appeared before, what
 came after them then is a good guess of what comes next. The drafter runs
-on the event loop, at scheduling; verification is the target's (the
-runner's `accepted_run`).
-
-A request whose drafts keep failing stops drafting: each verify step costs
-more than a plain decode step, so free chat must not pay for drafts it
-never accepts.
+on the event loop, at scheduling; verification is the target's
+(speculative/rejection.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from pyserve.engine.penalties import reads_history
-from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.drafter import Drafter
 
-# A request's drafting is judged over this many verify steps: below
-# MIN_ACCEPT_RATE accepted tokens per drafted one, it decodes plainly.
-_JUDGED_AFTER = 8
-_MIN_ACCEPT_RATE = 0.25
 _SEARCH_SPAN = 4096  # tokens back the suffix is looked for
 
 
@@ -62,34 +51,13 @@ def _positions(ids: list[int], token: int, start: int, stop: int) -> list[int]:
         return found
 
 
-def drafts_exactly(p: SamplingParams) -> bool:
-    """Whether verification reproduces plain decoding for these params:
-    greedy, with nothing that changes the logits from one token to the next
-    (penalties, logit bias, min_tokens) and no grammar (its mask moves with
-    every token)."""
-    return (p.temperature == 0 and p.constraint is None and not reads_history(p) and not p.logit_bias
-            and not p.min_new_tokens and not p.pooling)
-
-
-@dataclass
-class NgramDrafter:
-    num_draft_tokens: int
-    min_window: int
-    max_window: int
+class NgramDrafter(Drafter):
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int):
+        super().__init__(num_draft_tokens)
+        self.min_window = min_window
+        self.max_window = max_window
 
     def propose(self, seq: Sequence) -> list[int]:
         """The drafts for `seq`'s next step ([] for a plain decode row)."""
-        if not seq.drafting or not drafts_exactly(seq.params):
-            return []
-        # Never draft past the request's length limit: the bonus token is the last.
-        room = seq.params.max_new_tokens - len(seq.output_ids) - 1
-        return find_draft(seq.all_ids, self.min_window, self.max_window, min(self.num_draft_tokens, room))
-
-    @staticmethod
-    def on_verified(seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count a verify step; turn drafting off for a request whose drafts fail."""
-        seq.drafted += drafted
-        seq.accepted += accepted
-        seq.verify_steps += 1
-        if seq.verify_steps >= _JUDGED_AFTER and seq.accepted < _MIN_ACCEPT_RATE * seq.drafted:
-            seq.drafting = False
+        k = self.budget(seq)
+        return find_draft(seq.all_ids, self.min_window, self.max_window, k) if k else []

@@ -1,0 +1,56 @@
+"""What every drafter shares, on the event loop: which requests are
+drafted, how many tokens at most, and when a request stops being drafted.
+
+A request whose drafts keep failing stops drafting: each verify step costs
+more than a plain decode step, so free chat must not pay for drafts it
+never accepts.
+"""
+
+from __future__ import annotations
+
+from pyserve.engine.penalties import reads_history
+from pyserve.engine.request import SamplingParams
+from pyserve.engine.sequence import Sequence
+
+# A request's drafting is judged over this many verify steps: below
+# MIN_ACCEPT_RATE accepted tokens per drafted one, it decodes plainly.
+_JUDGED_AFTER = 8
+_MIN_ACCEPT_RATE = 0.25
+
+
+def drafts_exactly(p: SamplingParams) -> bool:
+    """Whether verification keeps the output what plain decoding gives:
+    token for token at temperature 0, in distribution when sampled
+    (speculative/rejection.py). Not with anything that changes the logits
+    from one token to the next (penalties, logit bias, min_tokens) nor a
+    grammar (its mask moves with every token)."""
+    return (p.constraint is None and not reads_history(p) and not p.logit_bias
+            and not p.min_new_tokens and not p.pooling)
+
+
+class Drafter:
+    """The scheduler's side of a drafter: `propose` gives each decode row
+    its draft tokens ([] for a plain row)."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = num_draft_tokens
+
+    def propose(self, seq: Sequence) -> list[int]:
+        raise NotImplementedError
+
+    def budget(self, seq: Sequence) -> int:
+        """Draft tokens `seq` may have this step: none when it is not
+        drafted, and never past its length limit (the target's own token
+        after the drafts is the last)."""
+        if not seq.drafting or not drafts_exactly(seq.params):
+            return 0
+        return max(0, min(self.num_draft_tokens, seq.params.max_new_tokens - len(seq.output_ids) - 1))
+
+    @staticmethod
+    def on_verified(seq: Sequence, drafted: int, accepted: int) -> None:
+        """Count a verify step; turn drafting off for a request whose drafts fail."""
+        seq.drafted += drafted
+        seq.accepted += accepted
+        seq.verify_steps += 1
+        if seq.verify_steps >= _JUDGED_AFTER and seq.accepted < _MIN_ACCEPT_RATE * seq.drafted:
+            seq.drafting = False

@@ -1,0 +1,129 @@
+"""Verifying a speculative step's drafts, on the forward thread.
+
+A sequence with k drafts has k + 1 logits rows: row j is the target's
+prediction after the j-th input (its last known token, then the drafts).
+
+Greedy (temperature 0): the target's argmax at row 0 is what decoding one
+token a step gives; if that equals draft 0, the argmax at row 1 next, and
+so on. The run is the longest matching prefix of the drafts plus the
+target's own token after it, token for token what plain decoding gives.
+
+Sampled: speculative rejection sampling (Leviathan et al., 2023). With p_j
+the target's distribution at row j after the request's own temperature,
+top-k, top-p and min-p (sampler.probabilities, exactly what plain
+sampling draws from) and q_j the distribution draft j was drawn from, draft
+j is kept with probability min(1, p_j(d) / q_j(d)); the first one rejected
+is replaced by a draw from max(0, p_j - q_j) renormalised, and the run ends
+there; if all are kept, the last row's p_k gives one more token. Every
+emitted token is then distributed as the target's sampling distribution.
+The NGRAM drafter's drafts are a point mass (q_j(d) = 1), so the rule is
+keep d with probability p_j(d), else draw from p_j without d. Each step
+takes k + 1 uniform numbers from the request's own generator (the seeded
+ones) whatever is accepted, so a seed gives the same text again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyserve.engine.sampler import Sampler, probabilities
+from pyserve.engine.sampling_state import SamplingState
+
+
+def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
+                  draft_probs: list[torch.Tensor | None] | None, sampler: Sampler) -> tuple[torch.Tensor, list[int]]:
+    """The token each logits row emits (rows past a sequence's run hold
+    the argmax) and how many tokens each sequence emits. `draft_probs[i]`:
+    the [k, vocab] distributions sequence i's drafts were drawn from
+    (None: a point mass). Undrafted sequences sample their one row as in
+    any step."""
+    firsts = first_rows(drafts)
+    ids = logits.argmax(dim=-1)
+    plain = [i for i, d in enumerate(drafts) if not d]
+    if plain:
+        rows = torch.tensor([firsts[i] for i in plain], device=ids.device)
+        ids[rows] = sampler.sample(logits[rows], [states[i] for i in plain]).to(ids.device)
+    host = ids.tolist()
+    counts = []
+    for i, (state, draft) in enumerate(zip(states, drafts)):
+        if not draft:
+            counts.append(1)
+            continue
+        first, k = firsts[i], len(draft)
+        if state.params.temperature == 0:
+            run = greedy_run(host[first : first + k + 1], draft)
+        else:
+            p = probabilities(logits[first : first + k + 1], [state.params] * (k + 1))
+            q = draft_probs[i] if draft_probs is not None else None
+            run = rejection_run(p, draft, q, state.generator or sampler.generator)
+            ids[first : first + len(run)] = torch.tensor(run, device=ids.device)
+        counts.append(len(run))
+        state.sampled += len(run)
+    return ids, counts
+
+
+def first_rows(drafts: list[list[int]]) -> list[int]:
+    """Index of each sequence's first logits row."""
+    rows, row = [], 0
+    for draft in drafts:
+        rows.append(row)
+        row += len(draft) + 1
+    return rows
+
+
+def greedy_run(targets: list[int], draft: list[int]) -> list[int]:
+    """The drafts the target's argmax agrees with, then the target's own token."""
+    n = 0
+    while n < len(draft) and targets[n] == draft[n]:
+        n += 1
+    return targets[: n + 1]
+
+
+def rejection_run(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+                  generator: torch.Generator) -> list[int]:
+    """The tokens one verify step emits for a sampled sequence: `p` the
+    target's [k + 1, vocab] distributions (unnormalised is fine), `q` the
+    drafts' [k, vocab] ones or None for point masses."""
+    k = len(draft)
+    u = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+    p = p.double()
+    p = p / p.sum(dim=-1, keepdim=True)
+    d = torch.tensor(draft, device=p.device)
+    rows = torch.arange(k, device=p.device)
+    if q is None:
+        q_d = torch.ones(k, dtype=torch.float64, device=p.device)
+    else:
+        q = q.double()
+        q = q / q.sum(dim=-1, keepdim=True)
+        q_d = q[rows, d]
+    # u < p(d) / q(d), without dividing by a q(d) that may be tiny.
+    kept = (u[:k].to(p.device) * q_d < p[rows, d]).tolist()
+    n = kept.index(False) if False in kept else k
+    if n == k:
+        last = p[k]
+    else:
+        if q is None:
+            last = p[n].clone()
+            last[draft[n]] = 0.0
+        else:
+            last = (p[n] - q[n]).clamp(min=0.0)
+        if float(last.sum()) <= 0.0:  # p_n == q_n: rejection had probability 0, rounding did it
+            last = p[n]
+    return draft[:n] + [int(inverse_cdf(last[None], u[k:].to(p.device))[0])]
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [n, vocab] (unnormalised is fine), row
+    i's uniform number from generators[i]."""
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose cumulative mass first exceeds u * total, per row;
+    never a token of probability 0."""
+    cdf = probs.double().cumsum(dim=-1)
+    ids = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]
+    ids.clamp_(max=probs.shape[-1] - 1)
+    missed = probs.gather(1, ids[:, None])[:, 0] == 0  # u * total rounded up to the total
+    return torch.where(missed, probs.argmax(dim=-1), ids)

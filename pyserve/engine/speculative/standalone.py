@@ -1,0 +1,140 @@
+"""STANDALONE drafting: a smaller model with the target's tokenizer
+proposes each drafted request's next tokens, one decode step at a time.
+
+The draft model is loaded by the same loader as the target and runs on the
+forward thread, right before the target's verify pass. Its KV lives in a
+buffer of its own (the draft's layers and heads) with as many pages as the
+target's, addressed by the same slots: each step's batch, whose page
+tables and new slots the KV manager gave for the target, is run through
+the draft model too (`follow`), so every token the target computes (prompt
+chunks, decode and verify rows) has the draft's KV at the same slot. What
+the KV manager does to slots (prefix sharing in the radix cache, freeing,
+drop_tail of rejected drafts, retraction) then holds for both models, and
+no second allocator is needed.
+
+On the event loop, `StandaloneDrafter.propose` only reserves room: k
+placeholder tokens per drafted row, which `DraftModel.propose` replaces
+in the step's input with the draft model's tokens before the target runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pyserve.engine.runner.rank_model import RankModel
+from pyserve.engine.sampler import Sampler, probabilities
+from pyserve.engine.sampling_state import SamplingState
+from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.drafter import Drafter
+from pyserve.engine.speculative.rejection import draw, first_rows
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.server_args import ModelOptions
+
+
+class StandaloneDrafter(Drafter):
+    def propose(self, seq: Sequence) -> list[int]:
+        """Room for the draft model's tokens: placeholders the forward thread fills."""
+        return [0] * self.budget(seq)
+
+
+def tokenizer_mismatch(target_dir: Path, draft_dir: Path) -> str | None:
+    """Why the draft cannot draft for the target (their tokenizers differ), or None."""
+    paths = [target_dir / "tokenizer.json", draft_dir / "tokenizer.json"]
+    if not paths[1].is_file():
+        return f"the draft model directory {draft_dir} has no tokenizer.json to compare with the target's"
+    target, draft = (json.loads(p.read_text()) for p in paths)
+    for key, what in (("model", "vocabulary"), ("added_tokens", "added tokens")):
+        if target.get(key) != draft.get(key):
+            return (f"the draft model's {what} differ from the target's: a STANDALONE draft model "
+                    "must use the target's tokenizer")
+    return None
+
+
+class DraftModel:
+    """The draft model and its KV buffer, owned by the forward thread."""
+
+    def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel):
+        # No adapters, CUDA graphs or second rank: the draft runs eagerly on
+        # rank 0's device, over positions as long as the target's context,
+        # in the CPU weight mode the target runs in (auto picks per checkpoint).
+        mode = options.torchao_config
+        if mode == "auto" and target.device.type == "cpu":
+            mode = target.quant.name if target.quant is not None else "none"
+        options = replace(options, model_path=str(draft_dir), enable_lora=False, lora_paths=None,
+                          disable_cuda_graph=True, context_length=target.context_len, is_embedding=False,
+                          torchao_config=mode)
+        self.model = RankModel(options, draft_dir, target.device)
+        self.model.allocate(target.kv_buffer.num_pages)
+        self.vocab_size = target.config.vocab_size
+
+    def propose(self, host: ForwardBatch, batch: ForwardBatch, drafts: list[list[int]],
+                states: list[SamplingState], sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Draft each drafted sequence's tokens (as many as its placeholders
+        in `drafts`), batched one position at a time, and write them into
+        `batch.input_ids` (the device copy of `host`, the step's batch).
+        Returns the drafts and, per sequence, the [k, vocab] distributions
+        sampled ones were drawn from (None for greedy or undrafted ones)."""
+        drafted = [i for i, d in enumerate(drafts) if d]
+        token_at, slots = _drafted_rows(host, drafts, drafted)
+        inputs = [int(host.input_ids[t]) for t in token_at]
+        out: list[list[int]] = [[] for _ in drafts]
+        dists: list[list[torch.Tensor]] = [[] for _ in drafts]
+        for j in range(max(len(drafts[i]) for i in drafted)):
+            live = [n for n, i in enumerate(drafted) if len(drafts[i]) > j]
+            positions = [int(host.positions[token_at[n]]) + j for n in live]
+            step = ForwardBatch.build(
+                [inputs[n] for n in live], positions, torch.stack([slots[n][p] for n, p in zip(live, positions)]),
+                [1] * len(live), [slots[n][: p + 1] for n, p in zip(live, positions)], list(range(len(live))),
+                True, self.model.device)
+            logits = self._vocab(self.model.forward(step))
+            tokens = logits.argmax(dim=-1)
+            sampled = [r for r, n in enumerate(live) if states[drafted[n]].params.temperature != 0]
+            if sampled:
+                seqs = [drafted[live[r]] for r in sampled]
+                q = probabilities(logits[sampled], [states[i].params for i in seqs])
+                tokens[torch.tensor(sampled, device=tokens.device)] = draw(
+                    q, [states[i].generator or sampler.generator for i in seqs])
+                for r, i in enumerate(seqs):
+                    dists[i].append(q[r])
+            for n, token in zip(live, tokens.tolist()):
+                out[drafted[n]].append(token)
+                inputs[n] = token
+        where = [t + 1 + j for n, t in enumerate(token_at) for j in range(len(out[drafted[n]]))]
+        batch.input_ids[torch.tensor(where, device=batch.input_ids.device)] = torch.tensor(
+            [token for i in drafted for token in out[i]], device=batch.input_ids.device)
+        return out, [torch.stack(d) if d else None for d in dists]
+
+    def follow(self, batch: ForwardBatch) -> None:
+        """Run the step's batch (drafts filled in) through the draft model:
+        its KV at every slot the target just wrote. No logits are computed."""
+        self.model.forward(replace(batch, logits_indices=batch.logits_indices[:0]))
+
+    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary (the same
+        tokenizer; the embedding rows past it may be padded differently)."""
+        n = logits.shape[-1]
+        if n >= self.vocab_size:
+            return logits[:, : self.vocab_size]
+        pad = logits.new_full((logits.shape[0], self.vocab_size - n), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+
+def _drafted_rows(host: ForwardBatch, drafts: list[list[int]], drafted: list[int]
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """Per drafted sequence: the index of its last known token among the
+    step's tokens, and its batch row's KV slots (known tokens, then the drafts')."""
+    firsts = first_rows(drafts)
+    starts = [0]
+    for n in host.extend_lens:
+        starts.append(starts[-1] + n)
+    token_at = [int(host.logits_indices[firsts[i]]) for i in drafted]
+    slots = []
+    for t in token_at:
+        row = bisect.bisect_right(starts, t) - 1
+        slots.append(host.kv_indices[int(host.kv_indptr[row]) : int(host.kv_indptr[row + 1])])
+    return token_at, slots

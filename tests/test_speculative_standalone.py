@@ -1,0 +1,213 @@
+"""STANDALONE speculative decoding: a draft model with the target's
+tokenizer. Greedy output identical to decoding without speculation,
+whatever lands inside an accepted run; the draft model sees every token
+the target sees (prompt chunks, prefixes from the radix cache), and every
+KV page is back after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import GenerateRequest, SamplingParams
+from pyserve.server_args import ServerArgs
+from tests.test_speculative import collect, repetitive, same, started
+from tests.tiny_models import build_tiny_model
+
+K = 4
+
+
+def noisy_copy(target_dir: Path, out: Path, noise: float, seed: int = 0) -> Path:
+    """The target's weights plus Gaussian noise (saved by transformers, with
+    its tokenizer): a draft that agrees with the target often but not always."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (target_dir / name).is_file():
+            shutil.copy(target_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_llama_dir, tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    """Three draft models for the tiny target: its own weights (every draft
+    kept), a noisy copy (some kept), and a smaller model of other shapes
+    (one layer, two heads, one KV head; its drafts mostly fail)."""
+    root = tmp_path_factory.mktemp("drafts")
+    small = build_tiny_model(root / "small", "llama", tokenizer_dir=default_model_dir, seed=7, num_hidden_layers=1,
+                             hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return {"same": tiny_llama_dir, "noisy": noisy_copy(tiny_llama_dir, root / "noisy", noise=0.02),
+            "small": small}
+
+
+def spec(draft: Path, **extra) -> dict:
+    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft),
+            "speculative_num_draft_tokens": K, **extra}
+
+
+def run_both(model_dir, requests, draft, engine_args=None, sequential=False):
+    """Each request's (text, tokens, logprobs, last output), without and with
+    the draft model, in float32; and the speculative engine's metrics."""
+    async def main(extra):
+        engine = await started(model_dir, torchao_config="none", **(engine_args or {}), **extra)
+        try:
+            if sequential:
+                got = [await collect(engine, ids, **params) for ids, params in requests]
+            else:
+                got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
+            engine.check_integrity()
+            assert engine.kv_usage()["in_use"] == 0
+            return got, engine.metrics
+        finally:
+            await engine.shutdown()
+    plain, _ = asyncio.run(main({}))
+    got, metrics = asyncio.run(main(spec(draft)))
+    return plain, got, metrics
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("draft", ["noisy", "small"])
+def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, draft):
+    from pyserve._rust import Tokenizer
+
+    plain_run = asyncio.run(_plain_tokens(tiny_llama_dir, repetitive(), 30))
+    stop_token = plain_run[9]  # emitted as the 10th token: inside a run when drafts are kept
+    stop_text = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")).decode(plain_run[12:14])
+    requests = [
+        (repetitive(), {**GREEDY, "max_new_tokens": 30}),
+        (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
+        ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
+        (repetitive(), {**GREEDY, "max_new_tokens": 30, "stop_token_ids": [stop_token]}),
+        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+        (repetitive(), {**GREEDY, "max_new_tokens": 30, "stop": [stop_text]}),
+    ]
+    plain, got, metrics = run_both(tiny_llama_dir, requests, drafts[draft], {"page_size": page_size})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+    assert got[3][3].finish_reason == "stop" and got[3][1][-1] == stop_token
+    assert len(got[1][1]) == 7
+    assert got[5][3].finish_reason == "stop" and stop_text not in got[5][0]
+    if draft == "noisy":
+        assert metrics.spec_emitted_tokens > 1.5 * metrics.spec_verify_steps  # runs of several tokens happened
+
+
+async def _plain_tokens(model_dir, ids, n):
+    engine = await started(model_dir, torchao_config="none")
+    try:
+        return (await collect(engine, ids, **GREEDY, max_new_tokens=n))[1]
+    finally:
+        await engine.shutdown()
+
+
+def test_the_draft_sees_chunked_prompts_and_cached_prefixes(tiny_llama_dir, drafts):
+    """With the target's own weights as the draft, a draft is kept exactly
+    when the draft model's KV holds every earlier token. Prompts computed
+    in chunks of 8, then a second request whose prompt starts with the
+    first's (its prefix comes from the radix cache, computed by the first
+    request's steps): both keep nearly every draft, and decode as without
+    speculation."""
+    first = repetitive(45)
+    requests = [(first, {**GREEDY, "max_new_tokens": 25}),
+                (first + [7, 8, 9], {**GREEDY, "max_new_tokens": 25})]
+    plain, got, metrics = run_both(tiny_llama_dir, requests, drafts["same"],
+                                   {"chunked_prefill_size": 8, "page_size": 4}, sequential=True)
+    same(plain, got)
+    assert got[1][3].cached_tokens >= 40  # the second prompt's prefix came from the cache
+    # 50 tokens over the two requests: at most 10 steps of K + 1 when every draft is kept.
+    assert metrics.spec_emitted_tokens >= 0.9 * (K + 1) * metrics.spec_verify_steps
+
+
+def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir, drafts):
+    requests = [(repetitive(40 + i), {**GREEDY, "max_new_tokens": 40}) for i in range(4)]
+    plain, got, metrics = run_both(tiny_llama_dir, requests, drafts["noisy"],
+                                   {"page_size": 4, "max_total_tokens": 200})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+
+
+def test_abort_mid_request_gives_every_page_back(tiny_llama_dir, drafts):
+    async def main():
+        engine = await started(tiny_llama_dir, torchao_config="none", **spec(drafts["noisy"]))
+        try:
+            stream = engine.generate(GenerateRequest(repetitive(), SamplingParams(**GREEDY, max_new_tokens=200)))
+            seen = 0
+            async for out in stream:
+                seen += len(out.token_ids)
+                if seen >= 6:
+                    break
+            await stream.aclose()
+            other = await collect(engine, repetitive(35), **GREEDY, max_new_tokens=10)
+            engine.check_integrity()
+            assert engine.kv_usage()["in_use"] == 0
+            return seen, other
+        finally:
+            await engine.shutdown()
+    seen, other = asyncio.run(main())
+    assert seen >= 6 and len(other[1]) == 10
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_llama_dir, drafts, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(drafts["small"], other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="must use the target's tokenizer"):
+        Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), **spec(other)))
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), speculative_algorithm="STANDALONE"))
+
+
+def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
+    """`pyserve --model T --speculative-algorithm STANDALONE
+    --speculative-draft-model-path D`: streamed text equals the non-streamed
+    text, n=2 gives two identical greedy choices, and the answers equal a
+    server without speculation."""
+    import httpx
+    import openai
+
+    from tests.conftest import ServerProcess
+
+    base = ("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--torchao-config", "none")
+    prompt = "one two three four five one two three four five one two three four"
+
+    def answers(*args: str):
+        srv = ServerProcess(*base, *args)
+        try:
+            client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+            model = client.models.list().data[0].id
+            whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, n=2)
+            stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
+            assert info["kv_integrity"] == "ok", info["kv_integrity"]
+            metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+            return [c.text for c in whole.choices], streamed, whole.usage.completion_tokens, metrics
+        finally:
+            srv.stop()
+
+    texts, streamed, tokens, metrics = answers("--speculative-algorithm", "STANDALONE",
+                                               "--speculative-draft-model-path", str(drafts["noisy"]))
+    plain_texts, _, _, _ = answers()
+    assert texts[0] == texts[1] == streamed == plain_texts[0]
+    assert tokens == 48
+    verified = next(float(line.split()[1]) for line in metrics.splitlines()
+                    if line.startswith("pyserve:spec_verify_steps_total"))
+    assert verified > 0
