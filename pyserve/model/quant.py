@@ -20,8 +20,10 @@ and `auto`: on the CPU, the 4-bit weights a model directory ships already
 default_model.py) as 8da4w where the CPU has AVX2 (else int4wo-32); a
 checkpoint quantized by another tool (quantized/) in its natural mode:
 4-bit ones as 8da4w (else int4wo with their group size), 8-bit and FP8
-ones as int8wo; none otherwise, and for mixture-of-experts models, whose
-experts stay in the model's dtype. The vocabulary projection (lm_head, or the tied
+ones as int8wo; none otherwise. Every mode applies to mixture-of-experts
+models' experts as well: each expert's gate/up and down weights become
+one layer of the mode (and the shared expert's), which the MoE block's
+grouped path calls on the rows routed to it (layers/moe.py). The vocabulary projection (lm_head, or the tied
 embedding matrix) is int8 in every mode (Q8_0 blocks in 8da4w): it is the
 largest matmul and the most sensitive to rounding; the embedding lookup
 stays dense.
@@ -41,6 +43,7 @@ from torch import nn
 
 from pyserve.model.cpu import blocks
 from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear, int4_groups
+from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.quantized.scheme import Scheme, detect
 
 logger = logging.getLogger(__name__)
@@ -97,15 +100,10 @@ def prequantized_file(model_dir: Path, quant: WeightQuant) -> Path:
     return Path(model_dir) / f"model.{quant.stored_as}.safetensors"
 
 
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def natural_quant(scheme: Scheme, config: dict) -> WeightQuant | None:
-    """The CPU mode a quantized checkpoint's weights fit: its 4-bit codes
-    as they are, 8-bit and FP8 weights dequantized at load and held as
-    int8wo; None (the model's dtype) for mixture-of-experts models."""
-    if any(config.get(key) for key in _EXPERT_COUNTS):
-        return None
+def natural_quant(scheme: Scheme) -> WeightQuant:
+    """The CPU mode a quantized checkpoint's weights fit, experts and all:
+    its 4-bit codes as they are, 8-bit and FP8 weights dequantized at load
+    and held as int8wo."""
     if scheme.kind == "int" and scheme.bits == 4:
         if blocks.available():
             return BLOCK_INT4
@@ -127,7 +125,7 @@ def resolve_quant(text: str, model_dir: Path, device: torch.device, kernel_threa
         if device.type != "cpu":
             quant = None
         elif scheme is not None:
-            quant = natural_quant(scheme, config)
+            quant = natural_quant(scheme)
         else:
             quant = shipped if prequantized_file(model_dir, shipped).is_file() else None
     if quant is not None and device.type != "cpu":
@@ -239,8 +237,7 @@ def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | No
     return Int4Linear(codes, scales, zeros, quant.group_size, bias)
 
 
-def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
-    weight, bias = linear.weight.data, None if linear.bias is None else linear.bias.data
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: WeightQuant) -> nn.Module | None:
     if quant.bits == 8:
         return Int8Linear.quantize(weight, bias)
     if quant.int8_activations and weight.shape[1] % blocks.BLOCK == 0:
@@ -248,6 +245,22 @@ def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
     if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
         return Int4Linear.quantize(weight, quant.group_size, bias)
     return None
+
+
+def _expert_layer(quant: WeightQuant, weight: torch.Tensor, groups: Int4Groups | None, kept_dense: list[str],
+                  name: str) -> nn.Module:
+    """One expert weight [out, in] as a `quant` layer: from the checkpoint's
+    own 4-bit `groups` where they fit, else quantized; a weight the kernel
+    cannot hold stays dense (an nn.Linear), as a dense layer would."""
+    if groups is not None and groups[0].shape == weight.shape and (
+            quant.int8_activations or Int4Linear.fits(weight, quant.group_size)):
+        return _from_groups(quant, groups, None)
+    layer = _quantized(weight, None, quant)
+    if layer is None:
+        kept_dense.append(name)
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return layer
 
 
 def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4Groups] | None = None) -> None:
@@ -260,12 +273,18 @@ def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
         bias = None if module.bias is None else module.bias.data
-        replacement = _from_groups(quant, shipped[name], bias) if name in shipped else _quantized(module, quant)
+        replacement = (_from_groups(quant, shipped[name], bias) if name in shipped
+                       else _quantized(module.weight.data, bias, quant))
         if replacement is None:
             kept_dense.append(name)
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replacement)
+    for name, module in model.named_modules():
+        if isinstance(module, MoEBlock):
+            module.quantize_experts(lambda param, expert, weight, prefix=name: _expert_layer(
+                quant, weight, shipped.get(prefix + f".{param}" + ("" if expert is None else f".{expert}")),
+                kept_dense, f"{prefix}.{param}"))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = (Q8_0Linear.quantize(head.data, threads=quant.kernel_threads) if quant.int8_activations
                      else Int8Linear.quantize(head.data))
