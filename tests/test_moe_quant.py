@@ -74,17 +74,21 @@ def _head(weight: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
     return dense_of(Q8_0Linear.quantize(weight) if quant.int8_activations else Int8Linear.quantize(weight))
 
 
-def dequantized_transformers(model_dir, model, quant: WeightQuant):
+def dequantized_transformers(model_dir, model, quant: WeightQuant, requantize: bool = True):
     """transformers' model of `model_dir` holding the weights pyserve's
-    quantized `model` multiplies by."""
+    quantized `model` multiplies by (`requantize` False: its linear layers
+    are those weights already, the vocabulary projection aside)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gpt_oss = hf.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, module in hf.named_modules():
-            if isinstance(module, nn.Linear) and not re.search(r"(^|\.)(gate|router|shared_expert_gate)$", name):
-                module.weight.copy_((_head if name == "lm_head" else requantized)(module.weight, quant))
+            if name == "lm_head":
+                module.weight.copy_(_head(module.weight, quant))
+            elif (requantize and isinstance(module, nn.Linear)
+                  and not re.search(r"(^|\.)(gate|router|shared_expert_gate)$", name)):
+                module.weight.copy_(requantized(module.weight, quant))
             if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
                 continue
             block = model.layers[int(re.search(r"layers\.(\d+)\.", name).group(1))].mlp
@@ -168,3 +172,72 @@ def test_quantized_experts_answer_like_transformers_on_the_same_weights(tmp_path
         float_hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = random_prompts(config.vocab_size, [3, 17, 9])
     assert_answers_like_reference(model, config, hf, prompts, MEDIAN_ATOL[mode], float_hf)
+
+
+FOUR_BIT = "8da4w" if blocks.available() else "int4wo-32"
+
+
+@pytest.mark.parametrize("fmt, mode", [("gptq-int4-sym", FOUR_BIT),
+                                       ("awq-int4-g64", "8da4w" if blocks.available() else "int4wo-64"),
+                                       ("fp8-block", "int8wo")])
+def test_quantized_checkpoint_experts_run_in_its_natural_mode(tmp_path, default_model_dir, fmt, mode):
+    """`auto` on a Qwen3-MoE whose experts are quantized: 4-bit experts are
+    built from the checkpoint's own codes (each expert's weight is the
+    checkpoint's, exactly), FP8 ones dequantized into int8wo; the model
+    answers as transformers does on those weights."""
+    from tests.test_quantized_checkpoints import quantized_pair
+
+    quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt, "qwen3_moe", **SHAPES["qwen3_moe"])
+    quant = resolve_quant("auto", quant_dir, torch.device("cpu"))
+    assert quant.name == mode
+    model, config = load_model(quant_dir, torch.float32, "cpu", quant)
+    reference, _ = load_model(dense_dir, torch.float32, "cpu")
+    block, want = model.layers[1].mlp, reference.layers[1].mlp
+    for e in range(len(block.w13)):
+        for got, dense in ((block.w13[e], want.w13[e]), (block.w2[e], want.w2[e])):
+            if quant.bits == 4:
+                assert torch.allclose(dense_of(got), dense, rtol=0, atol=1e-6)
+            else:
+                assert isinstance(got, Int8Linear) and torch.equal(dense_of(got), requantized(dense, quant))
+    # The checkpoint's own 4-bit weights are the reference's as they are.
+    hf = dequantized_transformers(dense_dir, model, quant, requantize=quant.bits == 8)
+    prompts = random_prompts(config.vocab_size, [3, 17, 9])
+    atol = MEDIAN_ATOL["8da4w" if quant.int8_activations else "int8wo"]
+    assert_answers_like_reference(model, config, hf, prompts, atol)
+
+
+def test_auto_serves_a_gptq_qwen3_moe_to_the_openai_client(tmp_path, default_model_dir):
+    """`pyserve --model DIR` with its defaults on a GPTQ-int4 Qwen3-MoE: auto
+    runs its experts in the 4-bit mode from their codes; greedy completions
+    and their logprobs are what the same quantized model gives in process."""
+    import openai
+    import transformers
+    from tests.conftest import ServerProcess
+    from tests.test_quantized_checkpoints import quantized_pair
+
+    quant_dir, _ = quantized_pair(tmp_path, default_model_dir, "gptq-int4-sym", "qwen3_moe", **SHAPES["qwen3_moe"])
+    model, config = load_model(quant_dir, torch.float32, "cpu", resolve_quant("auto", quant_dir, torch.device("cpu")))
+    prompts = random_prompts(config.vocab_size, [4, 11], seed=3)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(quant_dir)
+    srv = ServerProcess("--model", str(quant_dir), "--max-total-tokens", "2048")
+    try:
+        client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+        name = client.models.list().data[0].id
+        for prompt in prompts:
+            choice = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                               logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+            expected = _greedy(model, config, prompt, NEW_TOKENS)
+            logprobs = teacher_forced_logprobs(model, config, prompt, expected)
+            assert choice.text == tokenizer.decode(expected)
+            want = [logprobs[i, t].item() for i, t in enumerate(expected)]
+            assert choice.logprobs.token_logprobs == pytest.approx(want, abs=1e-3)
+    finally:
+        srv.stop()
+
+
+def _greedy(model, config, prompt: list[int], n: int) -> list[int]:
+    seqs = CachedSequences(model, config)
+    tokens = [int(seqs.forward({0: prompt})[0].argmax())]
+    while len(tokens) < n:
+        tokens.append(int(seqs.forward({0: [tokens[-1]]})[0].argmax()))
+    return tokens
