@@ -62,12 +62,14 @@ def dense_of(layer: nn.Module) -> torch.Tensor:
     return layer.weight.float()
 
 
-def requantized(weight: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
+def requantized(weight: torch.Tensor, quant: WeightQuant, expert: bool = False) -> torch.Tensor:
+    """`weight` quantized as pyserve's layers of `quant` do, dequantized
+    (an int4wo expert's as its kernel multiplies: it keeps no float copy)."""
     if quant.bits == 8:
         return dense_of(Int8Linear.quantize(weight))
     if quant.int8_activations:
         return dense_of(Q4_1Linear.quantize(weight))
-    return dense_of(Int4Linear.quantize(weight, quant.group_size))
+    return dense_of(Int4Linear.quantize(weight, quant.group_size, dense_copy=not expert))
 
 
 def _head(weight: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
@@ -88,7 +90,7 @@ def dequantized_transformers(model_dir, model, quant: WeightQuant, requantize: b
                 module.weight.copy_(_head(module.weight, quant))
             elif (requantize and isinstance(module, nn.Linear)
                   and not re.search(r"(^|\.)(gate|router|shared_expert_gate)$", name)):
-                module.weight.copy_(requantized(module.weight, quant))
+                module.weight.copy_(requantized(module.weight, quant, expert="shared_expert." in name))
             if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
                 continue
             block = model.layers[int(re.search(r"layers\.(\d+)\.", name).group(1))].mlp
@@ -241,3 +243,33 @@ def _greedy(model, config, prompt: list[int], n: int) -> list[int]:
     while len(tokens) < n:
         tokens.append(int(seqs.forward({0: [tokens[-1]]})[0].argmax()))
     return tokens
+
+
+def expert_bytes(block: MoEBlock) -> int:
+    """What a block's experts (and shared expert) hold in memory."""
+    held = [block.w13, block.w2, block.shared_w13, block.shared_w2]
+    return sum(t.nbytes for w in held if w is not None
+               for t in ([w] if isinstance(w, torch.Tensor) else [*w.parameters(), *w.buffers()]))
+
+
+@pytest.mark.parametrize("mode, share", [("int8wo", 0.26), ("int4wo-32", 0.17), ("8da4w", 0.19)])
+def test_quantized_experts_take_a_fraction_of_float32s_memory(mode, share):
+    """An expert layer of 8 experts, hidden 512, intermediate 256, and a
+    shared expert: int8 codes with a scale per row (a quarter of float32's
+    bytes), 4-bit codes with their group scales (int4wo keeps only its
+    kernel's copy for an expert), Q4_1's 20 bytes per 32 weights."""
+    from pyserve.model.layers.moe import MoESpec
+    from pyserve.model.quant import quantize_model
+
+    spec = MoESpec(num_experts=8, top_k=2, hidden=512, intermediate=256, shared_intermediate=256, shared_gate=True)
+    block = MoEBlock(spec)
+    for p in block.parameters():
+        p.data.normal_()
+    before = expert_bytes(block)
+    holder = nn.Module()
+    holder.block, holder.embed_tokens, holder.lm_head = block, nn.Embedding(64, 512), None
+    x = torch.randn(5, 512)
+    dense = block(x)
+    quantize_model(holder, parse_quant(mode))
+    assert expert_bytes(block) <= share * before
+    assert ((block(x) - dense).norm() / dense.norm()).item() < 0.15  # the same block, to 4 or 8 bits

@@ -167,17 +167,18 @@ class Int4Linear(nn.Module):
     weight to float32 for that one call and multiplies densely (on this
     2-core AVX2 machine, 512 rows through all of the embedded model's
     layers: 1.75 s in int4 against 0.9 s dense plus 0.4 s dequantizing).
-    The codes are kept two to a byte for that, half the size of the
-    kernel's own copy."""
+    The codes are kept two to a byte for that, as much again as the
+    kernel's own copy: an expert's layer (`dense_copy` False), whose rows
+    are a share of a step's, keeps only the kernel's and always runs it."""
 
     DENSE_FROM_ROWS = 512
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None):
+                 group_size: int, bias: torch.Tensor | None, dense_copy: bool = True):
         """codes: uint8 [out, in] (0..15); scales, zeros: [out, in / group_size]."""
         super().__init__()
         self.group_size = group_size
-        self.out_features = codes.shape[0]
+        self.out_features, self.in_features = codes.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         self.register_buffer("weight", packed)
         # The kernel's layout: [in / group_size, out, (scale, zero)].
@@ -186,20 +187,26 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias)
         # For dense_weight: scales and zeros again, in float32 (the kernel's copy
         # above is bfloat16-rounded), shaped [out, in / group_size, 1] to broadcast over a group.
-        self.register_buffer("nibbles", pack_nibbles(codes.to(torch.uint8)))
-        self.register_buffer("group_scales", scales.float()[..., None])
-        self.register_buffer("group_zeros", zeros.float()[..., None])
+        self.register_buffer("nibbles", pack_nibbles(codes.to(torch.uint8)) if dense_copy else None)
+        self.register_buffer("group_scales", scales.float()[..., None] if dense_copy else None)
+        self.register_buffer("group_zeros", zeros.float()[..., None] if dense_copy else None)
 
     def dense_weight(self) -> torch.Tensor:
-        """The float32 weight [out, in] this layer multiplies by."""
+        """The float32 weight [out, in] this layer multiplies by; without a
+        dense copy, as the kernel gives it (bf16 scales, outputs rounded to bf16)."""
+        if self.nibbles is None:
+            identity = torch.eye(self.in_features, dtype=_ACT_DTYPE)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                identity, self.weight, self.group_size, self.scales_and_zeros).float().T.contiguous()
         w = unpack_nibbles(self.nibbles).float().view(self.out_features, -1, self.group_size)
         return w.sub_(8).mul_(self.group_scales).add_(self.group_zeros).view(self.out_features, -1)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
+    def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+                 dense_copy: bool = True) -> Int4Linear:
         """Asymmetric min/max quantization of each group of `group_size` inputs."""
         codes, scales, mins = int4_groups(weight, group_size)
-        return cls(codes, scales, mins + 8 * scales, group_size, bias)
+        return cls(codes, scales, mins + 8 * scales, group_size, bias, dense_copy)
 
     @staticmethod
     def fits(weight: torch.Tensor, group_size: int) -> bool:
@@ -208,7 +215,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] >= self.DENSE_FROM_ROWS:
+        if rows.shape[0] >= self.DENSE_FROM_ROWS and self.nibbles is not None:
             y = F.linear(rows.float(), self.dense_weight())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -229,21 +236,23 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [out, in], scales, zeros
 
 
-def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module:
+def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | None,
+                 dense_copy: bool = True) -> nn.Module:
     """A 4-bit layer of `quant` from int4wo's codes, scales and zeros."""
     codes, scales, zeros = groups
     if quant.int8_activations:
         return Q4_1Linear(codes, scales, zeros - 8 * scales, bias, quant.kernel_threads)
-    return Int4Linear(codes, scales, zeros, quant.group_size, bias)
+    return Int4Linear(codes, scales, zeros, quant.group_size, bias, dense_copy)
 
 
-def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: WeightQuant) -> nn.Module | None:
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: WeightQuant,
+               dense_copy: bool = True) -> nn.Module | None:
     if quant.bits == 8:
         return Int8Linear.quantize(weight, bias)
     if quant.int8_activations and weight.shape[1] % blocks.BLOCK == 0:
         return Q4_1Linear.quantize(weight, bias, quant.kernel_threads)
     if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
-        return Int4Linear.quantize(weight, quant.group_size, bias)
+        return Int4Linear.quantize(weight, quant.group_size, bias, dense_copy)
     return None
 
 
@@ -254,8 +263,8 @@ def _expert_layer(quant: WeightQuant, weight: torch.Tensor, groups: Int4Groups |
     cannot hold stays dense (an nn.Linear), as a dense layer would."""
     if groups is not None and groups[0].shape == weight.shape and (
             quant.int8_activations or Int4Linear.fits(weight, quant.group_size)):
-        return _from_groups(quant, groups, None)
-    layer = _quantized(weight, None, quant)
+        return _from_groups(quant, groups, None, dense_copy=False)
+    layer = _quantized(weight, None, quant, dense_copy=False)
     if layer is None:
         kept_dense.append(name)
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
