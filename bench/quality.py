@@ -23,19 +23,22 @@ Mixture-of-experts families: no MoE checkpoint of real weights is on this
 machine, and random ones have no perplexity worth the name. With
 --upcycled-moe E the model is first sparse-upcycled, as Mixtral was made:
 a MixtralForCausalLM checkpoint whose every layer has E experts, each a
-copy of that layer's MLP with its intermediate neurons in another order
-(the same function, different tensors, so each expert quantizes on its
-own), top 2 under a random router. In float32 it is the dense model
-exactly (the top 2 weights sum to 1); the quantized modes then quantize
-E experts per layer from the checkpoint's bf16 weights. It checks the
-experts' quantization on real weights, not a trained router's choices.
+copy of that layer's MLP, top 2 under a random router. In float32 it is
+the dense model exactly (the top 2 weights sum to 1); the quantized modes
+then quantize E experts per layer from the checkpoint's bf16 weights. It
+checks the experts' quantized path on real weights, not a trained
+router's choices. The embedded model's weights are its GGUF's Q4_1 blocks
+dequantized, so a copy requantizes to nearly those blocks; with
+--permute-experts each expert's intermediate neurons come in another
+order (the same function), which moves down's inputs into other blocks of
+32: a second 4-bit rounding of weights already 4-bit.
 
 Each mode's line ends with whether its perplexity is within 2% of
 float32's (the bar the model families are held to).
 
     python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128
-    python bench/quality.py --upcycled-moe 4 --modes int8wo int4wo-32 8da4w
+    python bench/quality.py --upcycled-moe 4 --modes int8wo int4wo-32 8da4w [--permute-experts]
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def agreement(model, config, prompts, continuations) -> tuple[int, int, int]:
     return same, total, whole
 
 
-def upcycle(model_dir: Path, out: Path, experts: int) -> Path:
+def upcycle(model_dir: Path, out: Path, experts: int, permute: bool) -> Path:
     """The sparse-upcycled Mixtral checkpoint of a Llama-layout `model_dir` (see the docstring)."""
     import json
     import shutil
@@ -153,7 +156,7 @@ def upcycle(model_dir: Path, out: Path, experts: int) -> Path:
         router = torch.randn(experts, t.shape[1], generator=g) * 0.02
         tensors[f"{layer}.block_sparse_moe.gate.weight"] = router.to(t.dtype)
         for e in range(experts):
-            order = torch.randperm(t.shape[0], generator=g)
+            order = torch.randperm(t.shape[0], generator=g) if permute else torch.arange(t.shape[0])
             prefix = f"{layer}.block_sparse_moe.experts.{e}"
             tensors[f"{prefix}.w1.weight"] = mlp["gate"][order].contiguous()
             tensors[f"{prefix}.w3.weight"] = mlp["up"][order].contiguous()
@@ -173,6 +176,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--upcycled-moe", type=int, default=0, metavar="E",
                     help="measure the model sparse-upcycled into a Mixtral of E experts (see above)")
+    ap.add_argument("--permute-experts", action="store_true", help="each upcycled expert's neurons in another order")
     args = ap.parse_args()
     if args.model is None:
         from pyserve.model.default_model import default_model_path
@@ -183,7 +187,7 @@ def main() -> None:
 
         source = Path(args.model)
         args.model = str(upcycle(source, Path(tempfile.mkdtemp()) / f"{source.name}-upcycled-{args.upcycled_moe}x",
-                                 args.upcycled_moe))
+                                 args.upcycled_moe, args.permute_experts))
     from pyserve._rust import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
