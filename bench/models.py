@@ -8,12 +8,15 @@ through both, float32 on this machine's CPU, in one process:
 
   ttft     time to the first token of a 256-token prompt
   decode   tokens per second of the next 64 greedy tokens
+  MB       the weights held (parameters and buffers), and for an MoE
+           family the experts' share of them: what a quantized mode saves
 
 transformers' figures come from `generate` with 1 and with 65 new tokens on
 its KV cache (decode = the difference over 64). Each side runs --rounds
 times, alternating, and the medians are reported with pyserve / transformers
 ratios. The MoE block alone (grouped by expert against a loop) is
-bench/moe.py's.
+bench/moe.py's. In a quantized mode (--modes none,int8wo,8da4w) an MoE
+family's experts are quantized too, each run by the mode's kernel.
 
     python bench/models.py                       # every family
     python bench/models.py --families llama,qwen3_moe --rounds 5
@@ -69,6 +72,15 @@ class PyserveSide:
         self.engine = Engine.from_args(ServerArgs(model_path=str(model_dir), device="cpu", dtype="float32",
                                                   torchao_config=torchao_config, max_total_tokens=8192))
 
+    def weight_mb(self) -> tuple[float, float]:
+        """(MB of weights the model holds, MB of them in its MoE blocks' experts)."""
+        from pyserve.model.layers.moe import MoEBlock
+
+        model = self.engine.runner.rank_model.model
+        experts = [getattr(m, name) for m in model.modules() if isinstance(m, MoEBlock)
+                   for name in ("w13", "w2", "shared_w13", "shared_w2")]
+        return _mb(model), sum(_mb(w) for w in experts if w is not None)
+
     async def once(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
         from pyserve.engine.request import GenerateRequest, SamplingParams
 
@@ -82,6 +94,12 @@ class PyserveSide:
         if out.finish_reason != "length":
             raise RuntimeError(f"the request ended early: {out.finish_reason}")
         return first - start, new_tokens / (end - first)
+
+
+def _mb(held) -> float:
+    if isinstance(held, torch.Tensor):
+        return held.nbytes / 1e6
+    return sum(t.nbytes for t in [*held.parameters(), *held.buffers()]) / 1e6
 
 
 class TransformersSide:
@@ -107,7 +125,7 @@ class TransformersSide:
 
 async def measure(model_dir: Path, modes: list[str], prompt_len: int, new_tokens: int,
                   rounds: int) -> dict[str, tuple[float, float]]:
-    """{side: (median ttft seconds, median decode tok/s)}: pyserve in each
+    """{side: (median ttft seconds, median decode tok/s, weights MB, experts MB)}: pyserve in each
     --torchao-config mode that serves the model, and "hf"."""
     import random
 
@@ -136,7 +154,9 @@ async def measure(model_dir: Path, modes: list[str], prompt_len: int, new_tokens
     finally:
         for side in ours.values():
             await side.engine.shutdown()
-    return {side: tuple(statistics.median(r[k] for r in rs) for k in (0, 1)) for side, rs in runs.items()}
+    medians = {side: tuple(statistics.median(r[k] for r in rs) for k in (0, 1)) for side, rs in runs.items()}
+    return {side: (*m, *(ours[side].weight_mb() if side in ours else (_mb(theirs.model), 0.0)))
+            for side, m in medians.items()}
 
 
 def main(argv=None) -> None:
@@ -152,10 +172,10 @@ def main(argv=None) -> None:
     modes = args.modes.split(",")
     print(f"batch 1, {args.prompt_len}-token prompt, {args.new_tokens} greedy tokens, CPU, "
           f"{torch.get_num_threads()} threads; medians of {args.rounds} rounds; transformers (hf) in float32; "
-          "x: how many times faster than hf")
+          "x: how many times faster than hf; MB: weights held (of which the experts')")
     sides = [*modes, "hf"]
     print(f"{'family':<11}" + "".join(f"{'ttft ms ' + s:>18}" for s in sides)
-          + "".join(f"{'tok/s ' + s:>16}" for s in sides))
+          + "".join(f"{'tok/s ' + s:>16}" for s in sides) + "".join(f"{'MB ' + s:>16}" for s in modes))
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
             model_dir = build(family, Path(tmp))
@@ -164,7 +184,9 @@ def main(argv=None) -> None:
                            + (f" {m['hf'][0] / m[s][0]:>5.2f}x " if s != "hf" else " " * 8) for s in sides)
             decode = "".join(f"{'refused':>16}" if s not in m else f"{m[s][1]:>8.1f}"
                              + (f" {m[s][1] / m['hf'][1]:>5.2f}x " if s != "hf" else " " * 8) for s in sides)
-            print(f"{family:<11}{ttft}{decode}", flush=True)
+            memory = "".join(f"{'refused':>16}" if s not in m else f"{m[s][2]:>8.0f}"
+                             + (f" ({m[s][3]:.0f})" if m[s][3] else "").rjust(8) for s in modes)
+            print(f"{family:<11}{ttft}{decode}{memory}", flush=True)
 
 
 if __name__ == "__main__":

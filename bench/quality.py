@@ -19,8 +19,26 @@ instead). 8da4w rounds its activations to 8 bits per block of 32 at
 every row count, prefill and decode alike, and its Q4_1 products are
 rust/kernels/block_gemm.rs's tiles in both.
 
+Mixture-of-experts families: no MoE checkpoint of real weights is on this
+machine, and random ones have no perplexity worth the name. With
+--upcycled-moe E the model is first sparse-upcycled, as Mixtral was made:
+a MixtralForCausalLM checkpoint whose every layer has E experts, each a
+copy of that layer's MLP, top 2 under a random router. In float32 it is
+the dense model exactly (the top 2 weights sum to 1); the quantized modes
+then quantize E experts per layer from the checkpoint's bf16 weights. It
+checks the experts' quantized path on real weights, not a trained
+router's choices. The embedded model's weights are its GGUF's Q4_1 blocks
+dequantized, so a copy requantizes to nearly those blocks; with
+--permute-experts each expert's intermediate neurons come in another
+order (the same function), which moves down's inputs into other blocks of
+32: a second 4-bit rounding of weights already 4-bit.
+
+Each mode's line ends with whether its perplexity is within 2% of
+float32's (the bar the model families are held to).
+
     python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128
+    python bench/quality.py --upcycled-moe 4 --modes int8wo int4wo-32 8da4w [--permute-experts]
 """
 
 from __future__ import annotations
@@ -114,17 +132,62 @@ def agreement(model, config, prompts, continuations) -> tuple[int, int, int]:
     return same, total, whole
 
 
+def upcycle(model_dir: Path, out: Path, experts: int, permute: bool) -> Path:
+    """The sparse-upcycled Mixtral checkpoint of a Llama-layout `model_dir` (see the docstring)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
+                  num_experts_per_tok=2, router_aux_loss_coef=0.0, sliding_window=None)
+    g = torch.Generator().manual_seed(0)
+    tensors, source = {}, load_file(model_dir / "model.safetensors")
+    for name, t in source.items():
+        found = name.split(".mlp.")
+        if len(found) == 1:
+            tensors[name] = t
+            continue
+        if not found[1].startswith("gate_proj"):
+            continue
+        layer = found[0]
+        mlp = {k: source[f"{layer}.mlp.{k}_proj.weight"] for k in ("gate", "up", "down")}
+        router = torch.randn(experts, t.shape[1], generator=g) * 0.02
+        tensors[f"{layer}.block_sparse_moe.gate.weight"] = router.to(t.dtype)
+        for e in range(experts):
+            order = torch.randperm(t.shape[0], generator=g) if permute else torch.arange(t.shape[0])
+            prefix = f"{layer}.block_sparse_moe.experts.{e}"
+            tensors[f"{prefix}.w1.weight"] = mlp["gate"][order].contiguous()
+            tensors[f"{prefix}.w3.weight"] = mlp["up"][order].contiguous()
+            tensors[f"{prefix}.w2.weight"] = mlp["down"][:, order].contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.copy(model_dir / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     ap.add_argument("--modes", nargs="+", default=["int8wo", "int4wo-32", "8da4w", "int4wo-64"])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--upcycled-moe", type=int, default=0, metavar="E",
+                    help="measure the model sparse-upcycled into a Mixtral of E experts (see above)")
+    ap.add_argument("--permute-experts", action="store_true", help="each upcycled expert's neurons in another order")
     args = ap.parse_args()
     if args.model is None:
         from pyserve.model.default_model import default_model_path
 
         args.model = str(default_model_path())
+    if args.upcycled_moe:
+        import tempfile
+
+        source = Path(args.model)
+        args.model = str(upcycle(source, Path(tempfile.mkdtemp()) / f"{source.name}-upcycled-{args.upcycled_moe}x",
+                                 args.upcycled_moe, args.permute_experts))
     from pyserve._rust import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
@@ -143,12 +206,14 @@ def main() -> None:
         print(f"{mode}: measured in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print(f"model {Path(args.model).name}; corpus {len(corpus)} tokens; {len(prompts)} prompts x "
           f"{args.new_tokens} greedy tokens of float32 as the reference; torch {torch.__version__}")
-    print(f"{'mode':<18}{'perplexity':>11}{'vs float32':>12}{'greedy tokens agree':>21}{'same output':>13}")
+    print(f"{'mode':<18}{'perplexity':>11}{'vs float32':>12}{'greedy tokens agree':>21}{'same output':>13}"
+          f"{'within 2%':>11}")
     base = rows[0][1]
     for mode, ppl, agree in rows:
         agree_text = "-" if agree is None else f"{100 * agree[0] / agree[1]:.1f}%"
         whole = "-" if agree is None else f"{agree[2]}/{len(prompts)}"
-        print(f"{mode:<18}{ppl:>11.3f}{ppl / base:>11.3f}x{agree_text:>21}{whole:>13}")
+        within = "-" if agree is None else ("yes" if ppl <= 1.02 * base else "NO")
+        print(f"{mode:<18}{ppl:>11.3f}{ppl / base:>11.3f}x{agree_text:>21}{whole:>13}{within:>11}")
 
 
 if __name__ == "__main__":

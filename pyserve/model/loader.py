@@ -11,8 +11,10 @@ tensor-parallel rank reads only its slice of each tensor (safetensors'
 get_slice), along the dimension its layer is split (parallel.py).
 
 A mixture-of-experts block (layers/moe.py) places the tensors of its layer
-that it claims itself, whole (each rank keeps its slice of every expert):
-its parameters start as NaN, so one that no tensor filled shows.
+that it claims itself, from their safetensors slices, so a rank reads
+only its slice of every expert (layers/moe_weights.py): its parameters
+start as NaN, so one that no tensor filled shows. In a quantized mode the
+experts are quantized as the linear layers are.
 
 With a weight quantization (quant.py) the linear layers are then replaced
 by quantized ones; where the directory ships weights already quantized
@@ -42,6 +44,7 @@ from pyserve.model.config import ModelConfig
 from pyserve.model.families import family_of, read_config
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.layers.moe import MoEBlock, placement
+from pyserve.model.layers.moe_weights import ExpertGroups
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
 from pyserve.model.quant import Int4Groups, Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
 from pyserve.model.quantized.modules import QuantizedModules, dense_weights
@@ -212,12 +215,6 @@ def load_model(
     if not lm_head:
         model.lm_head = None
     blocks = _expert_blocks(model)
-    if quant is not None and blocks:
-        # Only linear layers are quantized; experts in float32 beside them
-        # would be a mode that is neither the quantized one nor float32.
-        raise ValueError(f"{model_dir}: --torchao-config {quant.name} quantizes dense linear layers only, and "
-                         f"{config.architecture}'s experts are not; serve it with --torchao-config none or auto "
-                         "(float32 for mixture-of-experts models)")
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
     for block in blocks.values():
@@ -230,14 +227,20 @@ def load_model(
     # A quantized checkpoint's int4 groups in the 4-bit mode's group size, by module.
     group_size = None if quant is None or quant.bits != 4 else (32 if quant.int8_activations else quant.group_size)
     group_parts: dict[str, list[tuple[int, Int4Groups]]] = {}
+    expert_groups = ExpertGroups(group_size)
 
     def place(hf_name: str, handle, path_name: str, groups: Int4Groups | None = None) -> None:
         block = _block_claiming(blocks, hf_name)
         if block is not None:
             if hf_name in placed:
                 raise ValueError(f"{path_name}: repeated tensor {hf_name}")
-            block.load_weight(hf_name, handle.get_tensor(hf_name))
+            block.load_weight(hf_name, handle.get_slice(hf_name))
             placed.add(hf_name)
+            if groups is not None:
+                where = placement(block.spec, hf_name)
+                if where.layout == "linear" and where.param.endswith(("w13", "w2")):
+                    expert_groups.add(f"layers.{_LAYER.match(hf_name).group(1)}.mlp", where.param, where.expert,
+                                      where.row, groups, block.shared_part if "shared" in where.param else block.part)
             return
         for piece in pieces(hf_name, config, shard, names):
             if piece.param == "lm_head.weight" and model.lm_head is None:
@@ -280,6 +283,7 @@ def load_model(
             own = {module: groups for module, groups in _stacked(group_parts).items()
                    if groups[0].shape == params[module + ".weight"].shape
                    and (quant.int8_activations or Int4Linear.fits(groups[0], quant.group_size))}
+        own.update(expert_groups.stacked())
         quantize_model(model, quant, own)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())

@@ -20,8 +20,10 @@ and `auto`: on the CPU, the 4-bit weights a model directory ships already
 default_model.py) as 8da4w where the CPU has AVX2 (else int4wo-32); a
 checkpoint quantized by another tool (quantized/) in its natural mode:
 4-bit ones as 8da4w (else int4wo with their group size), 8-bit and FP8
-ones as int8wo; none otherwise, and for mixture-of-experts models, whose
-experts stay in the model's dtype. The vocabulary projection (lm_head, or the tied
+ones as int8wo; none otherwise. Every mode applies to mixture-of-experts
+models' experts as well: each expert's gate/up and down weights become
+one layer of the mode (and the shared expert's), which the MoE block's
+grouped path calls on the rows routed to it (layers/moe.py). The vocabulary projection (lm_head, or the tied
 embedding matrix) is int8 in every mode (Q8_0 blocks in 8da4w): it is the
 largest matmul and the most sensitive to rounding; the embedding lookup
 stays dense.
@@ -41,6 +43,7 @@ from torch import nn
 
 from pyserve.model.cpu import blocks
 from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear, int4_groups
+from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.quantized.scheme import Scheme, detect
 
 logger = logging.getLogger(__name__)
@@ -97,15 +100,10 @@ def prequantized_file(model_dir: Path, quant: WeightQuant) -> Path:
     return Path(model_dir) / f"model.{quant.stored_as}.safetensors"
 
 
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def natural_quant(scheme: Scheme, config: dict) -> WeightQuant | None:
-    """The CPU mode a quantized checkpoint's weights fit: its 4-bit codes
-    as they are, 8-bit and FP8 weights dequantized at load and held as
-    int8wo; None (the model's dtype) for mixture-of-experts models."""
-    if any(config.get(key) for key in _EXPERT_COUNTS):
-        return None
+def natural_quant(scheme: Scheme) -> WeightQuant:
+    """The CPU mode a quantized checkpoint's weights fit, experts and all:
+    its 4-bit codes as they are, 8-bit and FP8 weights dequantized at load
+    and held as int8wo."""
     if scheme.kind == "int" and scheme.bits == 4:
         if blocks.available():
             return BLOCK_INT4
@@ -127,7 +125,7 @@ def resolve_quant(text: str, model_dir: Path, device: torch.device, kernel_threa
         if device.type != "cpu":
             quant = None
         elif scheme is not None:
-            quant = natural_quant(scheme, config)
+            quant = natural_quant(scheme)
         else:
             quant = shipped if prequantized_file(model_dir, shipped).is_file() else None
     if quant is not None and device.type != "cpu":
@@ -169,17 +167,18 @@ class Int4Linear(nn.Module):
     weight to float32 for that one call and multiplies densely (on this
     2-core AVX2 machine, 512 rows through all of the embedded model's
     layers: 1.75 s in int4 against 0.9 s dense plus 0.4 s dequantizing).
-    The codes are kept two to a byte for that, half the size of the
-    kernel's own copy."""
+    The codes are kept two to a byte for that, as much again as the
+    kernel's own copy: an expert's layer (`dense_copy` False), whose rows
+    are a share of a step's, keeps only the kernel's and always runs it."""
 
     DENSE_FROM_ROWS = 512
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None):
+                 group_size: int, bias: torch.Tensor | None, dense_copy: bool = True):
         """codes: uint8 [out, in] (0..15); scales, zeros: [out, in / group_size]."""
         super().__init__()
         self.group_size = group_size
-        self.out_features = codes.shape[0]
+        self.out_features, self.in_features = codes.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         self.register_buffer("weight", packed)
         # The kernel's layout: [in / group_size, out, (scale, zero)].
@@ -188,20 +187,26 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias)
         # For dense_weight: scales and zeros again, in float32 (the kernel's copy
         # above is bfloat16-rounded), shaped [out, in / group_size, 1] to broadcast over a group.
-        self.register_buffer("nibbles", pack_nibbles(codes.to(torch.uint8)))
-        self.register_buffer("group_scales", scales.float()[..., None])
-        self.register_buffer("group_zeros", zeros.float()[..., None])
+        self.register_buffer("nibbles", pack_nibbles(codes.to(torch.uint8)) if dense_copy else None)
+        self.register_buffer("group_scales", scales.float()[..., None] if dense_copy else None)
+        self.register_buffer("group_zeros", zeros.float()[..., None] if dense_copy else None)
 
     def dense_weight(self) -> torch.Tensor:
-        """The float32 weight [out, in] this layer multiplies by."""
+        """The float32 weight [out, in] this layer multiplies by; without a
+        dense copy, as the kernel gives it (bf16 scales, outputs rounded to bf16)."""
+        if self.nibbles is None:
+            identity = torch.eye(self.in_features, dtype=_ACT_DTYPE)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                identity, self.weight, self.group_size, self.scales_and_zeros).float().T.contiguous()
         w = unpack_nibbles(self.nibbles).float().view(self.out_features, -1, self.group_size)
         return w.sub_(8).mul_(self.group_scales).add_(self.group_zeros).view(self.out_features, -1)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
+    def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+                 dense_copy: bool = True) -> Int4Linear:
         """Asymmetric min/max quantization of each group of `group_size` inputs."""
         codes, scales, mins = int4_groups(weight, group_size)
-        return cls(codes, scales, mins + 8 * scales, group_size, bias)
+        return cls(codes, scales, mins + 8 * scales, group_size, bias, dense_copy)
 
     @staticmethod
     def fits(weight: torch.Tensor, group_size: int) -> bool:
@@ -210,7 +215,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] >= self.DENSE_FROM_ROWS:
+        if rows.shape[0] >= self.DENSE_FROM_ROWS and self.nibbles is not None:
             y = F.linear(rows.float(), self.dense_weight())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -231,23 +236,40 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [out, in], scales, zeros
 
 
-def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module:
+def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | None,
+                 dense_copy: bool = True) -> nn.Module:
     """A 4-bit layer of `quant` from int4wo's codes, scales and zeros."""
     codes, scales, zeros = groups
     if quant.int8_activations:
         return Q4_1Linear(codes, scales, zeros - 8 * scales, bias, quant.kernel_threads)
-    return Int4Linear(codes, scales, zeros, quant.group_size, bias)
+    return Int4Linear(codes, scales, zeros, quant.group_size, bias, dense_copy)
 
 
-def _quantized(linear: nn.Linear, quant: WeightQuant) -> nn.Module | None:
-    weight, bias = linear.weight.data, None if linear.bias is None else linear.bias.data
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: WeightQuant,
+               dense_copy: bool = True) -> nn.Module | None:
     if quant.bits == 8:
         return Int8Linear.quantize(weight, bias)
     if quant.int8_activations and weight.shape[1] % blocks.BLOCK == 0:
         return Q4_1Linear.quantize(weight, bias, quant.kernel_threads)
     if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
-        return Int4Linear.quantize(weight, quant.group_size, bias)
+        return Int4Linear.quantize(weight, quant.group_size, bias, dense_copy)
     return None
+
+
+def _expert_layer(quant: WeightQuant, weight: torch.Tensor, groups: Int4Groups | None, kept_dense: list[str],
+                  name: str) -> nn.Module:
+    """One expert weight [out, in] as a `quant` layer: from the checkpoint's
+    own 4-bit `groups` where they fit, else quantized; a weight the kernel
+    cannot hold stays dense (an nn.Linear), as a dense layer would."""
+    if groups is not None and groups[0].shape == weight.shape and (
+            quant.int8_activations or Int4Linear.fits(weight, quant.group_size)):
+        return _from_groups(quant, groups, None, dense_copy=False)
+    layer = _quantized(weight, None, quant, dense_copy=False)
+    if layer is None:
+        kept_dense.append(name)
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return layer
 
 
 def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4Groups] | None = None) -> None:
@@ -260,12 +282,23 @@ def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
         bias = None if module.bias is None else module.bias.data
-        replacement = _from_groups(quant, shipped[name], bias) if name in shipped else _quantized(module, quant)
+        replacement = (_from_groups(quant, shipped[name], bias) if name in shipped
+                       else _quantized(module.weight.data, bias, quant))
         if replacement is None:
             kept_dense.append(name)
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replacement)
+    # Experts' products are small and follow one another with torch ops
+    # between them, where 8da4w's helper threads would spin against those
+    # ops: each expert runs its kernel on the calling thread (on CPU-2, a
+    # 16-expert block's decode step 0.3 ms so, 7 ms on two threads).
+    expert_quant = replace(quant, kernel_threads=1)
+    for name, module in model.named_modules():
+        if isinstance(module, MoEBlock):
+            module.quantize_experts(lambda param, expert, weight, prefix=name: _expert_layer(
+                expert_quant, weight, shipped.get(prefix + f".{param}" + ("" if expert is None else f".{expert}")),
+                kept_dense, f"{prefix}.{param}"))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = (Q8_0Linear.quantize(head.data, threads=quant.kernel_threads) if quant.int8_activations
                      else Int8Linear.quantize(head.data))

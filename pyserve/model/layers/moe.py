@@ -14,7 +14,9 @@ intermediate dimension (rows of gate and up, columns of down), so each rank
 reads only its share of each expert and one all-reduce per block sums the
 partial outputs, as the dense MLP does. gpt-oss's MXFP4 checkpoints store
 the experts as `_blocks` / `_scales` pairs, dequantized into the same
-parameters one expert at a time (mxfp4.py).
+parameters one expert at a time (moe_weights.py, mxfp4.py). In the CPU's
+quantized modes each expert's weights become one quantized layer
+(quantize_experts), the kernels the dense layers of that mode use.
 
 On CPU the (token, expert) assignments are sorted by expert and each expert
 that received tokens runs once on its contiguous rows (grouped_experts); on
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyserve.model import mxfp4
+from pyserve.model.layers import moe_weights
 from pyserve.model.parallel import SINGLE, TensorParallel
 
 ROUTINGS = ("softmax", "topk_softmax", "grouped_sigmoid", "grouped_softmax")
@@ -150,28 +153,40 @@ def activate(spec: MoESpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tenso
 
 
 def grouped_experts(spec: MoESpec, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                    w13: Experts, w2: Experts, b13: torch.Tensor | None = None,
                     b2: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of each token's experts, on CPU: assignments sorted
     by expert, one pair of matmuls per expert that received tokens (no loop
     over tokens), outputs scattered back with index_add_. Each token's sum
-    runs in ascending expert order, as transformers' does."""
+    runs in ascending expert order, as transformers' does. w13 and w2 are
+    the stacked weights, or one quantized layer per expert (quant.py)."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    counts = torch.bincount(flat, minlength=w13.shape[0])
+    counts = torch.bincount(flat, minlength=len(w13))
     active = counts.nonzero().flatten()
     starts = counts.cumsum(0)[active] - counts[active]
     rows = x[token]
     out = torch.empty_like(rows)
-    half = w13.shape[1] // 2
     for e, start, n in zip(active.tolist(), starts.tolist(), counts[active].tolist()):
-        h = F.linear(rows[start:start + n], w13[e], None if b13 is None else b13[e])
-        h = F.linear(activate(spec, h[:, :half], h[:, half:]), w2[e], None if b2 is None else b2[e])
-        out[start:start + n] = h
+        h = expert_product(w13, e, rows[start:start + n], b13)
+        half = h.shape[1] // 2
+        out[start:start + n] = expert_product(w2, e, activate(spec, h[:, :half], h[:, half:]), b2)
     weighted = out * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
+
+
+# The experts' stacked weight [E, out, in], or one layer per expert (a quantized mode's).
+Experts = torch.Tensor | nn.ModuleList
+
+
+def expert_product(w: Experts, e: int, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows @ expert e's weight.T + its bias."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(rows, w[e], None if bias is None else bias[e])
+    y = w[e](rows)
+    return y if bias is None else y + bias[e]
 
 
 @dataclass(frozen=True)
@@ -263,9 +278,10 @@ class MoEBlock(nn.Module):
         self.shared_gate = param(1, H) if spec.shared_gate else None
         self._packed = mxfp4.PairedHalves()  # MXFP4 halves waiting for their other half
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+    def load_weight(self, name: str, source) -> bool:
         """Copies this rank's part of checkpoint tensor `name` into the block;
-        False if the name is not the block's."""
+        False if the name is not the block's. `source` is the tensor, or a
+        safetensors slice of it, from which only that part is read (moe_weights.py)."""
         where = placement(self.spec, name)
         if where is None:
             return False
@@ -273,66 +289,31 @@ class MoEBlock(nn.Module):
         if target is None:  # b2 on ranks other than 0
             return True
         if mxfp4.packed_part(name):
-            pair = self._packed.add(name, tensor)
+            pair = self._packed.add(name, source)
             if pair is not None:
-                self._load_mxfp4(where, target, *pair)
+                moe_weights.copy_mxfp4_part(target, where.param, *pair, self.part, self.spec.hidden,
+                                            self.spec.intermediate)
             return True
-        part = self.part
-        L = len(part)
-        with torch.no_grad():
-            if where.param == "shared_w13":
-                p = self.shared_part
-                up = len(p) if where.row else 0  # this rank's up rows follow its gate rows
-                target[up:up + len(p)].copy_(tensor[p.start:p.stop])
-            elif where.param == "shared_w2":
-                target.copy_(tensor[:, self.shared_part.start:self.shared_part.stop])
-            elif where.expert is not None:
-                dest = target[where.expert]
-                if where.param == "w13":
-                    up = L if where.row else 0
-                    dest[up:up + L].copy_(tensor[part.start:part.stop])
-                else:
-                    dest.copy_(tensor[:, part.start:part.stop])
-            elif where.param in ("w13", "b13", "w2"):
-                self._copy_stacked(where, target, tensor)
-            else:
-                target.copy_(tensor)
+        shared = where.param.startswith("shared_w")
+        part, full = (self.shared_part, self.spec.shared_intermediate) if shared else (self.part, self.spec.intermediate)
+        if where.expert is not None:
+            target = target[where.expert]
+        moe_weights.copy_part(target, source, where.param, "up" if where.row else None, where.layout, part, full)
         return True
 
-    def _copy_stacked(self, where: Placement, target: torch.Tensor, tensor: torch.Tensor) -> None:
-        """This rank's part of a tensor that stacks experts (all of them, or
-        the one `target` holds), in the layout `where` says."""
-        I, part = self.spec.intermediate, self.part
-        L = len(part)
-        if where.param == "w2":
-            source = tensor.transpose(1, 2) if where.layout == "gpt_oss" else tensor
-            target.copy_(source[..., part.start:part.stop])
-            return
-        if where.layout == "gpt_oss":
-            gate, up = tensor[..., 0::2], tensor[..., 1::2]
-            if where.param == "w13":
-                gate, up = gate.transpose(1, 2), up.transpose(1, 2)
-        else:
-            gate, up = tensor[:, :I], tensor[:, I:]
-        target[:, :L].copy_(gate[:, part.start:part.stop])
-        target[:, L:].copy_(up[:, part.start:part.stop])
-
-    @torch.no_grad()
-    def _load_mxfp4(self, where: Placement, target: torch.Tensor, name: str, blocks: torch.Tensor,
-                    scales: torch.Tensor) -> None:
-        """Dequantize an MXFP4 pair into w13 or w2 one expert at a time (a
-        whole layer's experts at once would take several times their bf16
-        size in temporaries)."""
-        spec = self.spec
-        rows, cols = (2 * spec.intermediate, spec.hidden) if where.param == "w13" else (spec.hidden, spec.intermediate)
-        expected = (spec.num_experts, rows, cols // mxfp4.BLOCK)
-        if tuple(scales.shape) != expected:
-            raise ValueError(f"{name}_scales has shape {tuple(scales.shape)}, the config expects {expected}")
-        for e in range(spec.num_experts):
-            # [out, in], as nn.Linear holds it; dequantized where the block lives
-            dense = mxfp4.dequantize(blocks[e].to(target.device), scales[e].to(target.device), target.dtype)
-            # gpt-oss's bf16 checkpoints hold each expert as [in, out].
-            self._copy_stacked(where, target[e:e + 1], dense.T[None] if where.layout == "gpt_oss" else dense[None])
+    def quantize_experts(self, layer) -> None:
+        """Replace each expert's weights (and the shared expert's) by
+        `layer(param, expert, weight)`, a quantized layer of that weight
+        (quant.py), which grouped_experts then calls; CPU only."""
+        for name in ("w13", "w2", "shared_w13", "shared_w2"):
+            stacked = getattr(self, name)
+            if stacked is None:
+                continue
+            delattr(self, name)
+            if name.startswith("shared"):
+                setattr(self, name, layer(name, None, stacked.data))
+            else:
+                setattr(self, name, nn.ModuleList(layer(name, e, w) for e, w in enumerate(stacked.data)))
 
     def _apply(self, fn, recurse=True):
         # DeepSeek keeps its router in float32 in a bfloat16 model, as
@@ -362,10 +343,15 @@ class MoEBlock(nn.Module):
         else:
             out = grouped_experts(spec, x, weights, ids, self.w13, self.w2, self.b13, self.b2)
         if self.shared_w13 is not None:
-            shared = F.linear(x, self.shared_w13)
+            shared = _project(self.shared_w13, x)
             S = len(self.shared_part)
-            shared = F.linear(F.silu(shared[:, :S]) * shared[:, S:], self.shared_w2)
+            shared = _project(self.shared_w2, F.silu(shared[:, :S]) * shared[:, S:])
             if self.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared
         return self.tp.all_reduce(out)
+
+
+def _project(weight: torch.Tensor | nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T: a dense weight, or the quantized layer that replaced it."""
+    return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)

@@ -1,0 +1,177 @@
+"""Under --tp-size 2 each rank reads from the safetensors files only its
+slice of every expert tensor (rows of gate and up, columns of down, the
+same of the shared expert; gpt-oss's interleaved gate/up and its MXFP4
+blocks and scales alike): a spy on the loader's file handles counts the
+bytes each read returns and the tensors read whole. What the ranks hold
+is the single rank's weights cut in two, and two ranks on gloo generate
+what one does, in float32 and with quantized experts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pyserve.model import loader
+from pyserve.model.cpu import blocks
+from pyserve.model.layers.moe import MoEBlock
+from pyserve.model.loader import load_model
+from pyserve.model.parallel import TensorParallel
+from tests.test_gpt_oss import write_mxfp4_pair
+from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
+from tests.tiny_models import build_tiny_model
+
+_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I32": 4}
+
+
+class ReadSpy:
+    """safe_open's stand-in: every handle it opens counts, per tensor, the
+    bytes its reads returned and whether it was read whole."""
+
+    def __init__(self):
+        self.bytes: Counter[str] = Counter()
+        self.whole: set[str] = set()
+
+    def open(self, *args, **kwargs):
+        return _Handle(safe_open(*args, **kwargs), self)
+
+
+class _Handle:
+    def __init__(self, handle, spy: ReadSpy):
+        self.handle, self.spy = handle, spy
+
+    def __enter__(self):
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def keys(self):
+        return self.handle.keys()
+
+    def get_tensor(self, key):
+        tensor = self.handle.get_tensor(key)
+        self.spy.whole.add(key)
+        self.spy.bytes[key] += tensor.nbytes
+        return tensor
+
+    def get_slice(self, key):
+        return _Slice(self.handle.get_slice(key), key, self.spy)
+
+
+class _Slice:
+    def __init__(self, view, key: str, spy: ReadSpy):
+        self.view, self.key, self.spy = view, key, spy
+
+    def get_shape(self):
+        return self.view.get_shape()
+
+    def __getitem__(self, index):
+        tensor = self.view[index]
+        self.spy.bytes[self.key] += tensor.nbytes
+        return tensor
+
+
+def tensor_bytes(model_dir) -> dict[str, int]:
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        sizes = {}
+        for key in f.keys():
+            view = f.get_slice(key)
+            sizes[key] = _BYTES[view.get_dtype()] * int(torch.tensor(view.get_shape()).prod())
+        return sizes
+
+
+def rank_reads(monkeypatch, model_dir, rank: int, **kwargs) -> tuple[ReadSpy, torch.nn.Module]:
+    spy = ReadSpy()
+    monkeypatch.setattr(loader, "safe_open", spy.open)
+    model, _ = load_model(model_dir, torch.float32, "cpu", tp=TensorParallel(rank, 2), **kwargs)
+    monkeypatch.undo()
+    return spy, model
+
+
+def assert_each_rank_reads_half_of_each_expert(monkeypatch, model_dir) -> list[torch.nn.Module]:
+    sizes = tensor_bytes(model_dir)
+    experts = [k for k in sizes if ".experts." in k or ".shared_expert." in k]
+    assert experts
+    ranks = []
+    for rank in (0, 1):
+        spy, model = rank_reads(monkeypatch, model_dir, rank)
+        for key in experts:
+            assert key not in spy.whole, key
+            if key.endswith("down_proj_bias"):  # added once over the ranks, by rank 0
+                assert spy.bytes[key] == (sizes[key] if rank == 0 else 0), key
+            else:
+                assert spy.bytes[key] == sizes[key] // 2, key
+        ranks.append(model)
+    return ranks
+
+
+def assert_ranks_hold_halves_of_the_whole(model_dir, ranks) -> None:
+    whole, _ = load_model(model_dir, torch.float32, "cpu")
+    for i, layer in enumerate(whole.layers):
+        if not isinstance(layer.mlp, MoEBlock):
+            continue
+        w13, w2, L = layer.mlp.w13, layer.mlp.w2, layer.mlp.w2.shape[-1] // 2
+        I = w13.shape[1] // 2
+        for r, model in enumerate(ranks):
+            part = slice(r * L, (r + 1) * L)
+            block = model.layers[i].mlp
+            assert torch.equal(block.w13[:, :L], w13[:, part])
+            assert torch.equal(block.w13[:, L:], w13[:, I + part.start:I + part.stop])
+            assert torch.equal(block.w2, w2[..., part])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "gpt_oss"])
+def test_each_rank_reads_only_its_slice_of_float_experts(tmp_path, monkeypatch, arch):
+    """Per-expert tensors (Mixtral, Qwen2-MoE with its shared expert) and
+    stacked ones (gpt-oss: gate/up interleaved, biases)."""
+    model_dir = build_tiny_model(tmp_path, arch)
+    ranks = assert_each_rank_reads_half_of_each_expert(monkeypatch, model_dir)
+    assert_ranks_hold_halves_of_the_whole(model_dir, ranks)
+
+
+def test_each_rank_reads_only_its_slice_of_mxfp4_experts(tmp_path, monkeypatch):
+    """gpt-oss's MXFP4 blocks and scales: a rank's rows of gate/up, its
+    blocks of 32 inputs of down; dequantized, the float checkpoint's halves."""
+    float_dir, mxfp4_dir = write_mxfp4_pair(tmp_path, build_tiny_model(tmp_path / "base", "gpt_oss"))
+    ranks = assert_each_rank_reads_half_of_each_expert(monkeypatch, mxfp4_dir)
+    assert any(k.endswith("_blocks") for k in tensor_bytes(mxfp4_dir))
+    assert_ranks_hold_halves_of_the_whole(float_dir, ranks)
+
+
+@pytest.mark.skipif(not blocks.available(), reason="8da4w's kernels need AVX2 (int4wo's per-group rows do not split evenly)")
+def test_two_ranks_with_8da4w_experts_generate_what_one_does(tmp_path, default_model_dir):
+    """Qwen3-MoE with its experts (and dense layers) in 8da4w on two gloo
+    ranks: a rank's columns of down fall on whole blocks of 32, so its
+    blocks are the single rank's; the same tokens, logprobs to float32's
+    summation order."""
+    model_dir = build_tiny_model(tmp_path, "qwen3_moe", tokenizer_dir=default_model_dir, moe_intermediate_size=64,
+                                 decoder_sparse_step=2)
+    one, two = _one_and_two_ranks(model_dir, torchao_config="8da4w")
+    assert_same_generation(one, two, atol=1e-3)
+
+
+def test_two_ranks_with_a_gptq_moe_in_auto_generate_what_one_does(tmp_path, default_model_dir):
+    """A GPTQ-int4 Qwen3-MoE under auto (the 4-bit mode from the
+    checkpoint's codes): each rank builds its experts from its rows of
+    gate/up and its whole groups of down's inputs; the same tokens as one rank."""
+    from tests.test_quantized_checkpoints import quantized_pair
+
+    from pyserve.model.quant import resolve_quant
+
+    quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "gptq-int4-sym", "qwen3_moe",
+                                          moe_intermediate_size=64, decoder_sparse_step=2)
+    quant = resolve_quant("auto", quant_dir, torch.device("cpu"))
+    whole = load_model(dense_dir, torch.float32, "cpu")[0].layers[1].mlp
+    for rank in (0, 1):
+        block = load_model(quant_dir, torch.float32, "cpu", quant, tp=TensorParallel(rank, 2))[0].layers[1].mlp
+        part = slice(rank * 32, rank * 32 + 32)
+        for e in range(len(block.w2)):  # the checkpoint's weights, exactly: its own codes
+            gate_up = torch.cat([whole.w13[e, part], whole.w13[e, 64 + part.start:64 + part.stop]])
+            assert torch.allclose(block.w13[e].dense_weight(), gate_up, rtol=0, atol=1e-6)
+            assert torch.allclose(block.w2[e].dense_weight(), whole.w2[e][:, part], rtol=0, atol=1e-6)
+    one, two = _one_and_two_ranks(quant_dir)
+    assert_same_generation(one, two, atol=1e-3)
