@@ -59,7 +59,7 @@ VARIANTS = {
 _CLASSES = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 
-def build_tiny_deepseek(out_dir, version: str, tokenizer_dir, seed: int = 0, **overrides):
+def build_tiny_deepseek(out_dir, version: str, tokenizer_dir, seed: int = 0, std: float = 0.2, **overrides):
     """A tiny random DeepSeek V2 or V3 saved by transformers, with the
     tokenizer of `tokenizer_dir` (as tests/tiny_models.py builds the others);
     V3's score correction bias drawn too, so routing depends on it."""
@@ -76,7 +76,7 @@ def build_tiny_deepseek(out_dir, version: str, tokenizer_dir, seed: int = 0, **o
             if "norm" in name:
                 p.uniform_(0.5, 1.5)  # not all ones, so a norm loaded into the wrong place shows
             else:
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.2)
@@ -274,3 +274,33 @@ def test_lora_is_refused_at_start_with_the_reason(v3_dir):
     """Adapters hook fused q/k/v projections, which latent attention has not."""
     with pytest.raises(ValueError, match="--enable-lora: DeepseekV3ForCausalLM's attention takes no LoRA adapters"):
         Engine.from_args(ServerArgs(model_path=str(v3_dir), enable_lora=True, max_total_tokens=1024))
+
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32", "8da4w"])
+def test_the_quantized_cpu_modes_run_the_weights_they_hold(tmp_path, default_model_dir, mode):
+    """Every projection but kv_b_proj (read as the absorbed weights, kept
+    dense) and every expert in the mode; the latent cache bypasses the
+    native extend kernel. Against transformers holding the weights pyserve
+    multiplies by, bounded as tests/test_moe_quant.py bounds the other
+    mixtures of experts."""
+    from pyserve.model.quant import parse_quant
+    from tests.test_moe_quant import MEDIAN_ATOL, assert_answers_like_reference, dequantized_transformers
+
+    # Widths the 4-bit kernels hold: the projections' inputs multiples of 32.
+    version, overrides = VARIANTS["v3-q-lora-interleaved-yarn"]
+    # Weights of 0.1: at 0.2 the tiny model's activations are spiky enough
+    # that 8da4w's 8-bit activation blocks move its logprobs by 0.3-1.0.
+    model_dir = build_tiny_deepseek(tmp_path, version, default_model_dir, std=0.1,
+                                    **{**overrides, "q_lora_rank": 32, "v_head_dim": 16})
+    quant = parse_quant(mode)
+    model, config = load_model(model_dir, torch.float32, "cpu", quant)
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    assert isinstance(attn.kv_b_proj, torch.nn.Linear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in (attn.q_a_proj, attn.q_b_proj, attn.o_proj,
+                                                             *moe.w13, *moe.w2, moe.shared_w13, moe.shared_w2))
+    # kv_b_proj, and kv_a_proj_with_mqa whose 40 rows the int4 packing cannot hold.
+    dense = {name.rpartition(".")[2] for name, m in model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    hf = dequantized_transformers(model_dir, model, quant, dense=tuple(dense))
+    assert_answers_like_reference(model, config, hf, random_prompts(config.vocab_size, [3, 17, 9]),
+                                  MEDIAN_ATOL[mode])

@@ -76,10 +76,11 @@ def _head(weight: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
     return dense_of(Q8_0Linear.quantize(weight) if quant.int8_activations else Int8Linear.quantize(weight))
 
 
-def dequantized_transformers(model_dir, model, quant: WeightQuant, requantize: bool = True):
+def dequantized_transformers(model_dir, model, quant: WeightQuant, requantize: bool = True, dense: tuple = ()):
     """transformers' model of `model_dir` holding the weights pyserve's
     quantized `model` multiplies by (`requantize` False: its linear layers
-    are those weights already, the vocabulary projection aside)."""
+    are those weights already, the vocabulary projection aside; `dense`
+    names the linear layers pyserve keeps in float32)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -88,7 +89,7 @@ def dequantized_transformers(model_dir, model, quant: WeightQuant, requantize: b
         for name, module in hf.named_modules():
             if name == "lm_head":
                 module.weight.copy_(_head(module.weight, quant))
-            elif (requantize and isinstance(module, nn.Linear)
+            elif (requantize and isinstance(module, nn.Linear) and name.rpartition(".")[2] not in dense
                   and not re.search(r"(^|\.)(gate|router|shared_expert_gate)$", name)):
                 module.weight.copy_(requantized(module.weight, quant, expert="shared_expert." in name))
             if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):

@@ -144,6 +144,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.to(_ACT_DTYPE))  # [out]
         self.register_buffer("bias", bias)
 
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        # torch's CPU int8pack_mm reads the inputs 16 at a time: other widths crash it.
+        return weight.shape[1] % 16 == 0
+
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         w = weight.float()
@@ -248,7 +253,7 @@ def _from_groups(quant: WeightQuant, groups: Int4Groups, bias: torch.Tensor | No
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, quant: WeightQuant,
                dense_copy: bool = True) -> nn.Module | None:
     if quant.bits == 8:
-        return Int8Linear.quantize(weight, bias)
+        return Int8Linear.quantize(weight, bias) if Int8Linear.fits(weight) else None
     if quant.int8_activations and weight.shape[1] % blocks.BLOCK == 0:
         return Q4_1Linear.quantize(weight, bias, quant.kernel_threads)
     if not quant.int8_activations and Int4Linear.fits(weight, quant.group_size):
@@ -281,13 +286,15 @@ def quantize_model(model: nn.Module, quant: WeightQuant, shipped: dict[str, Int4
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
+        parent_name, _, attr = name.rpartition(".")
+        if attr in getattr(model.get_submodule(parent_name), "dense_linears", ()):
+            continue
         bias = None if module.bias is None else module.bias.data
         replacement = (_from_groups(quant, shipped[name], bias) if name in shipped
                        else _quantized(module.weight.data, bias, quant))
         if replacement is None:
             kept_dense.append(name)
             continue
-        parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replacement)
     # Experts' products are small and follow one another with torch ops
     # between them, where 8da4w's helper threads would spin against those

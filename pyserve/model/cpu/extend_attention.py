@@ -21,13 +21,14 @@ from pyserve.model.kv_buffer import KVBuffer
 
 def fits(kv_buffer: KVBuffer, layers=()) -> bool:
     """Whether the kernel serves this cache and these decoder layers here:
-    float32 on a CPU with AVX2, heads of a multiple of 8 values, and plain
-    causal attention in every layer (no sliding window, soft-cap or sinks)."""
-    k = kv_buffer.k_buffer[0]
+    float32 on a CPU with AVX2, heads of a multiple of 8 values, V as wide
+    as K (not a latent cache's view), and plain causal attention in every
+    layer (no sliding window, soft-cap or sinks)."""
+    k, v = kv_buffer.k_buffer[0], kv_buffer.v_buffer[0]
     plain = all(layer.self_attn.window is None and layer.self_attn.softcap is None
                 and layer.self_attn.sinks is None for layer in layers)
     return (plain and k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0
-            and blocks.available())
+            and v.shape == k.shape and blocks.available())
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

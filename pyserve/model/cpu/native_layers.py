@@ -30,6 +30,8 @@ def unfit_reason(model) -> str | None:
         return "tensor parallelism all-reduces inside the layer"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(attn, "qkv_proj"):
+            return "its attention is latent attention, not fused q/k/v heads"
         if not isinstance(mlp, MLP):
             return "its feed-forward block is a mixture of experts, not the gated MLP"
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

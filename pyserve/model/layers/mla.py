@@ -68,6 +68,10 @@ class MultiHeadLatentAttention(nn.Module):
     """The attention block of a DeepSeek decoder layer, with the interface of
     layers/attention.Attention (project, attend, output)."""
 
+    # Read as a weight (the absorbed W_UK and W_UV), never called as a layer:
+    # the quantized modes leave it dense.
+    dense_linears = ("kv_b_proj",)
+
     def __init__(self, config: ModelConfig, spec: MLASpec, layer_id: int, shard: ModelShard):
         super().__init__()
         self.spec = spec
