@@ -267,3 +267,32 @@ def test_use_gpu_layers_replaces_the_linears_it_can_hold():
     _close(model.attn.proj(x).float() - bias, _reference(x, gptq_dequantized(t, 4)), torch.bfloat16)
     with pytest.raises(ValueError, match="shape"):
         use_gpu_layers(model, {"down": gptq.read(t, 4, 32, 1)}, torch.bfloat16, DEVICE)
+
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["gptq-int4-sym", "fp8-tensor"])
+def test_the_loader_puts_checkpoint_layers_on_their_gpu_kernels(tmp_path, default_model_dir, fmt):
+    """A real checkpoint served on CUDA: its projections are the kernels'
+    layers, and its greedy tokens those of its dequantized copy (bf16
+    rounding aside: most of them)."""
+    import asyncio
+
+    from tests.test_engine import collect, started_engine
+    from tests.test_quantized_checkpoints import quantized_pair
+
+    quantized_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt)
+
+    async def greedy(model_dir, check_layers):
+        engine = await started_engine(model_dir, device="cuda", disable_cuda_graph=True)
+        try:
+            if check_layers:
+                model = engine.runner.rank_model.model
+                assert not isinstance(model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+                assert any(isinstance(m, (W4A16Linear, Fp8Linear)) for m in model.modules())
+            return (await collect(engine, [5, 9, 200, 31, 7], max_new_tokens=16, temperature=0, ignore_eos=True))[1]
+        finally:
+            await engine.shutdown()
+
+    got, want = asyncio.run(greedy(quantized_dir, True)), asyncio.run(greedy(dense_dir, False))
+    assert sum(a == b for a, b in zip(got, want)) >= 12, (got, want)

@@ -47,7 +47,9 @@ from pyserve.model.layers.moe import MoEBlock, placement
 from pyserve.model.layers.moe_weights import ExpertGroups
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
 from pyserve.model.quant import Int4Groups, Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
+from pyserve.model.quantized.gpu_layers import sliced, stacked, use_gpu_layers
 from pyserve.model.quantized.modules import QuantizedModules, dense_weights
+from pyserve.model.quantized.weights import QuantizedWeight
 from pyserve.model.quantized.scheme import detect
 
 logger = logging.getLogger(__name__)
@@ -229,7 +231,11 @@ def load_model(
     group_parts: dict[str, list[tuple[int, Int4Groups]]] = {}
     expert_groups = ExpertGroups(group_size)
 
-    def place(hf_name: str, handle, path_name: str, groups: Int4Groups | None = None) -> None:
+    # On CUDA, each checkpoint-quantized module's parts as this rank holds them, for its GPU kernel.
+    gpu_parts: dict[str, list[tuple[int, QuantizedWeight | None]]] = {}
+
+    def place(hf_name: str, handle, path_name: str, groups: Int4Groups | None = None,
+              weight: QuantizedWeight | None = None) -> None:
         block = _block_claiming(blocks, hf_name)
         if block is not None:
             if hf_name in placed:
@@ -252,6 +258,9 @@ def load_model(
             if groups is not None:
                 group_parts.setdefault(piece.param.removesuffix(".weight"), []).append(
                     (piece.row or 0, _sliced_groups(groups, piece, group_size, hf_name)))
+            if weight is not None and device.type == "cuda":
+                gpu_parts.setdefault(piece.param.removesuffix(".weight"), []).append(
+                    (piece.row or 0, sliced(weight, piece.dim, piece.part)))
 
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
@@ -268,7 +277,7 @@ def load_model(
         if quantized is not None:
             for module, weight, dense in dense_weights(quantized, dtype):
                 groups = None if group_size is None else weight.int4_groups(group_size)
-                place(module + ".weight", _Tensors({module + ".weight": dense}), scheme.name, groups)
+                place(module + ".weight", _Tensors({module + ".weight": dense}), scheme.name, groups, weight)
     missing |= {(f"layers.{i}.mlp.{name}", None) for i, block in blocks.items()
                 for name, p in block.named_parameters() if p.isnan().any()}
     if missing:
@@ -285,6 +294,8 @@ def load_model(
                    and (quant.int8_activations or Int4Linear.fits(groups[0], quant.group_size))}
         own.update(expert_groups.stacked())
         quantize_model(model, quant, own)
+    if gpu_parts:  # int4 and FP8 kernels hold what they can; the rest keeps its dequantized weight
+        use_gpu_layers(model, {module: stacked(parts) for module, parts in gpu_parts.items()}, dtype, device)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
