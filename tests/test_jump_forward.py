@@ -13,8 +13,10 @@ import re
 import jsonschema
 import pytest
 
+from pyserve._rust import Tokenizer
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
+from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
 from pyserve.server_args import ServerArgs
 from tests.test_structured_outputs import CITY_GRAMMAR, CITY_LANGUAGE, PERSON, in_language, json_language
@@ -69,6 +71,28 @@ def with_engine(model_dir, check, **engine_args):
         finally:
             await engine.shutdown()
     return asyncio.run(main())
+
+
+def test_forced_text_is_encoded_with_the_sampled_token(default_model_dir):
+    """`{` sampled, `"name": "` forced: the output gets the tokenizer's
+    encoding of the two together, `{"` replacing `{`; the matcher is where
+    that text leaves it, and with nothing forced the token stays alone."""
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    info = tokenizer_info(tokenizer, (default_model_dir / "tokenizer.json").read_text(), tokenizer.vocab_size, [2])
+    backend = GrammarBackend(info, tokenizer)
+
+    async def state():
+        return backend.new_state(await backend.compile(json_constraint(CITY)), None)
+
+    grammar = asyncio.run(state())
+    brace = tokenizer.token_to_id("{")
+    tokens = grammar.jump_forward(brace)
+    assert tokens == tokenizer.encode('{"name": "') and tokens[0] != brace
+    sakura = tokenizer.encode("Sakura")
+    assert [grammar.jump_forward(t) for t in sakura] == [[t] for t in sakura]  # free text: nothing forced
+    quote = tokenizer.encode('"')[0]
+    assert tokenizer.decode(grammar.jump_forward(quote)) == '", "country": "'
+    backend.shutdown()
 
 
 @pytest.mark.parametrize("mode", [pytest.param(FLOAT32, id="float32"), pytest.param({}, id="4-bit")])
