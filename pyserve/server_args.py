@@ -141,6 +141,9 @@ class EngineOptions:
     # Structured outputs (engine/grammar): JSON schema, regex, EBNF and required tool calls.
     grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
                                   help="constrained decoding backend; none refuses constrained requests")
+    disable_jump_forward: bool = option(
+        False, help="sample every token of a constrained output, including the text its grammar forces "
+                    "(by default that text is appended at once, as the tokenizer encodes it)")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")

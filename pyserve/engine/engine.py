@@ -32,6 +32,7 @@ from pyserve.engine.adapters import Adapters, adapter_of
 from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
+from pyserve.engine.jump_forward import emitted_tokens
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.runner.model_runner import ModelRunner
@@ -41,7 +42,7 @@ from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, 
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
-from pyserve.engine.speculative.commit import accepted_runs, row_sequences
+from pyserve.engine.speculative.commit import row_sequences
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
@@ -73,7 +74,7 @@ class Engine:
         if options.grammar_backend == "xgrammar" and self.pooling is None:
             info = tokenizer_info(self.tokenizer, (self.model_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
-            self.grammars = GrammarBackend(info)
+            self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
         kv_buffer = self.runner.rank_model.kv_buffer
         self.kv = KVManager(PageAllocator(kv_buffer.num_pages, kv_buffer.page_size),
                             use_radix_cache=not options.disable_radix_cache)
@@ -83,6 +84,7 @@ class Engine:
             self.kv, options.max_running_requests, options.max_prefill_tokens,
             options.chunked_prefill_size if options.chunked_prefill_size > 0 else None,
             priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
+        self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
         self.metrics = EngineMetrics()
         # Each request's output side, by its sequence, while it runs.
         self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
@@ -304,14 +306,9 @@ class Engine:
         for seq, entries in prompt:
             if not seq.finished:
                 self._outputs[seq].add_prompt_logprobs(entries)
-        if output.counts is None:
-            for seq, token_id, logprob in zip(step.sampled, next_ids, logprobs):
-                if not seq.finished:  # else aborted, or finished by an earlier token, while this step ran
-                    self._on_token(seq, token_id, logprob)
-        else:
-            for seq, rows in accepted_runs(step, output.counts, self.kv, self.drafter, self.metrics):
-                for j in (j for j in rows if not seq.finished):  # a stop inside the run ends it there
-                    self._on_token(seq, next_ids[j], logprobs[j])
+        for seq, token_ids, entries in emitted_tokens(step, output, next_ids, logprobs, self.kv, self.drafter,
+                                                      self.metrics):
+            self._on_token(seq, token_ids, entries)
         for (seq, start, count), total in zip(step.embed_spans, [] if output.pooled is None else output.pooled):
             if not seq.finished:
                 self._outputs[seq].add(start, count, total)
@@ -331,11 +328,12 @@ class Engine:
             self.abort(seq.rid)
         self.kv.evict_all()
 
-    def _on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+    def _on_token(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> None:
+        """A step's tokens for `seq`, handed out as one output."""
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             self.metrics.on_first_token(seq.first_token_at - seq.arrival)
-        out = self._outputs[seq].append(token_id, logprob)
+        out = self._outputs[seq].extend(token_ids, logprobs)
         if out.finished:
             self._finish(seq, out)
         else:

@@ -12,6 +12,17 @@ a step accepts the tokens its sequences sampled in their previous step
 (the thread runs steps in order, so with overlap scheduling too the mask
 of step N+1 is filled after step N's token was accepted), then fills the
 token bitmask of this step.
+
+Jump-forward: where the grammar allows exactly one continuation (a JSON
+schema's keys, quotes, colons and braces, a regex's literal stretch), a
+jumping request's sampled token is accepted at once, in its own step, and
+the forced text that follows it is appended as the tokenizer encodes it
+after that token (`GrammarState.jump_forward`). The forced tokens are known
+tokens, not drafts: the engine adds them to the output and the next step
+computes their KV as one multi-token row whose last logits row samples the
+next token. Sampling token by token would instead make the model spell a
+key as the grammar lets it (`n`, `am`, `e`), a tokenization it never saw
+in training, and its later tokens drift from its own distribution.
 """
 
 from __future__ import annotations
@@ -56,8 +67,11 @@ def _message(exc: Exception) -> str:
 class GrammarBackend:
     """Compiles constraints for one model and caches what it compiled."""
 
-    def __init__(self, info: xgr.TokenizerInfo):
+    def __init__(self, info: xgr.TokenizerInfo, jump_tokenizer: Tokenizer | None = None):
+        """`jump_tokenizer`: the model's tokenizer, which encodes the text a
+        grammar forces (jump-forward); None turns jump-forward off."""
         self.info = info
+        self.jump_tokenizer = jump_tokenizer
         self.compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS, cache_enabled=False)
         self.timeout_s = COMPILE_TIMEOUT_S
         self._executor = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="pyserve-grammar")
@@ -123,7 +137,7 @@ class GrammarBackend:
             self._cache_bytes -= old.memory_size_bytes
 
     def new_state(self, compiled: xgr.CompiledGrammar, after: str | None) -> GrammarState:
-        return GrammarState(compiled, after, self._decoded_vocab)
+        return GrammarState(compiled, after, self._decoded_vocab, self.jump_tokenizer)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -135,8 +149,10 @@ class GrammarState(ThreadOwned):
     the rest of the request's SamplingState. It outlives retraction (what
     was accepted stays accepted)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, after: str | None, decoded_vocab: list[bytes]):
+    def __init__(self, compiled: xgr.CompiledGrammar, after: str | None, decoded_vocab: list[bytes],
+                 jump_tokenizer: Tokenizer | None = None):
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.jump_tokenizer = jump_tokenizer  # None: no jump-forward
         # Until the output contains `after` (a reasoning block's end), it is
         # not constrained; the vocabulary's bytes find it across tokens.
         self._after = after.encode() if after is not None else None
@@ -178,6 +194,50 @@ class GrammarState(ThreadOwned):
             logger.error("the grammar refused %r, written right after %r", rest, self._after)
             self.failed = True
         self._after = None
+
+    def jump_forward(self, token_id: int) -> list[int]:
+        """Accept a sampled token now, with the text the grammar then forces.
+        Returns the tokens the output gets: [token_id] when nothing is
+        forced; else the tokenizer's encoding of the token's text and the
+        forced text together, whose first token replaces token_id when the
+        two merge (`{` then `"name` may be `{"` then `name`). The sampled
+        token's KV is not computed yet, so replacing it rolls nothing back
+        but the matcher. Falls back to the forced text encoded on its own,
+        then to no jump, when the grammar refuses an encoding."""
+        self.accept(token_id)
+        if self.failed or not self.active:
+            return [token_id]
+        forced = self.matcher.find_jump_forward_string()
+        if not forced:
+            return [token_id]
+        for ids in self._encodings(token_id, forced):
+            if self._accepts_instead(token_id, ids):
+                return ids
+        return [token_id]
+
+    def _encodings(self, token_id: int, forced: str) -> list[list[int]]:
+        """Encodings of the token's bytes then `forced` to try, in context
+        first; each spells exactly those bytes."""
+        first, text = self._vocab[token_id], forced.encode()
+        candidates = []
+        try:
+            candidates.append(self.jump_tokenizer.encode((first + text).decode()))
+        except UnicodeDecodeError:  # the token ends inside a character
+            pass
+        candidates.append([token_id] + self.jump_tokenizer.encode(forced))
+        return [ids for ids in candidates if ids and b"".join(self._vocab[t] for t in ids) == first + text]
+
+    def _accepts_instead(self, token_id: int, ids: list[int]) -> bool:
+        """Replace the accepted token_id by `ids` in the matcher; if the
+        grammar refuses one of them, leave token_id accepted."""
+        self.matcher.rollback(1)
+        for n, t in enumerate(ids):
+            if not self.matcher.accept_token(t):
+                if n:
+                    self.matcher.rollback(n)
+                self.matcher.accept_token(token_id)
+                return False
+        return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write this request's allowed tokens into bitmask[row]; False when
@@ -235,9 +295,21 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
-def note_sampled(states: list[GrammarState | None], ids: torch.Tensor) -> None:
-    """Each constrained row's token is accepted at its next step."""
+def note_sampled(states: list[GrammarState | None], ids: torch.Tensor, jumping: list[bool]) -> list[list[int]]:
+    """Each constrained row's token is accepted at its next step, but a
+    jumping row's (`jumping`, with the state's jump_tokenizer set) now:
+    its sampled id may be replaced in `ids` (GrammarState.jump_forward),
+    and the forced tokens after it are returned, per row ([] for none)."""
     sampled = SampledIds(ids)
+    forced: list[list[int]] = [[] for _ in states]
     for row, state in enumerate(states):
-        if state is not None:
+        if state is None:
+            continue
+        if jumping[row] and state.jump_tokenizer is not None:
+            tokens = state.jump_forward(sampled.values()[row])
+            if tokens[0] != sampled.values()[row]:
+                ids[row] = tokens[0]
+            forced[row] = tokens[1:]
+        else:
             state.unaccepted = (sampled, row)
+    return forced

@@ -96,6 +96,23 @@ class OutputProcessor:
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> GenerateOutput:
         """Record one sampled token; the returned output may be finished."""
+        return self.extend([token_id], [logprob])
+
+    def extend(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> GenerateOutput:
+        """Record a step's tokens for this request (a sampled one, an
+        accepted speculative run, the tokens a grammar forced) as one
+        output. The first that ends the request (stop token, stop string,
+        max_tokens, context) ends it there: nothing after it is kept."""
+        texts = []
+        for token_id, logprob in zip(token_ids, logprobs):
+            text, finished = self._add(token_id, logprob)
+            texts.append(text)
+            if finished is not None:
+                return self._finish("".join(texts), *finished)
+        return self._output("".join(texts))
+
+    def _add(self, token_id: int, logprob: TokenLogprob | None) -> tuple[str, tuple[int | None, int | None] | None]:
+        """One token in: its text, and (matched stop, stop token) when it ends the request."""
         seq = self.seq
         seq.output_ids.append(token_id)
         if self.logprobs is not None:
@@ -103,16 +120,16 @@ class OutputProcessor:
         if token_id in self.stop_ids:
             # The stop token's own text is never emitted.
             text, matched = self._flush()
-            return self._finish(text, matched, token_id)
+            return text, (matched, token_id)
         text, matched = self.stops.feed(self.detok.step([token_id]))
         if matched is None and (
             len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.context_len
         ):
             rest, matched = self._flush()
-            return self._finish(text + rest, matched, None)
+            return text + rest, (matched, None)
         if matched is not None:
-            return self._finish(text, matched, None)
-        return self._output(text)
+            return text, (matched, None)
+        return text, None
 
     def _finish(self, text: str, matched: int | None, stop_token: int | None) -> GenerateOutput:
         """The last output: a stop string wins over the stop token that came

@@ -31,6 +31,14 @@ def wants_logprobs(p: SamplingParams) -> bool:
     return p.logprobs or p.top_logprobs > 0
 
 
+def jumps_forward(p: SamplingParams) -> bool:
+    """Whether a request's grammar may append the text it forces at once
+    (engine/grammar.py), when the server has jump-forward on. Not for
+    requests that ask for logprobs: forced tokens are not sampled and have
+    none, and theirs stay exactly those of decoding token by token."""
+    return p.constraint is not None and not wants_logprobs(p)
+
+
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """(log-probability of ids[i] under row i [B], top-k values [B, k], top-k
     ids [B, k], rank of ids[i] in row i [B], 1 for the likeliest) from raw
@@ -46,6 +54,9 @@ class Sampler(ThreadOwned):
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
         self._states: dict[Sequence, SamplingState] = {}  # the requests that may be sampled
+        # Per row of the last `sample`, the tokens its grammar forced after
+        # the sampled one (jump-forward); None when nothing was forced.
+        self._forced: list[list[int]] | None = None
 
     def admit(self, state: SamplingState) -> None:
         """Take a request's state; the calling thread owns both from now on."""
@@ -68,11 +79,17 @@ class Sampler(ThreadOwned):
         constrained = any(g is not None for g in grammars)
         mask = token_bitmask(grammars, logits.shape[-1]) if constrained else None
         ids = self._sample(logits, states, mask)
-        if constrained:
-            note_sampled(grammars, ids)
-        for state in states:
-            state.sampled += 1
+        forced = note_sampled(grammars, ids, [jumps_forward(s.params) for s in states]) if constrained else None
+        self._forced = forced if forced is not None and any(forced) else None
+        for i, state in enumerate(states):
+            state.sampled += 1 + (len(self._forced[i]) if self._forced else 0)
         return ids
+
+    def take_forced(self) -> list[list[int]] | None:
+        """The forced tokens of the last `sample` call's rows (each after
+        its row's id), once; None when none were forced."""
+        forced, self._forced = self._forced, None
+        return forced
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState],
                 mask: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:

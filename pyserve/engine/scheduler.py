@@ -35,6 +35,11 @@ sequence's newest token may not be known yet (`Sequence.pending`, counted
 by `on_launched` / `on_results`). Its decode row then carries a
 placeholder (see step.py) that the model runner fills in.
 
+Jump-forward (engine/grammar.py): a constrained request's step may
+return, after its sampled token, tokens its grammar forced; they are known
+tokens, and its next decode row computes them all. Such requests are not
+overlapped: the row that follows a jump needs the forced tokens.
+
 Speculative decoding: a drafter (engine/speculative/) proposes draft
 tokens for each decode row, which then asks for room for all of them.
 """
@@ -46,6 +51,7 @@ from collections import deque
 
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.penalties import reads_history
+from pyserve.engine.sampler import jumps_forward
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import Rows, ScheduledStep, build_step
@@ -75,6 +81,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt partly computed
         self.running: list[Sequence] = []
+        self.jump_forward = False  # whether constrained requests jump forward (the engine sets it)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.rid] = seq
@@ -104,9 +111,10 @@ class Scheduler:
             seq.pending -= 1
 
     def needs_known_tokens(self) -> bool:
-        """Penalties read every previous token when sampling: such a
-        sequence's next step waits for its pending token to come back."""
-        return any(reads_history(s.params) for s in self.running)
+        """Penalties read every previous token when sampling, and a jump
+        forward adds tokens after the pending one: such a sequence's next
+        step waits for its pending token to come back."""
+        return any(reads_history(s.params) or (self.jump_forward and jumps_forward(s.params)) for s in self.running)
 
     # -- scheduling ----------------------------------------------------------
 
@@ -150,15 +158,21 @@ class Scheduler:
         for seq in self.running:
             seq.draft_ids = self.drafter.propose(seq) if self.drafter is not None and not seq.pending else []
         while self.running:
-            needed = sum(self.kv.pages_needed(s, 1 + len(s.draft_ids)) for s in self.running)
+            needed = sum(self.kv.pages_needed(s, self._decode_length(s)) for s in self.running)
             if self.kv.make_room(needed):
                 break
             if not self.retract_one():
                 return rows
         for seq in self.running:
-            n = 1 + len(seq.draft_ids)
+            n = self._decode_length(seq)
             rows.add(seq, n, self.kv.new_slots(seq, n))
         return rows
+
+    @staticmethod
+    def _decode_length(seq: Sequence) -> int:
+        """A decode row's tokens: those whose KV is not computed yet (the
+        newest, known or pending, and the forced ones of a jump) and the drafts."""
+        return seq.num_total - seq.kv_len + len(seq.draft_ids)
 
     def _without_less_urgent(self, decode: Rows, prefill: Rows) -> Rows:
         """A step that computes a prompt leaves out the decode rows of less

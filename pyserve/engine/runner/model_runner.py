@@ -62,6 +62,9 @@ class StepOutput:
     # (ScheduledStep.drafts; speculative/rejection.py), and counts how many
     # of each sequence's rows it emits (accepted drafts + the target's own token).
     counts: list[int] | None = None
+    # Jump-forward: per sampled sequence, the tokens its grammar forced
+    # after its last emitted one (Sampler.take_forced); None when none.
+    forced: list[list[int]] | None = None
 
     def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
@@ -195,6 +198,7 @@ class ModelRunner:
                     next_ids, counts = verify_drafts(logits, states, drafts, draft_probs, self.sampler)
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
+                forced = self.sampler.take_forced()
                 refused = [s.seq for s in states if s.refused]
                 logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):
@@ -205,14 +209,14 @@ class ModelRunner:
                     prompt_logprobs = token_logprobs(all_logits[num_rows:], targets, step.prompt_top_logprobs)
                 self._last_ids = next_ids.to(self.device)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts, forced)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
                                     to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None,
-                                    refused, counts)
+                                    refused, counts, forced)
                 output.ready.record()
                 return output
         except Exception:
