@@ -18,7 +18,7 @@ from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
-from pyserve.server_args import ServerArgs
+from tests.test_speculative import started
 from tests.test_structured_outputs import CITY_GRAMMAR, CITY_LANGUAGE, PERSON, in_language, json_language
 
 CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -36,14 +36,6 @@ FLOAT32 = {"torchao_config": "none"}
 
 def json_constraint(schema: dict) -> Constraint:
     return Constraint("json_schema", json.dumps(schema))
-
-
-async def started(model_dir, **kwargs) -> Engine:
-    kwargs.setdefault("max_total_tokens", 4096)
-    kwargs.setdefault("disable_overlap_schedule", True)
-    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), **kwargs))
-    await engine.start()
-    return engine
 
 
 def chat(engine: Engine, text: str) -> list[int]:

@@ -26,7 +26,7 @@ from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.request import TokenLogprob
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.commit import accepted_runs
-from pyserve.engine.speculative.ngram import NgramDrafter
+from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import ScheduledStep
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def emitted_tokens(step: ScheduledStep, output: StepOutput, ids: list[int], logprobs: list[TokenLogprob | None],
-                   kv: KVManager, drafter: NgramDrafter | None, metrics: EngineMetrics
+                   kv: KVManager, drafter: Drafter | None, metrics: EngineMetrics
                    ) -> Iterator[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
     """Per live sampled sequence of the step: its tokens and their logprob
     entries (None where not asked for, and for forced tokens). `ids` and
