@@ -117,7 +117,7 @@ def test_sampled_outputs_stay_in_the_grammars_language(default_model_dir, overla
                 (capital, Constraint("ebnf", CITY_GRAMMAR))]
         runs = [deltas(engine, ids, temperature=0.9, seed=seed, max_new_tokens=200, constraint=c)
                 for ids, c in jobs for seed in range(3)]
-        free = deltas(engine, answer, temperature=0.9, seed=1, max_new_tokens=30)
+        free = deltas(engine, answer, temperature=0.9, seed=1, max_new_tokens=30, ignore_eos=True)
         return await asyncio.gather(*runs, free)
 
     outs = with_engine(default_model_dir, run, disable_overlap_schedule=not overlap)
