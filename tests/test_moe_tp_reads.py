@@ -5,7 +5,8 @@ blocks and scales alike): a spy on the loader's file handles counts the
 bytes each read returns and the tensors read whole. What the ranks hold
 is the single rank's weights cut in two, and two ranks on gloo generate
 what one does, in float32 and with quantized experts. A quantized
-checkpoint's experts (GPTQ int4, FP8 per tensor or block) are read the
+checkpoint's experts (GPTQ and AWQ int4, compressed-tensors W4A16, FP8 per
+tensor or block) are read the
 same way, in their packed layouts: half of every code, zero and scale
 tensor per rank."""
 
@@ -23,10 +24,13 @@ from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import TensorParallel
 from tests.test_gpt_oss import write_mxfp4_pair
+from tests.test_quantized_formats import (
+    awq_dequantized, awq_tensors, dense_copy, pack_columns, pack_rows, round_to_nearest, unpack_words, write_quantized,
+)
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
 from tests.tiny_models import build_tiny_model
 
-_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I32": 4, "F8_E4M3": 1}
+_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1}
 
 
 class ReadSpy:
@@ -184,8 +188,43 @@ def test_two_ranks_with_a_gptq_moe_in_auto_generate_what_one_does(tmp_path, defa
     assert_same_generation(one, two, atol=1e-3)
 
 
+def _compressed_w4a16_tensors(w):
+    """compressed-tensors' pack-quantized layout, asymmetric groups of 32:
+    codes packed along the inputs, zero points along the outputs."""
+    codes, zeros, scales = round_to_nearest(w, 4, 32, symmetric=False)
+    return {"weight_packed": pack_columns(codes, 4), "weight_scale": scales.half(),
+            "weight_zero_point": pack_rows(zeros, 4), "weight_shape": torch.tensor(w.shape)}
+
+
+def _compressed_w4a16_dequantized(t):
+    codes, zeros = unpack_words(t["weight_packed"], 4, 1), unpack_words(t["weight_zero_point"], 4, 0)
+    return (codes - zeros.repeat_interleave(32, 1)).float() * t["weight_scale"].float().repeat_interleave(32, 1)
+
+
+_IN_GROUPS_OF_32 = {  # quantized_pair's formats have groups of 64 where they have groups
+    "awq-int4-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+                     lambda w: awq_tensors(w, 32), lambda t: awq_dequantized(t, 32)),
+    "compressed-w4a16-g32": (
+        {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
+        _compressed_w4a16_tensors, _compressed_w4a16_dequantized),
+}
+
+
+def moe_in_groups_of_32(tmp_path, default_model_dir, fmt: str):
+    """(A quantized Qwen3-MoE in groups of 32, so that a rank's half of
+    down's 64 inputs is whole groups; its dequantized float copy)."""
+    float_dir = build_tiny_model(tmp_path / "float", "qwen3_moe", tokenizer_dir=default_model_dir,
+                                 moe_intermediate_size=64, decoder_sparse_step=2)
+    reference = write_quantized(float_dir, tmp_path / fmt, *_IN_GROUPS_OF_32[fmt])
+    return tmp_path / fmt, dense_copy(float_dir, tmp_path / f"{fmt}-dense", reference)
+
+
 @pytest.mark.parametrize("fmt, shared", [
     ("gptq-int4-sym", ("g_idx",)),
+    ("awq-int4-g32", ()),
+    ("compressed-w4a16-g32", ("weight_shape",)),
     ("fp8-block", ()),
     ("fp8-tensor", ("weight_scale", "input_scale")),
 ])
@@ -198,10 +237,13 @@ def test_each_rank_reads_only_its_slice_of_quantized_experts(tmp_path, monkeypat
     and two gloo ranks generate what one does."""
     from tests.test_quantized_checkpoints import quantized_pair
 
-    quant_dir, _ = quantized_pair(tmp_path, default_model_dir, fmt, "qwen3_moe", moe_intermediate_size=64,
-                                  decoder_sparse_step=2)
+    if fmt in _IN_GROUPS_OF_32:
+        quant_dir, dense_dir = moe_in_groups_of_32(tmp_path, default_model_dir, fmt)
+    else:
+        quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt, "qwen3_moe", moe_intermediate_size=64,
+                                      decoder_sparse_step=2)
     ranks = assert_each_rank_reads_half_of_each_expert(monkeypatch, quant_dir, shared)
-    assert_ranks_hold_halves_of_the_whole(quant_dir, ranks)
+    assert_ranks_hold_halves_of_the_whole(dense_dir, ranks)
     one, two = _one_and_two_ranks(quant_dir, torchao_config="none")
     assert_same_generation(one, two)
 
@@ -212,7 +254,7 @@ def test_act_order_experts_are_read_whole_where_their_groups_spread(tmp_path, mo
     each rank holds is still the single rank's experts cut in two."""
     from tests.test_quantized_checkpoints import quantized_pair
 
-    quant_dir, _ = quantized_pair(tmp_path, default_model_dir, "gptq-int4-act-order", "qwen3_moe",
+    quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "gptq-int4-act-order", "qwen3_moe",
                                   moe_intermediate_size=64, decoder_sparse_step=2)
     sizes = tensor_bytes(quant_dir)
     ranks = []
@@ -224,4 +266,4 @@ def test_act_order_experts_are_read_whole_where_their_groups_spread(tmp_path, mo
         assert all(k in spy.whole for k in down)
         assert all(spy.bytes[k] == sizes[k] // 2 for k in gate)
         ranks.append(model)
-    assert_ranks_hold_halves_of_the_whole(quant_dir, ranks)
+    assert_ranks_hold_halves_of_the_whole(dense_dir, ranks)
