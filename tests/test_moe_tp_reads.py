@@ -6,9 +6,8 @@ bytes each read returns and the tensors read whole. What the ranks hold
 is the single rank's weights cut in two, and two ranks on gloo generate
 what one does, in float32 and with quantized experts. A quantized
 checkpoint's experts (GPTQ and AWQ int4, compressed-tensors W4A16, FP8 per
-tensor or block) are read the
-same way, in their packed layouts: half of every code, zero and scale
-tensor per rank."""
+tensor or block) are read the same way, in their packed layouts: half of
+every code, zero and scale tensor per rank."""
 
 from __future__ import annotations
 
