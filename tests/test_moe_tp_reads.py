@@ -266,3 +266,25 @@ def test_act_order_experts_are_read_whole_where_their_groups_spread(tmp_path, mo
         assert all(spy.bytes[k] == sizes[k] // 2 for k in gate)
         ranks.append(model)
     assert_ranks_hold_halves_of_the_whole(dense_dir, ranks)
+
+
+@pytest.mark.parametrize("scale_shape", [(), (64, 1), (64,)])
+def test_a_part_of_an_fp8_weight_is_the_whole_cut(tmp_path, scale_shape):
+    """FP8 scales per tensor (read whole) or per row (cut with the rows,
+    whole for a part of the inputs): a part read is the dequantized whole's part."""
+    from safetensors.torch import save_file
+
+    from pyserve.model.quantized.modules import QuantizedModules
+    from pyserve.model.quantized.scheme import detect
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    scale = (torch.rand(scale_shape, generator=torch.Generator().manual_seed(1)) + 0.5) / 100
+    values = (w / (scale if scale.dim() != 1 else scale[:, None])).to(torch.float8_e4m3fn)
+    save_file({"m.weight": values, "m.weight_scale": scale}, tmp_path / "w.safetensors")
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        modules = QuantizedModules(detect({"quantization_config": {"quant_method": "fp8"}}), [f])
+        whole = modules.weight("m").dense()
+        for dim, part in ((0, range(32, 64)), (1, range(0, 48))):
+            weight, sliced = modules.weight_part("m", dim, part)
+            assert sliced
+            assert torch.equal(weight.dense(), whole.narrow(dim, part.start, len(part)))

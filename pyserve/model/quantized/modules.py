@@ -38,22 +38,22 @@ def _stored_along(scheme: Scheme, suffix: str, dim: int) -> tuple[int, int | Non
     """Along which axis of the stored tensor `suffix` the weight's rows
     (`dim` 0) or inputs (`dim` 1) run, and how many of them one stored
     entry covers (None: a whole row's, one group per row); None where the
-    tensor is not cut along them (read whole)."""
+    tensor is not cut along them (read whole; g_idx: weight_part)."""
     words = 32 // scheme.bits  # codes per packed int32
     group = scheme.group_size if scheme.group_size > 0 else None
     step = scheme.block[dim] if scheme.block else 1
     rows_inputs = {
         "gptq": {"qweight": ((1, 1), (0, words)), "qzeros": ((1, words), (0, group)),
-                 "scales": ((1, 1), (0, group)), "g_idx": (None, (0, 1))},
+                 "scales": ((1, 1), (0, group))},
         "awq": {"qweight": ((1, 8), (0, 1)), "qzeros": ((1, 8), (0, group)), "scales": ((1, 1), (0, group))},
-        "fp8": {"weight": ((0, 1), (1, 1)), "weight_scale_inv": ((0, step), (1, step))},
+        "fp8": {"weight": ((0, 1), (1, 1)), "weight_scale_inv": ((0, step), (1, step)),
+                "weight_scale": ((0, 1), (1, None))},  # per tensor (read whole) or per row
     }.get(scheme.method)
     if rows_inputs is None:  # compressed-tensors
         packed = scheme.fmt == "pack-quantized"
         scale = ((0, step), (1, step)) if scheme.block else ((0, 1), (1, group))
         rows_inputs = {"weight": ((0, 1), (1, 1)), "weight_packed": ((0, 1), (1, words)), "weight_scale": scale,
-                       "weight_zero_point": ((0, words if packed else 1), (1, group)),
-                       "weight_g_idx": (None, (0, 1))}
+                       "weight_zero_point": ((0, words if packed else 1), (1, group))}
     layouts = rows_inputs.get(suffix)
     return None if layouts is None else layouts[dim]
 
