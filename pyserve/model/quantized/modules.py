@@ -119,7 +119,8 @@ class QuantizedModules:
 
     def _whole(self, module: str, why: str) -> QuantizedWeight:
         if not self._logged_whole:
-            logger.info("%s: reading %s whole on every rank (%s); layers like it likewise", self.scheme.name,
+            logger.info("%s: reading %s whole on every rank (%s; logged for the first such layer only)",
+                        self.scheme.name,
                         module, why)
             self._logged_whole = True
         return self.weight(module)
