@@ -120,8 +120,7 @@ class QuantizedModules:
     def _whole(self, module: str, why: str) -> QuantizedWeight:
         if not self._logged_whole:
             logger.info("%s: reading %s whole on every rank (%s; logged for the first such layer only)",
-                        self.scheme.name,
-                        module, why)
+                        self.scheme.name, module, why)
             self._logged_whole = True
         return self.weight(module)
 
