@@ -24,7 +24,9 @@ A checkpoint quantized by another tool (AWQ, GPTQ, FP8, compressed-tensors:
 quantized/) has each quantized layer's tensors read together into its
 dense weight, which then lands like any other tensor (sliced for this
 rank, or handed to its MoE block); where the CPU's 4-bit mode can hold a
-layer's codes exactly, those codes are what it is built from.
+layer's codes exactly, those codes are what it is built from. A rank reads
+only its part of each expert's quantized tensors (its rows of gate/up,
+its inputs of down), where their packed layout can cut it (modules.py).
 """
 
 from __future__ import annotations
@@ -150,6 +152,38 @@ class _Tensors:
         return _TensorView(self.tensors[key])
 
 
+class _Part:
+    """A tensor's rows or columns `part` standing in for the whole tensor
+    `key`, as an MoE block reads its part of one (moe_weights.copy_part)."""
+
+    def __init__(self, key: str, tensor: torch.Tensor, dim: int, part: range):
+        self.key, self.tensor, self.dim, self.part = key, tensor, dim, part
+
+    def get_slice(self, key: str):
+        return self
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        if index != (slice(None),) * self.dim + (slice(self.part.start, self.part.stop),):
+            raise ValueError(f"{self.key}: only {self.part} along dimension {self.dim} was read, not {index}")
+        return self.tensor
+
+
+def _expert_split(blocks: dict[int, MoEBlock], module: str) -> tuple[int, range] | None:
+    """(dim, part) of the quantized layer `module` this rank holds, where
+    it is one of an MoE block's experts (or its shared expert) split over
+    the ranks: rows of gate/up (dim 0), inputs of down (dim 1)."""
+    block = _block_claiming(blocks, module + ".weight")
+    if block is None:
+        return None
+    where = placement(block.spec, module + ".weight")
+    if where.layout != "linear" or where.param not in ("w13", "w2", "shared_w13", "shared_w2"):
+        return None
+    shared = where.param.startswith("shared")
+    part, full = (block.shared_part, block.spec.shared_intermediate) if shared else (block.part, block.spec.intermediate)
+    return None if len(part) == full else (0 if where.param.endswith("w13") else 1, part)
+
+
 class _TensorView:
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -244,9 +278,12 @@ def load_model(
             placed.add(hf_name)
             if groups is not None:
                 where = placement(block.spec, hf_name)
+                part = block.shared_part if "shared" in where.param else block.part
+                if isinstance(handle, _Part):  # the groups are this rank's part already
+                    part = range(len(part))
                 if where.layout == "linear" and where.param.endswith(("w13", "w2")):
                     expert_groups.add(f"layers.{_LAYER.match(hf_name).group(1)}.mlp", where.param, where.expert,
-                                      where.row, groups, block.shared_part if "shared" in where.param else block.part)
+                                      where.row, groups, part)
             return
         for piece in pieces(hf_name, config, shard, names):
             if piece.param == "lm_head.weight" and model.lm_head is None:
@@ -275,9 +312,15 @@ def load_model(
                 if quantized is None or not quantized.claims(hf_name):
                     place(hf_name, handle, path.name)
         if quantized is not None:
-            for module, weight, dense in dense_weights(quantized, dtype):
+            for module, weight, dense, part in dense_weights(quantized, dtype,
+                                                             lambda module: _expert_split(blocks, module)):
                 groups = None if group_size is None else weight.int4_groups(group_size)
-                place(module + ".weight", _Tensors({module + ".weight": dense}), scheme.name, groups, weight)
+                key = module + ".weight"
+                if part is None:
+                    source = _Tensors({key: dense})
+                else:
+                    source = _Part(key, dense, *part)
+                place(key, source, scheme.name, groups, weight)
     missing |= {(f"layers.{i}.mlp.{name}", None) for i, block in blocks.items()
                 for name, p in block.named_parameters() if p.isnan().any()}
     if missing:

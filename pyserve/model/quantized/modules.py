@@ -1,13 +1,23 @@
 """Which of a checkpoint's tensors make up quantized linear layers, and
-their weights in the common form (weights.py)."""
+their weights in the common form (weights.py): a whole layer's, or a
+tensor-parallel rank's part of its rows or inputs, read from the stored
+entries that cover it in each tensor's packed layout. A part that the
+layout cannot cut (act-order groups spread over the ranks' inputs, a part
+not on whole packed words, groups or blocks) is read whole instead, and
+logged once."""
 
 from __future__ import annotations
+
+import logging
+from typing import Callable
 
 import torch
 
 from pyserve.model.quantized import awq, compressed, fp8, gptq
 from pyserve.model.quantized.scheme import Scheme
-from pyserve.model.quantized.weights import QuantizedWeight
+from pyserve.model.quantized.weights import QuantizedWeight, read_range
+
+logger = logging.getLogger(__name__)
 
 
 def _markers(scheme: Scheme) -> tuple[str, ...]:
@@ -22,6 +32,30 @@ def _markers(scheme: Scheme) -> tuple[str, ...]:
 def _suffixes(scheme: Scheme) -> tuple[str, ...]:
     return {"gptq": gptq.SUFFIXES, "awq": awq.SUFFIXES, "fp8": fp8.SUFFIXES}.get(scheme.method,
                                                                                compressed.SUFFIXES)
+
+
+def _stored_along(scheme: Scheme, suffix: str, dim: int) -> tuple[int, int | None] | None:
+    """Along which axis of the stored tensor `suffix` the weight's rows
+    (`dim` 0) or inputs (`dim` 1) run, and how many of them one stored
+    entry covers (None: a whole row's, one group per row); None where the
+    tensor is not cut along them (read whole; g_idx: weight_part)."""
+    words = 32 // scheme.bits  # codes per packed int32
+    group = scheme.group_size if scheme.group_size > 0 else None
+    step = scheme.block[dim] if scheme.block else 1
+    rows_inputs = {
+        "gptq": {"qweight": ((1, 1), (0, words)), "qzeros": ((1, words), (0, group)),
+                 "scales": ((1, 1), (0, group))},
+        "awq": {"qweight": ((1, 8), (0, 1)), "qzeros": ((1, 8), (0, group)), "scales": ((1, 1), (0, group))},
+        "fp8": {"weight": ((0, 1), (1, 1)), "weight_scale_inv": ((0, step), (1, step)),
+                "weight_scale": ((0, 1), (1, None))},  # per tensor (read whole) or per row
+    }.get(scheme.method)
+    if rows_inputs is None:  # compressed-tensors
+        packed = scheme.fmt == "pack-quantized"
+        scale = ((0, step), (1, step)) if scheme.block else ((0, 1), (1, group))
+        rows_inputs = {"weight": ((0, 1), (1, 1)), "weight_packed": ((0, 1), (1, words)), "weight_scale": scale,
+                       "weight_zero_point": ((0, words if packed else 1), (1, group))}
+    layouts = rows_inputs.get(suffix)
+    return None if layouts is None else layouts[dim]
 
 
 class QuantizedModules:
@@ -42,6 +76,7 @@ class QuantizedModules:
             module, _, suffix = key.rpartition(".")
             if module in self.tensors and suffix in suffixes:
                 self.tensors[module][suffix] = (handle, key)
+        self._logged_whole = False
 
     def claims(self, key: str) -> bool:
         """Whether the tensor `key` is part of a quantized layer (read through `weight`)."""
@@ -50,6 +85,46 @@ class QuantizedModules:
 
     def weight(self, module: str) -> QuantizedWeight:
         tensors = {suffix: handle.get_tensor(key) for suffix, (handle, key) in self.tensors[module].items()}
+        return self._read(module, tensors)
+
+    def weight_part(self, module: str, dim: int, part: range) -> tuple[QuantizedWeight, bool]:
+        """The layer's rows (`dim` 0) or inputs (`dim` 1) `part`, reading
+        only what covers them, and True; the whole weight and False where
+        its layout cannot cut that part."""
+        stored = self.tensors[module]
+        g_idx = next((s for s in ("g_idx", "weight_g_idx") if s in stored), None)
+        tensors = {}
+        if g_idx is not None:  # [in] int32, small: needed whole to cut the inputs
+            handle, key = stored[g_idx]
+            tensors[g_idx] = handle.get_slice(key)[...]
+            if dim == 1:
+                size = self.scheme.group_size
+                if size <= 0 or not torch.equal(tensors[g_idx][part.start:part.stop].long(),
+                                                torch.arange(part.start, part.stop) // size):
+                    return self._whole(module, "act-order groups spread over the ranks' inputs"), False
+                del tensors[g_idx]  # the part's groups are its own runs of group_size inputs
+        for suffix, (handle, key) in stored.items():
+            if suffix == g_idx:
+                continue
+            layout = _stored_along(self.scheme, suffix, dim)
+            view = handle.get_slice(key)
+            tensor = view[...] if layout is None else read_range(view, *layout, part)
+            if tensor is None:
+                return self._whole(module, f"its {suffix} does not cut at {part.start}-{part.stop}"), False
+            tensors[suffix] = tensor
+        if "weight_shape" in tensors:
+            tensors["weight_shape"] = tensors["weight_shape"].clone()
+            tensors["weight_shape"][dim] = len(part)
+        return self._read(module, tensors), True
+
+    def _whole(self, module: str, why: str) -> QuantizedWeight:
+        if not self._logged_whole:
+            logger.info("%s: reading %s whole on every rank (%s; logged for the first such layer only)",
+                        self.scheme.name, module, why)
+            self._logged_whole = True
+        return self.weight(module)
+
+    def _read(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         s = self.scheme
         try:
             if s.method == "gptq":
@@ -63,8 +138,17 @@ class QuantizedModules:
             raise ValueError(f"{module}: a {s.name} layer without its {e.args[0]} tensor") from None
 
 
-def dense_weights(modules: QuantizedModules, dtype: torch.dtype):
-    """(module, its QuantizedWeight, its dense weight in `dtype`) for every quantized layer."""
+def dense_weights(modules: QuantizedModules, dtype: torch.dtype,
+                  split: Callable[[str], tuple[int, range] | None] = lambda module: None):
+    """(module, its QuantizedWeight, its dense weight in `dtype`, the part
+    read) for every quantized layer: where `split(module)` names a
+    (dim, part), only that part of its rows or inputs where it can be (the
+    part None where the whole was read)."""
     for module in sorted(modules.tensors):
-        weight = modules.weight(module)
-        yield module, weight, weight.dense().to(dtype)
+        cut = split(module)
+        if cut is None:
+            weight, part = modules.weight(module), None
+        else:
+            weight, sliced = modules.weight_part(module, *cut)
+            part = cut if sliced else None
+        yield module, weight, weight.dense().to(dtype), part

@@ -83,3 +83,21 @@ class FloatWeight:
 
 
 QuantizedWeight = IntWeight | FloatWeight
+
+
+def read_range(view, axis: int, step: int | None, part: range) -> torch.Tensor | None:
+    """The stored entries of a checkpoint tensor (`view`, a safetensors
+    slice) that cover `part` of the weight's rows or columns, stored along
+    `axis` with `step` of them per entry (a packed word's codes, a group's
+    inputs, a block). The whole tensor where it holds one entry along
+    `axis` (a scale shared by every row); None where `part` does not begin
+    and end on entries (or `step` is None: one entry per whole row)."""
+    shape = view.get_shape()
+    if axis >= len(shape) or shape[axis] == 1:
+        return view[...]
+    if step is None or part.start % step:
+        return None
+    first, stop = part.start // step, -(-part.stop // step)
+    if part.stop % step and stop != shape[axis]:
+        return None
+    return view[(slice(None),) * axis + (slice(first, stop),)]
