@@ -16,6 +16,7 @@ process that stopped.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -71,10 +72,17 @@ class ResponseStore(Generic[Record]):
 
     async def save(self, response_id: str, record: Record) -> None:
         path = self._path(response_id, ".json")
-        tmp = path.with_suffix(".json.tmp")
-        async with aiofiles.open(tmp, "wb") as f:
-            await f.write(msgspec.json.encode(record))
-        await aiofiles.os.replace(tmp, path)
+        # A name per save: a save cancelled mid-write (its thread still
+        # writing) must not share a file with the save that follows it.
+        tmp = path.with_suffix(f".json.{os.urandom(6).hex()}.tmp")
+        try:
+            async with aiofiles.open(tmp, "wb") as f:
+                await f.write(msgspec.json.encode(record))
+            await aiofiles.os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     async def load(self, response_id: str) -> Record:
         """The stored record; ResponseNotFound when there is none."""

@@ -195,10 +195,10 @@ class ModelRunner:
                 num_rows = len(seqs) + sum(len(d) for d in step.drafts)
                 logits = all_logits[:num_rows]
                 if drafts:
-                    next_ids, counts = verify_drafts(logits, states, drafts, draft_probs, self.sampler)
+                    next_ids, counts, forced = verify_drafts(logits, states, drafts, draft_probs, self.sampler)
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
-                forced = self.sampler.take_forced()
+                    forced = self.sampler.take_forced()
                 refused = [s.seq for s in states if s.refused]
                 logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):

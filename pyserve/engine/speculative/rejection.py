@@ -31,18 +31,26 @@ from pyserve.engine.sampling_state import SamplingState
 
 
 def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
-                  draft_probs: list[torch.Tensor | None] | None, sampler: Sampler) -> tuple[torch.Tensor, list[int]]:
+                  draft_probs: list[torch.Tensor | None] | None, sampler: Sampler
+                  ) -> tuple[torch.Tensor, list[int], list[list[int]] | None]:
     """The token each logits row emits (rows past a sequence's run hold
-    the argmax) and how many tokens each sequence emits. `draft_probs[i]`:
-    the [k, vocab] distributions sequence i's drafts were drawn from
-    (None: a point mass). Undrafted sequences sample their one row as in
-    any step."""
+    the argmax), how many tokens each sequence emits, and per sequence the
+    tokens its grammar forced after them (jump-forward; None when none).
+    `draft_probs[i]`: the [k, vocab] distributions sequence i's drafts were
+    drawn from (None: a point mass). Undrafted sequences sample their one
+    row as in any step."""
     firsts = first_rows(drafts)
     ids = logits.argmax(dim=-1)
     plain = [i for i, d in enumerate(drafts) if not d]
+    forced = None
     if plain:
         rows = torch.tensor([firsts[i] for i in plain], device=ids.device)
         ids[rows] = sampler.sample(logits[rows], [states[i] for i in plain]).to(ids.device)
+        plain_forced = sampler.take_forced()  # per plain row: a constrained request is never drafted
+        if plain_forced is not None:
+            forced = [[] for _ in drafts]
+            for i, tokens in zip(plain, plain_forced):
+                forced[i] = tokens
     host = ids.tolist()
     counts = []
     for i, (state, draft) in enumerate(zip(states, drafts)):
@@ -59,7 +67,7 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
             ids[first : first + len(run)] = torch.tensor(run, device=ids.device)
         counts.append(len(run))
         state.sampled += len(run)
-    return ids, counts
+    return ids, counts, forced
 
 
 def first_rows(drafts: list[list[int]]) -> list[int]:
