@@ -96,7 +96,7 @@ llama-server without and with its prompt-lookup speculation
 each in turn, the order rotated per round; it prints the median time per
 output token (after the first) and each pyserve / llama-server ratio.
 
-    python bench/cpu_peers.py --speculative 3 --threads 2
+    python bench/cpu_peers.py --speculative 3 --threads 1  # 2 threads crawl on a loaded machine
 """
 
 from __future__ import annotations
