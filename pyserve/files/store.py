@@ -8,6 +8,7 @@ Writes go to a temporary name first and are renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -52,6 +53,22 @@ def time_ordered_hex() -> str:
     return f"{time.time_ns():016x}"[-16:] + uuid.uuid4().hex[:8]
 
 
+async def write_replacing(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or keeps what it held: written to a name of
+    this call's own, then renamed into place. A name per call, since a write
+    cancelled mid-way (its thread still writing) must not share a file with
+    the write that follows it; the cancelled one's file is removed."""
+    tmp = path.with_suffix(f"{path.suffix}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        async with aiofiles.open(tmp, "wb") as f:
+            await f.write(data)
+        await aiofiles.os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def new_file_id() -> str:
     return f"file-{time_ordered_hex()}"
 
@@ -91,10 +108,7 @@ class FileStore:
         _, meta_path = self._paths(file_id)
         meta = FileObject(id=file_id, bytes=size, created_at=int(time.time()),
                           filename=os.path.basename(filename) or "upload", purpose=purpose)
-        tmp = meta_path.with_suffix(".json.tmp")
-        async with aiofiles.open(tmp, "wb") as f:
-            await f.write(msgspec.json.encode(meta))
-        await aiofiles.os.replace(tmp, meta_path)
+        await write_replacing(meta_path, msgspec.json.encode(meta))
         return meta
 
     async def adopt(self, path: Path, filename: str, purpose: str) -> FileObject:

@@ -16,7 +16,6 @@ process that stopped.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import re
@@ -27,7 +26,7 @@ import aiofiles
 import aiofiles.os
 import msgspec
 
-from pyserve.files.store import time_ordered_hex
+from pyserve.files.store import time_ordered_hex, write_replacing
 
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{24}$")
 
@@ -71,18 +70,7 @@ class ResponseStore(Generic[Record]):
         return self.dir / f"{response_id}{suffix}"
 
     async def save(self, response_id: str, record: Record) -> None:
-        path = self._path(response_id, ".json")
-        # A name per save: a save cancelled mid-write (its thread still
-        # writing) must not share a file with the save that follows it.
-        tmp = path.with_suffix(f".json.{os.urandom(6).hex()}.tmp")
-        try:
-            async with aiofiles.open(tmp, "wb") as f:
-                await f.write(msgspec.json.encode(record))
-            await aiofiles.os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
+        await write_replacing(self._path(response_id, ".json"), msgspec.json.encode(record))
 
     async def load(self, response_id: str) -> Record:
         """The stored record; ResponseNotFound when there is none."""
