@@ -168,6 +168,52 @@ def test_half_precision_close_to_reference(dtype):
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
 
 
+def _latent_reference(q, keys, values, prefix, scale):
+    """Causal attention of new queries [n, heads, kd] over one sequence's keys [len, kd] / values [len, vd]."""
+    s = torch.einsum("thd,nd->thn", q.float(), keys.float()) * scale
+    seen = torch.arange(keys.shape[0])[None, None, :] <= (prefix + torch.arange(q.shape[0]))[:, None, None]
+    return torch.einsum("thn,nd->thd", s.masked_fill(~seen, float("-inf")).softmax(-1), values.float())
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        DEVICE == "cpu", reason="Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot")),
+])
+def test_half_precision_latent_cache(dtype):
+    """A latent cache as DeepSeek's (one KV head of K 40 values, V a view of
+    its first 32) in 16-bit, extend over a cached prefix and decode: the
+    tile shapes that miscompiled on an H100 when the key block was wider
+    than the V tile."""
+    from pyserve.model.attention.triton_decode import decode_attention
+    from pyserve.model.attention.triton_extend import extend_attention
+
+    heads, kd, vd, prefix, new = 4, 40, 32, 30, 14
+    g = torch.Generator().manual_seed(0)
+    k_buffer = (torch.randn(128, 1, kd, generator=g) * 0.5).to(dtype).to(DEVICE)
+    v_buffer = k_buffer[..., :vd]
+    lens = [prefix + new, new]
+    slots = [torch.randperm(127, generator=g)[:n] + 1 for n in lens]
+    q = (torch.randn(2 * new, heads, kd, generator=g) * 0.5).to(dtype)
+    kv_indptr = torch.tensor([0, lens[0], sum(lens)], device=DEVICE)
+    kv_indices = torch.cat(slots).to(DEVICE)
+    out = torch.zeros(2 * new, heads, vd, dtype=dtype, device=DEVICE)
+    extend_attention(q.to(DEVICE), k_buffer, v_buffer, out, torch.tensor([0, new, 2 * new], device=DEVICE),
+                     kv_indptr, kv_indices, new, kd**-0.5)
+    cpu_k = k_buffer[:, 0].cpu()
+    expected = torch.cat([_latent_reference(q[i * new:(i + 1) * new], cpu_k[s], cpu_k[s, :vd], n - new, kd**-0.5)
+                          for i, (s, n) in enumerate(zip(slots, lens))])
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+    last = q[[new - 1, 2 * new - 1]].contiguous()  # each sequence's last position, as a decode row
+    out = torch.zeros(2, heads, vd, dtype=dtype, device=DEVICE)
+    mid_o = torch.empty(2, heads, 4, vd, dtype=torch.float32, device=DEVICE)
+    mid_lse = torch.empty(2, heads, 4, dtype=torch.float32, device=DEVICE)
+    decode_attention(last.to(DEVICE), k_buffer, v_buffer, out, kv_indptr, kv_indices, mid_o, mid_lse, 4, kd**-0.5)
+    expected = torch.cat([_latent_reference(last[i:i + 1], cpu_k[s], cpu_k[s, :vd], n - 1, kd**-0.5)
+                          for i, (s, n) in enumerate(zip(slots, lens))])
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_kv_is_written_to_its_slots_and_layer_only():
     h = Harness(4, 2, 16)
     h.step([3, 5], layer_id=1)

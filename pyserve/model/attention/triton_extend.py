@@ -124,10 +124,13 @@ def extend_attention(
     assert q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == out.stride(-1) == 1
     batch = qo_indptr.numel() - 1
     _, num_heads, head_dim = q.shape
-    block_d = triton.next_power_of_2(head_dim)
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_buffer.shape[2])
     # Tiles of q, k and v must fit in shared memory together (a latent
-    # cache's K head of 576 values takes a block of 1024).
-    block = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
+    # cache's K head of 576 values takes a block of 1024). A key block wider
+    # than the V tile miscompiles in 16-bit on an H100 (Triton 3.6: wrong
+    # outputs or an illegal address for K 40 / V 32 at block 64), so the
+    # block never exceeds the V tile.
+    block = max(16, min(64 if block_d <= 128 else 32 if block_d <= 256 else 16, block_dv))
     grid = (batch, num_heads, triton.cdiv(max_new, block))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, q if sinks is None else sinks, scale,
@@ -142,7 +145,7 @@ def extend_attention(
         BLOCK_M=block,
         BLOCK_N=block,
         BLOCK_D=block_d,
-        BLOCK_DV=triton.next_power_of_2(v_buffer.shape[2]),
+        BLOCK_DV=block_dv,
         DOT_PRECISION=dot_precision(q.dtype),
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
