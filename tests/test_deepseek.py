@@ -129,7 +129,7 @@ def test_the_cache_holds_the_latent(v3_dir):
     expanded = layers * 2 * _COMMON["num_attention_heads"] * (_COMMON["qk_nope_head_dim"] + ROPE_DIM) * 4
 
     async def figures():
-        engine = Engine.from_args(ServerArgs(model_path=str(v3_dir), max_total_tokens=256))
+        engine = Engine.from_args(ServerArgs(model_path=str(v3_dir), max_total_tokens=256, dtype="float32"))
         await engine.start()
         try:
             rank = engine.runner.rank_model
@@ -154,7 +154,7 @@ def test_engine_with_a_cached_prefix_matches_transformers(v3_dir):
     prompts = [first, first + random_prompts(512, [14], seed=2)[0]]
     got = asyncio.run(_engine_greedy(v3_dir, prompts, 8))
     assert got[1][1] >= 24
-    hf = transformers.AutoModelForCausalLM.from_pretrained(v3_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(v3_dir, dtype=torch.float32, attn_implementation="eager")
     assert [tokens for tokens, _ in got] == [hf_cached_greedy(hf, p, 8) for p in prompts]
 
 

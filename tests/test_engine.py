@@ -18,6 +18,7 @@ def run(coro):
 
 async def started_engine(model_dir, **kwargs) -> Engine:
     kwargs.setdefault("max_total_tokens", 4096)
+    kwargs.setdefault("dtype", "float32")  # the tests' references are float32, on a GPU too
     engine = Engine.from_args(ServerArgs(model_path=str(model_dir), **kwargs))
     await engine.start()
     return engine

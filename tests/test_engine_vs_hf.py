@@ -55,6 +55,6 @@ def test_engine_greedy_matches_transformers(model, request):
     import transformers
 
     got = asyncio.run(engine_greedy(model_dir, PROMPTS, NEW_TOKENS))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     assert got == expected

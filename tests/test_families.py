@@ -51,7 +51,7 @@ def test_longrope_switches_factors_as_a_sequence_outgrows_the_original_context(l
 
     prompts = random_prompts(512, [ORIGINAL_CONTEXT - 6, ORIGINAL_CONTEXT - 1])
     _, ours = pyserve_greedy(longrope_dir, prompts, 12)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(longrope_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(longrope_dir, dtype=torch.float32, attn_implementation="eager")
     assert ours == [hf_cached_greedy(hf, p, 12) for p in prompts]
 
 
@@ -113,9 +113,9 @@ def assert_served_like_transformers(model_dir, prompts: list[list[int]], *option
     import openai
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    srv = ServerProcess("--model", str(model_dir), "--max-total-tokens", "2048", *options)
+    srv = ServerProcess("--model", str(model_dir), "--max-total-tokens", "2048", "--dtype", "float32", *options)
     try:
         client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
         model = client.models.list().data[0].id
@@ -139,4 +139,4 @@ def test_family_served_to_the_openai_client(tmp_path, default_model_dir, arch):
     its sliding layers): greedy completions and their logprobs as transformers'."""
     model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir)
     assert_served_like_transformers(model_dir, random_prompts(400, [4, 11], seed=3),
-                                    "--torchao-config", "none", "--dtype", "float32")
+                                    "--torchao-config", "none")

@@ -78,7 +78,8 @@ def test_triton_backend_matches_transformers(gpt_oss_dir):
 async def _engine_greedy(model_dir, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], int]]:
     """(greedy tokens, prompt tokens taken from the prefix cache) of each
     prompt, one after the other, on an engine that prefills 8 tokens a step."""
-    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=2048, chunked_prefill_size=8))
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=2048, chunked_prefill_size=8,
+                                         dtype="float32"))
     await engine.start()
     results = []
     try:
@@ -101,7 +102,7 @@ def test_engine_with_a_cached_prefix_matches_transformers(gpt_oss_dir):
     prompts = [first, first + random_prompts(512, [14], seed=2)[0]]
     got = asyncio.run(_engine_greedy(gpt_oss_dir, prompts, 8))
     assert got[1][1] >= 24  # the cache held (at least) the first prompt's whole pages
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_dir, dtype=torch.float32, attn_implementation="eager")
     assert [tokens for tokens, _ in got] == [hf_cached_greedy(hf, p, 8) for p in prompts]
 
 

@@ -20,6 +20,9 @@ from pyserve.model.step_plan import TORCH_STEP, StepPlan
 from tests.tiny_models import build_tiny_model
 
 NEW_TOKENS = 16
+# Where an attention backend other than torch's is asked for: the Triton
+# kernels run on CUDA, or in Triton's interpreter on the CPU.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT_LENGTHS = [1, 2, 5, 9, 17, 3, 31, 8, 12, 24]
 
 
@@ -32,9 +35,10 @@ class CachedSequences:
         """`attention`: builds the attention backend as attention(pool,
         config); default, the torch backend."""
         self.model = model
+        self.device = next(model.parameters()).device
         self.decode_plan = decode_plan
         self.pool = KVBuffer(
-            config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, torch.float32, "cpu"
+            config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, torch.float32, self.device
         )
         self.pages = PageAllocator(num_slots)
         self.attn = TorchAttention(self.pool) if attention is None else attention(self.pool, config)
@@ -61,10 +65,10 @@ class CachedSequences:
             slots=[self.slots[s] for s in chunks],
             logits_indices=logits_indices,
             is_decode=all(len(t) == 1 for t in chunks.values()),
-            device="cpu",
+            device=self.device,
         )
         with torch.inference_mode():
-            return self.model(batch, self.attn, self.decode_plan if batch.is_decode else TORCH_STEP)
+            return self.model(batch, self.attn, self.decode_plan if batch.is_decode else TORCH_STEP).cpu()
 
 
 def random_prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -75,7 +79,7 @@ def random_prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[li
 def pyserve_greedy(model_dir, prompts: list[list[int]], new_tokens: int,
                    attention=None) -> tuple[torch.Tensor, list[list[int]]]:
     """(first-step logits [B, vocab], greedy tokens per prompt), attending with `attention` (CachedSequences)."""
-    model, config = load_model(model_dir, torch.float32, "cpu")
+    model, config = load_model(model_dir, torch.float32, "cpu" if attention is None else KERNEL_DEVICE)
     seqs = CachedSequences(model, config, attention=attention)
     # Chunked prefill: the first halves together, then the rest over that
     # cached prefix (one-token prompts have no first half).
@@ -94,7 +98,7 @@ def pyserve_greedy(model_dir, prompts: list[list[int]], new_tokens: int,
 def hf_greedy(model_dir, prompts, new_tokens) -> tuple[torch.Tensor, list[list[int]]]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.generation_config.eos_token_id = None  # exactly new_tokens, EOS or not
     first_logits, outputs = [], []
     with torch.no_grad():

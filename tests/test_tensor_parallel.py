@@ -159,6 +159,7 @@ async def _generate(engine, prompt, **params) -> tuple[list[int], list[float], l
 async def _run(model_dir, tp_size: int, **options) -> list[tuple]:
     """Each prompt alone, then all of them as one batch (prefill and decode
     rows mixed), on an engine of `tp_size` ranks."""
+    options.setdefault("device", "cpu")  # two gloo ranks, also where one GPU is
     engine = await started_engine(model_dir, tp_size=tp_size, **options)
     try:
         alone = [await _generate(engine, p) for p in PROMPTS[:2]]

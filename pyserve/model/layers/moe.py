@@ -93,7 +93,7 @@ class MoESpec:
             return cls(num_experts=config.num_local_experts, intermediate=config.intermediate_size,
                        routing="topk_softmax", weights_float32=False, router_bias=True, expert_bias=True,
                        activation="clamped_swiglu", swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
-                       swiglu_limit=config.swiglu_limit, **common)
+                       swiglu_limit=getattr(config, "swiglu_limit", 7.0), **common)
         if kind in ("deepseek_v2", "deepseek_v3"):
             v3 = kind == "deepseek_v3"
             grouped = v3 or config.topk_method == "group_limited_greedy"
