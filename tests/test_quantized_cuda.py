@@ -273,26 +273,38 @@ def test_use_gpu_layers_replaces_the_linears_it_can_hold():
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["gptq-int4-sym", "fp8-tensor"])
 def test_the_loader_puts_checkpoint_layers_on_their_gpu_kernels(tmp_path, default_model_dir, fmt):
-    """A real checkpoint served on CUDA: its projections are the kernels'
-    layers, and its greedy tokens those of its dequantized copy (bf16
-    rounding aside: most of them)."""
+    """A real checkpoint served on CUDA in bfloat16: its projections are the
+    kernels' layers, and its greedy choices those of its dequantized copy.
+    Teacher-forced (each next token chosen after the copy's own tokens), so
+    one near-tie flipped by FP8's activation rounding costs one position,
+    not the rest of the sequence (seen on an H100: free-running, 11 of 16)."""
     import asyncio
 
     from tests.test_engine import collect, started_engine
     from tests.test_quantized_checkpoints import quantized_pair
 
     quantized_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt)
+    prompt = [5, 9, 200, 31, 7]
 
-    async def greedy(model_dir, check_layers):
-        engine = await started_engine(model_dir, device="cuda", disable_cuda_graph=True)
+    async def engine_on(model_dir):
+        return await started_engine(model_dir, device="cuda", dtype="bfloat16", disable_cuda_graph=True)
+
+    async def compare():
+        dense = await engine_on(dense_dir)
         try:
-            if check_layers:
-                model = engine.runner.rank_model.model
-                assert not isinstance(model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
-                assert any(isinstance(m, (W4A16Linear, Fp8Linear)) for m in model.modules())
-            return (await collect(engine, [5, 9, 200, 31, 7], max_new_tokens=16, temperature=0, ignore_eos=True))[1]
+            want = (await collect(dense, prompt, max_new_tokens=16, temperature=0, ignore_eos=True))[1]
         finally:
-            await engine.shutdown()
+            await dense.shutdown()
+        quantized = await engine_on(quantized_dir)
+        try:
+            model = quantized.runner.rank_model.model
+            assert not isinstance(model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+            assert any(isinstance(m, (W4A16Linear, Fp8Linear)) for m in model.modules())
+            got = [(await collect(quantized, prompt + want[:i], max_new_tokens=1, temperature=0,
+                                  ignore_eos=True))[1][0] for i in range(len(want))]
+        finally:
+            await quantized.shutdown()
+        return got, want
 
-    got, want = asyncio.run(greedy(quantized_dir, True)), asyncio.run(greedy(dense_dir, False))
-    assert sum(a == b for a, b in zip(got, want)) >= 12, (got, want)
+    got, want = asyncio.run(compare())
+    assert sum(a == b for a, b in zip(got, want)) >= 14, (got, want)
