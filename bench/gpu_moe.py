@@ -24,32 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_quant import timed  # noqa: E402  median CUDA-event ms after warm-up
 from pyserve.model.layers.moe import MoESpec, grouped_experts, route  # noqa: E402
 
 SPEC = MoESpec(num_experts=128, top_k=8, hidden=2048, intermediate=768, weights_float32=False)
-
-
-def timed(fn, iters: int) -> float:
-    """Median ms of `iters` CUDA-event timings of fn() after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def hbm_bandwidth() -> float:
