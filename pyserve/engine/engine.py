@@ -37,7 +37,7 @@ from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
-from pyserve.engine.kv.page_allocator import PageAllocator
+from pyserve.engine.kv.window_pages import page_allocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
@@ -76,7 +76,7 @@ class Engine:
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
         kv_buffer = self.runner.rank_model.kv_buffer
-        self.kv = KVManager(PageAllocator(kv_buffer.num_pages, kv_buffer.page_size),
+        self.kv = KVManager(page_allocator(kv_buffer, self.model_config.sliding_window),
                             use_radix_cache=not options.disable_radix_cache)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
         self.drafter = drafter_of(options, model_options, self.model_dir, self.runner)

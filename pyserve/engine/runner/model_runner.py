@@ -111,14 +111,14 @@ class ModelRunner:
         """Rank 0's model, with a KV cache of the size it decides for every rank."""
         if self.ranks is None:
             rank_model = RankModel(options, model_dir, torch.device(options.device))
-            rank_model.allocate(rank_model.num_pages())
+            rank_model.allocate(rank_model.num_pages(), window_pool=True)
             return rank_model
         ranks, member = self.ranks, self.ranks.member
         rank_model = RankModel(options, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
         num_pages = rank_model.num_pages()
         ranks.watched(ranks.channel.send_value, num_pages)
         # Capturing CUDA graphs runs collectives: every rank allocates at once.
-        ranks.watched(rank_model.allocate, num_pages)
+        ranks.watched(rank_model.allocate, num_pages, True)
         ranks.watched(ranks.channel.barrier)
         ranks.serving = True
         logger.info("Tensor parallelism: %d ranks over %d node(s) (%s), KV cache of %d pages on each",
