@@ -74,15 +74,15 @@ class StandInKV:
 
 
 def windowed_scheduler(full_pages: int, window_pages: int, window: int = WINDOW, chunk: int = CHUNK,
-                       max_running: int = 8) -> Scheduler:
-    kv = KVManager(WindowPageAllocator(full_pages, window_pages, PAGE, window))
+                       max_running: int = 8, cache: bool = True) -> Scheduler:
+    kv = KVManager(WindowPageAllocator(full_pages, window_pages, PAGE, window), use_radix_cache=cache)
     return Scheduler(kv, max_running, max_prefill_tokens=1024, chunk_size=chunk)
 
 
 def held_window_pages(sched: Scheduler) -> int:
-    """Sliding pages in use that the cache could not give back."""
-    usage = sched.kv.window_usage(sched.holders())
-    return (usage["window_total"] - usage["window_free"] - usage["window_cached_evictable"]) // PAGE
+    """Sliding pages in use, as their allocator counts them."""
+    pages = sched.kv.windowed.window_pages
+    return pages.capacity - pages.num_free
 
 
 def run_until_done(sched: Scheduler, kv_stand_in: StandInKV, rng: random.Random, aborts: float = 0.0,
@@ -117,18 +117,23 @@ def add(sched: Scheduler, rid: str, prompt: list[int], new_tokens: int) -> Seque
     return seq
 
 
-def test_a_long_request_holds_sliding_pages_for_its_window_and_chunk_only():
-    sched = windowed_scheduler(full_pages=129, window_pages=129)
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_long_request_holds_sliding_pages_for_its_window_and_chunk_only(cache):
+    sched = windowed_scheduler(full_pages=129, window_pages=129, cache=cache)
     stand_in = StandInKV(sched.kv, WINDOW)
     add(sched, "long", list(range(3, 303)), new_tokens=40)
     peak = run_until_done(sched, stand_in, random.Random(0))
-    # The window's last pages, the page being written and one chunk: not its 340 tokens.
-    assert peak * PAGE <= WINDOW + CHUNK + 2 * PAGE
     assert sched.kv.integrity_problem([]) is None
-    # Its full pages are cached; of its sliding pages the cache keeps those
-    # it shared while computing the prompt, each of them free to give back.
     usage = sched.kv.usage([])
-    assert usage["cached"] == 336 and usage["window_cached"] == usage["window_cached_evictable"]
+    if not cache:
+        # Right after each step is scheduled: the window's last pages and the
+        # step's new tokens (a chunk), not its 340 tokens.
+        assert WINDOW + CHUNK <= peak * PAGE <= WINDOW + CHUNK + 2 * PAGE
+        assert usage["window_free"] == usage["window_total"] == 128 * PAGE
+        return
+    # The cache keeps its full pages, and of its sliding pages those its
+    # prompt's chunks left there, each of them free to give back.
+    assert usage["cached"] == 336 and 0 < usage["window_cached"] == usage["window_cached_evictable"]
 
 
 def test_a_prompt_longer_than_the_whole_sliding_pool_runs():
@@ -201,10 +206,12 @@ def hf_greedy_logprobs(model, prompt: list[int], n: int) -> tuple[list[int], lis
 
 
 def sliding_engine(model_dir, window_tokens: int, **options) -> Engine:
-    """An engine whose sliding pool holds `window_tokens` beside 512 full ones."""
+    """An engine whose sliding pool holds `window_tokens` beside 512 full
+    ones, in float32 (on CUDA too: the Triton kernels and CUDA graphs then
+    read the sliding pool's tables)."""
     return Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, page_size=PAGE,
                                        chunked_prefill_size=CHUNK, swa_full_tokens_ratio=window_tokens / 512,
-                                       **options))
+                                       dtype="float32", **options))
 
 
 async def engine_greedy(engine: Engine, prompt: list[int], n: int, rid: str):
@@ -287,3 +294,27 @@ def test_engine_cuts_a_hit_back_where_sliding_pages_were_freed(sliding_model_dir
     assert_as_transformers(hf, prompt, first)
     assert_as_transformers(hf, turn2, second)
     assert second[2] == 24
+
+
+def test_a_standalone_draft_model_beside_a_sliding_pool(sliding_model_dir):
+    """STANDALONE speculation: the draft model keeps its own one-pool KV over
+    the target's full slots while the target's sliding pool gives pages
+    back; greedy tokens stay transformers'."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sliding_model_dir, dtype=torch.float32)
+    prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    async def run():
+        engine = sliding_engine(sliding_model_dir, 64, speculative_algorithm="STANDALONE",
+                                speculative_draft_model_path=str(sliding_model_dir), speculative_num_draft_tokens=3)
+        await engine.start()
+        try:
+            assert engine.kv.windowed is not None
+            got = await engine_greedy(engine, prompt, 24, "spec")
+            engine.check_integrity()
+            return got
+        finally:
+            await engine.shutdown()
+
+    assert_as_transformers(hf, prompt, asyncio.run(run()))
