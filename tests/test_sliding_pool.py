@@ -318,3 +318,69 @@ def test_a_standalone_draft_model_beside_a_sliding_pool(sliding_model_dir):
             await engine.shutdown()
 
     assert_as_transformers(hf, prompt, asyncio.run(run()))
+
+
+def test_a_step_that_cannot_fit_the_sliding_pool_is_refused():
+    kv = KVManager(WindowPageAllocator(129, 13, PAGE, WINDOW))  # 512 full tokens, 48 sliding
+    assert kv.prompt_capacity(CHUNK) == 512  # chunks of 16 after a window of 8 fit in 48
+    assert kv.prompt_capacity(None) == 48 - 3 * PAGE  # a whole prompt per step needs its sliding pages at once
+    with pytest.raises(ValueError, match="--swa-full-tokens-ratio"):
+        kv.prompt_capacity(40)
+    assert KVManager(WindowPageAllocator(129, 129, PAGE, WINDOW)).prompt_capacity(None) == 512 - 3 * PAGE
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_triton_kernels_read_the_sliding_pool(tmp_path, default_model_dir, arch):
+    """The Triton backend (its interpreter without CUDA) through the engine:
+    a 40-token prompt in chunks of 16 beside a 36-token sliding pool, then
+    a prompt sharing 24 of its tokens; decode and extend kernels read the
+    sliding layers by their sliding slots."""
+    import transformers
+
+    model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(3, 500, (40,), generator=g).tolist()
+    second = first[:24] + torch.randint(3, 500, (5,), generator=g).tolist()
+
+    async def run():
+        engine = sliding_engine(model_dir, 36, attention_backend="triton")
+        await engine.start()
+        try:
+            got = [await engine_greedy(engine, p, 5, f"r{i}") for i, p in enumerate((first, second))]
+            engine.check_integrity()
+            return got
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(run())
+    for prompt, got in zip((first, second), results):
+        assert_as_transformers(hf, prompt, got)
+    assert results[1][2] == 24
+
+
+def test_cuda_graph_tables_carry_the_sliding_slots():
+    """The static tables a CUDA graph reads (filled here without CUDA): the
+    sliding slots beside the full ones, spare rows on both padding pages."""
+    pytest.importorskip("triton")
+    from pyserve.model.attention.triton_backend import TritonAttention
+    from pyserve.model.forward_batch import ForwardBatch
+    from pyserve.model.kv_buffer import KVBuffer
+
+    allocator = WindowPageAllocator(9, 5, PAGE, WINDOW)
+    pool = KVBuffer(2, 9, 1, 8, torch.float32, "cpu", page_size=PAGE, window_layers=frozenset({0}), window_pages=5)
+    assert pool.k_buffer[0].shape[0] == 5 * PAGE and pool.k_buffer[1].shape[0] == 9 * PAGE
+    attention = TritonAttention(pool, 2, context_len=64)
+    pages = allocator.alloc(3)
+    slots = [pages[0] * PAGE + torch.arange(3), (pages[1:, None] * PAGE + torch.arange(PAGE)).flatten()]
+    allocator.drop_window(pages[1:2])  # the second sequence's first page: left behind by its window
+    batch = ForwardBatch.build([5, 6], [2, 7], torch.stack([s[-1] for s in slots]), [1, 1], slots, [0, 1], True,
+                               "cpu", window_slots=allocator.window_slots)
+    assert batch.window_kv_indices[3:7].tolist() == [0, 1, 2, 3]  # the padding page's slots: never read
+    attention.init_cuda_graph_state(max_bs=4)
+    indptr, indices, window_indices = attention.cuda_graph_kv_tables(4)
+    window_indices[:20] = 7  # stale entries of an earlier batch
+    attention.fill_cuda_graph_kv_tables(batch, 4)
+    assert indptr.tolist() == [0, 3, 11, 12, 13]
+    assert torch.equal(indices[:11], batch.kv_indices) and torch.equal(window_indices[:11], batch.window_kv_indices)
+    assert not window_indices[11:13].any() and not indices[11:13].any()

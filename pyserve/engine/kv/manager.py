@@ -115,6 +115,26 @@ class KVManager:
                 protected[self.allocator.pages_of(slots[start:cached])] = True
         return protected
 
+    def prompt_capacity(self, chunk: int | None) -> int:
+        """The most tokens a prompt may have for the pools to compute it in
+        steps of at most `chunk` new tokens (None: a whole prompt per step).
+        With a sliding pool a step's new tokens and the window before them
+        must fit there too (with pages for rounding and headroom): without
+        chunking that bounds the prompt; a chunk that cannot fit is refused
+        here (ValueError), which the engine asks at start."""
+        full = self.allocator.capacity_tokens
+        if self.windowed is None:
+            return full
+        window_pool = self.windowed.window_pages.capacity_tokens
+        room = window_pool - 3 * self.page_size
+        if chunk is None:
+            return min(full, room)
+        if chunk + self.windowed.window > room:
+            raise ValueError(f"the sliding-window layers' KV pool holds {window_pool} tokens: too few for a "
+                             f"prefill chunk of {chunk} after a window of {self.windowed.window}; raise "
+                             "--swa-full-tokens-ratio or lower --chunked-prefill-size")
+        return full
+
     def new_slots(self, seq: Sequence, n: int) -> torch.Tensor:
         """Slots for `n` more tokens of `seq`: the rest of its last page, then
         new pages. The caller made room first; `append_slots` hands them to
