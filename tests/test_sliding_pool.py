@@ -320,13 +320,17 @@ def test_a_standalone_draft_model_beside_a_sliding_pool(sliding_model_dir):
     assert_as_transformers(hf, prompt, asyncio.run(run()))
 
 
-def test_a_step_that_cannot_fit_the_sliding_pool_is_refused():
+def test_steps_are_cut_to_what_the_sliding_pool_holds():
     kv = KVManager(WindowPageAllocator(129, 13, PAGE, WINDOW))  # 512 full tokens, 48 sliding
-    assert kv.prompt_capacity(CHUNK) == 512  # chunks of 16 after a window of 8 fit in 48
-    assert kv.prompt_capacity(None) == 48 - 3 * PAGE  # a whole prompt per step needs its sliding pages at once
+    room = 48 - WINDOW - 3 * PAGE  # after a window, with pages for rounding and headroom
+    assert kv.fit_chunk(CHUNK) == CHUNK and kv.prompt_capacity(CHUNK) == 512
+    assert kv.fit_chunk(100) == room and kv.prompt_capacity(room) == 512
+    assert kv.fit_chunk(None) is None and kv.prompt_capacity(None) == room  # a whole prompt per step
     with pytest.raises(ValueError, match="--swa-full-tokens-ratio"):
-        kv.prompt_capacity(40)
-    assert KVManager(WindowPageAllocator(129, 129, PAGE, WINDOW)).prompt_capacity(None) == 512 - 3 * PAGE
+        KVManager(WindowPageAllocator(129, 5, PAGE, WINDOW)).fit_chunk(CHUNK)  # 16 tokens: not even a window
+    sched = windowed_scheduler(full_pages=129, window_pages=13, chunk=kv.fit_chunk(100))
+    add(sched, "long", list(range(3, 303)), new_tokens=4)
+    run_until_done(sched, StandInKV(sched.kv, WINDOW), random.Random(4))
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])

@@ -78,8 +78,8 @@ class Engine:
         kv_buffer = self.runner.rank_model.kv_buffer
         self.kv = KVManager(page_allocator(kv_buffer, self.model_config.sliding_window),
                             use_radix_cache=not options.disable_radix_cache)
-        chunk = options.chunked_prefill_size if options.chunked_prefill_size > 0 else None
-        self.prompt_capacity = self.kv.prompt_capacity(chunk)  # raises if a chunk cannot fit the sliding pool
+        chunk = self.kv.fit_chunk(options.chunked_prefill_size if options.chunked_prefill_size > 0 else None)
+        self.prompt_capacity = self.kv.prompt_capacity(chunk)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
         self.drafter = drafter_of(options, model_options, self.model_dir, self.runner)
         self.scheduler = Scheduler(

@@ -115,25 +115,36 @@ class KVManager:
                 protected[self.allocator.pages_of(slots[start:cached])] = True
         return protected
 
+    def fit_chunk(self, chunk: int | None) -> int | None:
+        """The prefill chunk to run with, given --chunked-prefill-size's
+        (None: a whole prompt per step). With a sliding pool a step's new
+        tokens and the window before them must fit there (with pages for
+        rounding and headroom): a larger chunk is lowered to what fits."""
+        room = self._step_room()
+        if room is None or chunk is None or chunk <= room:
+            return chunk
+        logger.info("Prefill chunks of %d tokens: what the sliding-window layers' KV pool holds after a window", room)
+        return room
+
     def prompt_capacity(self, chunk: int | None) -> int:
         """The most tokens a prompt may have for the pools to compute it in
-        steps of at most `chunk` new tokens (None: a whole prompt per step).
-        With a sliding pool a step's new tokens and the window before them
-        must fit there too (with pages for rounding and headroom): without
-        chunking that bounds the prompt; a chunk that cannot fit is refused
-        here (ValueError), which the engine asks at start."""
+        steps of at most `chunk` new tokens (from `fit_chunk`; None: a
+        whole prompt per step, which a sliding pool must then hold)."""
         full = self.allocator.capacity_tokens
+        room = self._step_room()
+        return full if room is None or chunk is not None else min(full, room)
+
+    def _step_room(self) -> int | None:
+        """New tokens one step of one prompt may add to the sliding pool
+        after its window; None without a sliding pool."""
         if self.windowed is None:
-            return full
+            return None
         window_pool = self.windowed.window_pages.capacity_tokens
-        room = window_pool - 3 * self.page_size
-        if chunk is None:
-            return min(full, room)
-        if chunk + self.windowed.window > room:
+        room = window_pool - self.windowed.window - 3 * self.page_size
+        if room < 1:
             raise ValueError(f"the sliding-window layers' KV pool holds {window_pool} tokens: too few for a "
-                             f"prefill chunk of {chunk} after a window of {self.windowed.window}; raise "
-                             "--swa-full-tokens-ratio or lower --chunked-prefill-size")
-        return full
+                             f"window of {self.windowed.window}; raise --swa-full-tokens-ratio")
+        return room
 
     def new_slots(self, seq: Sequence, n: int) -> torch.Tensor:
         """Slots for `n` more tokens of `seq`: the rest of its last page, then
