@@ -388,3 +388,42 @@ def test_cuda_graph_tables_carry_the_sliding_slots():
     assert indptr.tolist() == [0, 3, 11, 12, 13]
     assert torch.equal(indices[:11], batch.kv_indices) and torch.equal(window_indices[:11], batch.window_kv_indices)
     assert not window_indices[11:13].any() and not indices[11:13].any()
+
+
+def test_engine_retraction_and_abort_leave_both_pools_whole(sliding_model_dir):
+    """Three requests of 80 tokens each in a 160-token full pool (and a
+    96-token sliding one): the newest are retracted and resumed from the
+    cache, one more is aborted mid-way; tokens stay transformers' and
+    every page of both pools is free or cached afterwards."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sliding_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (40,), generator=g).tolist() for _ in range(3)]
+    retracted = []
+
+    async def run():
+        engine = Engine.from_args(ServerArgs(model_path=str(sliding_model_dir), max_total_tokens=160, page_size=PAGE,
+                                             chunked_prefill_size=CHUNK, swa_full_tokens_ratio=0.6, dtype="float32"))
+        retract = engine.scheduler._retract
+        engine.scheduler._retract = lambda seq: (retracted.append(seq.rid), retract(seq))
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True)
+            stream = engine.generate(GenerateRequest(prompts[0], params, rid="aborted"))
+            async for out in stream:
+                if out.token_ids:
+                    break
+            await stream.aclose()
+            got = await asyncio.gather(*[engine_greedy(engine, p, 40, f"r{i}") for i, p in enumerate(prompts)])
+            engine.check_integrity()
+            usage = engine.kv_usage()
+            assert usage["in_use"] == usage["window_in_use"] == 0
+            return got
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(run())
+    assert retracted
+    for prompt, got in zip(prompts, results):
+        assert_as_transformers(hf, prompt, got)
