@@ -427,3 +427,11 @@ def test_engine_retraction_and_abort_leave_both_pools_whole(sliding_model_dir):
     assert retracted
     for prompt, got in zip(prompts, results):
         assert_as_transformers(hf, prompt, got)
+
+
+@pytest.mark.parametrize("ratio", ["0", "1.5"])
+def test_a_sliding_pool_ratio_outside_0_to_1_is_refused(ratio, capsys):
+    assert ServerArgs.from_cli(["--swa-full-tokens-ratio", "0.25"]).swa_full_tokens_ratio == 0.25
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--swa-full-tokens-ratio", ratio])
+    assert "--swa-full-tokens-ratio must be in (0, 1]" in capsys.readouterr().err
