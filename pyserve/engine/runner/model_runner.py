@@ -106,6 +106,9 @@ class ModelRunner:
             capacity, kv_buffer.page_size, capacity * self.rank_model.kv_bytes_per_token() / (1 << 30),
             " on rank 0" if self.ranks else "", self.rank_model.context_len,
         )
+        if kv_buffer.window_pages is not None:
+            logger.info("KV cache of the %d sliding-window layers: %d tokens of their own",
+                        len(kv_buffer.window_layers), (kv_buffer.window_pages - 1) * kv_buffer.page_size)
 
     def _start_rank_model(self, options: ModelOptions, model_dir: Path) -> RankModel:
         """Rank 0's model, with a KV cache of the size it decides for every rank."""
