@@ -84,6 +84,9 @@ class ModelOptions:
     mem_fraction_static: float | None = option(
         None, help="share of GPU memory for weights and KV cache (default 0.85)")
     page_size: int = option(1, help="tokens per KV cache page; the prefix cache shares whole pages")
+    swa_full_tokens_ratio: float = option(
+        0.8, help="models with sliding-window layers: the sliding layers' KV pool holds this share of the "
+        "full pool's tokens")
     attention_backend: str = option("auto", choices=["auto", "torch", "triton"],
                                     help="auto: triton on CUDA, torch on CPU")
     disable_cuda_graph: bool = option(False, help="run decode steps eagerly instead of replaying CUDA graphs")
@@ -277,6 +280,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             raise ValueError("--page-size must be at least 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
         for name in ("backlog", "max_connections", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

@@ -254,7 +254,8 @@ def test_cuda_graph_tables_pad_a_decode_batch_with_slot_0(options):
     eager = h.triton.forward(q, kv, kv, 0, batch, 0.2, **options)
 
     h.triton.init_cuda_graph_state(max_bs=8)
-    indptr, indices = h.triton.cuda_graph_kv_tables(5)
+    indptr, indices, window_indices = h.triton.cuda_graph_kv_tables(5)
+    assert window_indices is None  # one pool
     assert indptr.tolist() == [0, 1, 2, 3, 4, 5] and not indices[:5].any()
     indices[:100] = 7  # stale entries of an earlier, longer batch
     h.triton.fill_cuda_graph_kv_tables(batch, 5)

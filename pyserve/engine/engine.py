@@ -37,7 +37,7 @@ from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
-from pyserve.engine.kv.page_allocator import PageAllocator
+from pyserve.engine.kv.window_pages import page_allocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
@@ -76,13 +76,15 @@ class Engine:
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
         kv_buffer = self.runner.rank_model.kv_buffer
-        self.kv = KVManager(PageAllocator(kv_buffer.num_pages, kv_buffer.page_size),
+        self.kv = KVManager(page_allocator(kv_buffer, self.model_config.sliding_window),
                             use_radix_cache=not options.disable_radix_cache)
+        chunk = self.kv.fit_chunk(options.chunked_prefill_size if options.chunked_prefill_size > 0 else None)
+        self.prompt_capacity = self.kv.prompt_capacity(chunk)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
         self.drafter = drafter_of(options, model_options, self.model_dir, self.runner)
         self.scheduler = Scheduler(
             self.kv, options.max_running_requests, options.max_prefill_tokens,
-            options.chunked_prefill_size if options.chunked_prefill_size > 0 else None,
+            chunk,
             priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
         self.metrics = EngineMetrics()
@@ -162,7 +164,7 @@ class Engine:
     def validate(self, req: GenerateRequest) -> None:
         """Raise RequestError for a request the engine cannot run. The one
         place these checks live: the API asks here before it answers."""
-        check_prompt(req, self.vocab_size, self.context_len, self.kv.allocator.capacity_tokens)
+        check_prompt(req, self.vocab_size, self.context_len, self.prompt_capacity)
         check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")

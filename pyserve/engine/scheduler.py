@@ -24,6 +24,10 @@ cache holds and computes only the rest. A prompt longer than the chunk size
 is computed a chunk per step, with the running streams decoding alongside,
 so one long prompt does not freeze every stream.
 
+With sliding-window layers, each step first gives back the sliding pages
+its sequences' windows have left (KVManager.slide), and room is made in
+both pools.
+
 When KV pages run short, unused cached prefixes are evicted first; if that
 is not enough for the decode rows, the newest running sequence of the least
 urgent priority is retracted: what it computed goes to the cache, and it
@@ -127,6 +131,8 @@ class Scheduler:
         return seq.batch, -(seq.priority + seq.waited_steps // AGING_STEPS)
 
     def schedule(self) -> ScheduledStep | None:
+        for seq in self.holders():  # sliding pages their next steps no longer read
+            self.kv.slide(seq)
         if self.priority_scheduling:
             self._make_way_for_urgent()
         decode = self._decode_rows()

@@ -132,6 +132,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         input_ids, positions, torch.cat(new_slots), lengths, [s.slots for s in seqs],
         logits_indices + prompt_rows, is_decode=not prefill.seqs and len(input_ids) == len(seqs), device="cpu",
         lora=LoraBatch.of_rows([seq.lora.slot if seq.lora else -1 for seq in seqs], lengths),
+        window_slots=kv.windowed.window_slots if kv.windowed is not None else None,
     )
     for seq in prefill.seqs:
         kv.share_prompt(seq)

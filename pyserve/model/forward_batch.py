@@ -5,10 +5,17 @@ it as token slots (page * page_size + offset). Every sequence in a batch
 owns a list of slots, one per token it has seen; the new tokens of this step
 are written to `out_cache_loc` before attention reads the whole sequence
 back through its stretch of `kv_indices`.
+
+With a sliding pool (kv_buffer.py) the sliding layers address the same
+tokens by their sliding slots instead: `window_out_cache_loc` and
+`window_kv_indices`, entry for entry the sliding slots of `out_cache_loc`
+and `kv_indices` (same `kv_indptr`). Tokens before a sequence's window have
+none (they read as padding slots) and the windowed attention never reads them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -31,6 +38,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B'] int64: index into T whose logits are wanted
     is_decode: bool  # every sequence adds exactly one token
     lora: LoraBatch | None = None  # the tokens run under adapters, by slot; None: all under the base model
+    # The sliding layers' slots (see above); None without a sliding pool.
+    window_out_cache_loc: torch.Tensor | None = None  # [T] int64
+    window_kv_indices: torch.Tensor | None = None  # [sum(seq_lens)] int64
 
     @property
     def batch_size(self) -> int:
@@ -48,9 +58,11 @@ class ForwardBatch:
         is_decode: bool,
         device: torch.device | str,
         lora: LoraBatch | None = None,
+        window_slots: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> "ForwardBatch":
         """Concatenate per-sequence CPU lists into device tensors, one copy
-        each. `slots[i]` are sequence i's KV slots after this step."""
+        each. `slots[i]` are sequence i's KV slots after this step;
+        `window_slots` maps slots to the sliding pool's, when there is one."""
         seq_lens = [s.numel() for s in slots]
         indptr = [0]
         for n in seq_lens:
@@ -60,6 +72,9 @@ class ForwardBatch:
             t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
             return t.to(device, torch.long, non_blocking=True)
 
+        out_cache_loc = torch.as_tensor(out_cache_loc, dtype=torch.long)
+        kv_indices = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+        windowed = window_slots is not None
         return cls(
             input_ids=to_dev(input_ids),
             positions=to_dev(positions),
@@ -67,10 +82,12 @@ class ForwardBatch:
             extend_lens=list(extend_lens),
             seq_lens=seq_lens,
             kv_indptr=to_dev(indptr),
-            kv_indices=to_dev(torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)),
+            kv_indices=to_dev(kv_indices),
             logits_indices=to_dev(logits_indices),
             is_decode=is_decode,
             lora=lora,
+            window_out_cache_loc=to_dev(window_slots(out_cache_loc.cpu())) if windowed else None,
+            window_kv_indices=to_dev(window_slots(kv_indices.cpu())) if windowed else None,
         )
 
     def to(self, device: torch.device) -> "ForwardBatch":
@@ -88,4 +105,6 @@ class ForwardBatch:
             out_cache_loc=move(self.out_cache_loc), kv_indptr=move(self.kv_indptr),
             kv_indices=move(self.kv_indices), logits_indices=move(self.logits_indices),
             lora=self.lora.to(device, pin) if self.lora is not None else None,
+            window_out_cache_loc=None if self.window_out_cache_loc is None else move(self.window_out_cache_loc),
+            window_kv_indices=None if self.window_kv_indices is None else move(self.window_kv_indices),
         )

@@ -11,6 +11,14 @@ compressed latent and its rotated key part, and V is the latent, the
 head's first `value_dim` values: `v_buffer[layer]` is a view of K, no
 second copy.
 
+With a sliding pool (`window_layers`, `window_pages`), the sliding-window
+layers' K/V lives in pages of their own, fewer than the full pool's: a
+token's full slot addresses it in the global layers, its sliding slot
+(ForwardBatch's `window_*` tables) in the sliding ones. A sliding layer
+reads only its window's keys, so a page no window reaches any more gives
+its sliding memory back (engine/kv/window_pages.py) while its full page
+stays.
+
 This is only the memory. Which pages are free and who holds which is the
 engine's business (engine/kv/manager.py); page 0 is never handed out, so
 its slots are the harmless target of padded rows.
@@ -51,18 +59,29 @@ class KVBuffer:
         dtype: torch.dtype,
         device: torch.device | str,
         page_size: int = 1,
+        window_layers: frozenset[int] = frozenset(),
+        window_pages: int | None = None,
     ):
+        """`window_layers`: the sliding layers whose K/V has `window_pages`
+        pages of its own (both or neither)."""
+        if bool(window_layers) != (window_pages is not None):
+            raise ValueError("a sliding pool takes its layers and its pages")
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.window_layers = frozenset(window_layers)
+        self.window_pages = window_pages
+
+        def pages(layer: int) -> tuple[int, ...]:
+            return (window_pages if layer in self.window_layers else num_pages, page_size, num_kv_heads, head_dim)
+
+        self.k_pages = [torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)]
         self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
         if isinstance(head_dim, LatentDim):  # V is a view of K's first values
             self.v_pages = [k[..., :head_dim.value_dim] for k in self.k_pages]
             self.v_buffer = [k[..., :head_dim.value_dim] for k in self.k_buffer]
         else:
-            self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_pages = [torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)]
             self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
 
     @staticmethod

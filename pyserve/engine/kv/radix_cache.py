@@ -5,6 +5,10 @@ it computed are inserted with their slots, and the tree owns those pages.
 A new request takes the longest cached prefix of its prompt, computes only
 the rest, and locks the path it uses so eviction leaves it alone. When the
 pool runs low, unlocked leaves are evicted least recently used first.
+With a sliding pool (window_pages.py), a cached page may have lost its
+sliding layers' K/V (`drop_windows`) while keeping its full pages: a hit
+is only usable where the tokens before its end still have theirs, which
+the KV manager checks.
 
 The tree works in whole pages: every edge holds a multiple of `page_size`
 tokens, children are keyed by their first page of tokens, and a match is
@@ -165,6 +169,20 @@ class RadixCache:
             if parent.parent is not None and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(order), parent))
         self._drop_empty_salts()
+        return freed
+
+    def drop_windows(self, needed_pages: int, protected: torch.Tensor) -> int:
+        """Models with sliding layers (kv/window_pages.py): give back at
+        least `needed_pages` sliding pages of cached prefixes if there are
+        enough, least recently used nodes first, keeping their full pages
+        and those of `protected` (a mask over full pages: the ones running
+        sequences and pending hits still read). Returns how many."""
+        freed = 0
+        for node in sorted(self._nodes(), key=lambda n: n.last_access):
+            if freed >= needed_pages:
+                break
+            pages = self.allocator.pages_of(node.slots)
+            freed += self.allocator.drop_window(pages[~protected[pages]])
         return freed
 
     def _drop_empty_salts(self) -> None:

@@ -51,6 +51,7 @@ class CudaGraphRunner:
             self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
             self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
             self.out_cache_loc = torch.zeros(max_bs, dtype=torch.long, device=device)
+            self.window_out_cache_loc = torch.zeros(max_bs, dtype=torch.long, device=device)  # a sliding pool's
             self.logits_indices = torch.arange(max_bs, dtype=torch.long, device=device)
             attention.init_cuda_graph_state(max_bs)
             # A graph reads the cos/sin tensors it was captured with, so the
@@ -71,7 +72,7 @@ class CudaGraphRunner:
         )
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        kv_indptr, kv_indices = self.attention.cuda_graph_kv_tables(bs)
+        kv_indptr, kv_indices, window_kv_indices = self.attention.cuda_graph_kv_tables(bs)
         return ForwardBatch(
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
@@ -82,6 +83,8 @@ class CudaGraphRunner:
             kv_indices=kv_indices,
             logits_indices=self.logits_indices[:bs],
             is_decode=True,
+            window_out_cache_loc=None if window_kv_indices is None else self.window_out_cache_loc[:bs],
+            window_kv_indices=window_kv_indices,
         )
 
     def _capture(self, bs: int, pool, stream: torch.cuda.Stream) -> None:
@@ -115,6 +118,9 @@ class CudaGraphRunner:
             # Spare rows write their K/V to slot 0; their token ids and
             # positions are left from earlier batches, valid either way.
             self.out_cache_loc[n:bs].zero_()
+            if batch.window_out_cache_loc is not None:
+                self.window_out_cache_loc[:n].copy_(batch.window_out_cache_loc)
+                self.window_out_cache_loc[n:bs].zero_()
             self.attention.fill_cuda_graph_kv_tables(batch, bs)
             self.graphs[bs].replay()
             # The output buffer is overwritten by the next replay.

@@ -106,19 +106,22 @@ class ModelRunner:
             capacity, kv_buffer.page_size, capacity * self.rank_model.kv_bytes_per_token() / (1 << 30),
             " on rank 0" if self.ranks else "", self.rank_model.context_len,
         )
+        if kv_buffer.window_pages is not None:
+            logger.info("KV cache of the %d sliding-window layers: %d tokens of their own",
+                        len(kv_buffer.window_layers), (kv_buffer.window_pages - 1) * kv_buffer.page_size)
 
     def _start_rank_model(self, options: ModelOptions, model_dir: Path) -> RankModel:
         """Rank 0's model, with a KV cache of the size it decides for every rank."""
         if self.ranks is None:
             rank_model = RankModel(options, model_dir, torch.device(options.device))
-            rank_model.allocate(rank_model.num_pages())
+            rank_model.allocate(rank_model.num_pages(), window_pool=True)
             return rank_model
         ranks, member = self.ranks, self.ranks.member
         rank_model = RankModel(options, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
         num_pages = rank_model.num_pages()
         ranks.watched(ranks.channel.send_value, num_pages)
         # Capturing CUDA graphs runs collectives: every rank allocates at once.
-        ranks.watched(rank_model.allocate, num_pages)
+        ranks.watched(rank_model.allocate, num_pages, True)
         ranks.watched(ranks.channel.barrier)
         ranks.serving = True
         logger.info("Tensor parallelism: %d ranks over %d node(s) (%s), KV cache of %d pages on each",

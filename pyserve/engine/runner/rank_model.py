@@ -109,10 +109,29 @@ class RankModel:
     # -- the KV cache ----------------------------------------------------------
 
     def kv_bytes_per_token(self, kv_heads: int | None = None) -> int:
-        """K and V of one token over all layers, for this rank's KV heads (or `kv_heads`)."""
+        """K and V of one token over all layers, for this rank's KV heads (or
+        `kv_heads`); the sliding pool's layers at its share of the tokens."""
         c = self.config
         heads = len(self.model.shard.kv_heads) if kv_heads is None else kv_heads
-        return KVBuffer.bytes_per_token(c.num_hidden_layers, heads, c.head_dim, self.dtype)
+        sliding = len(self.window_layers())
+        per_layer = KVBuffer.bytes_per_token(1, heads, c.head_dim, self.dtype)
+        return int(per_layer * (c.num_hidden_layers - sliding + sliding * self.options.swa_full_tokens_ratio))
+
+    def window_layers(self) -> frozenset[int]:
+        """The sliding layers that get a pool of their own: those of a window
+        shorter than the context (a longer one never leaves a page behind)."""
+        c = self.config
+        if c.sliding_window is None or c.sliding_window >= self.context_len:
+            return frozenset()
+        return frozenset(c.sliding_layers)
+
+    def window_pages(self, num_pages: int) -> int | None:
+        """Pages of the sliding pool beside a full pool of `num_pages`
+        (--swa-full-tokens-ratio of its tokens, the padding page apart);
+        None without one."""
+        if not self.window_layers():
+            return None
+        return max(round((num_pages - 1) * self.options.swa_full_tokens_ratio), 1) + 1
 
     def num_pages(self) -> int:
         """Pages every rank's KV buffer gets, the reserved padding page
@@ -138,13 +157,18 @@ class RankModel:
         affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // (per_rank * self.ranks_on_this_node)
         return min(wanted, affordable)
 
-    def allocate(self, num_pages: int) -> None:
-        """The KV buffer of `num_pages` pages, the attention backend over it,
-        the CUDA graphs, the native layers and the compiled decode step as
-        the options and the machine allow."""
+    def allocate(self, num_pages: int, window_pool: bool = False) -> None:
+        """The KV buffer of `num_pages` pages (and the sliding pool, with
+        `window_pool`, where the model has sliding layers: the engine's
+        KV manager then gives their pages back), the attention backend over
+        it, the CUDA graphs, the native layers and the compiled decode step
+        as the options and the machine allow."""
         options = self.options
+        window_pages = self.window_pages(num_pages) if window_pool else None
         self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
-                                  self.config.head_dim, self.dtype, self.device, page_size=options.page_size)
+                                  self.config.head_dim, self.dtype, self.device, page_size=options.page_size,
+                                  window_layers=self.window_layers() if window_pages else frozenset(),
+                                  window_pages=window_pages)
         self.attention = self._make_attention(options.attention_backend)
         graph_max_bs = options.cuda_graph_max_bs  # resolved: at most --max-running-requests
         # The adapters' hooks pick their tokens on the host each step: LoRA runs eagerly.
@@ -196,7 +220,7 @@ class RankModel:
         """--enable-torch-compile: compile the decode layers now, on dummy
         steps of batch 1 and 2 (the second makes the batch size dynamic),
         equal and unequal lengths, so no request pays for it. Dummy rows
-        read and write only the padding slot 0."""
+        read and write only the padding slot 0 (of both pools, with a sliding one)."""
         if self.device.type != "cpu":
             logger.warning("--enable-torch-compile is for the CPU; on %s decode steps keep their kernels",
                            self.device.type)
@@ -208,11 +232,12 @@ class RankModel:
         self.model.compile_decode(self.attention.attend_decode)
         start = time.perf_counter()
         zero = torch.zeros
+        windowed = bool(self.kv_buffer.window_layers)
         for lengths in ([2], [2, 2], [2, 3]):
             rows = len(lengths)
             batch = ForwardBatch.build([0] * rows, [n - 1 for n in lengths], zero(rows, dtype=torch.long),
                                        [1] * rows, [zero(n, dtype=torch.long) for n in lengths], list(range(rows)),
-                                       True, self.device)
+                                       True, self.device, window_slots=torch.zeros_like if windowed else None)
             with torch.inference_mode():
                 self.forward(batch)
         logger.info("torch.compile: decode layers compiled in %.1f s", time.perf_counter() - start)

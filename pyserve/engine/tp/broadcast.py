@@ -25,7 +25,7 @@ from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
 
 # tokens, sequences, is_decode, logits rows, kv slots, whether tokens run under adapters
-_HEADER = 6
+_HEADER = 7
 _STOP = -1
 _LOAD_ADAPTER = -2  # then the slot and the path's length in bytes
 
@@ -41,7 +41,8 @@ class AdapterLoad:
 def header(batch: ForwardBatch) -> torch.Tensor:
     """The batch's sizes, on the CPU."""
     return torch.tensor([batch.input_ids.numel(), batch.batch_size, int(batch.is_decode),
-                         batch.logits_indices.numel(), batch.kv_indices.numel(), int(batch.lora is not None)],
+                         batch.logits_indices.numel(), batch.kv_indices.numel(), int(batch.lora is not None),
+                          int(batch.window_kv_indices is not None)],
                         dtype=torch.long)
 
 
@@ -52,25 +53,30 @@ def payload(batch: ForwardBatch) -> torch.Tensor:
     if device.type == "cuda":
         lists = lists.pin_memory().to(device, non_blocking=True)
     adapters = [batch.lora.per_token] if batch.lora is not None else []
+    window = [batch.window_out_cache_loc, batch.window_kv_indices] if batch.window_kv_indices is not None else []
     return torch.cat([batch.input_ids, batch.positions, batch.out_cache_loc, lists, batch.kv_indptr,
-                      batch.kv_indices, batch.logits_indices, *adapters])
+                      batch.kv_indices, batch.logits_indices, *adapters, *window])
 
 
 def payload_size(sizes: list[int]) -> int:
-    tokens, seqs, _, logits_rows, kv_slots, lora = sizes
-    return (3 + lora) * tokens + 3 * seqs + 1 + kv_slots + logits_rows
+    tokens, seqs, _, logits_rows, kv_slots, lora, window = sizes
+    return (3 + lora + window) * tokens + 3 * seqs + 1 + (1 + window) * kv_slots + logits_rows
 
 
 def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
     """The batch whose header is `sizes` from its payload; tensors are views of it."""
-    tokens, seqs, is_decode, logits_rows, kv_slots, lora = sizes
-    split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows, lora * tokens]
-    input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices, per_token = data.split(split)
+    tokens, seqs, is_decode, logits_rows, kv_slots, lora, window = sizes
+    split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows, lora * tokens, window * tokens,
+             window * kv_slots]
+    (input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices, per_token,
+     window_out_cache_loc, window_kv_indices) = data.split(split)
     lists = lists.tolist()
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=lists[:seqs],
         seq_lens=lists[seqs:], kv_indptr=kv_indptr, kv_indices=kv_indices, logits_indices=logits_indices,
         is_decode=bool(is_decode), lora=LoraBatch.of_tokens(per_token) if lora else None,
+        window_out_cache_loc=window_out_cache_loc if window else None,
+        window_kv_indices=window_kv_indices if window else None,
     )
 
 

@@ -41,7 +41,7 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
         member = tp_group.join(layout, rank)
         channel = StepChannel(member)
         model = RankModel(options, model_dir, member.device, member.tp, layout.ranks_per_node)
-        model.allocate(channel.receive_value())
+        model.allocate(channel.receive_value(), window_pool=True)
         channel.barrier()  # ready
         logger.info("tensor-parallel rank %d ready (pid %d)", rank, os.getpid())
         with torch.inference_mode():

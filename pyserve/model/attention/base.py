@@ -90,9 +90,23 @@ class AttentionBackend(ABC):
             raise RuntimeError(f"{type(self).__name__}.prepare(batch) must be called before forward")
         k_cache = self.kv_buffer.k_buffer[layer_id]
         v_cache = self.kv_buffer.v_buffer[layer_id]
-        k_cache[batch.out_cache_loc] = k
-        v_cache[batch.out_cache_loc] = v
+        out_cache_loc = self.slot_tables(layer_id, batch)[0]
+        k_cache[out_cache_loc] = k
+        v_cache[out_cache_loc] = v
         return k_cache, v_cache
+
+    def in_window_pool(self, layer_id: int) -> bool:
+        """Whether layer `layer_id`'s K/V lives in the sliding pool (kv_buffer.py)."""
+        return layer_id in getattr(self.kv_buffer, "window_layers", ())
+
+    def slot_tables(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out_cache_loc, kv_indices) of `batch` as layer `layer_id`'s
+        cache addresses them: the sliding pool's for its sliding layers."""
+        if self.in_window_pool(layer_id):
+            if batch.window_kv_indices is None:
+                raise ValueError("a batch without the sliding pool's slots reached a layer of the sliding pool")
+            return batch.window_out_cache_loc, batch.window_kv_indices
+        return batch.out_cache_loc, batch.kv_indices
 
 
 def check_options(num_heads: int, window: int | None = None, softcap: float | None = None,

@@ -6,14 +6,15 @@ against. Inputs to scaled_dot_product_attention are always 4-D with
 than 3-D inputs or repeating the kv heads.
 
 A sliding window trims each sequence's slots to the keys its new tokens
-can see and masks the rest, per window size, once per step. Soft-capping
+can see and masks the rest, per window size, once per step; layers of a
+sliding pool (kv_buffer.py) read the same keys by their sliding slots. Soft-capping
 and sinks have no SDPA form: those layers compute the scores explicitly.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -123,8 +124,11 @@ class TorchAttention(AttentionBackend):
         self._extend: list[_ExtendSeq] = []
         self._single: _SingleTokenRows | None = None
         self._single_slots: list[torch.Tensor] = []  # each single-token row's sequence slots
-        # window -> the step's extends and single-token rows trimmed to it
-        self._windowed: dict[int, tuple[list[_ExtendSeq], _SingleTokenRows | None]] = {}
+        # Which sequence of the batch each extend and each single-token row is.
+        self._extend_seqs: list[int] = []
+        self._single_seqs: list[int] = []
+        # (window, in the sliding pool) -> the step's extends and single-token rows trimmed to it
+        self._windowed: dict[tuple[int, bool], tuple[list[_ExtendSeq], _SingleTokenRows | None]] = {}
 
     def prepare(self, batch: ForwardBatch, plan: StepPlan = TORCH_STEP) -> None:
         if plan.long_attention_threads is not None and self.threads is None:
@@ -135,12 +139,17 @@ class TorchAttention(AttentionBackend):
         per_seq = batch.kv_indices.split(batch.seq_lens)
         self._extend = []
         single_rows, single_slots = [], []
+        self._extend_seqs, self._single_seqs = [], []
         start = 0
-        for num_new, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, per_seq):
+        for i, (num_new, seq_len, slots) in enumerate(zip(batch.extend_lens, batch.seq_lens, per_seq)):
             if adds_one_token(num_new, seq_len):
                 single_rows.append(start)
                 single_slots.append(slots)
-            elif num_new == seq_len or plan.native_extend_attention:
+                self._single_seqs.append(i)
+                start += num_new
+                continue
+            self._extend_seqs.append(i)
+            if num_new == seq_len or plan.native_extend_attention:
                 # No cached prefix (SDPA's causal mask), or the native
                 # kernel, which applies the causal rule itself.
                 self._extend.append(_ExtendSeq(start, num_new, slots, None))
@@ -156,10 +165,12 @@ class TorchAttention(AttentionBackend):
         self._windowed = {}
         if single_rows:
             rows = None if len(single_rows) == start else torch.tensor(single_rows, device=device)
-            self._single = self._single_token_rows(rows, single_slots)
+            self._single = self._single_token_rows(rows, single_slots, batch.out_cache_loc)
 
-    def _single_token_rows(self, rows: torch.Tensor | None, slots: list[torch.Tensor]) -> _SingleTokenRows:
-        """Rows `rows` each attending over its `slots`, padded into one call."""
+    def _single_token_rows(self, rows: torch.Tensor | None, slots: list[torch.Tensor],
+                           out_cache_loc: torch.Tensor) -> _SingleTokenRows:
+        """Rows `rows` each attending over its `slots`, padded into one call
+        (`out_cache_loc`: where a decode step's layers store, see below)."""
         lens = [s.numel() for s in slots]
         mask = None
         device = slots[0].device
@@ -169,21 +180,31 @@ class TorchAttention(AttentionBackend):
             mask = self._additive(sees)[:, None, None, :]
         single = _SingleTokenRows(rows, pad_sequence(slots, batch_first=True, padding_value=0), mask)
         if rows is None:
-            self._mark_dynamic_decode_dims(self._batch.out_cache_loc, single)
+            self._mark_dynamic_decode_dims(out_cache_loc, single)
         return single
 
-    def _in_window(self, window: int | None) -> tuple[list[_ExtendSeq], _SingleTokenRows | None]:
+    def _in_window(self, window: int | None, pooled: bool = False) -> tuple[list[_ExtendSeq], _SingleTokenRows | None]:
         """The step's extends and single-token rows as a layer of sliding
         window `window` attends them (None: the whole sequence): the new
         token at position i sees keys at i - window < j <= i (transformers'
-        sliding_window_overlay), so only those slots are gathered. Built on
+        sliding_window_overlay), so only those slots are gathered; by their
+        sliding slots for a layer of the sliding pool (`pooled`). Built on
         the first layer that asks, reused by the rest."""
         if window is None:
+            if pooled:
+                raise ValueError("a layer of the sliding pool attends without a window")
             return self._extend, self._single
-        if window not in self._windowed:
-            self._windowed[window] = ([self._extend_in_window(s, window) for s in self._extend],
-                                      self._single_rows_in_window(window))
-        return self._windowed[window]
+        key = (window, pooled)
+        if key not in self._windowed:
+            extend, single_slots = self._extend, self._single_slots
+            if pooled:
+                batch = self._batch
+                per_seq = batch.window_kv_indices.split(batch.seq_lens)
+                extend = [replace(s, slots=per_seq[i]) for s, i in zip(extend, self._extend_seqs)]
+                single_slots = [per_seq[i] for i in self._single_seqs]
+            self._windowed[key] = ([self._extend_in_window(s, window) for s in extend],
+                                   self._single_rows_in_window(window, single_slots, pooled))
+        return self._windowed[key]
 
     def _extend_in_window(self, s: _ExtendSeq, window: int) -> _ExtendSeq:
         seq_len = s.slots.numel()
@@ -197,11 +218,12 @@ class TorchAttention(AttentionBackend):
         sees = (k_pos <= q_pos) & (k_pos > q_pos - window)
         return _ExtendSeq(s.start, s.num_new, s.slots[lo:], self._additive(sees))
 
-    def _single_rows_in_window(self, window: int) -> _SingleTokenRows | None:
+    def _single_rows_in_window(self, window: int, slots: list[torch.Tensor], pooled: bool) -> _SingleTokenRows | None:
         single = self._single
-        if single is None or max(s.numel() for s in self._single_slots) <= window:
+        if single is None or (not pooled and max(s.numel() for s in slots) <= window):
             return single
-        return self._single_token_rows(single.rows, [s[-window:] for s in self._single_slots])
+        out_cache_loc = self._batch.window_out_cache_loc if pooled else self._batch.out_cache_loc
+        return self._single_token_rows(single.rows, [s[-window:] for s in slots], out_cache_loc)
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, *, window: int | None = None,
                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +232,7 @@ class TorchAttention(AttentionBackend):
         if decode is not None:
             return attend_single_tokens(q, k, v, *decode, scale, softcap, sinks)
         k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
-        extends, single = self._in_window(window)
+        extends, single = self._in_window(window, self.in_window_pool(layer_id))
         if extends and self._plan.native_extend_attention and (window, softcap, sinks) != (None, None, None):
             # The step's owner plans native extends only for layers without options.
             raise ValueError("the native extend kernel has no sliding window, soft-cap or sinks")
@@ -280,6 +302,6 @@ class TorchAttention(AttentionBackend):
         if self._single is None or self._single.rows is not None:
             return None
         check_options(0, window)
-        single = self._in_window(window)[1]
+        single = self._in_window(window, self.in_window_pool(layer_id))[1]
         return (self.kv_buffer.k_buffer[layer_id], self.kv_buffer.v_buffer[layer_id],
-                self._batch.out_cache_loc, single.slots, single.mask)
+                self.slot_tables(layer_id, self._batch)[0], single.slots, single.mask)

@@ -9,7 +9,9 @@ offsets of an extend batch, the split scratch of a decode batch.
 For CUDA graphs the backend also owns static kv tables (`kv_indptr`,
 `kv_indices` sized for max_bs sequences of context_len tokens): a graph is
 captured reading them, and before each replay the real batch's tables are
-copied in, padded rows pointing at the reserved slot 0.
+copied in, padded rows pointing at the reserved slot 0. With a sliding
+pool (kv_buffer.py) there is a second static `kv_indices` table for the
+sliding layers' slots, filled the same way.
 """
 
 from __future__ import annotations
@@ -90,14 +92,15 @@ class TritonAttention(AttentionBackend):
         sinks a tensor that must stay where it is (a parameter)."""
         check_options(q.shape[1], window, softcap, sinks)
         k_cache, v_cache = self.store_kv(k, v, layer_id, batch)
+        kv_indices = self.slot_tables(layer_id, batch)[1]
         out = torch.empty(*q.shape[:-1], self.v_dim, dtype=q.dtype, device=q.device)
         options = dict(window=window, softcap=softcap, sinks=sinks)
         if batch.is_decode:
             mid_o, mid_lse = self._mid
-            decode_attention(q, k_cache, v_cache, out, batch.kv_indptr, batch.kv_indices, mid_o, mid_lse,
+            decode_attention(q, k_cache, v_cache, out, batch.kv_indptr, kv_indices, mid_o, mid_lse,
                              self._num_splits, scale, **options)
         else:
-            extend_attention(q, k_cache, v_cache, out, self._qo_indptr, batch.kv_indptr, batch.kv_indices,
+            extend_attention(q, k_cache, v_cache, out, self._qo_indptr, batch.kv_indptr, kv_indices,
                              self._max_new, scale, **options)
         return out
 
@@ -107,15 +110,20 @@ class TritonAttention(AttentionBackend):
         """Allocate the static kv tables for decode batches of up to max_bs."""
         self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.long, device=self.device)
         self._graph_indices = torch.zeros(max_bs * self.context_len, dtype=torch.long, device=self.device)
+        self._graph_window_indices = torch.zeros_like(self._graph_indices) \
+            if getattr(self.kv_buffer, "window_layers", None) else None
         self._arange = torch.arange(max_bs + 1, dtype=torch.long, device=self.device)
 
-    def cuda_graph_kv_tables(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv_indptr, kv_indices) for capturing a graph of `bs` decode rows,
-        set to bs one-token sequences in slot 0; replays refill them."""
+    def cuda_graph_kv_tables(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(kv_indptr, kv_indices, window_kv_indices: None without a sliding
+        pool) for capturing a graph of `bs` decode rows, set to bs one-token
+        sequences in slot 0; replays refill them."""
         indptr = self._graph_indptr[: bs + 1]
         indptr.copy_(self._arange[: bs + 1])
         self._graph_indices[:bs].zero_()
-        return indptr, self._graph_indices
+        if self._graph_window_indices is not None:
+            self._graph_window_indices[:bs].zero_()
+        return indptr, self._graph_indices, self._graph_window_indices
 
     def fill_cuda_graph_kv_tables(self, batch: ForwardBatch, bs: int) -> None:
         """Copy a decode batch's kv tables into the static ones, rows past its
@@ -125,6 +133,10 @@ class TritonAttention(AttentionBackend):
         total = batch.kv_indices.numel()
         self._graph_indptr[: n + 1].copy_(batch.kv_indptr)
         self._graph_indices[:total].copy_(batch.kv_indices)
+        if self._graph_window_indices is not None:
+            self._graph_window_indices[:total].copy_(batch.window_kv_indices)
         if bs > n:
             torch.add(self._arange[1 : bs - n + 1], total, out=self._graph_indptr[n + 1 : bs + 1])
             self._graph_indices[total : total + bs - n].zero_()
+            if self._graph_window_indices is not None:
+                self._graph_window_indices[total : total + bs - n].zero_()
