@@ -148,11 +148,12 @@ def _checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
 _FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
 
 
-def load_eagle3_head(head_dir: Path, config: Eagle3Config, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
-                     dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+def load_eagle3_head(head_dir: Path, config: Eagle3Config, target_embed: torch.Tensor,
+                     target_lm_head: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
     """The head with its checkpoint's weights. Without its own embedding
     (the usual case) it reads the target's; without `lm_head` (and with the
-    target's vocabulary) it projects with the target's; without `d2t` its
+    target's vocabulary) it projects with the target's dense
+    `target_lm_head` (None: the target's is quantized); without `d2t` its
     vocabulary is the target's."""
     tensors = _checkpoint_tensors(head_dir)
     embed = tensors.pop("embed_tokens.weight", None)
@@ -165,7 +166,8 @@ def load_eagle3_head(head_dir: Path, config: Eagle3Config, target_embed: torch.T
         names = [f"midlayer.{fused.replace(fused.split('.')[1], p)}" for p in parts]
         if all(n in tensors for n in names):
             tensors["midlayer." + fused] = torch.cat([tensors.pop(n) for n in names])
-    if "lm_head.weight" not in tensors and config.draft_vocab_size == target_lm_head.shape[0]:
+    if "lm_head.weight" not in tensors and target_lm_head is not None \
+            and target_lm_head.shape == (config.draft_vocab_size, config.model.hidden_size):
         tensors["lm_head.weight"] = target_lm_head
     missing = [n for n in wanted if n not in tensors]
     if missing:

@@ -78,7 +78,7 @@ class Eagle3Draft:
     def __init__(self, head_dir: Path, config: Eagle3Config, target: RankModel):
         model = target.model
         self.aux_layers = config.aux_layers(model.config.num_hidden_layers)
-        lm_head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        lm_head = getattr(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", None)
         self.head = load_eagle3_head(head_dir, config, model.embed_tokens.weight, lm_head, target.dtype, target.device)
         c = config.model
         self.kv_buffer = KVBuffer(1, target.kv_buffer.num_pages, c.num_key_value_heads, c.head_dim, target.dtype,
