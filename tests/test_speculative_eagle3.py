@@ -118,9 +118,11 @@ def test_the_target_keeps_the_hidden_states_entering_the_chosen_layers(target):
     assert torch.allclose(torch.cat(capture.states, dim=-1), expected, atol=1e-4)
 
 
-def test_the_head_computes_what_the_format_defines(target, heads):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_head_computes_what_the_format_defines(target, heads, backend):
     """pyserve's head over a prompt's pairs, in one extend and then one
-    position at a time over its own KV, against the reference forward."""
+    position at a time over its own KV, against the reference forward;
+    with either attention backend (Triton's interpreted on a CPU)."""
     head_dir = heads["random"]
     config = Eagle3Config(head_dir)
     model, _ = load_model(target, torch.float32, "cpu")
@@ -135,7 +137,14 @@ def test_the_head_computes_what_the_format_defines(target, heads):
     with torch.no_grad():
         expected = reference_head(weights, cfg, embeds[1:], hidden[:-1])
     n = len(ids) - 1
-    attn = TorchAttention(KVBuffer(1, 32, 2, 16, torch.float32, "cpu"))
+    kv = KVBuffer(1, 32, 2, 16, torch.float32, "cpu")
+    if backend == "torch":
+        attn = TorchAttention(kv)
+    else:
+        pytest.importorskip("triton")
+        from pyserve.model.attention.triton_backend import TritonAttention
+
+        attn = TritonAttention(kv, 4, 64)
     slots = torch.arange(1, n + 1)
     with torch.inference_mode():
         split = 10  # pairs 0..9 as one extend, then one at a time
@@ -336,3 +345,36 @@ def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, hea
     verified = next(float(line.split()[1]) for line in metrics.splitlines()
                     if line.startswith("pyserve:spec_verify_steps_total"))
     assert verified > 0
+
+
+@pytest.mark.slow
+def test_sampled_output_follows_the_target_distribution(target, heads):
+    """The fitted head's drafts drawn from its own distribution (over its
+    draft vocabulary, placed through d2t), top-k 3 at temperature 1: the
+    first three tokens of 3000 requests follow the target's distribution
+    (transformers), chi-square at p ~ 1e-4, with drafts both kept and rejected."""
+    from tests.test_speculative_sampling import chi2, chi2_limit, exact_three_tokens
+
+    prompt = PROMPTS[0]
+    params = dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
+    n = 3000
+
+    async def main():
+        engine = await started(target, torchao_config="none", **spec(heads["fitted"], speculative_num_steps=2))
+        try:
+            got = []
+            for _ in range(n // 250):
+                got += await asyncio.gather(*[collect(engine, prompt, **params) for _ in range(250)])
+            engine.check_integrity()
+            return [tuple(tokens) for _, tokens, _, _ in got], engine.metrics
+        finally:
+            await engine.shutdown()
+    samples, metrics = asyncio.run(main())
+    accept_len = metrics.spec_emitted_tokens / metrics.spec_verify_steps
+    assert metrics.spec_verify_steps >= n and 1.05 < accept_len < 2.9
+    exact = exact_three_tokens(target, prompt, 3, 1.0)
+    cells = list(exact)
+    counts = torch.tensor([sum(1 for s in samples if s == c) for c in cells], dtype=torch.float64)
+    assert counts.sum() == len(samples)
+    stat, dof = chi2(counts, torch.tensor([exact[c] for c in cells]))
+    assert stat < chi2_limit(dof), (stat, dof)
