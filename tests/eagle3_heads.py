@@ -7,7 +7,9 @@ trained here on the target's own greedy text.
 definition (SGLang's llama_eagle3.py), independent of pyserve's: pair i
 reads the embedding of token i + 1 and the target's hidden states at
 position i (those entering the chosen layers, through `fc`), attends
-causally over pairs 0..i, and predicts token i + 2.
+causally over pairs 0..i, and predicts token i + 2 (`first_drafts`); the
+chained step after it reads token i + 2 and pair i's output hidden state
+at position i + 1 and predicts token i + 3 (`second_drafts`).
 """
 
 from __future__ import annotations
@@ -86,25 +88,57 @@ def _rotate(x, positions, theta, head_dim):
     return x * cos + rotated * sin
 
 
-def reference_head(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Draft-vocabulary logits [n, draft vocab] of pairs 0..n-1 (positions
-    0..n-1): `embeds` [n, hidden] of tokens 1..n, `hidden` [n, 3 * hidden]."""
+def reference_head(w: dict, cfg: dict, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                   sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft-vocabulary logits [n, draft vocab] and output hidden states
+    (the residual stream before the final norm) of n pairs: `embeds`
+    [n, hidden] of their tokens, `h` [n, hidden] their hidden states (the
+    target's through `fc_of`, or the head's own output), at `positions`;
+    pair r attends to the pairs where sees[r] is True."""
     eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     n = embeds.shape[0]
-    h = hidden @ w["fc.weight"].T
     x = torch.cat([_rms(embeds, w["midlayer.input_layernorm.weight"], eps),
                    _rms(h, w["midlayer.hidden_norm.weight"], eps)], dim=-1)
-    pos = torch.arange(n)
-    q = _rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, nh, d), pos, cfg["rope_theta"], d)
-    k = _rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, nkv, d), pos, cfg["rope_theta"], d)
+    q = _rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, nh, d), positions, cfg["rope_theta"], d)
+    k = _rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, nkv, d), positions, cfg["rope_theta"], d)
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, nkv, d)
     k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
-    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=sees)
     residual = h + att.transpose(0, 1).reshape(n, nh * d) @ w["midlayer.self_attn.o_proj.weight"].T
     m = _rms(residual, w["midlayer.post_attention_layernorm.weight"], eps)
     m = (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
         @ w["midlayer.mlp.down_proj.weight"].T
-    return _rms(m + residual, w["norm.weight"], eps) @ w["lm_head.weight"].T
+    return _rms(m + residual, w["norm.weight"], eps) @ w["lm_head.weight"].T, m + residual
+
+
+def fc_of(w: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's concatenated hidden states [n, 3 * hidden] as the head reads them."""
+    return hidden @ w["fc.weight"].T
+
+
+def first_drafts(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, output hidden states) of the pairs of a text: pair i at
+    position i reads token i + 1 (`embeds`) and the target's hidden states
+    at i (`hidden`), attends causally and predicts token i + 2."""
+    n = embeds.shape[0]
+    return reference_head(w, cfg, embeds, fc_of(w, hidden), torch.arange(n), torch.ones(n, n).tril().bool())
+
+
+def second_drafts(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor, outputs: torch.Tensor
+                  ) -> torch.Tensor:
+    """Logits of the chained step after each pair i but the last: at
+    position i + 1, reading token i + 2 (`embeds`, one row ahead of the
+    pairs') and pair i's output hidden state, attending to pairs 0..i and
+    itself (as drafting does, before pair i + 1 exists)."""
+    n = embeds.shape[0]
+    m = n - 1
+    sees = torch.zeros(n + m, n + m, dtype=torch.bool)
+    sees[:n, :n] = torch.ones(n, n).tril().bool()
+    sees[n:, :m] = torch.ones(m, m).tril().bool()
+    sees[n + torch.arange(m), n + torch.arange(m)] = True
+    h = torch.cat([fc_of(w, hidden), outputs[:m]])
+    positions = torch.cat([torch.arange(n), torch.arange(1, n)])
+    return reference_head(w, cfg, torch.cat([embeds, embeds[1:]]), h, positions, sees)[0][n:]
 
 
 def target_features(target_dir: Path, ids: list[int], aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,16 +156,22 @@ def target_features(target_dir: Path, ids: list[int], aux_layers: list[int]) -> 
 
 def trained_weights(target_dir: Path, cfg: dict, texts: list[list[int]], hot_ids: torch.Tensor,
                     aux_layers: list[int], steps: int = 300, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A head fitted to predict token i + 2 of each of `texts` from its pair i."""
+    """A head fitted to each of `texts`: pair i's first draft to token
+    i + 2, the chained draft after it to token i + 3 (EAGLE-3's
+    training-time test, two steps deep)."""
     to_draft = {int(t): i for i, t in enumerate(hot_ids)}
     data = []
     for ids in texts:
         embeds, hidden = target_features(target_dir, ids, aux_layers)
-        data.append((embeds[1:-1], hidden[:-2], torch.tensor([to_draft[t] for t in ids[2:]])))
+        labels = torch.tensor([to_draft[t] for t in ids[2:]])
+        data.append((embeds[1:-1], hidden[:-2], labels))
     w = {k: v.clone().requires_grad_() for k, v in random_weights(cfg, hot_ids, seed).items()}
     opt = torch.optim.Adam(w.values(), lr=3e-3)
     for _ in range(steps):
-        loss = sum(F.cross_entropy(reference_head(w, cfg, e, h), y) for e, h, y in data)
+        loss = 0.0
+        for e, h, y in data:
+            logits, outputs = first_drafts(w, cfg, e, h)
+            loss = loss + F.cross_entropy(logits, y) + F.cross_entropy(second_drafts(w, cfg, e, h, outputs), y[1:])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -139,9 +179,12 @@ def trained_weights(target_dir: Path, cfg: dict, texts: list[list[int]], hot_ids
 
 
 def head_accuracy(target_dir: Path, cfg: dict, w: dict, ids: list[int], hot_ids: torch.Tensor,
-                  aux_layers: list[int]) -> float:
-    """How often the head's argmax is token i + 2 of `ids` (teacher-forced)."""
+                  aux_layers: list[int]) -> tuple[float, float]:
+    """How often the head's first and chained drafts are right on `ids`, given right earlier drafts."""
     embeds, hidden = target_features(target_dir, ids, aux_layers)
     with torch.no_grad():
-        guesses = hot_ids[reference_head(w, cfg, embeds[1:-1], hidden[:-2]).argmax(-1)]
-    return float((guesses == torch.tensor(ids[2:])).float().mean())
+        logits, outputs = first_drafts(w, cfg, embeds[1:-1], hidden[:-2])
+        second = second_drafts(w, cfg, embeds[1:-1], hidden[:-2], outputs)
+    truth = torch.tensor(ids[2:])
+    return (float((hot_ids[logits.argmax(-1)] == truth).float().mean()),
+            float((hot_ids[second.argmax(-1)] == truth[1:]).float().mean()))

@@ -24,8 +24,8 @@ from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
-from tests.eagle3_heads import (head_accuracy, head_config, random_weights, reference_head, save_head,
-                                target_features, trained_weights)
+from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
+                                second_drafts, target_features, trained_weights)
 from tests.test_speculative import collect, repetitive, same, started
 from tests.tiny_models import build_tiny_model
 
@@ -75,7 +75,7 @@ def heads(target, tmp_path_factory) -> dict[str, Path]:
     cfg = head_config(target, len(hot), AUX_IDS)
     random_dir = save_head(root / "random", cfg, random_weights(cfg, hot, seed=1), hot, _vocab(target))
     fitted = trained_weights(target, cfg, texts, hot, AUX_LAYERS)
-    assert min(head_accuracy(target, cfg, fitted, t, hot, AUX_LAYERS) for t in texts) > 0.95
+    assert min(min(head_accuracy(target, cfg, fitted, t, hot, AUX_LAYERS)) for t in texts) > 0.9
     return {"random": random_dir, "fitted": save_head(root / "fitted", cfg, fitted, hot, _vocab(target)),
             "texts": texts}
 
@@ -120,9 +120,11 @@ def test_the_target_keeps_the_hidden_states_entering_the_chosen_layers(target):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_head_computes_what_the_format_defines(target, heads, backend):
-    """pyserve's head over a prompt's pairs, in one extend and then one
-    position at a time over its own KV, against the reference forward;
-    with either attention backend (Triton's interpreted on a CPU)."""
+    """pyserve's head against the reference forward (tests/eagle3_heads.py):
+    a prompt's pairs in one extend, then one position at a time over its
+    own KV, each followed by a chained step from its output hidden state
+    (written where the next pair then goes); with either attention
+    backend (Triton's interpreted on a CPU)."""
     head_dir = heads["random"]
     config = Eagle3Config(head_dir)
     model, _ = load_model(target, torch.float32, "cpu")
@@ -135,7 +137,8 @@ def test_the_head_computes_what_the_format_defines(target, heads, backend):
     ids = repetitive(17)
     embeds, hidden = target_features(target, ids, AUX_LAYERS)
     with torch.no_grad():
-        expected = reference_head(weights, cfg, embeds[1:], hidden[:-1])
+        expected, outputs = first_drafts(weights, cfg, embeds[1:], hidden[:-1])
+        chained = second_drafts(weights, cfg, embeds[1:], hidden[:-1], outputs)
     n = len(ids) - 1
     kv = KVBuffer(1, 32, 2, 16, torch.float32, "cpu")
     if backend == "torch":
@@ -146,16 +149,25 @@ def test_the_head_computes_what_the_format_defines(target, heads, backend):
 
         attn = TritonAttention(kv, 4, 64)
     slots = torch.arange(1, n + 1)
+    split = 10  # pairs 0..9 as one extend, then one at a time
+
+    def run(tokens, first, h):
+        m = len(tokens)
+        batch = ForwardBatch.build(tokens, list(range(first, first + m)), slots[first : first + m], [m],
+                                   [slots[: first + m]], list(range(m)), m == 1, "cpu")
+        return head(batch.input_ids, h, batch, attn)
+
     with torch.inference_mode():
-        split = 10  # pairs 0..9 as one extend, then one at a time
-        batch = ForwardBatch.build(ids[1 : split + 1], list(range(split)), slots[:split], [split], [slots[:split]],
-                                   list(range(split)), False, "cpu")
-        got = [head(batch.input_ids, hidden[:split], batch, attn)[0]]
+        logits, out = run(ids[1 : split + 1], 0, hidden[:split])
+        got, got_chained = [logits], []
         for i in range(split, n):
-            batch = ForwardBatch.build([ids[i + 1]], [i], slots[i : i + 1], [1], [slots[: i + 1]], [0], True, "cpu")
-            got.append(head(batch.input_ids, hidden[i : i + 1], batch, attn)[0])
+            logits, out = run([ids[i + 1]], i, hidden[i : i + 1])
+            got.append(logits)
+            if i + 1 < n:
+                got_chained.append(run([ids[i + 2]], i + 1, out)[0])
     got = torch.cat(got)
     assert torch.allclose(got, expected, atol=1e-4)
+    assert torch.allclose(torch.cat(got_chained), chained[split:], atol=1e-4)
     hot = weights["d2t"] + torch.arange(len(weights["d2t"]))
     assert torch.equal(head.to_target_ids(got.argmax(-1)), hot[expected.argmax(-1)])
 
@@ -175,10 +187,11 @@ def test_greedy_identical_with_a_random_head(target, heads, page_size):
 
 
 def test_a_fitted_head_gets_its_drafts_kept_and_stops_inside_runs_hold(target, heads):
-    """The fitted head's first draft of every step is the target's next
-    token (its chained drafts, which read its own hidden state, were not
-    trained): runs of two tokens a step. Stops and the length limit that
-    land inside those runs end the output exactly where plain decoding does."""
+    """The fitted head's first two drafts of a step (the second chained
+    from its own output hidden state) are the target's next tokens: runs
+    of three tokens a step, where a random head's drafts are rejected.
+    Stops and the length limit that land inside those runs end the output
+    exactly where plain decoding does."""
     from pyserve._rust import Tokenizer
 
     text = heads["texts"][0][len(PROMPTS[0]):]
@@ -195,7 +208,7 @@ def test_a_fitted_head_gets_its_drafts_kept_and_stops_inside_runs_hold(target, h
     assert got[2][3].finish_reason == "stop" and got[2][1][-1] == text[9]
     assert got[3][3].finish_reason == "stop" and stop_text not in got[3][0]
     assert len(got[4][1]) == 8
-    assert metrics.spec_emitted_tokens >= 1.8 * metrics.spec_verify_steps
+    assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
     _, _, random_metrics = run_both(target, requests[:2], heads["random"])
     assert random_metrics.spec_emitted_tokens < 1.3 * random_metrics.spec_verify_steps
 
