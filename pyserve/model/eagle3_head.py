@@ -116,8 +116,8 @@ class Eagle3Head(nn.Module):
         q, k, v = self.self_attn.project(x, cos, sin)
         out = self.self_attn.output(self.self_attn.attend(q, k, v, batch, attn))
         h, residual = self.post_attention_layernorm(out, hidden)
-        rows = batch.logits_indices
-        x, residual = self.norm(self.mlp(h)[rows], residual[rows])
+        rows = batch.logits_indices  # the MLP and the norms are per token: only these rows go on
+        x, residual = self.norm(self.mlp(h[rows]), residual[rows])
         return self.lm_head(x).float(), residual
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -188,10 +188,11 @@ class Eagle3Draft:
             if r.sampled:
                 logits_at.append(len(tokens) - 1)
         new = torch.cat([r.slots[-len(r.tokens):] for r in pairs])
-        batch = ForwardBatch.build(tokens, positions, new, [len(r.tokens) for r in pairs], [r.slots for r in pairs],
-                                   logits_at, all(len(r.tokens) == 1 for r in pairs), self.device)
+        head_batch = ForwardBatch.build(tokens, positions, new, [len(r.tokens) for r in pairs],
+                                        [r.slots for r in pairs], logits_at, all(len(r.tokens) == 1 for r in pairs),
+                                        self.device)
         hidden_rows = torch.tensor([h for r in pairs for h in r.hidden_rows], device=aux.device)
-        logits, hidden = self.head(batch.input_ids, aux[hidden_rows], batch, self.attention)
+        logits, hidden = self.head(head_batch.input_ids, aux[hidden_rows], head_batch, self.attention)
         for n, r in enumerate(r for r in pairs if r.sampled):
             self._next[r.seq] = _Next(r.first + len(r.tokens) - 1, logits[n], hidden[n])
 
