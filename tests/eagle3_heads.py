@@ -155,7 +155,7 @@ def target_features(target_dir: Path, ids: list[int], aux_layers: list[int]) -> 
 
 
 def trained_weights(target_dir: Path, cfg: dict, texts: list[list[int]], hot_ids: torch.Tensor,
-                    aux_layers: list[int], steps: int = 300, seed: int = 0) -> dict[str, torch.Tensor]:
+                    aux_layers: list[int], steps: int = 120, seed: int = 0) -> dict[str, torch.Tensor]:
     """A head fitted to each of `texts`: pair i's first draft to token
     i + 2, the chained draft after it to token i + 3 (EAGLE-3's
     training-time test, two steps deep)."""
