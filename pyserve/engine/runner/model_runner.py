@@ -131,9 +131,10 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.rank_model.device
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
-        return self.rank_model.forward(batch)
+    def forward(self, batch: ForwardBatch, capture: AuxCapture | None = None) -> torch.Tensor:
+        """Float32 logits [B, vocab] for the rows in batch.logits_indices
+        (`capture`: RankModel.forward's)."""
+        return self.rank_model.forward(batch, capture)
 
     def admit(self, state: SamplingState) -> None:
         """Hand a request's sampling state to the forward thread; call from
@@ -252,7 +253,7 @@ class ModelRunner:
         rows' final norm is local and the vocabulary gather sees the same
         logits rows."""
         if not step.embed_rows:
-            return self.rank_model.forward(batch, capture), None
+            return self.forward(batch, capture), None
         wanted = len(batch.logits_indices)
         rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
         hidden = self.rank_model.model.hidden_states(batch, self.rank_model.attention, rows, capture=capture)
