@@ -304,6 +304,8 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
         Engine.from_args(ServerArgs(model_path=str(target), speculative_algorithm="EAGLE3"))
     with pytest.raises(ValueError, match="is not a directory"):
         Engine.from_args(ServerArgs(model_path=str(target), **spec(tmp_path / "absent")))
+    with pytest.raises(ValueError, match="is not an EAGLE-3 head: its architectures are \\['LlamaForCausalLM'\\]"):
+        Engine.from_args(ServerArgs(model_path=str(target), **spec(target)))  # a model, not a head
     wide = build_tiny_model(tmp_path / "wide", "llama", tokenizer_dir=default_model_dir, num_hidden_layers=4,
                             hidden_size=96)
     with pytest.raises(ValueError, match="hidden size 64 .* this model's is 96"):

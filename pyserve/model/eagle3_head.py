@@ -145,7 +145,9 @@ def _checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in tensors.items()}
 
 
-_FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
+# The head's fused projections and the checkpoint's parts of each, in order.
+_FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+          "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
 
 
 def load_eagle3_head(head_dir: Path, config: Eagle3Config, target_embed: torch.Tensor,
