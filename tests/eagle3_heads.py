@@ -39,7 +39,7 @@ def head_config(target_dir: Path, draft_vocab: int, aux_layer_ids: list[int] | N
     return cfg
 
 
-def random_weights(cfg: dict, hot_ids: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Weights of the checkpoint's names and shapes, as build_tiny_model draws them."""
     g = torch.Generator().manual_seed(seed)
     h, inter, vd = cfg["hidden_size"], cfg["intermediate_size"], cfg["draft_vocab_size"]
@@ -165,7 +165,7 @@ def trained_weights(target_dir: Path, cfg: dict, texts: list[list[int]], hot_ids
         embeds, hidden = target_features(target_dir, ids, aux_layers)
         labels = torch.tensor([to_draft[t] for t in ids[2:]])
         data.append((embeds[1:-1], hidden[:-2], labels))
-    w = {k: v.clone().requires_grad_() for k, v in random_weights(cfg, hot_ids, seed).items()}
+    w = {k: v.clone().requires_grad_() for k, v in random_weights(cfg, seed).items()}
     opt = torch.optim.Adam(w.values(), lr=3e-3)
     for _ in range(steps):
         loss = 0.0

@@ -73,7 +73,7 @@ def heads(target, tmp_path_factory) -> dict[str, Path]:
     texts = [p + out for p, out in zip(PROMPTS, asyncio.run(_plain(target, PROMPTS, 40)))]
     hot = _hot_ids(target, [t for text in texts for t in text])
     cfg = head_config(target, len(hot), AUX_IDS)
-    random_dir = save_head(root / "random", cfg, random_weights(cfg, hot, seed=1), hot, _vocab(target))
+    random_dir = save_head(root / "random", cfg, random_weights(cfg, seed=1), hot, _vocab(target))
     fitted = trained_weights(target, cfg, texts, hot, AUX_LAYERS)
     assert min(min(head_accuracy(target, cfg, fitted, t, hot, AUX_LAYERS)) for t in texts) > 0.9
     return {"random": random_dir, "fitted": save_head(root / "fitted", cfg, fitted, hot, _vocab(target)),
