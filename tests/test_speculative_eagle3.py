@@ -1,9 +1,9 @@
 """EAGLE3 speculative decoding: an EAGLE-3 draft head (SGLang's checkpoint
-format) over a tiny Llama target. The target keeps the right hidden
-states, the head computes what the format defines, greedy output is
-identical to decoding without speculation whatever lands inside an
-accepted run, a head fitted to the target's text gets its drafts kept,
-and what cannot run is refused at start."""
+format) over a tiny Llama target and over the embedded model. The target
+keeps the right hidden states, the head computes what the format defines,
+greedy output is identical to decoding without speculation whatever lands
+inside an accepted run, a head fitted to the target's text gets its
+drafts kept, and what cannot run is refused at start."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
 from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
                                 second_drafts, target_features, trained_weights)
-from tests.test_speculative import collect, repetitive, same, started
+from tests.test_speculative import COPY, SCHEMA, collect, repetitive, same, started
 from tests.tiny_models import build_tiny_model
 
 K = 4
@@ -393,3 +393,54 @@ def test_sampled_output_follows_the_target_distribution(target, heads):
     assert counts.sum() == len(samples)
     stat, dof = chi2(counts, torch.tensor([exact[c] for c in cells]))
     assert stat < chi2_limit(dof), (stat, dof)
+
+
+@pytest.fixture(scope="module")
+def embedded_head(default_model_dir, tmp_path_factory) -> Path:
+    """A head for the embedded model (30 layers: the default layers 2, 15
+    and 27, no eagle_config), fitted to its greedy continuation of COPY."""
+    from pyserve._rust import Tokenizer
+
+    ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
+    text = ids + asyncio.run(_plain(default_model_dir, [ids], 60))[0]
+    hot = _hot_ids(default_model_dir, text, size=1024)
+    cfg = head_config(default_model_dir, len(hot), None)
+    weights = trained_weights(default_model_dir, cfg, [text], hot, [2, 15, 27], steps=60)
+    return save_head(tmp_path_factory.mktemp("eagle3-embedded") / "head", cfg, weights, hot, _vocab(default_model_dir))
+
+
+# The default 4-bit mode: with EAGLE3 every step runs the torch layers,
+# whose rounding differs from the native decode layers' in the logprobs'
+# second decimal, so only tokens are compared there.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
+def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol):
+    from pyserve._rust import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    ids = tok.encode(COPY)
+    greedy = {"temperature": 0}
+    requests = [
+        (ids, {**greedy, "max_new_tokens": 40}),
+        (ids, {**greedy, "max_new_tokens": 9}),
+        (ids, {**greedy, "max_new_tokens": 40, "stop": ["lazy"]}),
+        (ids, {**greedy, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
+        (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
+        (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
+    ]
+
+    async def main(extra):
+        engine = await started(default_model_dir, **mode, **extra)
+        try:
+            got = await asyncio.gather(*[collect(engine, i, **params) for i, params in requests])
+            engine.check_integrity()
+            return got, engine.metrics
+        finally:
+            await engine.shutdown()
+    plain, _ = asyncio.run(main({}))
+    got, metrics = asyncio.run(main(spec(embedded_head)))
+    same(plain, got, tol)
+    assert plain[2][3].finish_reason == "stop"
+    assert len(got[1][1]) == 9
+    assert got[4][3].finish_reason == "stop" and len(got[4][1]) < 60
+    assert metrics.spec_emitted_tokens >= 2 * metrics.spec_verify_steps
