@@ -7,6 +7,9 @@ Each row compares one of them with the plain engine on one workload:
 - copy-heavy (rewrite a ~300-token text with one change: most of the
   answer is in the prompt) and free chat (nothing to copy; the drafter must
   switch itself off), greedy, for NGRAM and STANDALONE;
+- with --eagle3-head DIR (an EAGLE-3 head trained for the target, as
+  SGLang loads it; none is on this machine), copy-heavy and free chat
+  with EAGLE3;
 - the copy-heavy workload sampled at temperature 0.7 (seeded per round,
   the same seed on both sides), for NGRAM: sampled drafts go through
   rejection sampling, so the text differs from the plain engine's but
@@ -70,6 +73,8 @@ ROWS = [
     ("standalone_chat", CHAT, "standalone", 0.0),
     ("standalone_self_copy", COPY, "standalone_self", 0.0),
 ]
+# With --eagle3-head: an EAGLE-3 head trained for the target (none is on this machine).
+EAGLE3_ROWS = [("eagle3_copy", COPY, "eagle3", 0.0), ("eagle3_chat", CHAT, "eagle3", 0.0)]
 
 
 def truncated_draft(model_dir: Path, out: Path, layers: int) -> Path:
@@ -134,6 +139,12 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
                "standalone_self": Engine.from_args(ServerArgs(**common, speculative_algorithm="STANDALONE",
                                                               speculative_draft_model_path=str(model_dir),
                                                               speculative_num_steps=args.draft_steps))}
+    rows = ROWS
+    if args.eagle3_head:
+        engines["eagle3"] = Engine.from_args(ServerArgs(**common, speculative_algorithm="EAGLE3",
+                                                        speculative_draft_model_path=args.eagle3_head,
+                                                        speculative_num_steps=args.draft_steps))
+        rows = ROWS + EAGLE3_ROWS
     for engine in engines.values():
         await engine.start()
     template = ChatTemplate.for_model(engines["off"].model_dir)
@@ -143,7 +154,7 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
                                                                 add_generation_prompt=True))
 
     result = {}
-    for name, text, side, temperature in ROWS:
+    for name, text, side, temperature in rows:
         if args.only and name not in args.only:
             continue
         ids = prompt(text)
@@ -187,7 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-tokens", type=int, default=6, help="NGRAM: --speculative-num-draft-tokens")
     p.add_argument("--min-window", type=int, default=3, help="--speculative-ngram-min-match-window-size")
     p.add_argument("--draft-layers", type=int, default=10, help="STANDALONE: the target's layers the draft keeps")
-    p.add_argument("--draft-steps", type=int, default=4, help="STANDALONE: --speculative-num-steps")
+    p.add_argument("--draft-steps", type=int, default=4, help="STANDALONE, EAGLE3: --speculative-num-steps")
+    p.add_argument("--eagle3-head", default=None,
+                   help="an EAGLE-3 head trained for --model (SGLang's format): adds EAGLE3 rows")
     p.add_argument("--only", nargs="*", help="row names to run (default: all)")
     args = p.parse_args(argv)
     from pyserve.model.default_model import default_model_path

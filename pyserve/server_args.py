@@ -153,19 +153,20 @@ class EngineOptions:
     # Speculative decoding (engine/speculative/): SGLang's flags.
     speculative_algorithm: str | None = option(
         None, choices=["NGRAM", "STANDALONE", "EAGLE3"],
-        help="propose draft tokens and verify them in one forward pass: NGRAM (prompt lookup) or STANDALONE "
-             "(a smaller draft model); EAGLE3 is not implemented")
+        help="propose draft tokens and verify them in one forward pass: NGRAM (prompt lookup), STANDALONE "
+             "(a smaller draft model) or EAGLE3 (an EAGLE-3 draft head over the target's hidden states)")
     speculative_num_steps: int | None = option(
-        None, help="STANDALONE: tokens the draft model decodes per verify (default: --speculative-num-draft-tokens); "
-                   "NGRAM: unused")
+        None, help="STANDALONE, EAGLE3: tokens the draft model decodes per verify (default: "
+                   "--speculative-num-draft-tokens); NGRAM: unused")
     speculative_num_draft_tokens: int = option(
-        4, help="draft tokens verified per step and request (STANDALONE: unless --speculative-num-steps says)")
+        4, help="draft tokens verified per step and request (STANDALONE, EAGLE3: unless --speculative-num-steps says)")
     speculative_ngram_min_match_window_size: int = option(
         3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(
         12, help="NGRAM: longest suffix matched against the request's earlier tokens")
     speculative_draft_model_path: str | None = option(
-        None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer)")
+        None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
+                   "EAGLE3: the draft head's directory (SGLang's EAGLE-3 checkpoint format)")
 
 
 @dataclass(frozen=True)

@@ -83,11 +83,6 @@ def test_greedy_run_stops_at_the_first_disagreement():
     assert greedy_run([3, 8], [3]) == [3, 8]  # all kept: the target's token after them too
 
 
-def test_refuses_unimplemented_algorithms(tiny_llama_dir):
-    with pytest.raises(ValueError, match="EAGLE3 is not implemented"):
-        Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), speculative_algorithm="EAGLE3"))
-
-
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_identical_on_a_tiny_checkpoint(tiny_llama_dir, page_size):
     greedy = {"temperature": 0, "ignore_eos": True}

@@ -36,6 +36,7 @@ from pyserve.engine.speculative.rejection import verify_drafts
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.pooling import sum_spans
 from pyserve.server_args import ModelOptions
 
@@ -98,7 +99,8 @@ class ModelRunner:
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
-        self.draft = None  # --speculative-algorithm STANDALONE: its DraftModel (speculative/options.py sets it)
+        # --speculative-algorithm STANDALONE or EAGLE3: its DraftModel or Eagle3Draft (speculative/options.py sets it).
+        self.draft = None
         kv_buffer = self.rank_model.kv_buffer
         capacity = (kv_buffer.num_pages - 1) * kv_buffer.page_size  # page 0 is never handed out
         logger.info(
@@ -132,9 +134,10 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.rank_model.device
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
-        return self.rank_model.forward(batch)
+    def forward(self, batch: ForwardBatch, capture: AuxCapture | None = None) -> torch.Tensor:
+        """Float32 logits [B, vocab] for the rows in batch.logits_indices
+        (`capture`: RankModel.forward's)."""
+        return self.rank_model.forward(batch, capture)
 
     def admit(self, state: SamplingState) -> None:
         """Hand a request's sampling state to the forward thread; call from
@@ -147,6 +150,8 @@ class ModelRunner:
         """Have the forward thread drop an ended request's sampling state
         once the steps launched so far are done; call from the event loop."""
         self.executor.submit(Sampler.release, self.sampler, seq)
+        if self.draft is not None:
+            self.executor.submit(type(self.draft).release, self.draft, seq)
 
     def load_lora(self, slot: int, adapter: Adapter, path: str) -> asyncio.Future:
         """Put an adapter's weights (read from `path`) in `slot` on every
@@ -189,12 +194,12 @@ class ModelRunner:
                 batch = step.batch.to(self.device)
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
-                drafts, draft_probs = step.drafts, None
-                if self.draft is not None and drafts:
-                    drafts, draft_probs = self.draft.propose(step.batch, batch, drafts, states, self.sampler)
-                all_logits, pooled = self._forward_on_every_rank(batch, step)
+                drafts, draft_probs, capture = step.drafts, None, None
                 if self.draft is not None:
-                    self.draft.follow(batch)
+                    if drafts:
+                        drafts, draft_probs = self.draft.propose(step, batch, states, self.sampler)
+                    capture = self.draft.capture()
+                all_logits, pooled = self._forward_on_every_rank(batch, step, capture)
                 num_rows = len(seqs) + sum(len(d) for d in step.drafts)
                 logits = all_logits[:num_rows]
                 if drafts:
@@ -202,6 +207,8 @@ class ModelRunner:
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
                     forced = self.sampler.take_forced()
+                if self.draft is not None:
+                    self.draft.follow(step, batch, capture, next_ids, counts)
                 refused = [s.seq for s in states if s.refused]
                 logprobs = prompt_logprobs = None
                 if any(wants_logprobs(s.params) for s in seqs):
@@ -226,11 +233,12 @@ class ModelRunner:
             self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
             raise
 
-    def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits (and pooled sums), the other tensor-parallel ranks
-        given the same batch."""
+        given the same batch. `capture`: hidden states rank 0 keeps (one rank only)."""
         if self.ranks is None:
-            return self._forward(batch, step)
+            return self._forward(batch, step, capture)
         self.ranks.check()
         try:
             self.ranks.channel.send(batch)
@@ -240,17 +248,18 @@ class ModelRunner:
             self.ranks.fail(f"a tensor-parallel step failed on rank 0: {e}")
             raise
 
-    def _forward(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the batch's logits rows and, for a step with embedding
         rows, StepOutput.pooled, in one pass through the layers. The other
         ranks run a plain forward: the same collectives, since the pooled
         rows' final norm is local and the vocabulary gather sees the same
         logits rows."""
         if not step.embed_rows:
-            return self.forward(batch), None
+            return self.forward(batch, capture), None
         wanted = len(batch.logits_indices)
         rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
-        hidden = self.rank_model.model.hidden_states(batch, self.rank_model.attention, rows)
+        hidden = self.rank_model.model.hidden_states(batch, self.rank_model.attention, rows, capture=capture)
         pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
         return self.rank_model.model.logits(hidden[:wanted]), pooled
 

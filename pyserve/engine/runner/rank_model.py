@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import SINGLE, TensorParallel, largest_kv_share
 from pyserve.model.quant import resolve_quant
@@ -244,16 +246,20 @@ class RankModel:
 
     # -- steps -----------------------------------------------------------------
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [B, vocab] for the rows in batch.logits_indices."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+    def forward(self, batch: ForwardBatch, capture: AuxCapture | None = None) -> torch.Tensor:
+        """Float32 logits [B, vocab] for the rows in batch.logits_indices.
+        `capture`: also keep hidden states (CausalLM.hidden_states), which
+        only the torch layers do, run eagerly."""
+        if capture is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.replay(batch)
         if self.lora is not None:
             self.lora.current = batch.lora
         plan = self.plan(batch)
+        if capture is not None:
+            plan = replace(plan, layers=Layers.TORCH)
         threads = self.threads.using(plan.torch_threads) if self.threads is not None else nullcontext()
         with threads:
-            return self.model(batch, self.attention, plan, self.native_layers)
+            return self.model(batch, self.attention, plan, self.native_layers, capture)
 
     def plan(self, batch: ForwardBatch) -> StepPlan:
         """How `batch` runs: which layers, on how many torch threads, with

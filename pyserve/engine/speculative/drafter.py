@@ -54,3 +54,12 @@ class Drafter:
         seq.verify_steps += 1
         if seq.verify_steps >= _JUDGED_AFTER and seq.accepted < _MIN_ACCEPT_RATE * seq.drafted:
             seq.drafting = False
+
+
+class PlaceholderDrafter(Drafter):
+    """For a draft model run on the forward thread (STANDALONE, EAGLE3):
+    the scheduler only reserves room, placeholder tokens that the forward
+    thread replaces with the draft model's tokens before the target runs."""
+
+    def propose(self, seq: Sequence) -> list[int]:
+        return [0] * self.budget(seq)

@@ -5,28 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pyserve.engine.speculative.drafter import Drafter
+from pyserve.engine.speculative.drafter import Drafter, PlaceholderDrafter
 from pyserve.engine.speculative.ngram import NgramDrafter
 from pyserve.server_args import EngineOptions, ModelOptions
 
 if TYPE_CHECKING:
     from pyserve.engine.runner.model_runner import ModelRunner
 
-_EAGLE3 = ("--speculative-algorithm EAGLE3 is not implemented in this build of pyserve; "
-           "NGRAM (prompt lookup, no draft model) and STANDALONE (a smaller draft model with the "
-           "target's tokenizer, --speculative-draft-model-path) are")
-
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
                runner: ModelRunner) -> Drafter | None:
     """None with speculation off; ValueError for what cannot run. For
     STANDALONE, loads the draft model (checked against the target's
-    tokenizer in `model_dir`) and gives it to the runner."""
+    tokenizer in `model_dir`) and gives it to the runner; for EAGLE3, the
+    draft head (checked against the target's shapes)."""
     algorithm = options.speculative_algorithm
     if algorithm is None:
         return None
-    if algorithm == "EAGLE3":
-        raise ValueError(_EAGLE3)
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
@@ -36,24 +31,48 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
         return NgramDrafter(k, low, high)
-    return _standalone(options, model_options, model_dir, runner)
+    steps = _draft_model_steps(options, model_options)
+    draft_dir = Path(options.speculative_draft_model_path)
+    if algorithm == "EAGLE3":
+        runner.draft = _eagle3(draft_dir, runner)
+    else:
+        from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
+
+        problem = tokenizer_mismatch(model_dir, draft_dir)
+        if problem is not None:
+            raise ValueError(problem)
+        runner.draft = DraftModel(model_options, draft_dir, runner.rank_model)
+    return PlaceholderDrafter(steps)
 
 
-def _standalone(options: EngineOptions, model_options: ModelOptions, model_dir: Path, runner: ModelRunner) -> Drafter:
-    from pyserve.engine.speculative.standalone import DraftModel, StandaloneDrafter, tokenizer_mismatch
-
+def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> int:
+    """Tokens a draft model (STANDALONE, EAGLE3) drafts per verify, once its options are checked."""
+    algorithm = options.speculative_algorithm
     if not options.speculative_draft_model_path:
-        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        raise ValueError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
     steps = options.speculative_num_steps or options.speculative_num_draft_tokens
     if steps < 1:
         raise ValueError("--speculative-num-steps must be at least 1")
     if model_options.tp_size > 1:
-        raise ValueError("--speculative-algorithm STANDALONE runs on one rank: --tp-size must be 1")
+        raise ValueError(f"--speculative-algorithm {algorithm} runs on one rank: --tp-size must be 1")
     if model_options.is_embedding:
         raise ValueError("--speculative-algorithm is for generation; an --is-embedding server decodes nothing")
-    draft_dir = Path(options.speculative_draft_model_path)
-    problem = tokenizer_mismatch(model_dir, draft_dir)
-    if problem is not None:
-        raise ValueError(problem)
-    runner.draft = DraftModel(model_options, draft_dir, runner.rank_model)
-    return StandaloneDrafter(steps)
+    return steps
+
+
+def _eagle3(head_dir: Path, runner: ModelRunner):
+    from pyserve.engine.speculative.eagle3 import Eagle3Draft
+    from pyserve.model.eagle3_head import Eagle3Config
+
+    if not head_dir.is_dir():
+        raise ValueError(f"--speculative-draft-model-path {head_dir} is not a directory")
+    config = Eagle3Config(head_dir)
+    target = runner.rank_model.config
+    if config.target_hidden_size != target.hidden_size or config.model.hidden_size != target.hidden_size:
+        raise ValueError(f"the EAGLE-3 head in {head_dir} is for a target of hidden size "
+                         f"{config.target_hidden_size} (its own: {config.model.hidden_size}); this model's is "
+                         f"{target.hidden_size}")
+    if config.model.vocab_size != target.vocab_size:
+        raise ValueError(f"the EAGLE-3 head in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
+                         f"this model's has {target.vocab_size}")
+    return Eagle3Draft(head_dir, config, runner.rank_model)

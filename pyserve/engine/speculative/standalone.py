@@ -12,7 +12,7 @@ the KV manager does to slots (prefix sharing in the radix cache, freeing,
 drop_tail of rejected drafts, retraction) then holds for both models, and
 no second allocator is needed.
 
-On the event loop, `StandaloneDrafter.propose` only reserves room: k
+On the event loop, the PlaceholderDrafter only reserves room: k
 placeholder tokens per drafted row, which `DraftModel.propose` replaces
 in the step's input with the draft model's tokens before the target runs.
 """
@@ -30,16 +30,10 @@ from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.sampler import Sampler, probabilities
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
-from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.speculative.rejection import draw, first_rows
+from pyserve.engine.step import ScheduledStep
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.server_args import ModelOptions
-
-
-class StandaloneDrafter(Drafter):
-    def propose(self, seq: Sequence) -> list[int]:
-        """Room for the draft model's tokens: placeholders the forward thread fills."""
-        return [0] * self.budget(seq)
 
 
 def tokenizer_mismatch(target_dir: Path, draft_dir: Path) -> str | None:
@@ -72,13 +66,14 @@ class DraftModel:
         self.model.allocate(target.kv_buffer.num_pages)
         self.vocab_size = target.config.vocab_size
 
-    def propose(self, host: ForwardBatch, batch: ForwardBatch, drafts: list[list[int]],
-                states: list[SamplingState], sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState],
+                sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Draft each drafted sequence's tokens (as many as its placeholders
-        in `drafts`), batched one position at a time, and write them into
-        `batch.input_ids` (the device copy of `host`, the step's batch).
+        in `step.drafts`), batched one position at a time, and write them into
+        `batch.input_ids` (the device copy of the step's batch).
         Returns the drafts and, per sequence, the [k, vocab] distributions
         sampled ones were drawn from (None for greedy or undrafted ones)."""
+        host, drafts = step.batch, step.drafts
         drafted = [i for i, d in enumerate(drafts) if d]
         token_at, slots = _drafted_rows(host, drafts, drafted)
         inputs = [int(host.input_ids[t]) for t in token_at]
@@ -109,10 +104,20 @@ class DraftModel:
             [token for i in drafted for token in out[i]], device=batch.input_ids.device)
         return out, [torch.stack(d) if d else None for d in dists]
 
-    def follow(self, batch: ForwardBatch) -> None:
+    @staticmethod
+    def capture() -> None:
+        """The draft model reads nothing of the target's forward pass."""
+        return None
+
+    def follow(self, step: ScheduledStep, batch: ForwardBatch, capture: None, next_ids: torch.Tensor,
+               counts: list[int] | None) -> None:
         """Run the step's batch (drafts filled in) through the draft model:
-        its KV at every slot the target just wrote. No logits are computed."""
+        its KV at every slot the target just wrote. No logits are computed;
+        the step's output is not needed."""
         self.model.forward(replace(batch, logits_indices=batch.logits_indices[:0]))
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing is kept per request."""
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the target's vocabulary (the same

@@ -26,6 +26,7 @@ modules op by op, one compiled decode layer, or the native layers
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +45,19 @@ from pyserve.model.step_plan import TORCH_STEP, Layers, StepPlan
 
 if TYPE_CHECKING:
     from pyserve.model.cpu.native_layers import NativeDecode
+
+
+@dataclass
+class AuxCapture:
+    """What a forward pass keeps besides its logits, when asked: the hidden
+    states entering `layers` (the residual stream before each of those
+    layers; layer 0's is the embeddings) of every token row, one
+    [tokens, hidden] tensor per layer in layer order, which an EAGLE-3
+    draft head reads (engine/speculative/eagle3.py). Only the torch layers
+    fill it."""
+
+    layers: frozenset[int]
+    states: list[torch.Tensor] = field(default_factory=list)
 
 
 class CausalLM(nn.Module):
@@ -98,19 +112,23 @@ class CausalLM(nn.Module):
         self.compiled_decode_layer = torch.compile(decode_layer)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend, plan: StepPlan = TORCH_STEP,
-                native_layers: NativeDecode | None = None) -> torch.Tensor:
+                native_layers: NativeDecode | None = None, capture: AuxCapture | None = None) -> torch.Tensor:
         """Float32 logits [B, vocab], one row per `batch.logits_indices` entry."""
-        return self.logits(self.hidden_states(batch, attn, batch.logits_indices, plan, native_layers))
+        return self.logits(self.hidden_states(batch, attn, batch.logits_indices, plan, native_layers, capture))
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend, rows: torch.Tensor,
-                      plan: StepPlan = TORCH_STEP, native_layers: NativeDecode | None = None) -> torch.Tensor:
+                      plan: StepPlan = TORCH_STEP, native_layers: NativeDecode | None = None,
+                      capture: AuxCapture | None = None) -> torch.Tensor:
         """Final-norm hidden states [len(rows), hidden] of the token rows
         `rows` (indices into the batch's new tokens): what the vocabulary
         projection reads, and what embedding models pool. `plan`: how the
         step runs, decided by its owner; `native_layers`: the owner's native
-        layer runner, for plans of native layers."""
+        layer runner, for plans of native layers; `capture`: filled with the
+        hidden states entering its layers (torch layers only)."""
         if plan.layers in (Layers.NATIVE_DECODE, Layers.NATIVE_EXTENDS) and native_layers is None:
             raise ValueError(f"a step planned for the {plan.layers.value} layers needs the native layer runner")
+        if capture is not None and plan.layers != Layers.TORCH:
+            raise ValueError(f"hidden states are kept by the torch layers, not the {plan.layers.value} layers")
         attn.prepare(batch, plan)
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
         multiplier = self.config.embedding_multiplier
@@ -121,7 +139,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.of_batch(batch, x.dtype)
         match plan.layers:
             case Layers.TORCH:
-                x, residual = self._torch_layers(x, cos, sin, batch, attn)
+                x, residual = self._torch_layers(x, cos, sin, batch, attn, capture)
             case Layers.COMPILED_DECODE:
                 x, residual = self._compiled_decode_layers(x, cos, sin, attn)
             case Layers.NATIVE_DECODE:
@@ -135,10 +153,13 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x[rows], residual[rows])
         return x
 
-    def _torch_layers(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend):
+    def _torch_layers(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend,
+                      capture: AuxCapture | None = None):
         """(the last layer's MLP output, the residual stream before it), op by op."""
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture.layers:
+                capture.states.append(x if residual is None else x + residual)
             q, k, v, residual = layer.before_attention(x, residual, cos, sin)
             x, residual = layer.after_attention(layer.self_attn.attend(q, k, v, batch, attn), residual)
         return x, residual

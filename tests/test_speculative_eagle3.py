@@ -1,0 +1,446 @@
+"""EAGLE3 speculative decoding: an EAGLE-3 draft head (SGLang's checkpoint
+format) over a tiny Llama target and over the embedded model. The target
+keeps the right hidden states, the head computes what the format defines,
+greedy output is identical to decoding without speculation whatever lands
+inside an accepted run, a head fitted to the target's text gets its
+drafts kept, and what cannot run is refused at start."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
+from pyserve.engine.speculative.options import drafter_of
+from pyserve.model.attention.torch_backend import TorchAttention
+from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.layers.causal_lm import AuxCapture
+from pyserve.model.loader import load_model
+from pyserve.server_args import ServerArgs
+from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
+                                second_drafts, target_features, trained_weights)
+from tests.test_speculative import COPY, SCHEMA, collect, repetitive, same, started
+from tests.tiny_models import build_tiny_model
+
+K = 4
+AUX_IDS = [0, 1, 2]  # the checkpoint's names: outputs of layers 0..2, entering layers 1..3
+AUX_LAYERS = [1, 2, 3]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PROMPTS = [repetitive(), repetitive(33)]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny Llama of four layers with the default model's tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("eagle3-target"), "llama", tokenizer_dir=default_model_dir,
+                            num_hidden_layers=4)
+
+
+def _vocab(target: Path) -> int:
+    return json.loads((target / "config.json").read_text())["vocab_size"]
+
+
+def _hot_ids(target: Path, must: list[int], size: int = 256) -> torch.Tensor:
+    """A draft vocabulary of `size` target ids, sorted: `must` and random
+    others (so d2t is no identity)."""
+    g = torch.Generator().manual_seed(3)
+    must = set(must)
+    extra = [t for t in torch.randperm(_vocab(target), generator=g).tolist() if t not in must]
+    return torch.tensor(sorted(must | set(extra[: size - len(must)])))
+
+
+async def _plain(target, prompts, n):
+    engine = await started(target, torchao_config="none")
+    try:
+        return [(await collect(engine, ids, **GREEDY, max_new_tokens=n))[1] for ids in prompts]
+    finally:
+        await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory) -> dict[str, Path]:
+    """A random head, and one fitted (by tests/eagle3_heads.py) to the
+    target's greedy continuations of PROMPTS, each with a draft vocabulary
+    of 256 tokens mapped through d2t."""
+    root = tmp_path_factory.mktemp("eagle3-heads")
+    texts = [p + out for p, out in zip(PROMPTS, asyncio.run(_plain(target, PROMPTS, 40)))]
+    hot = _hot_ids(target, [t for text in texts for t in text])
+    cfg = head_config(target, len(hot), AUX_IDS)
+    random_dir = save_head(root / "random", cfg, random_weights(cfg, seed=1), hot, _vocab(target))
+    fitted = trained_weights(target, cfg, texts, hot, AUX_LAYERS)
+    assert min(min(head_accuracy(target, cfg, fitted, t, hot, AUX_LAYERS)) for t in texts) > 0.9
+    return {"random": random_dir, "fitted": save_head(root / "fitted", cfg, fitted, hot, _vocab(target)),
+            "texts": texts}
+
+
+def spec(head: Path, **extra) -> dict:
+    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head),
+            "speculative_num_draft_tokens": K, **extra}
+
+
+def run_both(target, requests, head, engine_args=None, sequential=False):
+    """Each request's (text, tokens, logprobs, last output) without and
+    with the head, in float32; and the speculative engine's metrics."""
+    async def main(extra):
+        engine = await started(target, torchao_config="none", **(engine_args or {}), **extra)
+        try:
+            if sequential:
+                got = [await collect(engine, ids, **params) for ids, params in requests]
+            else:
+                got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
+            engine.check_integrity()
+            assert engine.kv_usage()["in_use"] == 0
+            return got, engine.metrics
+        finally:
+            await engine.shutdown()
+    plain, _ = asyncio.run(main({}))
+    got, metrics = asyncio.run(main(spec(head)))
+    return plain, got, metrics
+
+
+def test_the_target_keeps_the_hidden_states_entering_the_chosen_layers(target):
+    ids = repetitive(21)
+    model, config = load_model(target, torch.float32, "cpu")
+    pool = KVBuffer(config.num_hidden_layers, 32, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    batch = ForwardBatch.build(ids, list(range(len(ids))), torch.arange(1, len(ids) + 1), [len(ids)],
+                               [torch.arange(1, len(ids) + 1)], [len(ids) - 1], False, "cpu")
+    capture = AuxCapture(frozenset(AUX_LAYERS))
+    with torch.inference_mode():
+        model(batch, TorchAttention(pool), capture=capture)
+    _, expected = target_features(target, ids, AUX_LAYERS)
+    assert torch.allclose(torch.cat(capture.states, dim=-1), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_head_computes_what_the_format_defines(target, heads, backend):
+    """pyserve's head against the reference forward (tests/eagle3_heads.py):
+    a prompt's pairs in one extend, then one position at a time over its
+    own KV, each followed by a chained step from its output hidden state
+    (written where the next pair then goes); with either attention
+    backend (Triton's interpreted on a CPU)."""
+    head_dir = heads["random"]
+    config = Eagle3Config(head_dir)
+    model, _ = load_model(target, torch.float32, "cpu")
+    head = load_eagle3_head(head_dir, config, model.embed_tokens.weight, model.lm_head.weight, torch.float32,
+                            torch.device("cpu"))
+    from safetensors.torch import load_file
+
+    weights = load_file(str(head_dir / "model.safetensors"))
+    cfg = json.loads((head_dir / "config.json").read_text())
+    ids = repetitive(17)
+    embeds, hidden = target_features(target, ids, AUX_LAYERS)
+    with torch.no_grad():
+        expected, outputs = first_drafts(weights, cfg, embeds[1:], hidden[:-1])
+        chained = second_drafts(weights, cfg, embeds[1:], hidden[:-1], outputs)
+    n = len(ids) - 1
+    kv = KVBuffer(1, 32, 2, 16, torch.float32, "cpu")
+    if backend == "torch":
+        attn = TorchAttention(kv)
+    else:
+        pytest.importorskip("triton")
+        from pyserve.model.attention.triton_backend import TritonAttention
+
+        attn = TritonAttention(kv, 4, 64)
+    slots = torch.arange(1, n + 1)
+    split = 10  # pairs 0..9 as one extend, then one at a time
+
+    def run(tokens, first, h):
+        m = len(tokens)
+        batch = ForwardBatch.build(tokens, list(range(first, first + m)), slots[first : first + m], [m],
+                                   [slots[: first + m]], list(range(m)), m == 1, "cpu")
+        return head(batch.input_ids, h, batch, attn)
+
+    with torch.inference_mode():
+        logits, out = run(ids[1 : split + 1], 0, hidden[:split])
+        got, got_chained = [logits], []
+        for i in range(split, n):
+            logits, out = run([ids[i + 1]], i, hidden[i : i + 1])
+            got.append(logits)
+            if i + 1 < n:
+                got_chained.append(run([ids[i + 2]], i + 1, out)[0])
+    got = torch.cat(got)
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert torch.allclose(torch.cat(got_chained), chained[split:], atol=1e-4)
+    hot = weights["d2t"] + torch.arange(len(weights["d2t"]))
+    assert torch.equal(head.to_target_ids(got.argmax(-1)), hot[expected.argmax(-1)])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_identical_with_a_random_head(target, heads, page_size):
+    requests = [
+        (repetitive(), {**GREEDY, "max_new_tokens": 30}),
+        (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
+        ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
+        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+    ]
+    plain, got, metrics = run_both(target, requests, heads["random"], {"page_size": page_size})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+    assert len(got[1][1]) == 7
+
+
+def test_a_fitted_head_gets_its_drafts_kept_and_stops_inside_runs_hold(target, heads):
+    """The fitted head's first two drafts of a step (the second chained
+    from its own output hidden state) are the target's next tokens: runs
+    of three tokens a step, where a random head's drafts are rejected.
+    Stops and the length limit that land inside those runs end the output
+    exactly where plain decoding does."""
+    from pyserve._rust import Tokenizer
+
+    text = heads["texts"][0][len(PROMPTS[0]):]
+    stop_text = Tokenizer.from_file(str(target / "tokenizer.json")).decode(text[12:14])
+    requests = [
+        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
+        (PROMPTS[1], {**GREEDY, "max_new_tokens": 40}),
+        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "stop_token_ids": [text[9]]}),
+        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "stop": [stop_text]}),
+        (PROMPTS[1], {**GREEDY, "max_new_tokens": 8}),
+    ]
+    plain, got, metrics = run_both(target, requests, heads["fitted"])
+    same(plain, got)
+    assert got[2][3].finish_reason == "stop" and got[2][1][-1] == text[9]
+    assert got[3][3].finish_reason == "stop" and stop_text not in got[3][0]
+    assert len(got[4][1]) == 8
+    assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
+    _, _, random_metrics = run_both(target, requests[:2], heads["random"])
+    assert random_metrics.spec_emitted_tokens < 1.3 * random_metrics.spec_verify_steps
+
+
+def _draft_kv(target, head, requests, **engine_args):
+    """Per request (run one after the other): its tokens, and the head's
+    K and V at the slots of the positions of its text (prompt and output)
+    that the radix cache kept after it ended."""
+    async def main():
+        engine = await started(target, torchao_config="none", page_size=4, **engine_args, **spec(head))
+        try:
+            got = []
+            for ids, params in requests:
+                tokens = (await collect(engine, ids, **params))[1]
+                text = list(ids) + tokens
+                slots, _ = engine.kv.cache.match_prefix(text[:-1])  # whole pages
+                assert slots.numel() > len(text) - 1 - 4
+                kv = engine.runner.draft.kv_buffer
+                got.append((tokens, kv.k_buffer[0][slots].clone(), kv.v_buffer[0][slots].clone()))
+            engine.check_integrity()
+            return got
+        finally:
+            await engine.shutdown()
+    return asyncio.run(main())
+
+
+def test_the_heads_kv_is_the_same_for_chunked_and_cached_prompts(target, heads):
+    """The head's KV at every position of a request's text: the same when
+    its prompt is computed whole, in chunks of 8 (each chunk's last pair
+    waits for the next chunk's first token), or mostly taken from the
+    radix cache (written by an earlier request's steps)."""
+    first = PROMPTS[0] + [3, 5]
+    second = first + [7, 8, 9]
+    requests = [(first, {**GREEDY, "max_new_tokens": 12}), (second, {**GREEDY, "max_new_tokens": 10})]
+    whole = _draft_kv(target, heads["fitted"], requests)
+    chunked = _draft_kv(target, heads["fitted"], requests, chunked_prefill_size=8)
+    alone = _draft_kv(target, heads["fitted"], requests[1:])
+    for a, b in [(whole[0], chunked[0]), (whole[1], chunked[1]), (whole[1], alone[0])]:
+        assert a[0] == b[0]
+        assert torch.allclose(a[1], b[1], atol=1e-4) and torch.allclose(a[2], b[2], atol=1e-4)
+
+
+def test_constrained_sampled_and_retracted_requests(target, heads):
+    """A JSON-schema request decodes plainly beside drafted ones; sampled
+    requests give as many tokens as asked; a KV pool that forces
+    retraction gives plain decoding's output and every page back."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    requests = [(repetitive(40 + i), {**GREEDY, "max_new_tokens": 40}) for i in range(4)]
+    requests.append((PROMPTS[0], {"temperature": 0, "max_new_tokens": 30,
+                                   "constraint": Constraint("json_schema", json.dumps(schema))}))
+    plain, got, metrics = run_both(target, requests, heads["fitted"], {"page_size": 4, "max_total_tokens": 200})
+    same(plain, got)
+    json.loads(got[-1][0])
+    assert metrics.spec_verify_steps > 0
+
+    async def sampled():
+        engine = await started(target, torchao_config="none", **spec(heads["fitted"]))
+        try:
+            outs = await asyncio.gather(*[collect(engine, PROMPTS[0], temperature=0.8, seed=s, max_new_tokens=25,
+                                                  ignore_eos=True) for s in range(3)])
+            engine.check_integrity()
+            return outs, engine.metrics
+        finally:
+            await engine.shutdown()
+    outs, metrics = asyncio.run(sampled())
+    assert [len(o[1]) for o in outs] == [25] * 3
+    assert metrics.spec_verify_steps > 0
+
+
+def test_abort_mid_request_gives_every_page_back(target, heads):
+    async def main():
+        engine = await started(target, torchao_config="none", **spec(heads["fitted"]))
+        try:
+            stream = engine.generate(GenerateRequest(PROMPTS[0], SamplingParams(**GREEDY, max_new_tokens=200)))
+            seen = 0
+            async for out in stream:
+                seen += len(out.token_ids)
+                if seen >= 6:
+                    break
+            await stream.aclose()
+            other = await collect(engine, repetitive(35), **GREEDY, max_new_tokens=10)
+            engine.check_integrity()
+            assert engine.kv_usage()["in_use"] == 0
+            return seen, other
+        finally:
+            await engine.shutdown()
+    seen, other = asyncio.run(main())
+    assert seen >= 6 and len(other[1]) == 10
+
+
+def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_model_dir):
+    with pytest.raises(ValueError, match="EAGLE3 needs --speculative-draft-model-path"):
+        Engine.from_args(ServerArgs(model_path=str(target), speculative_algorithm="EAGLE3"))
+    with pytest.raises(ValueError, match="is not a directory"):
+        Engine.from_args(ServerArgs(model_path=str(target), **spec(tmp_path / "absent")))
+    with pytest.raises(ValueError, match="is not an EAGLE-3 head: its architectures are \\['LlamaForCausalLM'\\]"):
+        Engine.from_args(ServerArgs(model_path=str(target), **spec(target)))  # a model, not a head
+    wide = build_tiny_model(tmp_path / "wide", "llama", tokenizer_dir=default_model_dir, num_hidden_layers=4,
+                            hidden_size=96)
+    with pytest.raises(ValueError, match="hidden size 64 .* this model's is 96"):
+        Engine.from_args(ServerArgs(model_path=str(wide), **spec(heads["random"])))
+    # Default aux layers (2, L // 2, L - 3) of a four-layer target: 2, 2, 1, not three.
+    cfg = json.loads((heads["random"] / "config.json").read_text())
+    del cfg["eagle_config"]
+    default = tmp_path / "default-layers"
+    default.mkdir()
+    (default / "config.json").write_text(json.dumps(cfg))
+    (default / "model.safetensors").symlink_to(heads["random"] / "model.safetensors")
+    with pytest.raises(ValueError, match="three hidden states of the target, entering layers \\[2, 2, 1\\]"):
+        Engine.from_args(ServerArgs(model_path=str(target), **spec(default)))
+    options = ServerArgs(model_path=str(target), tp_size=2, **spec(heads["random"])).split()
+    with pytest.raises(ValueError, match="EAGLE3 runs on one rank: --tp-size must be 1"):
+        drafter_of(options.engine, options.model, target, runner=None)
+
+
+def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, heads):
+    """`pyserve --model T --speculative-algorithm EAGLE3
+    --speculative-draft-model-path HEAD`: streamed text equals the
+    non-streamed text, n=2 gives two identical greedy choices, and the
+    answers equal a server without speculation."""
+    import httpx
+    import openai
+
+    from tests.conftest import ServerProcess
+
+    base = ("--model", str(target), "--max-total-tokens", "4096", "--torchao-config", "none")
+    prompt = "one two three four five one two three four five one two three four"
+
+    def answers(*args: str):
+        srv = ServerProcess(*base, *args)
+        try:
+            client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+            model = client.models.list().data[0].id
+            whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, n=2)
+            stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
+            assert info["kv_integrity"] == "ok", info["kv_integrity"]
+            metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+            return [c.text for c in whole.choices], streamed, whole.usage.completion_tokens, metrics
+        finally:
+            srv.stop()
+
+    texts, streamed, tokens, metrics = answers("--speculative-algorithm", "EAGLE3",
+                                               "--speculative-draft-model-path", str(heads["random"]))
+    plain_texts, _, _, _ = answers()
+    assert texts[0] == texts[1] == streamed == plain_texts[0]
+    assert tokens == 48
+    verified = next(float(line.split()[1]) for line in metrics.splitlines()
+                    if line.startswith("pyserve:spec_verify_steps_total"))
+    assert verified > 0
+
+
+@pytest.mark.slow
+def test_sampled_output_follows_the_target_distribution(target, heads):
+    """The fitted head's drafts drawn from its own distribution (over its
+    draft vocabulary, placed through d2t), top-k 3 at temperature 1: the
+    first three tokens of 3000 requests follow the target's distribution
+    (transformers), chi-square at p ~ 1e-4, with drafts both kept and rejected."""
+    from tests.test_speculative_sampling import chi2, chi2_limit, exact_three_tokens
+
+    prompt = PROMPTS[0]
+    params = dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
+    n = 3000
+
+    async def main():
+        engine = await started(target, torchao_config="none", **spec(heads["fitted"], speculative_num_steps=2))
+        try:
+            got = []
+            for _ in range(n // 250):
+                got += await asyncio.gather(*[collect(engine, prompt, **params) for _ in range(250)])
+            engine.check_integrity()
+            return [tuple(tokens) for _, tokens, _, _ in got], engine.metrics
+        finally:
+            await engine.shutdown()
+    samples, metrics = asyncio.run(main())
+    accept_len = metrics.spec_emitted_tokens / metrics.spec_verify_steps
+    assert metrics.spec_verify_steps >= n and 1.05 < accept_len < 2.9
+    exact = exact_three_tokens(target, prompt, 3, 1.0)
+    cells = list(exact)
+    counts = torch.tensor([sum(1 for s in samples if s == c) for c in cells], dtype=torch.float64)
+    assert counts.sum() == len(samples)
+    stat, dof = chi2(counts, torch.tensor([exact[c] for c in cells]))
+    assert stat < chi2_limit(dof), (stat, dof)
+
+
+@pytest.fixture(scope="module")
+def embedded_head(default_model_dir, tmp_path_factory) -> Path:
+    """A head for the embedded model (30 layers: the default layers 2, 15
+    and 27, no eagle_config), fitted to its greedy continuation of COPY."""
+    from pyserve._rust import Tokenizer
+
+    ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
+    text = ids + asyncio.run(_plain(default_model_dir, [ids], 60))[0]
+    hot = _hot_ids(default_model_dir, text, size=1024)
+    cfg = head_config(default_model_dir, len(hot), None)
+    weights = trained_weights(default_model_dir, cfg, [text], hot, [2, 15, 27], steps=60)
+    return save_head(tmp_path_factory.mktemp("eagle3-embedded") / "head", cfg, weights, hot, _vocab(default_model_dir))
+
+
+# The default 4-bit mode: with EAGLE3 every step runs the torch layers,
+# whose rounding differs from the native decode layers' in the logprobs'
+# second decimal, so only tokens are compared there.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
+def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol):
+    from pyserve._rust import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    ids = tok.encode(COPY)
+    greedy = {"temperature": 0}
+    requests = [
+        (ids, {**greedy, "max_new_tokens": 40}),
+        (ids, {**greedy, "max_new_tokens": 9}),
+        (ids, {**greedy, "max_new_tokens": 40, "stop": ["lazy"]}),
+        (ids, {**greedy, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
+        (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
+        (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
+    ]
+
+    async def main(extra):
+        engine = await started(default_model_dir, **mode, **extra)
+        try:
+            got = await asyncio.gather(*[collect(engine, i, **params) for i, params in requests])
+            engine.check_integrity()
+            return got, engine.metrics
+        finally:
+            await engine.shutdown()
+    plain, _ = asyncio.run(main({}))
+    got, metrics = asyncio.run(main(spec(embedded_head)))
+    same(plain, got, tol)
+    assert plain[2][3].finish_reason == "stop"
+    assert len(got[1][1]) == 9
+    assert got[4][3].finish_reason == "stop" and len(got[4][1]) < 60
+    assert metrics.spec_emitted_tokens >= 2 * metrics.spec_verify_steps
