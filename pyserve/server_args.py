@@ -167,6 +167,8 @@ class EngineOptions:
     speculative_draft_model_path: str | None = option(
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
                    "EAGLE3: the draft head's directory (SGLang's EAGLE-3 checkpoint format)")
+    speculative_eagle_topk: int = option(
+        1, help="EAGLE3: draft branches per step; 1, a chain (tree drafting is not built: more is refused)")
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,9 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
     options = ServerArgs(model_path=str(target), tp_size=2, **spec(heads["random"])).split()
     with pytest.raises(ValueError, match="EAGLE3 runs on one rank: --tp-size must be 1"):
         drafter_of(options.engine, options.model, target, runner=None)
+    options = ServerArgs(model_path=str(target), speculative_eagle_topk=4, **spec(heads["random"])).split()
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 4: EAGLE3 drafts a chain"):
+        drafter_of(options.engine, options.model, target, runner=None)
 
 
 def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, heads):

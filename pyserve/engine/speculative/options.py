@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ from pyserve.server_args import EngineOptions, ModelOptions
 
 if TYPE_CHECKING:
     from pyserve.engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("pyserve.engine")
 
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
@@ -22,6 +25,9 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     algorithm = options.speculative_algorithm
     if algorithm is None:
         return None
+    if model_options.device == "cuda" and not model_options.disable_cuda_graph:
+        logger.warning("Speculative decoding on CUDA: verify steps run without CUDA graphs while plain decode "
+                       "steps replay them, so speculation can be slower than none (bench/README.md G20-G22)")
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
@@ -34,6 +40,9 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     steps = _draft_model_steps(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
     if algorithm == "EAGLE3":
+        if options.speculative_eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {options.speculative_eagle_topk}: EAGLE3 drafts a chain "
+                             "here (top 1 per step); tree drafting is not built")
         runner.draft = _eagle3(draft_dir, runner)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
