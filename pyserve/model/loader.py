@@ -26,7 +26,10 @@ dense weight, which then lands like any other tensor (sliced for this
 rank, or handed to its MoE block); where the CPU's 4-bit mode can hold a
 layer's codes exactly, those codes are what it is built from. A rank reads
 only its part of each expert's quantized tensors (its rows of gate/up,
-its inputs of down), where their packed layout can cut it (modules.py).
+its inputs of down), where their packed layout can cut it (modules.py);
+likewise of each dense quantized layer: its rows of q/k/v and gate/up
+(each slot of a fused checkpoint tensor apart), its inputs of o_proj and
+down_proj.
 """
 
 from __future__ import annotations
@@ -152,21 +155,30 @@ class _Tensors:
         return _TensorView(self.tensors[key])
 
 
-class _Part:
-    """A tensor's rows or columns `part` standing in for the whole tensor
-    `key`, as an MoE block reads its part of one (moe_weights.copy_part)."""
+class _Parts:
+    """The rows or columns (dim, part) of a tensor `key` that were read,
+    standing in for the whole tensor of `full` along dim, as a safetensors
+    slice: indexing returns a part read, and nothing else."""
 
-    def __init__(self, key: str, tensor: torch.Tensor, dim: int, part: range):
-        self.key, self.tensor, self.dim, self.part = key, tensor, dim, part
+    def __init__(self, key: str, parts: dict[tuple[int, range], torch.Tensor], full: int):
+        self.key, self.parts = key, parts
+        dim, part = next(iter(parts))
+        self.shape = [full if d == dim else n for d, n in enumerate(parts[dim, part].shape)]
 
     def get_slice(self, key: str):
         return self
 
+    def get_shape(self) -> list[int]:
+        return self.shape
+
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
-        if index != (slice(None),) * self.dim + (slice(self.part.start, self.part.stop),):
-            raise ValueError(f"{self.key}: only {self.part} along dimension {self.dim} was read, not {index}")
-        return self.tensor
+        dim = len(index) - 1
+        last = index[-1]
+        held = self.parts.get((dim, range(last.start, last.stop))) if isinstance(last, slice) else None
+        if held is None or index[:-1] != (slice(None),) * dim:
+            raise ValueError(f"{self.key}: only {list(self.parts)} (dimension, part) were read, not {index}")
+        return held
 
 
 def _expert_split(blocks: dict[int, MoEBlock], module: str) -> tuple[int, range] | None:
@@ -182,6 +194,22 @@ def _expert_split(blocks: dict[int, MoEBlock], module: str) -> tuple[int, range]
     shared = where.param.startswith("shared")
     part, full = (block.shared_part, block.spec.shared_intermediate) if shared else (block.part, block.spec.intermediate)
     return None if len(part) == full else (0 if where.param.endswith("w13") else 1, part)
+
+
+def _dense_split(quantized: QuantizedModules, module: str, config: ModelConfig, shard: ModelShard,
+                 names: CheckpointNames) -> list[tuple[int, range]]:
+    """(dim, part) of each piece of the dense quantized layer
+    `module` this rank holds (q/k/v, gate/up rows; o_proj, down_proj
+    inputs); [] where it takes the whole layer, or a part reaches past the
+    stored weight (a padded vocabulary shard) or its length is not the
+    config's (read whole, where the error names it)."""
+    cut = pieces(module + ".weight", config, shard, names)
+    if not cut or any(p.dim is None for p in cut) or all(len(p.part) == p.full for p in cut):
+        return []
+    shape = quantized.shape(module)
+    if shape is None or any(p.part.stop > p.full or shape[p.dim] != p.full for p in cut):
+        return []
+    return [(p.dim, p.part) for p in cut]
 
 
 class _TensorView:
@@ -268,18 +296,21 @@ def load_model(
     # On CUDA, each checkpoint-quantized module's parts as this rank holds them, for its GPU kernel.
     gpu_parts: dict[str, list[tuple[int, QuantizedWeight | None]]] = {}
 
-    def place(hf_name: str, handle, path_name: str, groups: Int4Groups | None = None,
-              weight: QuantizedWeight | None = None) -> None:
+    def place(hf_name: str, handle, path_name: str, held: dict | None = None) -> None:
+        """`held`: a checkpoint-quantized layer's weight as this rank read
+        it, {None: the whole} or {(dim, part): each part}."""
         block = _block_claiming(blocks, hf_name)
         if block is not None:
             if hf_name in placed:
                 raise ValueError(f"{path_name}: repeated tensor {hf_name}")
             block.load_weight(hf_name, handle.get_slice(hf_name))
             placed.add(hf_name)
+            weight = None if held is None or group_size is None else next(iter(held.values()))
+            groups = None if weight is None else weight.int4_groups(group_size)
             if groups is not None:
                 where = placement(block.spec, hf_name)
                 part = block.shared_part if "shared" in where.param else block.part
-                if isinstance(handle, _Part):  # the groups are this rank's part already
+                if None not in held:  # the groups are this rank's part already
                     part = range(len(part))
                 if where.layout == "linear" and where.param.endswith(("w13", "w2")):
                     expert_groups.add(f"layers.{_LAYER.match(hf_name).group(1)}.mlp", where.param, where.expert,
@@ -292,12 +323,19 @@ def load_model(
                 raise ValueError(f"{path_name}: unexpected (or repeated) tensor {hf_name} for {config.architecture}")
             _copy_piece(params[piece.param].data, piece, handle, hf_name, Path(path_name))
             missing.discard((piece.param, piece.row))
-            if groups is not None:
-                group_parts.setdefault(piece.param.removesuffix(".weight"), []).append(
-                    (piece.row or 0, _sliced_groups(groups, piece, group_size, hf_name)))
-            if weight is not None and device.type == "cuda":
-                gpu_parts.setdefault(piece.param.removesuffix(".weight"), []).append(
-                    (piece.row or 0, sliced(weight, piece.dim, piece.part)))
+            if held is None:
+                continue
+            module = piece.param.removesuffix(".weight")
+            whole = held.get(None)
+            weight = held[piece.dim, piece.part] if whole is None else sliced(whole, piece.dim, piece.part)
+            if group_size is not None:
+                groups = (weight if whole is None else whole).int4_groups(group_size)
+                if groups is not None and whole is not None:
+                    groups = _sliced_groups(groups, piece, group_size, hf_name)
+                if groups is not None:
+                    group_parts.setdefault(module, []).append((piece.row or 0, groups))
+            if device.type == "cuda":
+                gpu_parts.setdefault(module, []).append((piece.row or 0, weight))
 
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
@@ -312,15 +350,21 @@ def load_model(
                 if quantized is None or not quantized.claims(hf_name):
                     place(hf_name, handle, path.name)
         if quantized is not None:
-            for module, weight, dense, part in dense_weights(quantized, dtype,
-                                                             lambda module: _expert_split(blocks, module)):
-                groups = None if group_size is None else weight.int4_groups(group_size)
+            def split(module: str) -> list[tuple[int, range]]:
+                expert = _expert_split(blocks, module)
+                if expert is not None or _block_claiming(blocks, module + ".weight"):
+                    return [] if expert is None else [expert]
+                return _dense_split(quantized, module, config, shard, names)
+
+            for module, read in dense_weights(quantized, dtype, split):
                 key = module + ".weight"
-                if part is None:
-                    source = _Tensors({key: dense})
+                if read[0][2] is None:
+                    weight, dense, _ = read[0]
+                    place(key, _Tensors({key: dense}), scheme.name, {None: weight})
                 else:
-                    source = _Part(key, dense, *part)
-                place(key, source, scheme.name, groups, weight)
+                    full = quantized.shape(module)[read[0][2][0]]  # the length its parts cut
+                    place(key, _Parts(key, {part: dense for _, dense, part in read}, full), scheme.name,
+                          {part: weight for weight, _, part in read})
     missing |= {(f"layers.{i}.mlp.{name}", None) for i, block in blocks.items()
                 for name, p in block.named_parameters() if p.isnan().any()}
     if missing:

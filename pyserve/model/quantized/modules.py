@@ -9,13 +9,14 @@ logged once."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from pyserve.model.quantized import awq, compressed, fp8, gptq
 from pyserve.model.quantized.scheme import Scheme
-from pyserve.model.quantized.weights import QuantizedWeight, read_range
+from pyserve.model.quantized.weights import IntWeight, QuantizedWeight, read_range
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,29 @@ class QuantizedModules:
             if module in self.tensors and suffix in suffixes:
                 self.tensors[module][suffix] = (handle, key)
         self._logged_whole = False
+        self._g_idx: tuple[str | None, torch.Tensor | None] = (None, None)  # the last layer's g_idx read
 
     def claims(self, key: str) -> bool:
         """Whether the tensor `key` is part of a quantized layer (read through `weight`)."""
         module, _, suffix = key.rpartition(".")
         return module in self.tensors and suffix in self.tensors[module]
+
+    def shape(self, module: str) -> tuple[int, int] | None:
+        """The layer's weight [out, in] by its stored shapes (inputs packed
+        along a row counted in whole words); None where the tensor that
+        says it is missing (reading the layer names what is)."""
+        stored, words = self.tensors[module], 32 // self.scheme.bits
+        packed = {"gptq": "qweight", "awq": "qweight"}.get(self.scheme.method, "weight_packed")
+        name = packed if packed in stored else "weight"
+        if name not in stored:
+            return None
+        handle, key = stored[name]
+        rows, cols = handle.get_slice(key).get_shape()
+        if self.scheme.method == "gptq":
+            return cols, rows * words
+        if self.scheme.method == "awq":
+            return cols * 8, rows
+        return (rows, cols * words) if name == "weight_packed" else (rows, cols)
 
     def weight(self, module: str) -> QuantizedWeight:
         tensors = {suffix: handle.get_tensor(key) for suffix, (handle, key) in self.tensors[module].items()}
@@ -94,9 +113,11 @@ class QuantizedModules:
         stored = self.tensors[module]
         g_idx = next((s for s in ("g_idx", "weight_g_idx") if s in stored), None)
         tensors = {}
-        if g_idx is not None:  # [in] int32, small: needed whole to cut the inputs
+        if g_idx is not None:  # [in] int32, small: needed whole to cut the inputs, read once for a layer's parts
             handle, key = stored[g_idx]
-            tensors[g_idx] = handle.get_slice(key)[...]
+            if self._g_idx[0] != key:
+                self._g_idx = key, handle.get_slice(key)[...]
+            tensors[g_idx] = self._g_idx[1]
             if dim == 1:
                 size = self.scheme.group_size
                 if size <= 0 or not torch.equal(tensors[g_idx][part.start:part.stop].long(),
@@ -115,7 +136,11 @@ class QuantizedModules:
         if "weight_shape" in tensors:
             tensors["weight_shape"] = tensors["weight_shape"].clone()
             tensors["weight_shape"][dim] = len(part)
-        return self._read(module, tensors), True
+        weight = self._read(module, tensors)
+        if isinstance(weight, IntWeight) and dim == 1 and weight.group_size > len(part):
+            # Inputs within the layer's one group: that group, as long as the part.
+            weight = replace(weight, group_size=len(part))
+        return weight, True
 
     def _whole(self, module: str, why: str) -> QuantizedWeight:
         if not self._logged_whole:
@@ -139,16 +164,18 @@ class QuantizedModules:
 
 
 def dense_weights(modules: QuantizedModules, dtype: torch.dtype,
-                  split: Callable[[str], tuple[int, range] | None] = lambda module: None):
-    """(module, its QuantizedWeight, its dense weight in `dtype`, the part
-    read) for every quantized layer: where `split(module)` names a
-    (dim, part), only that part of its rows or inputs where it can be (the
-    part None where the whole was read)."""
+                  split: Callable[[str], list[tuple[int, range]]] = lambda module: []):
+    """(module, [(QuantizedWeight, its dense weight in `dtype`, the part
+    read)]) for every quantized layer: where `split(module)` names the
+    (dim, part)s this rank holds, each of them read alone where the layout
+    can cut them all, else the whole layer once (its part None)."""
     for module in sorted(modules.tensors):
-        cut = split(module)
-        if cut is None:
-            weight, part = modules.weight(module), None
-        else:
-            weight, sliced = modules.weight_part(module, *cut)
-            part = cut if sliced else None
-        yield module, weight, weight.dense().to(dtype), part
+        read = []
+        for dim, part in split(module):
+            weight, cut = modules.weight_part(module, dim, part)
+            if not cut:
+                read = [(weight, None)]
+                break
+            read.append((weight, (dim, part)))
+        read = read or [(modules.weight(module), None)]
+        yield module, [(weight, weight.dense().to(dtype), part) for weight, part in read]

@@ -1,0 +1,228 @@
+"""Under --tp-size 2 each rank reads from the safetensors files only its
+slice of every dense quantized layer (rows of q/k/v and gate/up, inputs
+of o_proj and down_proj) in the checkpoint's packed layout, as it does for
+MoE experts (tests/test_moe_tp_reads.py, whose spy on the loader's file
+handles counts the bytes each read returns). Where the layout cannot cut
+a rank's part (inputs not on whole groups, act-order groups spread over
+the ranks' inputs) the layer is read whole, with one log line. What each
+rank holds is the single rank's layers cut in two, and two gloo ranks
+generate what one does."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from pyserve.model.loader import load_model
+from pyserve.model.parallel import ModelShard, TensorParallel
+from tests.test_moe_tp_reads import (
+    _compressed_w4a16_dequantized, _compressed_w4a16_tensors, rank_reads, tensor_bytes,
+)
+from tests.test_quantized_checkpoints import FORMATS, quantized_pair
+from tests import test_quantized_formats
+from tests.test_quantized_formats import (
+    awq_dequantized, awq_tensors, dense_copy, fp8_block_dequantized, fp8_block_tensors, write_quantized,
+)
+from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
+from tests.tiny_models import build_tiny_model
+
+_DENSE = re.compile(r"layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(\w+)$")
+_WHOLE_LOG = "whole on every rank"
+
+
+def _fp8_row_tensors(w):
+    scale = (w.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-8)
+    return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
+
+
+_FP8_BLOCK_128 = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+_FORMATS = {
+    **FORMATS,
+    "fp8-row": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, _fp8_row_tensors,
+                lambda t: t["weight"].float() * t["weight_scale"]),
+    "fp8-block-128": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                      lambda w: fp8_block_tensors(w, (128, 128)), lambda t: fp8_block_dequantized(t, (128, 128))),
+    "awq-int4-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+                     lambda w: awq_tensors(w, 32), lambda t: awq_dequantized(t, 32)),
+    "compressed-w4a16-g32": (
+        {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
+        _compressed_w4a16_tensors, _compressed_w4a16_dequantized),
+}
+
+
+def quantized_dir(tmp_path, default_model_dir, fmt: str, arch: str = "llama", **overrides):
+    """(A quantized tiny model in `fmt`, its dequantized float copy)."""
+    if fmt == "fp8-block-128":
+        overrides = {**_FP8_BLOCK_128, **overrides}
+    if fmt in FORMATS:
+        return quantized_pair(tmp_path, default_model_dir, fmt, arch, **overrides)
+    float_dir = build_tiny_model(tmp_path / "float", arch, tokenizer_dir=default_model_dir, **overrides)
+    reference = write_quantized(float_dir, tmp_path / fmt, *_FORMATS[fmt])
+    return tmp_path / fmt, dense_copy(float_dir, tmp_path / f"{fmt}-dense", reference)
+
+
+def assert_reads(monkeypatch, caplog, model_dir, whole=(), shared=()) -> list[torch.nn.Module]:
+    """Each rank reads half the bytes of every dense quantized tensor, but
+    those of the projections `whole` (read whole, logged) and the tensors
+    whose names end in `shared` (read whole by every rank: g_idx, a scale
+    shared by a part's rows); its models."""
+    sizes = tensor_bytes(model_dir)
+    dense = {k: m for k in sizes if (m := _DENSE.search(k)) and m.group(3) != "bias"}
+    assert any(m.group(3) != "weight" for m in dense.values())
+    ranks = []
+    for rank in (0, 1):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pyserve.model.quantized.modules"):
+            spy, model = rank_reads(monkeypatch, model_dir, rank)
+        for key, m in dense.items():
+            if m.group(2) in whole:
+                assert key in spy.whole, key
+            elif key.endswith(shared):
+                assert spy.bytes[key] == sizes[key], key
+            else:
+                assert key not in spy.whole and spy.bytes[key] == sizes[key] // 2, (key, spy.bytes[key], sizes[key])
+        logged = [r.getMessage() for r in caplog.records if _WHOLE_LOG in r.getMessage()]
+        assert len(logged) == (1 if whole else 0), logged
+        ranks.append(model)
+    return ranks
+
+
+def assert_ranks_hold_the_whole_cut_in_two(model_dir, ranks) -> None:
+    """The ranks' dequantized layers against the single rank's: rows of q,
+    k, v (a KV head on several ranks alike), gate and up; inputs of o_proj
+    and down_proj."""
+    whole, config = load_model(model_dir, torch.float32, "cpu")
+    hd, q_rows = config.head_dim, config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * hd
+    for rank, model in enumerate(ranks):
+        shard = ModelShard.of(config, TensorParallel(rank, 2))
+        q = slice(shard.q_heads.start * hd, shard.q_heads.stop * hd)
+        kv = slice(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
+        inter = slice(shard.intermediate.start, shard.intermediate.stop)
+        I = config.intermediate_size
+        for mine, full in zip(model.layers, whole.layers):
+            qkv = full.self_attn.qkv_proj.weight
+            k, v = q_rows + kv.start, q_rows + kv_rows + kv.start
+            width = kv.stop - kv.start
+            assert torch.equal(mine.self_attn.qkv_proj.weight, torch.cat([qkv[q], qkv[k:k + width], qkv[v:v + width]]))
+            assert torch.equal(mine.self_attn.o_proj.weight, full.self_attn.o_proj.weight[:, q])
+            gate_up = full.mlp.gate_up_proj.weight
+            assert torch.equal(mine.mlp.gate_up_proj.weight,
+                               torch.cat([gate_up[inter], gate_up[I + inter.start:I + inter.stop]]))
+            assert torch.equal(mine.mlp.down_proj.weight, full.mlp.down_proj.weight[:, inter])
+
+
+@pytest.mark.parametrize("fmt, overrides, whole, shared", [
+    ("gptq-int4-sym", {}, (), ("g_idx",)),
+    # act-order: o_proj's and down_proj's inputs span every group; q/k/v and gate/up rows still cut
+    ("gptq-int4-act-order", {}, ("o_proj", "down_proj"), ("g_idx",)),
+    # groups of 64: down_proj's 64 inputs a rank are one group, o_proj's 32 lie in its only group
+    ("awq-int4-g64", {}, (), ("o_proj.qzeros", "o_proj.scales")),
+    # 6 heads: o_proj's 48 inputs a rank do not end on its groups of 32
+    ("awq-int4-g32", {"num_attention_heads": 6, "hidden_size": 96}, ("o_proj",), ()),
+    # one scale per row: cut with the rows, whole for a part of the inputs
+    ("fp8-row", {}, (), ("o_proj.weight_scale", "down_proj.weight_scale")),
+    # blocks of 128: k/v's 64 rows a rank lie in their one block row of scales
+    ("fp8-block-128", {}, (), ("k_proj.weight_scale_inv", "v_proj.weight_scale_inv")),
+    ("compressed-w4a16-g32", {}, (), ("weight_shape",)),
+])
+def test_each_rank_reads_only_its_slice_of_dense_quantized_layers(tmp_path, monkeypatch, caplog, default_model_dir,
+                                                                  fmt, overrides, whole, shared):
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, fmt, **overrides)
+    ranks = assert_reads(monkeypatch, caplog, quant_dir, whole, shared)
+    assert_ranks_hold_the_whole_cut_in_two(quant_dir, ranks)
+    assert_same_generation(*_one_and_two_ranks(quant_dir, torchao_config="none"))
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    pytest.param("phi3", {}, id="phi3-fused-qkv-gate-up"),
+    pytest.param("llama", {"num_key_value_heads": 1}, id="llama-replicated-kv"),
+])
+def test_fused_checkpoint_layers_and_replicated_kv_heads(tmp_path, monkeypatch, caplog, default_model_dir, arch,
+                                                         overrides):
+    """Phi-3's qkv_proj and gate_up_proj: each slot's rows of the one
+    tensor read apart; one KV head on two ranks: both read its rows."""
+    monkeypatch.setattr(test_quantized_formats, "LINEARS",
+                        test_quantized_formats.LINEARS + ("qkv_proj", "gate_up_proj"))
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, "gptq-int4-sym", arch, **overrides)
+    monkeypatch.undo()
+    sizes = tensor_bytes(quant_dir)
+    if arch == "phi3":
+        assert "model.layers.0.self_attn.qkv_proj.qweight" in sizes
+        ranks = assert_reads(monkeypatch, caplog, quant_dir, shared=("g_idx",))
+    else:
+        ranks = assert_reads(monkeypatch, caplog, quant_dir, shared=("g_idx", "k_proj.qweight", "k_proj.qzeros",
+                                                                      "k_proj.scales", "v_proj.qweight",
+                                                                      "v_proj.qzeros", "v_proj.scales"))
+    assert_ranks_hold_the_whole_cut_in_two(quant_dir, ranks)
+    assert_same_generation(*_one_and_two_ranks(quant_dir, torchao_config="none"))
+
+
+@pytest.mark.parametrize("fmt", ["gptq-int4-sym", "gptq-int4-act-order", "awq-int4-g64", "fp8-row", "fp8-block-128",
+                                 "compressed-w4a16-g32"])
+def test_a_part_read_is_what_the_gpu_slices_from_the_whole(tmp_path, default_model_dir, fmt):
+    """What a rank hands the GPU kernels (gpu_layers): each part read is
+    the whole layer's `sliced` part, codes, zeros, scales and groups
+    alike, or (where `sliced` cannot cut the whole: inputs within the
+    layer's one group) the same dense weight."""
+    import json
+
+    from safetensors import safe_open
+
+    from pyserve.model.families import family_of, read_config
+    from pyserve.model.loader import _dense_split
+    from pyserve.model.quantized.gpu_layers import sliced
+    from pyserve.model.quantized.modules import QuantizedModules
+    from pyserve.model.quantized.scheme import detect
+    from pyserve.model.quantized.weights import IntWeight
+
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, fmt)
+    config = read_config(quant_dir)
+    names = family_of(config.architecture).checkpoint
+    with safe_open(str(quant_dir / "model.safetensors"), "pt") as f:
+        modules = QuantizedModules(detect(json.loads((quant_dir / "config.json").read_text())), [f])
+        cut = 0
+        for module in modules.tensors:
+            whole = modules.weight(module)
+            for rank in (0, 1):
+                shard = ModelShard.of(config, TensorParallel(rank, 2))
+                for dim, part in _dense_split(modules, module, config, shard, names):
+                    weight, read = modules.weight_part(module, dim, part)
+                    if not read:
+                        continue
+                    cut += 1
+                    assert torch.equal(weight.dense(), whole.dense().narrow(dim, part.start, len(part))), module
+                    want = sliced(whole, dim, part)
+                    if isinstance(want, IntWeight):
+                        assert weight.group_size == want.group_size
+                        for field in ("codes", "zeros", "scales"):
+                            assert torch.equal(getattr(weight, field), getattr(want, field)), (module, field)
+        assert cut
+
+
+def test_two_ranks_in_the_4bit_mode_hold_the_checkpoints_codes(tmp_path, default_model_dir):
+    """AWQ groups of 64 under auto (the CPU's 4-bit mode from the
+    checkpoint's codes): a rank's 32 inputs of o_proj lie in its one group,
+    read as a group of 32; every layer is the single rank's cut in two,
+    exactly (a layer requantized from its dense weight would not be)."""
+    from pyserve.model.quant import resolve_quant
+
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, "awq-int4-g64")
+    quant = resolve_quant("auto", quant_dir, torch.device("cpu"))
+    whole = load_model(quant_dir, torch.float32, "cpu", quant)[0].layers
+    for rank in (0, 1):
+        layers = load_model(quant_dir, torch.float32, "cpu", quant, tp=TensorParallel(rank, 2))[0].layers
+        for mine, full in zip(layers, whole):
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                held = mine.get_submodule(name)
+                assert hasattr(held, "dense_weight"), (name, type(held))
+                cols = held.dense_weight().shape[1]
+                want = full.get_submodule(name).dense_weight()[:, rank * cols:(rank + 1) * cols]
+                assert torch.allclose(held.dense_weight(), want, rtol=0, atol=1e-6), name
+    one, two = _one_and_two_ranks(quant_dir)
+    assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]
