@@ -297,12 +297,12 @@ def test_failed_forward_aborts_its_requests_and_caches_nothing(tiny_llama_dir):
         forward = engine.runner.forward
         calls = 0
 
-        def failing_forward(batch):
+        def failing_forward(batch, *rest):  # rest: an EAGLE3 step's hidden-state capture
             nonlocal calls
             calls += 1
             if calls == 3:
                 raise RuntimeError("device lost")
-            return forward(batch)
+            return forward(batch, *rest)
 
         engine.runner.forward = failing_forward
         _, _, last = await collect(engine, PROMPTS[2], max_new_tokens=10, temperature=0, ignore_eos=True)

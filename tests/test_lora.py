@@ -75,11 +75,11 @@ def record_steps(engine):
     rank_model, seen = engine.runner.rank_model, []
     forward = rank_model.forward
 
-    def recording(batch):
+    def recording(batch, *rest):  # rest: the hidden-state capture an EAGLE3 step passes
         grouped = sum(idx.numel() for _, idx in batch.lora.groups) if batch.lora else 0
         slots = frozenset(slot for slot, _ in batch.lora.groups) if batch.lora else frozenset()
         seen.append((slots, grouped < batch.input_ids.numel()))
-        return forward(batch)
+        return forward(batch, *rest)
 
     rank_model.forward = recording
     return seen
