@@ -10,6 +10,7 @@ import torch
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.loader import load_model
 from pyserve.model.step_plan import TORCH_STEP, Layers, StepPlan
+from tests.slow import slow_test
 from tests.test_model_vs_hf import CachedSequences, random_prompts
 from tests.tiny_models import build_tiny_model
 
@@ -25,7 +26,7 @@ def greedy_with_logits(model, config, prompts, n, decode_plan: StepPlan = TORCH_
     return outputs, torch.stack(logits)
 
 
-@pytest.mark.slow  # inductor compiles on 2 cores: about a minute
+@slow_test  # inductor compiles on 2 cores: about a minute
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: sliding layers, two rotary tables
 def test_compiled_decode_gives_the_eager_tokens(tmp_path, arch):
     """Decode batches of different lengths (padded attention) and batch

@@ -27,6 +27,7 @@ from pyserve.model.layers.mlp import MLP
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
+from tests.slow import slow_test
 from tests.test_families import assert_served_like_transformers
 from tests.test_gpt_oss import _engine_greedy
 from tests.test_engine_vs_hf import hf_greedy as hf_cached_greedy
@@ -251,7 +252,7 @@ def test_triton_backend_matches_transformers(tmp_path, default_model_dir, v3_dir
     assert ours == theirs
 
 
-@pytest.mark.slow  # inductor compiles on 2 cores: about a minute
+@slow_test  # inductor compiles on 2 cores: about a minute
 def test_compiled_decode_gives_the_eager_tokens(v3_dir):
     """--enable-torch-compile's decode layer takes the latent attention (the
     absorbed query, the latent cache write, V narrower than K) into its graph."""

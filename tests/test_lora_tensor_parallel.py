@@ -12,6 +12,7 @@ import pytest
 
 from pyserve.lora.batch import LoraBatch
 from pyserve.engine.tp.broadcast import header, payload, unpack
+from tests.slow import slow_test
 from tests.test_engine import started_engine
 from tests.test_lora import generate, make_adapter, reference_tokens
 from tests.test_tensor_parallel import same_batch, sample_batch
@@ -27,7 +28,7 @@ def test_a_batch_with_adapters_survives_packing():
     assert [(slot, idx.tolist()) for slot, idx in got.lora.groups] == [(1, [0, 1, 2])]
 
 
-@pytest.mark.slow
+@slow_test
 def test_two_ranks_serve_adapters_as_transformers_peft(tmp_path, tiny_llama_dir):
     adapters = {"alpha": make_adapter(tiny_llama_dir, tmp_path / "alpha", 1),
                 "beta": make_adapter(tiny_llama_dir, tmp_path / "beta", 2, r=8,

@@ -24,6 +24,7 @@ from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
+from tests.slow import slow_test
 from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
                                 second_drafts, target_features, trained_weights)
 from tests.test_speculative import COPY, SCHEMA, collect, repetitive, same, started
@@ -365,7 +366,7 @@ def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, hea
     assert verified > 0
 
 
-@pytest.mark.slow
+@slow_test
 def test_sampled_output_follows_the_target_distribution(target, heads):
     """The fitted head's drafts drawn from its own distribution (over its
     draft vocabulary, placed through d2t), top-k 3 at temperature 1: the
@@ -415,7 +416,7 @@ def embedded_head(default_model_dir, tmp_path_factory) -> Path:
 # The default 4-bit mode: with EAGLE3 every step runs the torch layers,
 # whose rounding differs from the native decode layers' in the logprobs'
 # second decimal, so only tokens are compared there.
-@pytest.mark.slow
+@slow_test
 @pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
 def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol):
     from pyserve._rust import Tokenizer

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pyserve.engine.speculative.rejection import rejection_run
+from tests.slow import slow_test
 from tests.test_speculative import COPY, collect, repetitive, started
 from tests.test_speculative_standalone import noisy_copy
 
@@ -121,7 +122,7 @@ def exact_three_tokens(model_dir, prompt: list[int], top_k: int, temperature: fl
     return joint
 
 
-@pytest.mark.slow
+@slow_test
 def test_standalone_sampling_matches_the_target_on_a_tiny_model(tiny_llama_dir, tmp_path):
     """A draft unlike the target (noisy weights: many drafts rejected), top-k 3
     at temperature 1: the first three tokens of 3000 requests follow the
