@@ -200,7 +200,7 @@ def _compressed_w4a16_dequantized(t):
     return (codes - zeros.repeat_interleave(32, 1)).float() * t["weight_scale"].float().repeat_interleave(32, 1)
 
 
-_IN_GROUPS_OF_32 = {  # quantized_pair's formats have groups of 64 where they have groups
+IN_GROUPS_OF_32 = {  # quantized_pair's formats have groups of 64 where they have groups
     "awq-int4-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
                      lambda w: awq_tensors(w, 32), lambda t: awq_dequantized(t, 32)),
     "compressed-w4a16-g32": (
@@ -216,7 +216,7 @@ def moe_in_groups_of_32(tmp_path, default_model_dir, fmt: str):
     down's 64 inputs is whole groups; its dequantized float copy)."""
     float_dir = build_tiny_model(tmp_path / "float", "qwen3_moe", tokenizer_dir=default_model_dir,
                                  moe_intermediate_size=64, decoder_sparse_step=2)
-    reference = write_quantized(float_dir, tmp_path / fmt, *_IN_GROUPS_OF_32[fmt])
+    reference = write_quantized(float_dir, tmp_path / fmt, *IN_GROUPS_OF_32[fmt])
     return tmp_path / fmt, dense_copy(float_dir, tmp_path / f"{fmt}-dense", reference)
 
 
@@ -236,7 +236,7 @@ def test_each_rank_reads_only_its_slice_of_quantized_experts(tmp_path, monkeypat
     and two gloo ranks generate what one does."""
     from tests.test_quantized_checkpoints import quantized_pair
 
-    if fmt in _IN_GROUPS_OF_32:
+    if fmt in IN_GROUPS_OF_32:
         quant_dir, dense_dir = moe_in_groups_of_32(tmp_path, default_model_dir, fmt)
     else:
         quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt, "qwen3_moe", moe_intermediate_size=64,

@@ -18,13 +18,11 @@ import torch
 
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import ModelShard, TensorParallel
-from tests.test_moe_tp_reads import (
-    _compressed_w4a16_dequantized, _compressed_w4a16_tensors, rank_reads, tensor_bytes,
-)
+from tests.test_moe_tp_reads import IN_GROUPS_OF_32, rank_reads, tensor_bytes
 from tests.test_quantized_checkpoints import FORMATS, quantized_pair
 from tests import test_quantized_formats
 from tests.test_quantized_formats import (
-    awq_dequantized, awq_tensors, dense_copy, fp8_block_dequantized, fp8_block_tensors, write_quantized,
+    dense_copy, fp8_block_dequantized, fp8_block_tensors, write_quantized,
 )
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
 from tests.tiny_models import build_tiny_model
@@ -45,13 +43,7 @@ _FORMATS = {
                 lambda t: t["weight"].float() * t["weight_scale"]),
     "fp8-block-128": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
                       lambda w: fp8_block_tensors(w, (128, 128)), lambda t: fp8_block_dequantized(t, (128, 128))),
-    "awq-int4-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-                     lambda w: awq_tensors(w, 32), lambda t: awq_dequantized(t, 32)),
-    "compressed-w4a16-g32": (
-        {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-             "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
-        _compressed_w4a16_tensors, _compressed_w4a16_dequantized),
+    **IN_GROUPS_OF_32,
 }
 
 

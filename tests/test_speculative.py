@@ -35,21 +35,33 @@ async def collect(engine: Engine, ids, **params):
     return text, tokens, logprobs, last
 
 
-def outputs(model_dir, requests, engine_args=None):
-    """Each request's (text, tokens, logprobs, finish) with and without NGRAM,
-    all requests run together."""
+def with_and_without(model_dir, requests, speculative: dict, engine_args=None, sequential=False):
+    """Each request's (text, tokens, logprobs, last output) on an engine
+    without speculation and on one with the `speculative` options, all
+    requests run together (or one after the other); every KV page back
+    after each; and the speculative engine's metrics."""
     async def main(extra):
         engine = await started(model_dir, **(engine_args or {}), **extra)
         try:
-            got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
+            if sequential:
+                got = [await collect(engine, ids, **params) for ids, params in requests]
+            else:
+                got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
             engine.check_integrity()
             assert engine.kv_usage()["in_use"] == 0
-            return got, engine.metrics.spec_verify_steps
+            return got, engine.metrics
         finally:
             await engine.shutdown()
     plain, _ = asyncio.run(main({}))
-    spec, verify_steps = asyncio.run(main(SPEC))
-    return plain, spec, verify_steps
+    got, metrics = asyncio.run(main(speculative))
+    return plain, got, metrics
+
+
+def outputs(model_dir, requests, engine_args=None):
+    """Each request's (text, tokens, logprobs, finish) with and without NGRAM,
+    all requests run together; the verify steps taken."""
+    plain, spec, metrics = with_and_without(model_dir, requests, SPEC, engine_args)
+    return plain, spec, metrics.spec_verify_steps
 
 
 def same(plain, spec, logprob_tol=1e-4):

@@ -27,7 +27,7 @@ from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
 from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
                                 second_drafts, target_features, trained_weights)
-from tests.test_speculative import COPY, SCHEMA, collect, repetitive, same, started
+from tests.test_speculative import COPY, SCHEMA, collect, repetitive, same, started, with_and_without
 from tests.tiny_models import build_tiny_model
 
 K = 4
@@ -87,23 +87,9 @@ def spec(head: Path, **extra) -> dict:
 
 
 def run_both(target, requests, head, engine_args=None, sequential=False):
-    """Each request's (text, tokens, logprobs, last output) without and
-    with the head, in float32; and the speculative engine's metrics."""
-    async def main(extra):
-        engine = await started(target, torchao_config="none", **(engine_args or {}), **extra)
-        try:
-            if sequential:
-                got = [await collect(engine, ids, **params) for ids, params in requests]
-            else:
-                got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
-            engine.check_integrity()
-            assert engine.kv_usage()["in_use"] == 0
-            return got, engine.metrics
-        finally:
-            await engine.shutdown()
-    plain, _ = asyncio.run(main({}))
-    got, metrics = asyncio.run(main(spec(head)))
-    return plain, got, metrics
+    """with_and_without in float32, speculating with the head."""
+    return with_and_without(target, requests, spec(head), {"torchao_config": "none", **(engine_args or {})},
+                            sequential)
 
 
 def test_the_target_keeps_the_hidden_states_entering_the_chosen_layers(target):
@@ -369,34 +355,11 @@ def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, hea
 @slow_test
 def test_sampled_output_follows_the_target_distribution(target, heads):
     """The fitted head's drafts drawn from its own distribution (over its
-    draft vocabulary, placed through d2t), top-k 3 at temperature 1: the
-    first three tokens of 3000 requests follow the target's distribution
-    (transformers), chi-square at p ~ 1e-4, with drafts both kept and rejected."""
-    from tests.test_speculative_sampling import chi2, chi2_limit, exact_three_tokens
+    draft vocabulary, placed through d2t): the target's own distribution,
+    with drafts both kept and rejected (assert_sampled_like_the_target)."""
+    from tests.test_speculative_sampling import assert_sampled_like_the_target
 
-    prompt = PROMPTS[0]
-    params = dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
-    n = 3000
-
-    async def main():
-        engine = await started(target, torchao_config="none", **spec(heads["fitted"], speculative_num_steps=2))
-        try:
-            got = []
-            for _ in range(n // 250):
-                got += await asyncio.gather(*[collect(engine, prompt, **params) for _ in range(250)])
-            engine.check_integrity()
-            return [tuple(tokens) for _, tokens, _, _ in got], engine.metrics
-        finally:
-            await engine.shutdown()
-    samples, metrics = asyncio.run(main())
-    accept_len = metrics.spec_emitted_tokens / metrics.spec_verify_steps
-    assert metrics.spec_verify_steps >= n and 1.05 < accept_len < 2.9
-    exact = exact_three_tokens(target, prompt, 3, 1.0)
-    cells = list(exact)
-    counts = torch.tensor([sum(1 for s in samples if s == c) for c in cells], dtype=torch.float64)
-    assert counts.sum() == len(samples)
-    stat, dof = chi2(counts, torch.tensor([exact[c] for c in cells]))
-    assert stat < chi2_limit(dof), (stat, dof)
+    assert_sampled_like_the_target(target, PROMPTS[0], spec(heads["fitted"], speculative_num_steps=2))
 
 
 @pytest.fixture(scope="module")
@@ -432,17 +395,7 @@ def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head
         (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
         (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
     ]
-
-    async def main(extra):
-        engine = await started(default_model_dir, **mode, **extra)
-        try:
-            got = await asyncio.gather(*[collect(engine, i, **params) for i, params in requests])
-            engine.check_integrity()
-            return got, engine.metrics
-        finally:
-            await engine.shutdown()
-    plain, _ = asyncio.run(main({}))
-    got, metrics = asyncio.run(main(spec(embedded_head)))
+    plain, got, metrics = with_and_without(default_model_dir, requests, spec(embedded_head), mode)
     same(plain, got, tol)
     assert plain[2][3].finish_reason == "stop"
     assert len(got[1][1]) == 9

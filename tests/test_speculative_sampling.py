@@ -122,20 +122,15 @@ def exact_three_tokens(model_dir, prompt: list[int], top_k: int, temperature: fl
     return joint
 
 
-@slow_test
-def test_standalone_sampling_matches_the_target_on_a_tiny_model(tiny_llama_dir, tmp_path):
-    """A draft unlike the target (noisy weights: many drafts rejected), top-k 3
-    at temperature 1: the first three tokens of 3000 requests follow the
-    target's own distribution (transformers), chi-square at p ~ 1e-4."""
-    draft = noisy_copy(tiny_llama_dir, tmp_path / "draft", noise=0.05)
-    prompt = repetitive(24)
+def assert_sampled_like_the_target(model_dir, prompt: list[int], speculative: dict, n: int = 3000) -> None:
+    """Top-k 3 at temperature 1, on a float32 engine speculating with the
+    `speculative` options: drafts were made, some kept and some rejected,
+    and the first three tokens of `n` requests follow the target's own
+    distribution (transformers), chi-square at p ~ 1e-4."""
     params = dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
-    n = 3000
 
     async def main():
-        engine = await started(tiny_llama_dir, speculative_algorithm="STANDALONE",
-                               speculative_draft_model_path=str(draft), speculative_num_steps=2,
-                               torchao_config="none")
+        engine = await started(model_dir, torchao_config="none", **speculative)
         try:
             got = []
             for _ in range(n // 250):
@@ -147,12 +142,22 @@ def test_standalone_sampling_matches_the_target_on_a_tiny_model(tiny_llama_dir, 
     samples, metrics = asyncio.run(main())
     accept_len = metrics.spec_emitted_tokens / metrics.spec_verify_steps
     assert metrics.spec_verify_steps >= n and 1.05 < accept_len < 2.9  # drafted, some kept, some rejected
-    exact = exact_three_tokens(tiny_llama_dir, prompt, 3, 1.0)
+    exact = exact_three_tokens(model_dir, prompt, 3, 1.0)
     cells = list(exact)
     counts = torch.tensor([sum(1 for s in samples if s == c) for c in cells], dtype=torch.float64)
     assert counts.sum() == len(samples)  # nothing outside the target's top-3 chains
     stat, dof = chi2(counts, torch.tensor([exact[c] for c in cells]))
     assert stat < chi2_limit(dof), (stat, dof)
+
+
+@slow_test
+def test_standalone_sampling_matches_the_target_on_a_tiny_model(tiny_llama_dir, tmp_path):
+    """A draft unlike the target (noisy weights: many drafts rejected): the
+    target's own distribution (assert_sampled_like_the_target)."""
+    draft = noisy_copy(tiny_llama_dir, tmp_path / "draft", noise=0.05)
+    assert_sampled_like_the_target(tiny_llama_dir, repetitive(24), {
+        "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft),
+        "speculative_num_steps": 2})
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])

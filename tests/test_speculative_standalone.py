@@ -16,7 +16,7 @@ import pytest
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.server_args import ServerArgs
-from tests.test_speculative import collect, repetitive, same, started
+from tests.test_speculative import collect, repetitive, same, started, with_and_without
 from tests.tiny_models import build_tiny_model
 
 K = 4
@@ -58,23 +58,9 @@ def spec(draft: Path, **extra) -> dict:
 
 
 def run_both(model_dir, requests, draft, engine_args=None, sequential=False):
-    """Each request's (text, tokens, logprobs, last output), without and with
-    the draft model, in float32; and the speculative engine's metrics."""
-    async def main(extra):
-        engine = await started(model_dir, torchao_config="none", **(engine_args or {}), **extra)
-        try:
-            if sequential:
-                got = [await collect(engine, ids, **params) for ids, params in requests]
-            else:
-                got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
-            engine.check_integrity()
-            assert engine.kv_usage()["in_use"] == 0
-            return got, engine.metrics
-        finally:
-            await engine.shutdown()
-    plain, _ = asyncio.run(main({}))
-    got, metrics = asyncio.run(main(spec(draft)))
-    return plain, got, metrics
+    """with_and_without in float32, speculating with the draft model."""
+    return with_and_without(model_dir, requests, spec(draft), {"torchao_config": "none", **(engine_args or {})},
+                            sequential)
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

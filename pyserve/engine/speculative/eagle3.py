@@ -83,7 +83,7 @@ class Eagle3Draft:
         c = config.model
         self.kv_buffer = KVBuffer(1, target.kv_buffer.num_pages, c.num_key_value_heads, c.head_dim, target.dtype,
                                   target.device, page_size=target.kv_buffer.page_size)
-        if target.device.type == "cuda":
+        if target.options.attention_backend == "triton":  # the target's backend (resolved: triton only on CUDA)
             from pyserve.model.attention.triton_backend import TritonAttention
 
             self.attention = TritonAttention(self.kv_buffer, c.num_attention_heads, target.context_len)
