@@ -118,8 +118,12 @@ COPY = ("Rewrite this text, changing nothing: The quick brown fox jumps over the
 # verify step through the block kernels' extend path, whose activation
 # rounding differs from the decode path's: the same tokens, but logprob
 # values differ (by up to ~0.15 measured), so only tokens are compared there.
-@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
-def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, mode, tol):
+def assert_identical_on_the_embedded_model(default_model_dir, speculative: dict, mode: dict, tol):
+    """The copy prompt on the embedded model with and without the
+    `speculative` options: the same output (logprobs within `tol`), with a
+    stop string and a stop token inside accepted runs, max_tokens never
+    exceeded, and a constrained request decoding plainly beside them; the
+    speculative engine's metrics."""
     from pyserve._rust import Tokenizer
 
     tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
@@ -133,12 +137,18 @@ def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(defa
         (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
         (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
     ]
-    plain, spec, verify_steps = outputs(default_model_dir, requests, mode)
+    plain, spec, metrics = with_and_without(default_model_dir, requests, speculative, mode)
     same(plain, spec, tol)
-    assert verify_steps > 0
     assert plain[2][3].finish_reason == "stop"
     assert len(spec[1][1]) == 9  # max_tokens never exceeded
     assert spec[4][3].finish_reason == "stop" and len(spec[4][1]) < 60
+    return metrics
+
+
+@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
+def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, mode, tol):
+    metrics = assert_identical_on_the_embedded_model(default_model_dir, SPEC, mode, tol)
+    assert metrics.spec_verify_steps > 0
 
 
 def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir):

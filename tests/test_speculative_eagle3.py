@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pyserve.engine.engine import Engine
-from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
+from pyserve.engine.request import Constraint
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
@@ -27,7 +27,8 @@ from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
 from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
                                 second_drafts, target_features, trained_weights)
-from tests.test_speculative import COPY, SCHEMA, collect, repetitive, same, started, with_and_without
+from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same, started,
+                                   with_and_without)
 from tests.tiny_models import build_tiny_model
 
 K = 4
@@ -266,24 +267,9 @@ def test_constrained_sampled_and_retracted_requests(target, heads):
 
 
 def test_abort_mid_request_gives_every_page_back(target, heads):
-    async def main():
-        engine = await started(target, torchao_config="none", **spec(heads["fitted"]))
-        try:
-            stream = engine.generate(GenerateRequest(PROMPTS[0], SamplingParams(**GREEDY, max_new_tokens=200)))
-            seen = 0
-            async for out in stream:
-                seen += len(out.token_ids)
-                if seen >= 6:
-                    break
-            await stream.aclose()
-            other = await collect(engine, repetitive(35), **GREEDY, max_new_tokens=10)
-            engine.check_integrity()
-            assert engine.kv_usage()["in_use"] == 0
-            return seen, other
-        finally:
-            await engine.shutdown()
-    seen, other = asyncio.run(main())
-    assert seen >= 6 and len(other[1]) == 10
+    from tests.test_speculative_standalone import assert_abort_gives_every_page_back
+
+    assert_abort_gives_every_page_back(target, spec(heads["fitted"]), PROMPTS[0])
 
 
 def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_model_dir):
@@ -316,40 +302,11 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
 
 def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, heads):
     """`pyserve --model T --speculative-algorithm EAGLE3
-    --speculative-draft-model-path HEAD`: streamed text equals the
-    non-streamed text, n=2 gives two identical greedy choices, and the
-    answers equal a server without speculation."""
-    import httpx
-    import openai
+    --speculative-draft-model-path HEAD` (assert_served_like_without)."""
+    from tests.test_speculative_standalone import assert_served_like_without
 
-    from tests.conftest import ServerProcess
-
-    base = ("--model", str(target), "--max-total-tokens", "4096", "--torchao-config", "none")
-    prompt = "one two three four five one two three four five one two three four"
-
-    def answers(*args: str):
-        srv = ServerProcess(*base, *args)
-        try:
-            client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
-            model = client.models.list().data[0].id
-            whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, n=2)
-            stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
-            streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
-            info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
-            assert info["kv_integrity"] == "ok", info["kv_integrity"]
-            metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
-            return [c.text for c in whole.choices], streamed, whole.usage.completion_tokens, metrics
-        finally:
-            srv.stop()
-
-    texts, streamed, tokens, metrics = answers("--speculative-algorithm", "EAGLE3",
-                                               "--speculative-draft-model-path", str(heads["random"]))
-    plain_texts, _, _, _ = answers()
-    assert texts[0] == texts[1] == streamed == plain_texts[0]
-    assert tokens == 48
-    verified = next(float(line.split()[1]) for line in metrics.splitlines()
-                    if line.startswith("pyserve:spec_verify_steps_total"))
-    assert verified > 0
+    assert_served_like_without(target, "--speculative-algorithm", "EAGLE3",
+                               "--speculative-draft-model-path", str(heads["random"]))
 
 
 @slow_test
@@ -382,22 +339,5 @@ def embedded_head(default_model_dir, tmp_path_factory) -> Path:
 @slow_test
 @pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, None)], ids=["float32", "4bit"])
 def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol):
-    from pyserve._rust import Tokenizer
-
-    tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
-    ids = tok.encode(COPY)
-    greedy = {"temperature": 0}
-    requests = [
-        (ids, {**greedy, "max_new_tokens": 40}),
-        (ids, {**greedy, "max_new_tokens": 9}),
-        (ids, {**greedy, "max_new_tokens": 40, "stop": ["lazy"]}),
-        (ids, {**greedy, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
-        (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
-        (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
-    ]
-    plain, got, metrics = with_and_without(default_model_dir, requests, spec(embedded_head), mode)
-    same(plain, got, tol)
-    assert plain[2][3].finish_reason == "stop"
-    assert len(got[1][1]) == 9
-    assert got[4][3].finish_reason == "stop" and len(got[4][1]) < 60
+    metrics = assert_identical_on_the_embedded_model(default_model_dir, spec(embedded_head), mode, tol)
     assert metrics.spec_emitted_tokens >= 2 * metrics.spec_verify_steps

@@ -126,11 +126,14 @@ def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir, dra
     assert metrics.spec_verify_steps > 0
 
 
-def test_abort_mid_request_gives_every_page_back(tiny_llama_dir, drafts):
+def assert_abort_gives_every_page_back(model_dir, speculative: dict, prompt: list[int]) -> None:
+    """A request aborted after its first drafted steps on an engine with the
+    `speculative` options: every KV page comes back, and the next request
+    decodes in full."""
     async def main():
-        engine = await started(tiny_llama_dir, torchao_config="none", **spec(drafts["noisy"]))
+        engine = await started(model_dir, torchao_config="none", **speculative)
         try:
-            stream = engine.generate(GenerateRequest(repetitive(), SamplingParams(**GREEDY, max_new_tokens=200)))
+            stream = engine.generate(GenerateRequest(prompt, SamplingParams(**GREEDY, max_new_tokens=200)))
             seen = 0
             async for out in stream:
                 seen += len(out.token_ids)
@@ -147,6 +150,10 @@ def test_abort_mid_request_gives_every_page_back(tiny_llama_dir, drafts):
     assert seen >= 6 and len(other[1]) == 10
 
 
+def test_abort_mid_request_gives_every_page_back(tiny_llama_dir, drafts):
+    assert_abort_gives_every_page_back(tiny_llama_dir, spec(drafts["noisy"]), repetitive())
+
+
 def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_llama_dir, drafts, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(drafts["small"], other)
@@ -161,17 +168,17 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_llama_dir, draf
         Engine.from_args(ServerArgs(model_path=str(tiny_llama_dir), speculative_algorithm="STANDALONE"))
 
 
-def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
-    """`pyserve --model T --speculative-algorithm STANDALONE
-    --speculative-draft-model-path D`: streamed text equals the non-streamed
-    text, n=2 gives two identical greedy choices, and the answers equal a
-    server without speculation."""
+def assert_served_like_without(model_dir, *speculative: str) -> None:
+    """`pyserve --model model_dir` with the `speculative` arguments, through
+    the openai client: streamed text equals the non-streamed text, n=2
+    gives two identical greedy choices, verify steps ran, the KV is whole,
+    and the answers equal a server without speculation."""
     import httpx
     import openai
 
     from tests.conftest import ServerProcess
 
-    base = ("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--torchao-config", "none")
+    base = ("--model", str(model_dir), "--max-total-tokens", "4096", "--torchao-config", "none")
     prompt = "one two three four five one two three four five one two three four"
 
     def answers(*args: str):
@@ -189,11 +196,17 @@ def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_d
         finally:
             srv.stop()
 
-    texts, streamed, tokens, metrics = answers("--speculative-algorithm", "STANDALONE",
-                                               "--speculative-draft-model-path", str(drafts["noisy"]))
+    texts, streamed, tokens, metrics = answers(*speculative)
     plain_texts, _, _, _ = answers()
     assert texts[0] == texts[1] == streamed == plain_texts[0]
     assert tokens == 48
     verified = next(float(line.split()[1]) for line in metrics.splitlines()
                     if line.startswith("pyserve:spec_verify_steps_total"))
     assert verified > 0
+
+
+def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
+    """`pyserve --model T --speculative-algorithm STANDALONE
+    --speculative-draft-model-path D` (assert_served_like_without)."""
+    assert_served_like_without(tiny_llama_dir, "--speculative-algorithm", "STANDALONE",
+                               "--speculative-draft-model-path", str(drafts["noisy"]))
