@@ -41,6 +41,11 @@ class ForwardBatch:
     # The sliding layers' slots (see above); None without a sliding pool.
     window_out_cache_loc: torch.Tensor | None = None  # [T] int64
     window_kv_indices: torch.Tensor | None = None  # [sum(seq_lens)] int64
+    # [B + 1] int64 on the device: sequence i's new tokens are rows
+    # qo_indptr[i]:qo_indptr[i + 1]. Set by a CUDA graph's static batch, whose
+    # backend may not copy from the host while it is captured; None: the
+    # backend builds it from extend_lens.
+    qo_indptr: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

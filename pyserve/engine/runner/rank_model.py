@@ -101,7 +101,7 @@ class RankModel:
             if options.enable_lora else None
         self.kv_buffer: KVBuffer | None = None
         self.attention: AttentionBackend | None = None
-        self.cuda_graphs = None  # replays decode steps when set
+        self.cuda_graphs = None  # replays decode (and verify) steps when set: capture_graphs
         # 8da4w on a CPU, set by `allocate` where they fit: decode (and some
         # prefill) steps' layers as one Rust call each, and extends' attention
         # as extend_attention.py's kernel.
@@ -172,15 +172,7 @@ class RankModel:
                                   window_layers=self.window_layers() if window_pages else frozenset(),
                                   window_pages=window_pages)
         self.attention = self._make_attention(options.attention_backend)
-        graph_max_bs = options.cuda_graph_max_bs  # resolved: at most --max-running-requests
-        # The adapters' hooks pick their tokens on the host each step: LoRA runs eagerly.
-        if self.device.type == "cuda" and not options.disable_cuda_graph and graph_max_bs > 0 and self.lora is None:
-            from pyserve.engine.runner.cuda_graph_runner import CudaGraphRunner
-            from pyserve.model.attention.triton_backend import TritonAttention
-
-            # The graphs read the Triton backend's static kv tables.
-            if isinstance(self.attention, TritonAttention):
-                self.cuda_graphs = CudaGraphRunner(self.model, self.attention, graph_max_bs, self.context_len)
+        self.capture_graphs()
         self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
                                    and extend_attention.fits(self.kv_buffer, self.model.layers))
         self.native_layers = self._native_layers()
@@ -192,6 +184,33 @@ class RankModel:
                 logger.info("torch.compile: not needed, decode steps run natively")
         elif options.enable_torch_compile:
             self._compile_decode()
+
+    def _graphs_fit(self) -> bool:
+        """Whether steps replay CUDA graphs: on CUDA with the Triton backend
+        (the graphs read its static kv tables), unless turned off; LoRA
+        adapters run eagerly (their hooks pick their tokens on the host each step)."""
+        from pyserve.model.attention.triton_backend import TritonAttention
+
+        options = self.options  # cuda_graph_max_bs resolved: at most --max-running-requests
+        return (self.device.type == "cuda" and not options.disable_cuda_graph and options.cuda_graph_max_bs > 0
+                and self.lora is None and isinstance(self.attention, TritonAttention))
+
+    def capture_graphs(self, verify_tokens: int = 0, aux_layers: frozenset[int] | None = None) -> None:
+        """Capture the CUDA graphs (where they fit) for decode steps and, with
+        `verify_tokens`, speculative verify rows of up to that many tokens;
+        every graph keeps the hidden states entering `aux_layers` when given
+        (an EAGLE-3 head reads them). Replaces the graphs captured before."""
+        if not self._graphs_fit():
+            return
+        from pyserve.engine.runner.cuda_graph_runner import CudaGraphRunner
+
+        if verify_tokens > 1 and getattr(self.model.rotary, "long_from", None) is not None:
+            # LongRoPE picks a table per sequence length on the host for rows of several tokens.
+            logger.info("Verify steps run without CUDA graphs: LongRoPE chooses its tables on the host")
+            verify_tokens = 0
+        self.cuda_graphs = None  # the old graphs' memory goes back first
+        self.cuda_graphs = CudaGraphRunner(self.model, self.attention, self.options.cuda_graph_max_bs,
+                                           self.context_len, verify_tokens, aux_layers)
 
     def _native_layers(self) -> NativeDecode | None:
         """8da4w on a CPU: decode steps' layers as one Rust call each (native_layers.py)."""
@@ -249,9 +268,9 @@ class RankModel:
     def forward(self, batch: ForwardBatch, capture: AuxCapture | None = None) -> torch.Tensor:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices.
         `capture`: also keep hidden states (CausalLM.hidden_states), which
-        only the torch layers do, run eagerly."""
-        if capture is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            return self.cuda_graphs.replay(batch)
+        only the torch layers and the graphs capturing them do."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch, capture):
+            return self.cuda_graphs.replay(batch, capture)
         if self.lora is not None:
             self.lora.current = batch.lora
         plan = self.plan(batch)

@@ -25,9 +25,6 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     algorithm = options.speculative_algorithm
     if algorithm is None:
         return None
-    if model_options.device == "cuda" and not model_options.disable_cuda_graph:
-        logger.warning("Speculative decoding on CUDA: verify steps run without CUDA graphs while plain decode "
-                       "steps replay them, so speculation can be slower than none (bench/README.md G20-G22)")
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
@@ -36,6 +33,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         if not 1 <= low <= high:
             raise ValueError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
+        _verify_graphs(runner, k, model_options)
         return NgramDrafter(k, low, high)
     steps = _draft_model_steps(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
@@ -50,8 +48,24 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         problem = tokenizer_mismatch(model_dir, draft_dir)
         if problem is not None:
             raise ValueError(problem)
-        runner.draft = DraftModel(model_options, draft_dir, runner.rank_model)
+        runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
+    _verify_graphs(runner, steps, model_options)
     return PlaceholderDrafter(steps)
+
+
+def _verify_graphs(runner: ModelRunner, draft_tokens: int, model_options: ModelOptions) -> None:
+    """Recapture the target's CUDA graphs (where it has them) with verify
+    rows of a token and `draft_tokens` drafts, and for EAGLE3 the hidden
+    states its head reads. On one rank only: every rank replays the same
+    graphs, and the other ranks do not know of speculation."""
+    if runner.rank_model.cuda_graphs is None:
+        return
+    if model_options.tp_size > 1:
+        logger.warning("Speculative decoding over %d ranks: verify steps run without CUDA graphs while plain "
+                       "decode steps replay them, so speculation can be slower than none", model_options.tp_size)
+        return
+    aux_layers = getattr(runner.draft, "aux_layers", None)
+    runner.rank_model.capture_graphs(draft_tokens + 1, aux_layers)
 
 
 def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> int:

@@ -52,18 +52,20 @@ def tokenizer_mismatch(target_dir: Path, draft_dir: Path) -> str | None:
 class DraftModel:
     """The draft model and its KV buffer, owned by the forward thread."""
 
-    def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel):
-        # No adapters, CUDA graphs or second rank: the draft runs eagerly on
-        # rank 0's device, over positions as long as the target's context,
-        # in the CPU weight mode the target runs in (auto picks per checkpoint).
+    def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel, verify_tokens: int):
+        """`verify_tokens`: the longest verify row, which `follow` runs
+        through the draft model too (its CUDA graphs, on a GPU, cover it)."""
+        # No adapters or second rank: the draft runs on rank 0's device,
+        # over positions as long as the target's context, in the CPU weight
+        # mode the target runs in (auto picks per checkpoint).
         mode = options.torchao_config
         if mode == "auto" and target.device.type == "cpu":
             mode = target.quant.name if target.quant is not None else "none"
         options = replace(options, model_path=str(draft_dir), enable_lora=False, lora_paths=None,
-                          disable_cuda_graph=True, context_length=target.context_len, is_embedding=False,
-                          torchao_config=mode)
+                          context_length=target.context_len, is_embedding=False, torchao_config=mode)
         self.model = RankModel(options, draft_dir, target.device)
         self.model.allocate(target.kv_buffer.num_pages)
+        self.model.capture_graphs(verify_tokens)
         self.vocab_size = target.config.vocab_size
 
     def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState],

@@ -9,7 +9,9 @@ offsets of an extend batch, the split scratch of a decode batch.
 For CUDA graphs the backend also owns static kv tables (`kv_indptr`,
 `kv_indices` sized for max_bs sequences of context_len tokens): a graph is
 captured reading them, and before each replay the real batch's tables are
-copied in, padded rows pointing at the reserved slot 0. With a sliding
+copied in, padded rows pointing at the reserved slot 0 (verify graphs'
+rows of several tokens get their padding tokens' slot-0 entries placed
+after each row's own, on the device). With a sliding
 pool (kv_buffer.py) there is a second static `kv_indices` table for the
 sliding layers' slots, filled the same way.
 """
@@ -79,11 +81,14 @@ class TritonAttention(AttentionBackend):
             self._mid = decode_scratch(bs, self.num_heads, self.v_dim, self.max_kv_splits, self.device)
             self._num_splits = self.num_kv_splits(bs)
             return
+        self._max_new = max(batch.extend_lens)
+        if batch.qo_indptr is not None:
+            self._qo_indptr = batch.qo_indptr
+            return
         indptr = [0]
         for n in batch.extend_lens:
             indptr.append(indptr[-1] + n)
         self._qo_indptr = torch.tensor(indptr, dtype=torch.long).to(self.device, non_blocking=True)
-        self._max_new = max(batch.extend_lens)
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, *, window: int | None = None,
                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,23 +111,26 @@ class TritonAttention(AttentionBackend):
 
     # CUDA graphs (see cuda_graph_runner.py)
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
-        """Allocate the static kv tables for decode batches of up to max_bs."""
+    def init_cuda_graph_state(self, max_bs: int, max_padding: int = 0) -> None:
+        """Allocate the static kv tables for batches of up to max_bs
+        sequences, and `max_padding` padding tokens (verify graphs)."""
+        size = max_bs * self.context_len + max_padding
         self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.long, device=self.device)
-        self._graph_indices = torch.zeros(max_bs * self.context_len, dtype=torch.long, device=self.device)
+        self._graph_indices = torch.zeros(size, dtype=torch.long, device=self.device)
         self._graph_window_indices = torch.zeros_like(self._graph_indices) \
             if getattr(self.kv_buffer, "window_layers", None) else None
         self._arange = torch.arange(max_bs + 1, dtype=torch.long, device=self.device)
 
-    def cuda_graph_kv_tables(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def cuda_graph_kv_tables(self, bs: int, row_tokens: int = 1
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(kv_indptr, kv_indices, window_kv_indices: None without a sliding
-        pool) for capturing a graph of `bs` decode rows, set to bs one-token
-        sequences in slot 0; replays refill them."""
+        pool) for capturing a graph of `bs` rows of `row_tokens` new tokens,
+        set to bs sequences of row_tokens tokens in slot 0; replays refill them."""
         indptr = self._graph_indptr[: bs + 1]
-        indptr.copy_(self._arange[: bs + 1])
-        self._graph_indices[:bs].zero_()
+        torch.mul(self._arange[: bs + 1], row_tokens, out=indptr)
+        self._graph_indices[: bs * row_tokens].zero_()
         if self._graph_window_indices is not None:
-            self._graph_window_indices[:bs].zero_()
+            self._graph_window_indices[: bs * row_tokens].zero_()
         return indptr, self._graph_indices, self._graph_window_indices
 
     def fill_cuda_graph_kv_tables(self, batch: ForwardBatch, bs: int) -> None:
@@ -140,3 +148,30 @@ class TritonAttention(AttentionBackend):
             self._graph_indices[total : total + bs - n].zero_()
             if self._graph_window_indices is not None:
                 self._graph_window_indices[total : total + bs - n].zero_()
+
+    def fill_cuda_graph_row_tables(self, batch: ForwardBatch, bs: int, row_tokens: int) -> None:
+        """Copy the kv tables of a batch whose rows have at most `row_tokens`
+        new tokens into the static ones of a graph of `bs` rows of exactly
+        row_tokens: each row's table gets one slot-0 entry per padding token
+        after its own, and rows past the batch are row_tokens padding tokens."""
+        n = batch.batch_size
+        padding = [row_tokens - e for e in batch.extend_lens] + [row_tokens] * (bs - n)
+        indptr = [0]
+        for length, pad in zip(batch.seq_lens + [0] * (bs - n), padding):
+            indptr.append(indptr[-1] + length + pad)
+        shift = [0]  # padding entries before each row's own
+        for pad in padding[: n - 1]:
+            shift.append(shift[-1] + pad)
+        host = torch.tensor(indptr + shift + batch.seq_lens, dtype=torch.long)
+        dev = host.to(self.device, non_blocking=True)
+        self._graph_indptr[: bs + 1].copy_(dev[: bs + 1])
+        total = batch.kv_indices.numel()
+        # Where each of the batch's entries goes: its index plus its row's shift.
+        dest = torch.repeat_interleave(dev[bs + 1 : bs + 1 + n], dev[bs + 1 + n :], output_size=total)
+        dest += torch.arange(total, device=self.device)
+        tables = [(self._graph_indices, batch.kv_indices)]
+        if self._graph_window_indices is not None:
+            tables.append((self._graph_window_indices, batch.window_kv_indices))
+        for static, own in tables:
+            static[: indptr[-1]].zero_()
+            static.index_copy_(0, dest, own)
