@@ -3,10 +3,11 @@ slice of every dense quantized layer (rows of q/k/v and gate/up, inputs
 of o_proj and down_proj) in the checkpoint's packed layout, as it does for
 MoE experts (tests/test_moe_tp_reads.py, whose spy on the loader's file
 handles counts the bytes each read returns). Where the layout cannot cut
-a rank's part (inputs not on whole groups, act-order groups spread over
-the ranks' inputs) the layer is read whole, with one log line. What each
-rank holds is the single rank's layers cut in two, and two gloo ranks
-generate what one does."""
+a rank's part (inputs not on whole groups) the layer is read whole, with
+one log line; act-order GPTQ inputs, whose groups spread over every
+rank's inputs, are read by part but for their small zeros and scales,
+read whole. What each rank holds is the single rank's layers cut in
+two, and two gloo ranks generate what one does."""
 
 from __future__ import annotations
 
@@ -111,8 +112,10 @@ def assert_ranks_hold_the_whole_cut_in_two(model_dir, ranks) -> None:
 
 @pytest.mark.parametrize("fmt, overrides, whole, shared", [
     ("gptq-int4-sym", {}, (), ("g_idx",)),
-    # act-order: o_proj's and down_proj's inputs span every group; q/k/v and gate/up rows still cut
-    ("gptq-int4-act-order", {}, ("o_proj", "down_proj"), ("g_idx",)),
+    # act-order: o_proj's and down_proj's inputs name groups spread over all of them: their codes cut,
+    # their zeros and scales (one row a group) read whole
+    ("gptq-int4-act-order", {}, (), ("g_idx",) + tuple(f"{proj}.{t}" for proj in ("o_proj", "down_proj")
+                                                       for t in ("qzeros", "scales"))),
     # groups of 64: down_proj's 64 inputs a rank are one group, o_proj's 32 lie in its only group
     ("awq-int4-g64", {}, (), ("o_proj.qzeros", "o_proj.scales")),
     # 6 heads: o_proj's 48 inputs a rank do not end on its groups of 32
@@ -216,5 +219,55 @@ def test_two_ranks_in_the_4bit_mode_hold_the_checkpoints_codes(tmp_path, default
                 cols = held.dense_weight().shape[1]
                 want = full.get_submodule(name).dense_weight()[:, rank * cols:(rank + 1) * cols]
                 assert torch.allclose(held.dense_weight(), want, rtol=0, atol=1e-6), name
+    one, two = _one_and_two_ranks(quant_dir)
+    assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]
+
+
+def test_an_act_order_part_holds_its_inputs_codes_and_the_groups_they_name(tmp_path, default_model_dir):
+    """GPTQ act-order, two ranks: o_proj's and down_proj's parts of the
+    inputs are the whole layer's codes of those inputs, with the zeros
+    and scales of the groups their g_idx names (only those: no group
+    the part does not use), dequantizing to the whole's columns."""
+    import json
+
+    from safetensors import safe_open
+
+    from pyserve.model.families import family_of, read_config
+    from pyserve.model.loader import _dense_split
+    from pyserve.model.quantized.modules import QuantizedModules
+    from pyserve.model.quantized.scheme import detect
+
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, "gptq-int4-act-order")
+    config = read_config(quant_dir)
+    names = family_of(config.architecture).checkpoint
+    with safe_open(str(quant_dir / "model.safetensors"), "pt") as f:
+        modules = QuantizedModules(detect(json.loads((quant_dir / "config.json").read_text())), [f])
+        inputs_cut = 0
+        for module in modules.tensors:
+            whole = modules.weight(module)
+            assert not whole.contiguous_groups(), module
+            for rank in (0, 1):
+                shard = ModelShard.of(config, TensorParallel(rank, 2))
+                for dim, part in _dense_split(modules, module, config, shard, names):
+                    if dim != 1:
+                        continue
+                    weight, read = modules.weight_part(module, dim, part)
+                    assert read, module
+                    inputs_cut += 1
+                    cols = slice(part.start, part.stop)
+                    groups = whole.g_idx[cols].long()
+                    assert torch.equal(weight.codes, whole.codes[:, cols])
+                    assert weight.scales.shape[1] == len(groups.unique())
+                    assert torch.equal(weight.scales[:, weight.g_idx.long()], whole.scales[:, groups])
+                    assert torch.equal(weight.zeros[:, weight.g_idx.long()], whole.zeros[:, groups])
+                    assert torch.equal(weight.dense(), whole.dense()[:, cols])
+        assert inputs_cut == 2 * 2 * config.num_hidden_layers  # o_proj and down_proj, each rank
+
+
+def test_two_act_order_ranks_in_the_4bit_mode_generate_what_one_does(tmp_path, default_model_dir):
+    """Under auto (the CPU's 4-bit mode) act-order groups are requantized
+    from the dequantized weight; a rank's part of the inputs read alone
+    gives the same tokens as one rank."""
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, "gptq-int4-act-order")
     one, two = _one_and_two_ranks(quant_dir)
     assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]

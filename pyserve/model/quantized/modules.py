@@ -1,10 +1,11 @@
 """Which of a checkpoint's tensors make up quantized linear layers, and
 their weights in the common form (weights.py): a whole layer's, or a
 tensor-parallel rank's part of its rows or inputs, read from the stored
-entries that cover it in each tensor's packed layout. A part that the
-layout cannot cut (act-order groups spread over the ranks' inputs, a part
-not on whole packed words, groups or blocks) is read whole instead, and
-logged once."""
+entries that cover it in each tensor's packed layout. An act-order part
+of the inputs (GPTQ `desc_act`: its inputs name groups spread over all of
+them) reads its codes and g_idx by part and the small per-group zeros and
+scales whole. A part that the layout cannot cut (not on whole packed
+words, groups or blocks) is read whole instead, and logged once."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ def _markers(scheme: Scheme) -> tuple[str, ...]:
 def _suffixes(scheme: Scheme) -> tuple[str, ...]:
     return {"gptq": gptq.SUFFIXES, "awq": awq.SUFFIXES, "fp8": fp8.SUFFIXES}.get(scheme.method,
                                                                                compressed.SUFFIXES)
+
+
+# Tensors stored one entry per group along the inputs: an act-order part's inputs name groups spread over
+# all of them, so these are read whole (they are small: [groups, out]).
+_PER_GROUP = ("qzeros", "scales", "weight_scale", "weight_zero_point")
 
 
 def _stored_along(scheme: Scheme, suffix: str, dim: int) -> tuple[int, int | None] | None:
@@ -112,24 +118,25 @@ class QuantizedModules:
         its layout cannot cut that part."""
         stored = self.tensors[module]
         g_idx = next((s for s in ("g_idx", "weight_g_idx") if s in stored), None)
-        tensors = {}
+        tensors, act_order = {}, False
         if g_idx is not None:  # [in] int32, small: needed whole to cut the inputs, read once for a layer's parts
             handle, key = stored[g_idx]
             if self._g_idx[0] != key:
                 self._g_idx = key, handle.get_slice(key)[...]
             tensors[g_idx] = self._g_idx[1]
             if dim == 1:
-                size = self.scheme.group_size
-                if size <= 0 or not torch.equal(tensors[g_idx][part.start:part.stop].long(),
-                                                torch.arange(part.start, part.stop) // size):
-                    return self._whole(module, "act-order groups spread over the ranks' inputs"), False
-                del tensors[g_idx]  # the part's groups are its own runs of group_size inputs
+                size, tensors[g_idx] = self.scheme.group_size, tensors[g_idx][part.start:part.stop]
+                act_order = size <= 0 or not torch.equal(tensors[g_idx].long(),
+                                                         torch.arange(part.start, part.stop) // size)
+                if not act_order:
+                    del tensors[g_idx]  # the part's groups are its own runs of group_size inputs
         for suffix, (handle, key) in stored.items():
             if suffix == g_idx:
                 continue
             layout = _stored_along(self.scheme, suffix, dim)
             view = handle.get_slice(key)
-            tensor = view[...] if layout is None else read_range(view, *layout, part)
+            whole = layout is None or (act_order and suffix in _PER_GROUP)
+            tensor = view[...] if whole else read_range(view, *layout, part)
             if tensor is None:
                 return self._whole(module, f"its {suffix} does not cut at {part.start}-{part.stop}"), False
             tensors[suffix] = tensor
@@ -137,8 +144,11 @@ class QuantizedModules:
             tensors["weight_shape"] = tensors["weight_shape"].clone()
             tensors["weight_shape"][dim] = len(part)
         weight = self._read(module, tensors)
-        if isinstance(weight, IntWeight) and dim == 1 and weight.group_size > len(part):
-            # Inputs within the layer's one group: that group, as long as the part.
+        if act_order:
+            weight = weight.only_groups_used()
+        one_group = isinstance(weight, IntWeight) and weight.scales.shape[1] == 1
+        if one_group and dim == 1 and weight.group_size > len(part):
+            # Inputs within one group: that group, as long as the part.
             weight = replace(weight, group_size=len(part))
         return weight, True
 

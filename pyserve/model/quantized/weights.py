@@ -48,6 +48,15 @@ class IntWeight:
         g = self._group_of_inputs()
         return (self.codes.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
 
+    def only_groups_used(self) -> IntWeight:
+        """The weight with only the groups its g_idx names, renumbered in
+        order: an act-order part of the inputs, whose inputs name groups
+        spread over all of them (a group may be named by fewer than
+        group_size of them)."""
+        used, g_idx = torch.unique(self.g_idx.long(), return_inverse=True)
+        return IntWeight(self.codes, self.zeros[:, used].contiguous(), self.scales[:, used].contiguous(),
+                         self.group_size, self.bits, g_idx.to(self.g_idx.dtype))
+
     def contiguous_groups(self) -> bool:
         """Whether each group is a run of group_size inputs (no act-order reordering)."""
         return self.g_idx is None or torch.equal(
