@@ -157,9 +157,10 @@ class EngineOptions:
              "(a smaller draft model) or EAGLE3 (an EAGLE-3 draft head over the target's hidden states)")
     speculative_num_steps: int | None = option(
         None, help="STANDALONE, EAGLE3: tokens the draft model decodes per verify (default: "
-                   "--speculative-num-draft-tokens); NGRAM: unused")
+                   "--speculative-num-draft-tokens); an EAGLE3 tree's depth; NGRAM: unused")
     speculative_num_draft_tokens: int = option(
-        4, help="draft tokens verified per step and request (STANDALONE, EAGLE3: unless --speculative-num-steps says)")
+        4, help="draft tokens verified per step and request (STANDALONE, EAGLE3: unless --speculative-num-steps "
+                "says); with --speculative-eagle-topk above 1, the tree's tokens, its root included")
     speculative_ngram_min_match_window_size: int = option(
         3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(
@@ -168,7 +169,7 @@ class EngineOptions:
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
                    "EAGLE3: the draft head's directory (SGLang's EAGLE-3 checkpoint format)")
     speculative_eagle_topk: int = option(
-        1, help="EAGLE3: draft branches per step; 1, a chain (tree drafting is not built: more is refused)")
+        1, help="EAGLE3: draft branches per step; 1, a chain; more, a draft tree")
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,17 @@ def graphed_engine(model_dir, speculative: dict) -> tuple[Engine, Counter]:
     return engine, replays
 
 
+@pytest.fixture
+def expanded(monkeypatch):
+    """The tree-expanded batches (speculative/tree.expand) of a test."""
+    from pyserve.engine.speculative import tree
+
+    batches = []
+    expand = tree.expand
+    monkeypatch.setattr(tree, "expand", lambda *args: batches.append(expand(*args)) or batches[-1])
+    return batches
+
+
 def served(model_dir, requests, speculative: dict | None):
     """Each request's (tokens, logprobs) run together, the replays
     (graphed_engine's), and the decode rows that verified drafts."""
@@ -185,8 +196,9 @@ def eagle3_head(model_dir, out):
     return save_head(out, cfg, random_weights(cfg, seed=1), torch.arange(256) * 2, vocab)
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE3"])
-def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tiny_llama_dir, tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE3", "EAGLE3-tree"])
+def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tiny_llama_dir, tmp_path, algorithm,
+                                                                   expanded):
     """Greedy requests, run together so that verify rows of different
     lengths and plain rows share batches: the tokens and log-probabilities
     of an engine without speculation, with verify steps replayed. (NGRAM
@@ -200,6 +212,8 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
         speculative["speculative_draft_model_path"] = str(model_dir)  # the target drafts for itself: all kept
     else:
         speculative["speculative_draft_model_path"] = str(eagle3_head(model_dir, tmp_path / "head"))
+    if algorithm == "EAGLE3-tree":  # trees of 3 nodes: one-token rows, replayed by the decode graphs
+        speculative.update(speculative_algorithm="EAGLE3", speculative_eagle_topk=2, speculative_num_steps=2)
     requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30 if algorithm == "NGRAM" else 14, "logprobs": True}),
                 (repetitive(23), {**GREEDY, "max_new_tokens": 9}),
                 ([5, 17, 99], {**GREEDY, "max_new_tokens": 6, "logprobs": True})]
@@ -209,6 +223,10 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
         assert tokens == want
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
     assert verify_steps > 0
+    if algorithm == "EAGLE3-tree":  # tree steps of at most MAX_BS rows replayed
+        small = [b for b in expanded if b.is_decode and b.batch_size <= MAX_BS]
+        assert small and replays["target", 1] >= len(small)
+        return
     assert replays["target", ROW] >= replays["drafted"] > 0  # every verify step replayed (short prompts too)
     if algorithm == "STANDALONE":  # the draft model's own steps, and its run over the verify rows
         assert replays["draft", 1] > 0 and replays["draft", ROW] >= replays["drafted"]

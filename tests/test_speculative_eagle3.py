@@ -87,10 +87,11 @@ def spec(head: Path, **extra) -> dict:
             "speculative_num_draft_tokens": K, **extra}
 
 
-def run_both(target, requests, head, engine_args=None, sequential=False):
-    """with_and_without in float32, speculating with the head."""
-    return with_and_without(target, requests, spec(head), {"torchao_config": "none", **(engine_args or {})},
-                            sequential)
+def run_both(target, requests, head, engine_args=None, sequential=False, tree: dict | None = None):
+    """with_and_without in float32, speculating with the head (`tree`:
+    more speculative options, such as a draft tree's)."""
+    return with_and_without(target, requests, spec(head, **(tree or {})),
+                            {"torchao_config": "none", **(engine_args or {})}, sequential)
 
 
 def test_the_target_keeps_the_hidden_states_entering_the_chosen_layers(target):
@@ -295,8 +296,9 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
     options = ServerArgs(model_path=str(target), tp_size=2, **spec(heads["random"])).split()
     with pytest.raises(ValueError, match="EAGLE3 runs on one rank: --tp-size must be 1"):
         drafter_of(options.engine, options.model, target, runner=None)
-    options = ServerArgs(model_path=str(target), speculative_eagle_topk=4, **spec(heads["random"])).split()
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 4: EAGLE3 drafts a chain"):
+    options = ServerArgs(model_path=str(target), speculative_eagle_topk=2, speculative_num_steps=2,
+                         **spec(heads["random"], speculative_num_draft_tokens=8)).split()
+    with pytest.raises(ValueError, match="a tree 2 deep with top 2 per step has 6 candidate nodes, fewer than the 7"):
         drafter_of(options.engine, options.model, target, runner=None)
 
 

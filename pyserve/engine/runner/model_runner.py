@@ -32,6 +32,7 @@ from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative import tree
 from pyserve.engine.speculative.rejection import verify_drafts
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
@@ -194,16 +195,22 @@ class ModelRunner:
                 batch = step.batch.to(self.device)
                 if step.has_placeholders:
                     batch.input_ids = self._resolve_placeholders(batch.input_ids)
-                drafts, draft_probs, capture = step.drafts, None, None
+                drafts, draft_probs, trees, capture = step.drafts, None, None, None
                 if self.draft is not None:
                     if drafts:
-                        drafts, draft_probs = self.draft.propose(step, batch, states, self.sampler)
+                        drafts, draft_probs, trees = self.draft.propose(step, batch, states, self.sampler)
                     capture = self.draft.capture()
-                all_logits, pooled = self._forward_on_every_rank(batch, step, capture)
+                # Tree rows run as one row per token (speculative/tree.py).
+                target_batch = batch if not trees else tree.expand(step, batch, trees)
+                all_logits, pooled = self._forward_on_every_rank(target_batch, step, capture)
                 num_rows = len(seqs) + sum(len(d) for d in step.drafts)
                 logits = all_logits[:num_rows]
                 if drafts:
-                    next_ids, counts, forced = verify_drafts(logits, states, drafts, draft_probs, self.sampler)
+                    next_ids, counts, forced, paths = verify_drafts(
+                        logits, states, drafts, draft_probs, self.sampler, trees)
+                    if trees:
+                        logits = tree.to_chain(step.batch, batch, logits, capture, self.rank_model.kv_buffer,
+                                               drafts, paths)
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
                     forced = self.sampler.take_forced()

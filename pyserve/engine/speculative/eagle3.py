@@ -42,6 +42,7 @@ from pyserve.engine.sampler import Sampler, probabilities
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.rejection import draw, first_rows
+from pyserve.engine.speculative.tree import DraftTree, TreeShape
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
@@ -75,14 +76,20 @@ class _Pairs:
 class Eagle3Draft:
     """The head and its KV buffer, owned by the forward thread."""
 
-    def __init__(self, head_dir: Path, config: Eagle3Config, target: RankModel):
+    def __init__(self, head_dir: Path, config: Eagle3Config, target: RankModel, tree: TreeShape | None = None):
+        """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains."""
         model = target.model
         self.aux_layers = config.aux_layers(model.config.num_hidden_layers)
         lm_head = getattr(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", None)
         self.head = load_eagle3_head(head_dir, config, model.embed_tokens.weight, lm_head, target.dtype, target.device)
         c = config.model
-        self.kv_buffer = KVBuffer(1, target.kv_buffer.num_pages, c.num_key_value_heads, c.head_dim, target.dtype,
-                                  target.device, page_size=target.kv_buffer.page_size)
+        self.tree = tree
+        page_size = target.kv_buffer.page_size
+        # Slots past the target's: the head's KV for the tree nodes it expands while drafting.
+        self.scratch_start = target.kv_buffer.num_pages * page_size
+        scratch_pages = -(-tree.scratch_slots // page_size) if tree is not None else 0
+        self.kv_buffer = KVBuffer(1, target.kv_buffer.num_pages + scratch_pages, c.num_key_value_heads, c.head_dim,
+                                  target.dtype, target.device, page_size=page_size)
         if target.options.attention_backend == "triton":  # the target's backend (resolved: triton only on CUDA)
             from pyserve.model.attention.triton_backend import TritonAttention
 
@@ -105,13 +112,14 @@ class Eagle3Draft:
 
     # -- drafting, before the target ---------------------------------------------
 
-    def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState],
-                sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState], sampler: Sampler
+                ) -> tuple[list[list[int]], list[torch.Tensor | None], list[DraftTree | None] | None]:
         """Each drafted sequence's drafts (as many as its placeholders),
-        written into `batch.input_ids`, and per sequence the [k, vocab]
+        written into `batch.input_ids`; per sequence the [k, vocab]
         distributions sampled ones were drawn from (None for greedy or
-        undrafted ones). A sequence the head has no state for keeps its
-        placeholders (drafts the target will most likely reject)."""
+        undrafted ones); and with trees, per sequence its tree (None for
+        undrafted ones), else None. A sequence the head has no state for
+        keeps its placeholders (drafts the target will most likely reject)."""
         host, drafts = step.batch, step.drafts
         firsts = first_rows(drafts)
         row_slots = dict(zip(step.seqs, host.kv_indices.split(host.seq_lens)))
@@ -125,7 +133,11 @@ class Eagle3Draft:
                 live.append(i)
                 token_at.append(at)
         if not live:
-            return out, [None] * len(drafts)
+            return out, [None] * len(drafts), None
+        if self.tree is not None:
+            trees = self._trees(step, live, token_at, row_slots, out)
+            self._write(step, batch, out)
+            return out, [None] * len(drafts), trees
         logits = torch.stack([self._next[step.sampled[i]].logits for i in live])
         hidden = torch.stack([self._next[step.sampled[i]].hidden for i in live])
         for j in range(max(len(drafts[i]) for i in live)):
@@ -144,11 +156,74 @@ class Eagle3Draft:
             logits, hidden = self.head(step_batch.input_ids, hidden[pick.to(hidden.device)], step_batch, self.attention)
             live = [live[n] for n in going_on]
             token_at = [token_at[n] for n in going_on]
-        drafted = [i for i, d in enumerate(drafts) if d]
-        where = [int(host.logits_indices[firsts[i]]) + 1 + j for i in drafted for j in range(len(out[i]))]
+        self._write(step, batch, out)
+        return out, [torch.stack(d) if d else None for d in dists], None
+
+    @staticmethod
+    def _write(step: ScheduledStep, batch: ForwardBatch, out: list[list[int]]) -> None:
+        """The drafts in place of their placeholders in `batch.input_ids`."""
+        firsts = first_rows(step.drafts)
+        drafted = [i for i, d in enumerate(step.drafts) if d]
+        where = [int(step.batch.logits_indices[firsts[i]]) + 1 + j for i in drafted for j in range(len(out[i]))]
         batch.input_ids[torch.tensor(where, device=batch.input_ids.device)] = torch.tensor(
             [t for i in drafted for t in out[i]], device=batch.input_ids.device)
-        return out, [torch.stack(d) if d else None for d in dists]
+
+    def _trees(self, step: ScheduledStep, live: list[int], token_at: list[int], row_slots: dict,
+               out: list[list[int]]) -> list[DraftTree | None]:
+        """Each live sequence's draft tree, its node tokens written into
+        `out` (speculative/tree.py). Level by level, the `topk` best
+        candidates so far (by the head's log-probability of their path)
+        are expanded, each by the head's `topk` likeliest next tokens; the
+        tree is the best of all candidates, as many as the row has
+        placeholders. Cumulative scores never grow down a path, so a
+        chosen node's parent is chosen too (candidates are kept parents
+        first, and ties keep that order)."""
+        host, k, n = step.batch, self.tree.topk, len(live)
+        seqs = [step.sampled[i] for i in live]
+        roots = [int(host.positions[t]) for t in token_at]
+        to_target = self.head.draft_to_target
+        logp = torch.log_softmax(torch.stack([self._next[s].logits for s in seqs]).float(), dim=-1)
+        scores, ids = logp.topk(k, dim=-1)  # [n, k]: the root's children
+        hidden = torch.stack([self._next[s].hidden for s in seqs]).repeat_interleave(k, dim=0)
+        # Per sequence, its candidates so far: token, parent candidate (-1: the root), score.
+        cand_tokens = to_target[ids].tolist()
+        cand_parents = [[-1] * k for _ in range(n)]
+        level_scores = [scores]
+        frontier = [list(range(k)) for _ in range(n)]  # the candidates expanded next
+        paths = [[[] for _ in range(k)] for _ in range(n)]  # the head's slots of each one's expanded ancestors
+        for level in range(1, self.tree.depth):
+            own = [self.scratch_start + (s * (self.tree.depth - 1) + level - 1) * k + f
+                   for s in range(n) for f in range(k)]
+            slots = [torch.cat([row_slots[seqs[s]][: roots[s]], torch.tensor(paths[s][f] + [own[s * k + f]])])
+                     for s in range(n) for f in range(k)]
+            head_batch = ForwardBatch.build(
+                [cand_tokens[s][c] for s in range(n) for c in frontier[s]],
+                [roots[s] + level - 1 for s in range(n) for _ in range(k)], torch.tensor(own),
+                [1] * (n * k), slots, list(range(n * k)), True, self.device)
+            head_logits, head_hidden = self.head(head_batch.input_ids, hidden, head_batch, self.attention)
+            child_scores, child_ids = torch.log_softmax(head_logits.float(), dim=-1).topk(k, dim=-1)
+            total = (scores.reshape(-1, 1) + child_scores).reshape(n, k * k)
+            children = to_target[child_ids].reshape(n, k * k).tolist()
+            first = len(cand_tokens[0])
+            for s in range(n):
+                cand_tokens[s] += children[s]
+                cand_parents[s] += [frontier[s][j // k] for j in range(k * k)]
+            level_scores.append(total)
+            scores, best = total.topk(k, dim=-1)
+            best = best.tolist()
+            hidden = head_hidden[torch.tensor([s * k + j // k for s in range(n) for j in best[s]], device=self.device)]
+            paths = [[paths[s][j // k] + [own[s * k + j // k]] for j in best[s]] for s in range(n)]
+            frontier = [[first + j for j in best[s]] for s in range(n)]
+        all_scores = torch.cat(level_scores, dim=-1).tolist()
+        trees: list[DraftTree | None] = [None] * len(step.sampled)
+        for s, i in enumerate(live):
+            size = len(step.drafts[i])
+            ranked = sorted(range(len(cand_tokens[s])), key=lambda c: -all_scores[s][c])  # stable: parents first on ties
+            chosen = sorted(ranked[:size])
+            index = {c: node for node, c in enumerate(chosen)}
+            out[i] = [cand_tokens[s][c] for c in chosen]
+            trees[i] = DraftTree([index.get(cand_parents[s][c], -1) for c in chosen])
+        return trees
 
     def _choose(self, draft_logits: torch.Tensor, states: list[SamplingState], sampler: Sampler,
                 dists: list[list[torch.Tensor]]) -> torch.Tensor:

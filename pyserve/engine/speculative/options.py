@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pyserve.engine.speculative.drafter import Drafter, PlaceholderDrafter
 from pyserve.engine.speculative.ngram import NgramDrafter
+from pyserve.engine.speculative.tree import TreeShape
 from pyserve.server_args import EngineOptions, ModelOptions
 
 if TYPE_CHECKING:
@@ -37,11 +38,16 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         return NgramDrafter(k, low, high)
     steps = _draft_model_steps(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
+    topk = options.speculative_eagle_topk
+    if topk < 1:
+        raise ValueError("--speculative-eagle-topk must be at least 1")
+    if topk > 1 and algorithm != "EAGLE3":
+        raise ValueError(f"--speculative-eagle-topk {topk}: draft trees are EAGLE3's; {algorithm} drafts a chain")
     if algorithm == "EAGLE3":
-        if options.speculative_eagle_topk != 1:
-            raise ValueError(f"--speculative-eagle-topk {options.speculative_eagle_topk}: EAGLE3 drafts a chain "
-                             "here (top 1 per step); tree drafting is not built")
-        runner.draft = _eagle3(draft_dir, runner)
+        tree = None
+        if topk > 1:
+            tree, steps = _tree_shape(options, topk), options.speculative_num_draft_tokens - 1
+        runner.draft = _eagle3(draft_dir, runner, tree)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
@@ -83,7 +89,23 @@ def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> i
     return steps
 
 
-def _eagle3(head_dir: Path, runner: ModelRunner):
+def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
+    """EAGLE3's draft trees: --speculative-num-draft-tokens tokens verified
+    per row (the root, the newest known token, included, as SGLang counts
+    them), nodes down to --speculative-num-steps deep."""
+    nodes = options.speculative_num_draft_tokens - 1
+    depth = options.speculative_num_steps or nodes
+    if nodes < 1:
+        raise ValueError("a draft tree (--speculative-eagle-topk above 1) needs --speculative-num-draft-tokens of "
+                         "at least 2: the newest token and one node")
+    candidates = topk + (depth - 1) * topk * topk
+    if nodes > candidates:
+        raise ValueError(f"--speculative-num-draft-tokens {nodes + 1}: a tree {depth} deep with top {topk} per step "
+                         f"has {candidates} candidate nodes, fewer than the {nodes} asked for")
+    return TreeShape(topk, depth, options.max_running_requests * (depth - 1) * topk)
+
+
+def _eagle3(head_dir: Path, runner: ModelRunner, tree: TreeShape | None):
     from pyserve.engine.speculative.eagle3 import Eagle3Draft
     from pyserve.model.eagle3_head import Eagle3Config
 
@@ -98,4 +120,4 @@ def _eagle3(head_dir: Path, runner: ModelRunner):
     if config.model.vocab_size != target.vocab_size:
         raise ValueError(f"the EAGLE-3 head in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
                          f"this model's has {target.vocab_size}")
-    return Eagle3Draft(head_dir, config, runner.rank_model)
+    return Eagle3Draft(head_dir, config, runner.rank_model, tree)

@@ -20,6 +20,9 @@ The NGRAM drafter's drafts are a point mass (q_j(d) = 1), so the rule is
 keep d with probability p_j(d), else draw from p_j without d. Each step
 takes k + 1 uniform numbers from the request's own generator (the seeded
 ones) whatever is accepted, so a seed gives the same text again.
+
+Draft trees (tree.py) are verified by `walk`: the target's own token at
+each node, moving to the child that carries it.
 """
 
 from __future__ import annotations
@@ -28,14 +31,19 @@ import torch
 
 from pyserve.engine.sampler import Sampler, probabilities
 from pyserve.engine.sampling_state import SamplingState
+from pyserve.engine.speculative.tree import DraftTree
 
 
 def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
-                  draft_probs: list[torch.Tensor | None] | None, sampler: Sampler
-                  ) -> tuple[torch.Tensor, list[int], list[list[int]] | None]:
+                  draft_probs: list[torch.Tensor | None] | None, sampler: Sampler,
+                  trees: list[DraftTree | None] | None = None
+                  ) -> tuple[torch.Tensor, list[int], list[list[int]] | None, list[list[int] | None]]:
     """The token each logits row emits (rows past a sequence's run hold
-    the argmax), how many tokens each sequence emits, and per sequence the
-    tokens its grammar forced after them (jump-forward; None when none).
+    the argmax), how many tokens each sequence emits, per sequence the
+    tokens its grammar forced after them (jump-forward; None when none),
+    and per sequence drafted as a tree (`trees[i]`, speculative/tree.py)
+    its accepted nodes (None for the others; its emitted tokens are in
+    chain order, see tree.to_chain).
     `draft_probs[i]`: the [k, vocab] distributions sequence i's drafts were
     drawn from (None: a point mass). Undrafted sequences sample their one
     row as in any step."""
@@ -53,12 +61,17 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
                 forced[i] = tokens
     host = ids.tolist()
     counts = []
+    paths: list[list[int] | None] = [None] * len(drafts)
     for i, (state, draft) in enumerate(zip(states, drafts)):
         if not draft:
             counts.append(1)
             continue
         first, k = firsts[i], len(draft)
-        if state.params.temperature == 0:
+        if trees is not None and trees[i] is not None:
+            run, paths[i] = walk(logits[first : first + k + 1], trees[i], draft, state,
+                                 state.generator or sampler.generator)
+            ids[first : first + len(run)] = torch.tensor(run, device=ids.device)
+        elif state.params.temperature == 0:
             run = greedy_run(host[first : first + k + 1], draft)
         else:
             p = probabilities(logits[first : first + k + 1], [state.params] * (k + 1))
@@ -67,7 +80,7 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
             ids[first : first + len(run)] = torch.tensor(run, device=ids.device)
         counts.append(len(run))
         state.sampled += len(run)
-    return ids, counts, forced
+    return ids, counts, forced, paths
 
 
 def first_rows(drafts: list[list[int]]) -> list[int]:
@@ -118,6 +131,29 @@ def rejection_run(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         if float(last.sum()) <= 0.0:  # p_n == q_n: rejection had probability 0, rounding did it
             last = p[n]
     return draft[:n] + [int(inverse_cdf(last[None], u[k:].to(p.device))[0])]
+
+
+def walk(logits: torch.Tensor, tree: DraftTree, tokens: list[int], state: SamplingState,
+         generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """(the tokens a tree row emits, the accepted nodes): `logits` its
+    [nodes + 1, vocab] rows, the root's first; `tokens` the nodes' tokens."""
+    greedy = state.params.temperature == 0
+    if greedy:
+        targets = logits.argmax(dim=-1).tolist()
+    else:
+        p = probabilities(logits, [state.params] * logits.shape[0])
+        u = torch.rand(max(map(tree.depth, range(len(tokens))), default=0) + 1, generator=generator,
+                       dtype=torch.float64).to(p.device)
+    emitted, path, node = [], [], -1
+    while True:
+        row = node + 1
+        token = targets[row] if greedy else int(inverse_cdf(p[row][None], u[len(path)][None])[0])
+        emitted.append(token)
+        child = next((c for c in tree.children(node) if tokens[c] == token), None)
+        if child is None:
+            return emitted, path
+        path.append(child)
+        node = child
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

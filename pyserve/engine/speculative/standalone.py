@@ -69,12 +69,13 @@ class DraftModel:
         self.vocab_size = target.config.vocab_size
 
     def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState],
-                sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+                sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None], None]:
         """Draft each drafted sequence's tokens (as many as its placeholders
         in `step.drafts`), batched one position at a time, and write them into
         `batch.input_ids` (the device copy of the step's batch).
-        Returns the drafts and, per sequence, the [k, vocab] distributions
-        sampled ones were drawn from (None for greedy or undrafted ones)."""
+        Returns the drafts, per sequence the [k, vocab] distributions
+        sampled ones were drawn from (None for greedy or undrafted ones),
+        and no draft trees (a chain each)."""
         host, drafts = step.batch, step.drafts
         drafted = [i for i, d in enumerate(drafts) if d]
         token_at, slots = _drafted_rows(host, drafts, drafted)
@@ -104,7 +105,7 @@ class DraftModel:
         where = [t + 1 + j for n, t in enumerate(token_at) for j in range(len(out[drafted[n]]))]
         batch.input_ids[torch.tensor(where, device=batch.input_ids.device)] = torch.tensor(
             [token for i in drafted for token in out[i]], device=batch.input_ids.device)
-        return out, [torch.stack(d) if d else None for d in dists]
+        return out, [torch.stack(d) if d else None for d in dists], None
 
     @staticmethod
     def capture() -> None:

@@ -1,0 +1,167 @@
+"""Tree drafting (EAGLE3 with --speculative-eagle-topk above 1), on the
+forward thread: a drafted row verifies a tree of draft tokens instead of
+a chain.
+
+The row's tokens are its newest known token (the root) and the tree's
+nodes, in an order where every node comes after its parent (the root or an
+earlier node). The scheduler gave the row one KV slot per token, in that
+order. For the target's pass each token becomes a row of its own of one
+token (`expand`): its position is the root's plus its depth, and its kv
+table is the sequence's slots up to the root, then its ancestors', then
+its own, so plain attention sees exactly its path (no tree mask).
+
+Verification (rejection.walk) starts at the root: the target's token at a node
+(its argmax, or for a sampled request a draw from its distribution after
+the request's temperature, top-k, top-p and min-p) is emitted, and if a
+child of the node carries that token the walk moves there and goes on;
+else it ends. Every emitted token is the target's own choice given the
+tokens before it, so greedy output is what plain decoding gives and
+sampled output keeps the target's distribution, whatever the drafts were.
+A sampled walk takes depth + 1 uniform numbers from the request's
+generator whatever it accepts.
+
+After the walk the accepted nodes' K/V are copied to the row's first
+slots after the root's (`move_accepted_kv`), where a chain's accepted run
+would have left them: the sequence's slots stay in position order, and the
+KV manager keeps the run and frees the rest as for a chain. The logits
+rows and captured hidden states are reordered the same way (`chain_order`),
+so that what follows (log-probabilities, the head's follow-up) reads a
+chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from pyserve.engine.step import ScheduledStep
+from pyserve.model.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """--speculative-eagle-topk, --speculative-num-steps (the deepest
+    node), and the head slots drafting needs at most (every expanded
+    candidate of every running request)."""
+
+    topk: int
+    depth: int
+    scratch_slots: int
+
+
+@dataclass
+class DraftTree:
+    parents: list[int]  # per node, its parent's node index; -1: the root
+
+    def depth(self, node: int) -> int:
+        """1 for the root's children."""
+        d = 1
+        while self.parents[node] >= 0:
+            node = self.parents[node]
+            d += 1
+        return d
+
+    def ancestors(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`'s parent."""
+        path = []
+        while self.parents[node] >= 0:
+            node = self.parents[node]
+            path.append(node)
+        return path[::-1]
+
+    def children(self, node: int) -> list[int]:
+        """Node `node`'s children (-1: the root's)."""
+        return [c for c, p in enumerate(self.parents) if p == node]
+
+
+def expand(step: ScheduledStep, device_batch: ForwardBatch, trees: list[DraftTree | None]) -> ForwardBatch:
+    """`device_batch` (the step's, drafts in place) with each tree row
+    (`trees`: per sampled sequence) split into rows of one token whose kv
+    tables follow the tree. Token order, and so the logits rows, stay the step's."""
+    host = step.batch
+    tree_of = {seq: t for seq, t in zip(step.sampled, trees) if t is not None}
+    row_of = {r: tree_of[seq] for r, seq in enumerate(step.seqs) if seq in tree_of}
+    positions = host.positions.clone()
+    extend_lens, tables, window_tables = [], [], []
+    windowed = host.window_kv_indices is not None
+    start = 0
+    for r, (n, length) in enumerate(zip(host.extend_lens, host.seq_lens)):
+        lo, hi = int(host.kv_indptr[r]), int(host.kv_indptr[r + 1])
+        own = [host.kv_indices[lo:hi]] + ([host.window_kv_indices[lo:hi]] if windowed else [])
+        tree = row_of.get(r)
+        if tree is None:
+            extend_lens.append(n)
+            tables.append(own[0])
+            if windowed:
+                window_tables.append(own[1])
+        else:
+            root = length - n  # the root's index in its kv table
+            extend_lens += [1] * n
+            for node in range(-1, n - 1):
+                path = [] if node < 0 else [root + 1 + a for a in tree.ancestors(node)] + [root + 1 + node]
+                index = torch.tensor(list(range(root + 1)) + path, dtype=torch.long)
+                tables.append(own[0][index])
+                if windowed:
+                    window_tables.append(own[1][index])
+                if node >= 0:
+                    positions[start + 1 + node] = positions[start] + tree.depth(node)
+        start += n
+    seq_lens = [t.numel() for t in tables]
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    device = device_batch.input_ids.device
+
+    def to_dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return replace(device_batch, positions=to_dev(positions), extend_lens=extend_lens, seq_lens=seq_lens,
+                   kv_indptr=to_dev(indptr), kv_indices=to_dev(torch.cat(tables)),
+                   window_kv_indices=to_dev(torch.cat(window_tables)) if windowed else None,
+                   is_decode=all(n == 1 for n in extend_lens), qo_indptr=None)
+
+
+def chain_order(first_row: int, path: list[int], nodes: int) -> list[int]:
+    """The row's rows (logits rows, or tokens from its first) in the order
+    a chain that accepted `path` would have them: the root's, the
+    accepted nodes', then the rest."""
+    accepted = [first_row] + [first_row + 1 + node for node in path]
+    return accepted + [r for r in range(first_row, first_row + nodes + 1) if r not in accepted]
+
+
+def move_accepted_kv(kv_buffer, batch: ForwardBatch, moves: list[tuple[int, int]]) -> None:
+    """Copy each (from, to) pair of the batch's token rows' K/V, in every
+    layer (the sliding layers' by their sliding slots)."""
+    if not moves:
+        return
+    device = batch.out_cache_loc.device
+    src = torch.tensor([a for a, _ in moves], device=device)
+    dst = torch.tensor([b for _, b in moves], device=device)
+    window_layers = getattr(kv_buffer, "window_layers", frozenset())
+    for layer, (k, v) in enumerate(zip(kv_buffer.k_buffer, kv_buffer.v_buffer)):
+        slots = batch.window_out_cache_loc if layer in window_layers else batch.out_cache_loc
+        frm, to = slots[src], slots[dst]
+        k[to] = k[frm]
+        v[to] = v[frm]
+
+
+def to_chain(host: ForwardBatch, batch: ForwardBatch, logits: torch.Tensor, capture, kv_buffer,
+             drafts: list[list[int]], paths: list[list[int] | None]) -> torch.Tensor:
+    """After verification: each tree row's accepted K/V moved to its first
+    slots, its logits rows (returned) and captured hidden states (in
+    `capture`, when given) in chain order. `paths[i]`: sequence i's
+    accepted nodes, None for a chain or plain row."""
+    rows, tokens = list(range(logits.shape[0])), list(range(batch.input_ids.numel()))
+    moves = []
+    first = 0
+    for draft, path in zip(drafts, paths):
+        if path is not None:
+            start = int(host.logits_indices[first])  # the root's token row
+            rows[first : first + len(draft) + 1] = chain_order(first, path, len(draft))
+            tokens[start : start + len(draft) + 1] = chain_order(start, path, len(draft))
+            moves += [(start + 1 + node, start + 1 + j) for j, node in enumerate(path) if node != j]
+        first += len(draft) + 1
+    move_accepted_kv(kv_buffer, batch, moves)
+    if capture is not None:
+        order = torch.tensor(tokens, device=capture.states[0].device)
+        capture.states[:] = [state[order] for state in capture.states]
+    return logits[torch.tensor(rows, device=logits.device)]
