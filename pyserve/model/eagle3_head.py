@@ -131,6 +131,21 @@ class Eagle3Head(nn.Module):
         return full
 
 
+def whole_target_embedding(target_dir: Path) -> torch.Tensor:
+    """The target checkpoint's embedding matrix, every row of it (a
+    tensor-parallel rank holds a share)."""
+    from safetensors import safe_open
+
+    from pyserve.model.loader import checkpoint_files
+
+    name = "model.embed_tokens.weight"
+    for path in checkpoint_files(target_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"the target checkpoint {target_dir} has no {name} for the EAGLE-3 head to read")
+
+
 def _checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the head's checkpoint, names without a leading `model.`."""
     from safetensors.torch import load_file

@@ -243,13 +243,14 @@ class ModelRunner:
     def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits (and pooled sums), the other tensor-parallel ranks
-        given the same batch. `capture`: hidden states rank 0 keeps (one rank only)."""
+        given the same batch. `capture`: hidden states rank 0 keeps (the
+        residual stream is whole on every rank)."""
         if self.ranks is None:
             return self._forward(batch, step, capture)
         self.ranks.check()
         try:
             self.ranks.channel.send(batch)
-            return self._forward(batch, step)
+            return self._forward(batch, step, capture)
         except Exception as e:
             # The ranks may now be inside different collectives: none can go on.
             self.ranks.fail(f"a tensor-parallel step failed on rank 0: {e}")

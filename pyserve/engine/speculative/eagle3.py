@@ -45,7 +45,7 @@ from pyserve.engine.speculative.rejection import draw, first_rows
 from pyserve.engine.speculative.tree import DraftTree, TreeShape
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.attention.torch_backend import TorchAttention
-from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
+from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head, whole_target_embedding
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
@@ -76,12 +76,19 @@ class _Pairs:
 class Eagle3Draft:
     """The head and its KV buffer, owned by the forward thread."""
 
-    def __init__(self, head_dir: Path, config: Eagle3Config, target: RankModel, tree: TreeShape | None = None):
-        """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains."""
+    def __init__(self, head_dir: Path, config: Eagle3Config, target: RankModel, target_dir: Path,
+                 tree: TreeShape | None = None):
+        """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains.
+        `target_dir`: the target's checkpoint, whose whole embedding the head
+        reads where tensor parallelism left rank 0 a share of it."""
         model = target.model
         self.aux_layers = config.aux_layers(model.config.num_hidden_layers)
-        lm_head = getattr(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", None)
-        self.head = load_eagle3_head(head_dir, config, model.embed_tokens.weight, lm_head, target.dtype, target.device)
+        embed, lm_head = model.embed_tokens.weight, None
+        if model.shard.tp.size == 1:
+            lm_head = getattr(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", None)
+        else:
+            embed = whole_target_embedding(target_dir).to(target.device, target.dtype)
+        self.head = load_eagle3_head(head_dir, config, embed, lm_head, target.dtype, target.device)
         c = config.model
         self.tree = tree
         page_size = target.kv_buffer.page_size

@@ -46,8 +46,11 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     if algorithm == "EAGLE3":
         tree = None
         if topk > 1:
+            if model_options.tp_size > 1:
+                raise ValueError("draft trees (--speculative-eagle-topk above 1) run on one rank: their accepted "
+                                 "K/V moves on rank 0's cache only; with --tp-size above 1 use a chain (top-k 1)")
             tree, steps = _tree_shape(options, topk), options.speculative_num_draft_tokens - 1
-        runner.draft = _eagle3(draft_dir, runner, tree)
+        runner.draft = _eagle3(draft_dir, runner, tree, model_dir)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
@@ -62,15 +65,19 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
 def _verify_graphs(runner: ModelRunner, draft_tokens: int, model_options: ModelOptions) -> None:
     """Recapture the target's CUDA graphs (where it has them) with verify
     rows of a token and `draft_tokens` drafts, and for EAGLE3 the hidden
-    states its head reads. On one rank only: every rank replays the same
-    graphs, and the other ranks do not know of speculation."""
+    states its head reads. Over several ranks every rank must replay a
+    graph of the same shape for the same step, and the other ranks know
+    nothing of speculation: there rank 0 keeps decode graphs only (with the
+    head's hidden states), and verify steps run eagerly on every rank."""
     if runner.rank_model.cuda_graphs is None:
         return
+    aux_layers = getattr(runner.draft, "aux_layers", None)
     if model_options.tp_size > 1:
         logger.warning("Speculative decoding over %d ranks: verify steps run without CUDA graphs while plain "
                        "decode steps replay them, so speculation can be slower than none", model_options.tp_size)
+        if aux_layers is not None:
+            runner.rank_model.capture_graphs(0, aux_layers)
         return
-    aux_layers = getattr(runner.draft, "aux_layers", None)
     runner.rank_model.capture_graphs(draft_tokens + 1, aux_layers)
 
 
@@ -82,8 +89,6 @@ def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> i
     steps = options.speculative_num_steps or options.speculative_num_draft_tokens
     if steps < 1:
         raise ValueError("--speculative-num-steps must be at least 1")
-    if model_options.tp_size > 1:
-        raise ValueError(f"--speculative-algorithm {algorithm} runs on one rank: --tp-size must be 1")
     if model_options.is_embedding:
         raise ValueError("--speculative-algorithm is for generation; an --is-embedding server decodes nothing")
     return steps
@@ -105,7 +110,7 @@ def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
     return TreeShape(topk, depth, options.max_running_requests * (depth - 1) * topk)
 
 
-def _eagle3(head_dir: Path, runner: ModelRunner, tree: TreeShape | None):
+def _eagle3(head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path):
     from pyserve.engine.speculative.eagle3 import Eagle3Draft
     from pyserve.model.eagle3_head import Eagle3Config
 
@@ -120,4 +125,4 @@ def _eagle3(head_dir: Path, runner: ModelRunner, tree: TreeShape | None):
     if config.model.vocab_size != target.vocab_size:
         raise ValueError(f"the EAGLE-3 head in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
                          f"this model's has {target.vocab_size}")
-    return Eagle3Draft(head_dir, config, runner.rank_model, tree)
+    return Eagle3Draft(head_dir, config, runner.rank_model, model_dir, tree)

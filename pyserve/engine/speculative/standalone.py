@@ -55,14 +55,16 @@ class DraftModel:
     def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel, verify_tokens: int):
         """`verify_tokens`: the longest verify row, which `follow` runs
         through the draft model too (its CUDA graphs, on a GPU, cover it)."""
-        # No adapters or second rank: the draft runs on rank 0's device,
-        # over positions as long as the target's context, in the CPU weight
-        # mode the target runs in (auto picks per checkpoint).
+        # No adapters and one rank: the draft runs whole on rank 0's device
+        # (beside a target over several ranks too), over positions as long
+        # as the target's context, in the CPU weight mode the target runs in
+        # (auto picks per checkpoint).
         mode = options.torchao_config
         if mode == "auto" and target.device.type == "cpu":
             mode = target.quant.name if target.quant is not None else "none"
         options = replace(options, model_path=str(draft_dir), enable_lora=False, lora_paths=None,
-                          context_length=target.context_len, is_embedding=False, torchao_config=mode)
+                          context_length=target.context_len, is_embedding=False, torchao_config=mode,
+                          tp_size=1, nnodes=1, node_rank=0)
         self.model = RankModel(options, draft_dir, target.device)
         self.model.allocate(target.kv_buffer.num_pages)
         self.model.capture_graphs(verify_tokens)

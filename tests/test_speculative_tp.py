@@ -1,0 +1,43 @@
+"""Speculative decoding over two tensor-parallel ranks (gloo, on the CPU):
+the drafts are made on rank 0 (NGRAM's on the event loop, a STANDALONE
+draft model whole on rank 0, an EAGLE-3 head reading rank 0's copy of the
+target's hidden states and the whole embedding from the checkpoint), the
+verify pass runs on both ranks, and greedy output is what two ranks give
+without speculation."""
+
+from __future__ import annotations
+
+from tests.test_speculative import SPEC, repetitive, same, with_and_without
+from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, spec, target  # noqa: F401 (fixtures)
+
+TWO_RANKS = {"tp_size": 2, "device": "cpu", "torchao_config": "none"}
+
+
+def test_ngram_over_two_ranks(tiny_llama_dir):
+    requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30, "logprobs": True}),
+                (repetitive(33), {**GREEDY, "max_new_tokens": 12})]
+    plain, got, metrics = with_and_without(tiny_llama_dir, requests, SPEC, TWO_RANKS)
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+
+
+def test_standalone_over_two_ranks(tiny_llama_dir):
+    """The target as its own draft: every draft kept."""
+    requests = [(repetitive(), {**GREEDY, "max_new_tokens": 20, "logprobs": True}),
+                ([5, 17, 99], {**GREEDY, "max_new_tokens": 9})]
+    speculative = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tiny_llama_dir),
+                   "speculative_num_draft_tokens": 3}
+    plain, got, metrics = with_and_without(tiny_llama_dir, requests, speculative, TWO_RANKS)
+    same(plain, got)
+    assert metrics.spec_emitted_tokens >= 3.5 * metrics.spec_verify_steps
+
+
+def test_eagle3_over_two_ranks_keeps_the_fitted_heads_drafts(target, heads):
+    """The fitted head drafts from the hidden states rank 0 keeps of a
+    target split over two ranks: its first two drafts a step are kept, as
+    on one rank (tests/test_speculative_eagle3.py)."""
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "logprobs": True}),
+                (PROMPTS[1], {**GREEDY, "max_new_tokens": 40})]
+    plain, got, metrics = with_and_without(target, requests, spec(heads["fitted"]), TWO_RANKS)
+    same(plain, got)
+    assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
