@@ -160,44 +160,56 @@ def test_fused_checkpoint_layers_and_replicated_kv_heads(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("fmt", ["gptq-int4-sym", "gptq-int4-act-order", "awq-int4-g64", "fp8-row", "fp8-block-128",
                                  "compressed-w4a16-g32"])
-def test_a_part_read_is_what_the_gpu_slices_from_the_whole(tmp_path, default_model_dir, fmt):
-    """What a rank hands the GPU kernels (gpu_layers): each part read is
-    the whole layer's `sliced` part, codes, zeros, scales and groups
-    alike, or (where `sliced` cannot cut the whole: inputs within the
-    layer's one group) the same dense weight."""
+def _parts_of_two_ranks(tmp_path, default_model_dir, fmt):
+    """(config, [(module, whole weight, dim, part, the part read, whether it was cut)])
+    for every quantized layer of a `fmt` checkpoint and each of two ranks' parts."""
     import json
 
     from safetensors import safe_open
 
     from pyserve.model.families import family_of, read_config
     from pyserve.model.loader import _dense_split
-    from pyserve.model.quantized.gpu_layers import sliced
     from pyserve.model.quantized.modules import QuantizedModules
     from pyserve.model.quantized.scheme import detect
-    from pyserve.model.quantized.weights import IntWeight
 
     quant_dir, _ = quantized_dir(tmp_path, default_model_dir, fmt)
     config = read_config(quant_dir)
     names = family_of(config.architecture).checkpoint
+    parts = []
     with safe_open(str(quant_dir / "model.safetensors"), "pt") as f:
         modules = QuantizedModules(detect(json.loads((quant_dir / "config.json").read_text())), [f])
-        cut = 0
         for module in modules.tensors:
             whole = modules.weight(module)
             for rank in (0, 1):
                 shard = ModelShard.of(config, TensorParallel(rank, 2))
                 for dim, part in _dense_split(modules, module, config, shard, names):
-                    weight, read = modules.weight_part(module, dim, part)
-                    if not read:
-                        continue
-                    cut += 1
-                    assert torch.equal(weight.dense(), whole.dense().narrow(dim, part.start, len(part))), module
-                    want = sliced(whole, dim, part)
-                    if isinstance(want, IntWeight):
-                        assert weight.group_size == want.group_size
-                        for field in ("codes", "zeros", "scales"):
-                            assert torch.equal(getattr(weight, field), getattr(want, field)), (module, field)
-        assert cut
+                    parts.append((module, whole, dim, part, *modules.weight_part(module, dim, part)))
+    return config, parts
+
+
+@pytest.mark.parametrize("fmt", ["gptq-int4-sym", "gptq-int4-act-order", "awq-int4-g64", "fp8-row", "fp8-block-128",
+                                 "compressed-w4a16-g32"])
+def test_a_part_read_is_what_the_gpu_slices_from_the_whole(tmp_path, default_model_dir, fmt):
+    """What a rank hands the GPU kernels (gpu_layers): each part read is
+    the whole layer's `sliced` part, codes, zeros, scales and groups
+    alike, or (where `sliced` cannot cut the whole: inputs within the
+    layer's one group) the same dense weight."""
+    from pyserve.model.quantized.gpu_layers import sliced
+    from pyserve.model.quantized.weights import IntWeight
+
+    _, parts = _parts_of_two_ranks(tmp_path, default_model_dir, fmt)
+    cut = 0
+    for module, whole, dim, part, weight, read in parts:
+        if not read:
+            continue
+        cut += 1
+        assert torch.equal(weight.dense(), whole.dense().narrow(dim, part.start, len(part))), module
+        want = sliced(whole, dim, part)
+        if isinstance(want, IntWeight):
+            assert weight.group_size == want.group_size
+            for field in ("codes", "zeros", "scales"):
+                assert torch.equal(getattr(weight, field), getattr(want, field)), (module, field)
+    assert cut
 
 
 def test_two_ranks_in_the_4bit_mode_hold_the_checkpoints_codes(tmp_path, default_model_dir):
@@ -228,40 +240,22 @@ def test_an_act_order_part_holds_its_inputs_codes_and_the_groups_they_name(tmp_p
     inputs are the whole layer's codes of those inputs, with the zeros
     and scales of the groups their g_idx names (only those: no group
     the part does not use), dequantizing to the whole's columns."""
-    import json
-
-    from safetensors import safe_open
-
-    from pyserve.model.families import family_of, read_config
-    from pyserve.model.loader import _dense_split
-    from pyserve.model.quantized.modules import QuantizedModules
-    from pyserve.model.quantized.scheme import detect
-
-    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, "gptq-int4-act-order")
-    config = read_config(quant_dir)
-    names = family_of(config.architecture).checkpoint
-    with safe_open(str(quant_dir / "model.safetensors"), "pt") as f:
-        modules = QuantizedModules(detect(json.loads((quant_dir / "config.json").read_text())), [f])
-        inputs_cut = 0
-        for module in modules.tensors:
-            whole = modules.weight(module)
-            assert not whole.contiguous_groups(), module
-            for rank in (0, 1):
-                shard = ModelShard.of(config, TensorParallel(rank, 2))
-                for dim, part in _dense_split(modules, module, config, shard, names):
-                    if dim != 1:
-                        continue
-                    weight, read = modules.weight_part(module, dim, part)
-                    assert read, module
-                    inputs_cut += 1
-                    cols = slice(part.start, part.stop)
-                    groups = whole.g_idx[cols].long()
-                    assert torch.equal(weight.codes, whole.codes[:, cols])
-                    assert weight.scales.shape[1] == len(groups.unique())
-                    assert torch.equal(weight.scales[:, weight.g_idx.long()], whole.scales[:, groups])
-                    assert torch.equal(weight.zeros[:, weight.g_idx.long()], whole.zeros[:, groups])
-                    assert torch.equal(weight.dense(), whole.dense()[:, cols])
-        assert inputs_cut == 2 * 2 * config.num_hidden_layers  # o_proj and down_proj, each rank
+    config, parts = _parts_of_two_ranks(tmp_path, default_model_dir, "gptq-int4-act-order")
+    inputs_cut = 0
+    for module, whole, dim, part, weight, read in parts:
+        assert not whole.contiguous_groups(), module
+        if dim != 1:
+            continue
+        assert read, module
+        inputs_cut += 1
+        cols = slice(part.start, part.stop)
+        groups = whole.g_idx[cols].long()
+        assert torch.equal(weight.codes, whole.codes[:, cols])
+        assert weight.scales.shape[1] == len(groups.unique())
+        assert torch.equal(weight.scales[:, weight.g_idx.long()], whole.scales[:, groups])
+        assert torch.equal(weight.zeros[:, weight.g_idx.long()], whole.zeros[:, groups])
+        assert torch.equal(weight.dense(), whole.dense()[:, cols])
+    assert inputs_cut == 2 * 2 * config.num_hidden_layers  # o_proj and down_proj, each rank
 
 
 def test_two_act_order_ranks_in_the_4bit_mode_generate_what_one_does(tmp_path, default_model_dir):
