@@ -27,8 +27,9 @@
 //! Where the CPU has AVX-512 VNNI, `vpdpbusd` does a maddubs, its 16-bit
 //! add and the widening to 32 bits in one instruction, and a pass over a
 //! tile takes up to 8 activation rows (a speculative verify step's token
-//! and drafts at once) instead of 4: 0.76x the time of 7 rows' products
-//! (bench/README.md, V1), the same integer sums, so the same outputs.
+//! and drafts at once) instead of 4: the same integer sums, so the same
+//! outputs, in less time (bench/README.md, "CPU: NGRAM verify steps in
+//! the 4-bit mode").
 
 use crate::kernels::simd::{self, QuantizedRows, BLOCK};
 use crate::kernels::spin_pool::{SharedPtr, SpinPool};
