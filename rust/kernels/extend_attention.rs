@@ -113,7 +113,7 @@ fn tokens_per_task(tokens: usize, kv_heads: usize, parts: usize) -> usize {
     if tokens > TOKENS_PER_TASK || kv_heads >= 2 * parts {
         return TOKENS_PER_TASK;
     }
-    // Not under 4 tokens a task: their query rows fill the 4-row register blocks.
+    // At most one task per 4 tokens (rounded up): a task's query rows fill 4-row register blocks.
     let blocks = (2 * parts).div_ceil(kv_heads).min(tokens.div_ceil(4));
     tokens.div_ceil(blocks.max(1))
 }
