@@ -34,8 +34,15 @@ block kernels' extend path, whose rounding differs from the decode path's,
 so a near-tie can go the other way: the script reports how many leading
 tokens agree.
 
+`--step-costs` times single forward steps instead, on the model alone
+(no engine): a decode step (one row, one token) and verify steps of one
+row with k drafts (k + 1 tokens, logits at each), after a 278-token
+prompt, alternated; each verify step's cost as a multiple of the decode
+step's, and the plan (step_plan.py) each step gets.
+
     python bench/speculative.py                 # embedded model, CPU
     python bench/speculative.py --rounds 6 --max-tokens 300
+    python bench/speculative.py --step-costs    # one verify step against one decode step
 """
 
 from __future__ import annotations
@@ -188,6 +195,49 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
     return result
 
 
+def step_costs(args, model_dir: Path) -> dict:
+    """Median ms of a decode step and of verify steps with 1, 3 and 6
+    drafts, one row after a prompt, alternated over --rounds x 20 steps."""
+    import torch
+
+    from pyserve.engine.runner.rank_model import RankModel
+    from pyserve.model.forward_batch import ForwardBatch
+    from pyserve.server_args import ServerArgs
+
+    options = ServerArgs(model_path=str(model_dir), device=args.device, max_total_tokens=4096,
+                         torchao_config=args.torchao_config).resolved().split().model
+    rank = RankModel(options, model_dir, torch.device(options.device))
+    rank.allocate(rank.num_pages())
+    prompt = 278
+    slots = torch.arange(1, prompt + 8)
+    generator = torch.Generator().manual_seed(0)
+
+    def step(new: int) -> ForwardBatch:
+        """`new` tokens after the prompt's (the decode row's and its drafts)."""
+        ids = torch.randint(3, 5000, (new,), generator=generator).tolist()
+        return ForwardBatch.build(ids, list(range(prompt, prompt + new)), slots[prompt:prompt + new], [new],
+                                  [slots[:prompt + new]], list(range(new)), new == 1, options.device)
+
+    steps = {"decode": step(1), **{f"verify_{k}_drafts": step(k + 1) for k in (1, 3, 6)}}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    with torch.inference_mode():
+        rank.forward(ForwardBatch.build(list(range(3, 3 + prompt)), list(range(prompt)), slots[:prompt], [prompt],
+                                        [slots[:prompt]], [prompt - 1], False, options.device))
+        for _ in range(args.rounds * 20):
+            for name, batch in steps.items():
+                start = time.perf_counter()
+                rank.forward(batch).argmax(-1).tolist()
+                times[name].append(time.perf_counter() - start)
+    decode = statistics.median(times["decode"])
+    result = {}
+    for name, batch in steps.items():
+        ms = statistics.median(times[name])
+        result[name] = {"ms": round(ms * 1e3, 2), "x_decode": round(ms / decode, 2),
+                        "plan": rank.plan(batch).layers.value, "torch_threads": rank.plan(batch).torch_threads}
+        print(name, json.dumps(result[name]), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
@@ -202,10 +252,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eagle3-head", default=None,
                    help="an EAGLE-3 head trained for --model (SGLang's format): adds EAGLE3 rows")
     p.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    p.add_argument("--step-costs", action="store_true",
+                   help="time one decode step against verify steps of 1, 3 and 6 drafts instead")
     args = p.parse_args(argv)
     from pyserve.model.default_model import default_model_path
 
     model_dir = Path(args.model) if args.model else default_model_path()
+    if args.step_costs:
+        result = step_costs(args, model_dir)
+        result["machine"] = platform.machine()
+        return result
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = truncated_draft(model_dir, Path(tmp) / "draft", args.draft_layers)
         result = asyncio.run(run(args, model_dir, draft_dir))

@@ -121,6 +121,45 @@ def test_native_prefill_step_gives_the_torch_layers_logits(tmp_path, default_mod
     assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).all()
 
 
+def _verify_logits(model, config, plan: StepPlan, rows: list[int]) -> torch.Tensor:
+    """Two sequences prefilled by the torch layers (lengths 12 and 17),
+    then one step with `rows` new tokens each (a verify step's: a known
+    token and drafts; 1 is a plain decode row) run as `plan` says; the
+    logits at every new token."""
+    kv = KVBuffer(config.num_hidden_layers, 64, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    attn = TorchAttention(kv)
+    generator = torch.Generator().manual_seed(2)
+    lengths = (12, 17)
+    ids = torch.randint(3, 400, (sum(lengths) + sum(rows),), generator=generator).tolist()
+    slots = [torch.arange(1, 13), torch.arange(13, 30)]
+    with torch.inference_mode():
+        model(ForwardBatch.build(ids[:29], list(range(12)) + list(range(17)), torch.arange(1, 30), list(lengths),
+                                 slots, [11, 28], False, "cpu"), attn)
+        new = [torch.arange(30, 30 + rows[0]), torch.arange(30 + rows[0], 30 + sum(rows))]
+        positions = list(range(12, 12 + rows[0])) + list(range(17, 17 + rows[1]))
+        step = ForwardBatch.build(ids[29:], positions, torch.cat(new), list(rows),
+                                  [torch.cat([s, n]) for s, n in zip(slots, new)], list(range(sum(rows))),
+                                  rows == [1, 1], "cpu")
+        return model(step, attn, plan, native_layers.NativeDecode(model))
+
+
+def test_native_verify_step_with_a_decode_row_gives_the_torch_layers_logits(tmp_path, default_model_dir):
+    """A verify step of one drafted sequence (a token and 5 drafts) beside
+    an undrafted one, natively: every row's logits as the torch layers give
+    them, and the undrafted row's exactly what a decode step gives it (the
+    same attention kernel, products that do not depend on the rows beside
+    them), so a request's tokens do not depend on its neighbour's drafts."""
+    model_dir = build_tiny_model(tmp_path, "llama", tokenizer_dir=default_model_dir)
+    model, config = load_model(model_dir, torch.float32, "cpu", parse_quant("8da4w"))
+    native = _verify_logits(model, config, StepPlan(Layers.NATIVE_EXTENDS, native_extend_attention=True), [1, 6])
+    torch_logits = _verify_logits(model, config, StepPlan(Layers.TORCH, native_extend_attention=True), [1, 6])
+    assert native.shape == torch_logits.shape == (7, config.vocab_size)
+    assert (native - torch_logits).abs().max() < 1e-4 * torch_logits.abs().max()
+    assert (native.argmax(-1) == torch_logits.argmax(-1)).all()
+    decode = _verify_logits(model, config, StepPlan(Layers.NATIVE_DECODE), [1, 1])
+    assert torch.equal(native[0], decode[0])
+
+
 def test_layouts_the_native_layer_does_not_run_keep_torch(tmp_path, default_model_dir):
     qwen3 = build_tiny_model(tmp_path / "qwen3", "qwen3", tokenizer_dir=default_model_dir)
     assert "q and k" in native_layers.unfit_reason(load_model(qwen3, torch.float32, "cpu", parse_quant("8da4w"))[0])

@@ -11,6 +11,7 @@ from pyserve.engine.runner import rank_model
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.model.cpu import blocks, extend_attention
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.step_plan import Layers, StepPlan
 from pyserve.server_args import ServerArgs
 from tests.tiny_models import build_tiny_model
@@ -72,8 +73,12 @@ def test_the_owner_plans_each_kind_of_step(rank):
     assert rank.plan(prompts) == StepPlan(Layers.NATIVE_EXTENDS, 1, True, THREADS)
     rank.forward(prompts)
     assert rank.plan(steps.batch({0: 1, 1: 1})) == StepPlan(Layers.NATIVE_DECODE, 1, True, THREADS)
-    mixed = steps.batch({0: 1, 1: 6})  # a decode row beside a chunk: the torch layers, the chunk natively attended
-    assert rank.plan(mixed) == StepPlan(Layers.TORCH, 1, True, THREADS)
+    # A decode row beside a chunk, or beside a row of drafts (a verify step):
+    # the native layers, the decode row attending as in a decode step.
+    mixed = steps.batch({0: 1, 1: 6})
+    assert rank.plan(mixed) == StepPlan(Layers.NATIVE_EXTENDS, 1, True, THREADS)
+    rank.forward(mixed)
+    assert rank.plan(steps.batch({0: 7})) == StepPlan(Layers.NATIVE_EXTENDS, 1, True, THREADS)
     long = steps.batch({2: rank_model.ONE_THREAD_BELOW_ROWS})  # all threads, SDPA
     assert rank.plan(long) == StepPlan(Layers.TORCH, THREADS, False, None)
 
@@ -95,4 +100,7 @@ def test_a_step_runs_the_layers_and_threads_its_plan_names(rank, monkeypatch):
         rank.forward(steps.batch(new))
         assert torch.get_num_threads() == THREADS
     layers = rank.model.config.num_hidden_layers
-    assert seen == [("run_extends", 1), ("run", 1)] + [("extend kernel", 1)] * layers
+    assert seen == [("run_extends", 1), ("run", 1), ("run_extends", 1)]
+    seen.clear()
+    rank.forward(steps.batch({0: 1, 1: 3}), capture=AuxCapture(frozenset([0])))  # kept hidden states: torch layers
+    assert seen == [("extend kernel", 1)] * layers

@@ -23,7 +23,7 @@ class Layers(Enum):
     TORCH = "torch"  # the model's modules, op by op: any step
     COMPILED_DECODE = "compiled decode"  # the torch.compile'd layer (CausalLM.compile_decode, layers/causal_lm.py): decode steps
     NATIVE_DECODE = "native decode"  # one Rust call per layer (cpu/native_layers.py): decode steps
-    NATIVE_EXTENDS = "native extends"  # the same for prefill chunks alone, attending with cpu/extend_attention.py
+    NATIVE_EXTENDS = "native extends"  # the same for steps of several tokens a row (prefill chunks, verify rows), decode rows among them
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,13 @@
 //! A block's 8 partial `maddubs` results add up in 16 bits without
 //! overflow: each is at most 2 * 15 * 127 = 3,810 in magnitude (codes 0..15
 //! times activations within +-127), so 8 make at most 30,480.
+//!
+//! Where the CPU has AVX-512 VNNI, `vpdpbusd` does a maddubs, its 16-bit
+//! add and the widening to 32 bits in one instruction, and a pass over a
+//! tile takes up to 8 activation rows (a speculative verify step's token
+//! and drafts at once) instead of 4: the same integer sums, so the same
+//! outputs, in less time (bench/README.md, "CPU: NGRAM verify steps in
+//! the 4-bit mode").
 
 use crate::kernels::simd::{self, QuantizedRows, BLOCK};
 use crate::kernels::spin_pool::{SharedPtr, SpinPool};
@@ -33,6 +40,10 @@ const TILE_ROWS: usize = 8;
 const CODE_BYTES: usize = TILE_ROWS * BLOCK / 2;
 /// A tile's bytes for one block: the codes, 8 scales and 8 minimums.
 const TILE_BLOCK_BYTES: usize = CODE_BYTES + 2 * TILE_ROWS * 4;
+/// Activation rows the VNNI path multiplies per pass over a tile: a
+/// speculative verify step's 7 (a token and 6 drafts) in one pass, their
+/// accumulators in AVX-512's 32 vector registers.
+const VNNI_ROWS: usize = 8;
 
 /// Q4_1 weights [n, k] in the tile layout (see the module's comment):
 /// w[r, c] = scale[r, c / 32] * code[r, c] + min[r, c / 32], codes 0..15.
@@ -145,14 +156,26 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q4_1Tiles, out
     let out_ptr = SharedPtr(out.as_mut_ptr());
     let tiles = weights.tiles();
     let parts = parts.clamp(1, pool.threads()).min(tiles);
+    #[cfg(target_arch = "x86_64")]
+    let vnni = simd::vnni();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    // Activation rows per pass over a tile: each pass reads the tile's codes once.
+    let pass = if vnni { VNNI_ROWS } else { 4 };
     pool.run(parts, &|part| {
         for t in tiles * part / parts..tiles * (part + 1) / parts {
             let first = t * TILE_ROWS;
             let count = TILE_ROWS.min(n - first);
-            for row in (0..m).step_by(4) {
-                let rows = row..m.min(row + 4);
+            for row in (0..m).step_by(pass) {
+                let rows = row..m.min(row + pass);
                 // SAFETY: each task writes only its own tiles' columns, inside `out`.
                 let out = unsafe { out_ptr.get().add(row * n + first) };
+                #[cfg(target_arch = "x86_64")]
+                if vnni {
+                    // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; as below.
+                    unsafe { avx2::multiply_vnni(weights, t, &xs, rows, out, n, count) };
+                    continue;
+                }
                 #[cfg(target_arch = "x86_64")]
                 if simd::avx2() {
                     // SAFETY: the CPU has AVX2 and FMA; the tile and the rows are inside their buffers.
@@ -232,6 +255,96 @@ mod avx2 {
         }
     }
 
+    /// `multiply` for up to VNNI_ROWS activation rows, each block's 32
+    /// byte products per weight row summed by `vpdpbusd` into 32-bit lanes:
+    /// the same integers as maddubs' 16-bit sums (which never saturate,
+    /// see the module's comment), so the same outputs to the bit.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn multiply_vnni(
+        weights: &Q4_1Tiles,
+        t: usize,
+        xs: &QuantizedRows,
+        rows: Range<usize>,
+        out: *mut f32,
+        n: usize,
+        count: usize,
+    ) {
+        let blocks = weights.blocks();
+        assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len() && t < weights.tiles());
+        let tile = weights.block(t, 0).as_ptr();
+        let at = (
+            xs.codes.as_ptr().add(rows.start * blocks * BLOCK),
+            xs.scales.as_ptr().add(rows.start * blocks),
+            xs.sums.as_ptr().add(rows.start * blocks),
+        );
+        match rows.len() {
+            8 => tile_rows_vnni::<8>(tile, blocks, at, out, n, count),
+            7 => tile_rows_vnni::<7>(tile, blocks, at, out, n, count),
+            6 => tile_rows_vnni::<6>(tile, blocks, at, out, n, count),
+            5 => tile_rows_vnni::<5>(tile, blocks, at, out, n, count),
+            4 => tile_rows_vnni::<4>(tile, blocks, at, out, n, count),
+            3 => tile_rows_vnni::<3>(tile, blocks, at, out, n, count),
+            2 => tile_rows_vnni::<2>(tile, blocks, at, out, n, count),
+            _ => tile_rows_vnni::<1>(tile, blocks, at, out, n, count),
+        }
+    }
+
+    /// `tile_rows` with `vpdpbusd`. Two 32-bit sums per row (the low and
+    /// the high nibbles' codes) halve each block's chain of dependent
+    /// instructions; integer sums, so their order changes nothing.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    unsafe fn tile_rows_vnni<const R: usize>(
+        tile: *const u8,
+        blocks: usize,
+        (codes, x_scales, x_sums): (*const i8, *const f32, *const f32),
+        out: *mut f32,
+        n: usize,
+        count: usize,
+    ) {
+        let k = blocks * BLOCK;
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..blocks {
+            let block = tile.add(b * super::TILE_BLOCK_BYTES);
+            let mut dots = [[_mm256_setzero_si256(); 2]; R];
+            for j in 0..4 {
+                let packed = _mm256_loadu_si256(block.add(32 * j) as *const __m256i);
+                let halves = [_mm256_and_si256(packed, low), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low)];
+                for (h, w) in halves.into_iter().enumerate() {
+                    for (r, dot) in dots.iter_mut().enumerate() {
+                        let x = codes.add(r * k + b * BLOCK + 4 * j + h * BLOCK / 2);
+                        let four = _mm256_set1_epi32((x as *const i32).read_unaligned());
+                        dot[h] = _mm256_dpbusd_epi32(dot[h], w, four);
+                    }
+                }
+            }
+            let scales = _mm256_loadu_ps(block.add(CODE_BYTES) as *const f32);
+            let mins = _mm256_loadu_ps(block.add(CODE_BYTES + 4 * TILE_ROWS) as *const f32);
+            for r in 0..R {
+                let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(dots[r][0], dots[r][1]));
+                let scale = _mm256_mul_ps(scales, _mm256_set1_ps(*x_scales.add(r * blocks + b)));
+                acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*x_sums.add(r * blocks + b)), acc[r]);
+            }
+        }
+        store(&acc, out, n, count);
+    }
+
+    /// Each row's 8 sums into its `count` columns of `out` (rows `n` apart).
+    #[inline(always)]
+    unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, n: usize, count: usize) {
+        for (r, sums) in acc.iter().enumerate() {
+            let row = out.add(r * n);
+            if count == TILE_ROWS {
+                _mm256_storeu_ps(row, *sums);
+            } else {
+                let mut lanes = [0f32; TILE_ROWS];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), *sums);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), row, count);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile_rows<const R: usize>(
         tile: *const u8,
@@ -268,16 +381,7 @@ mod avx2 {
                 acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*x_sums.add(r * blocks + b)), acc[r]);
             }
         }
-        for (r, sums) in acc.iter().enumerate() {
-            let row = out.add(r * n);
-            if count == TILE_ROWS {
-                _mm256_storeu_ps(row, *sums);
-            } else {
-                let mut lanes = [0f32; TILE_ROWS];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), *sums);
-                std::ptr::copy_nonoverlapping(lanes.as_ptr(), row, count);
-            }
-        }
+        store(&acc, out, n, count);
     }
 }
 
@@ -386,6 +490,37 @@ mod tests {
                 }
             }
             assert_eq!(got, plain, "n {n} k {k} m {m}");
+        });
+    }
+
+    /// The VNNI path (which `matmul` takes where the CPU has it) sums the
+    /// same integers as the AVX2 path: the same outputs, 1 to 9 rows.
+    /// On a CPU without AVX-512 VNNI this fails saying so (`--skip vnni`).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_vnni_products_are_the_avx2_path_bit_for_bit() {
+        assert!(simd::vnni(), "not run: this CPU has no AVX-512 VNNI, so there is no VNNI path (--skip vnni)");
+        each_product(|tiles, x, got| {
+            let (n, k) = tiles.shape();
+            let m = x.len() / k;
+            let xs = QuantizedRows::new(x, k);
+            let (mut maddubs, mut vnni) = (vec![0f32; m * n], vec![0f32; m * n]);
+            for t in 0..tiles.tiles() {
+                let count = TILE_ROWS.min(n - t * TILE_ROWS);
+                for row in (0..m).step_by(4) {
+                    let out = maddubs[row * n + t * TILE_ROWS..].as_mut_ptr();
+                    // SAFETY: the CPU has AVX2 (it has VNNI); tile t and the rows exist; `out` has
+                    // `count` columns in each of those rows.
+                    unsafe { avx2::multiply(tiles, t, &xs, row..m.min(row + 4), out, n, count) };
+                }
+                for row in (0..m).step_by(VNNI_ROWS) {
+                    let out = vnni[row * n + t * TILE_ROWS..].as_mut_ptr();
+                    // SAFETY: as above, with AVX-512 VNNI.
+                    unsafe { avx2::multiply_vnni(tiles, t, &xs, row..m.min(row + VNNI_ROWS), out, n, count) };
+                }
+            }
+            assert_eq!(vnni, maddubs, "n {n} k {k} m {m}");
+            assert_eq!(got, &vnni[..], "n {n} k {k} m {m}");
         });
     }
 

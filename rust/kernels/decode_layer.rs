@@ -92,9 +92,12 @@ pub enum Sequences<'a> {
     /// the first `lens[row]` of its row of `slots` [rows, width] (its new
     /// token's last).
     Decode { slots: &'a [i64], width: usize, lens: &'a [i64] },
-    /// A prefill step: each entry is a sequence's count of new tokens, the
-    /// next rows in order, and its slots (the new tokens' last); each new
-    /// token sees the slots up to its own (extend_attention's rule).
+    /// A step of prefill chunks or speculative verify rows, decode rows
+    /// among them or not: each entry is a sequence's count of new tokens,
+    /// the next rows in order, and its slots (the new tokens' last); each
+    /// new token sees the slots up to its own (extend_attention's rule).
+    /// A sequence of one new token after a cached past is a decode row and
+    /// attends as one (decode_attention), as in a decode step.
     Extend(Vec<(usize, &'a [i64])>),
 }
 
@@ -267,7 +270,9 @@ fn check_slots(rows: &Rows, cache_slots: usize) -> Result<(), String> {
 }
 
 /// Each extend's attention (extend_attention) over the cache, its rows'
-/// queries copied out of `qkv` together.
+/// queries copied out of `qkv` together; the decode rows among them
+/// (one new token after a cached past) in one decode_attention call, so
+/// that such a row's output is what a decode step gives it.
 fn attend_extends(
     pool: &SpinPool,
     threads: usize,
@@ -279,8 +284,14 @@ fn attend_extends(
 ) -> Result<(), String> {
     let (q_size, qkv_width) = (dims.q_size(), dims.qkv_width());
     let mut q = Vec::new();
+    let mut decode_rows = Vec::new(); // (row, slots)
     let mut first = 0;
     for &(count, slots) in sequences {
+        if count == 1 && slots.len() > 1 {
+            decode_rows.push((first, slots));
+            first += 1;
+            continue;
+        }
         q.clear();
         for row in qkv[first * qkv_width..].chunks_exact(qkv_width).take(count) {
             q.extend_from_slice(&row[..q_size]);
@@ -298,7 +309,42 @@ fn attend_extends(
         extend_attention::attend(pool, threads, &extend, &mut out[first * q_size..(first + count) * q_size])?;
         first += count;
     }
+    if !decode_rows.is_empty() {
+        attend_decode_rows(pool, threads, dims, &decode_rows, (k, v), qkv, out);
+    }
     Ok(())
+}
+
+/// The decode rows of an extend step, `rows` (row, slots), attended as a
+/// decode step's rows: their q/k/v rows and slots gathered, the outputs
+/// put back in their rows of `out`. Their slots lie inside the cache
+/// (`check_slots`).
+fn attend_decode_rows(
+    pool: &SpinPool,
+    threads: usize,
+    dims: &Dims,
+    rows: &[(usize, &[i64])],
+    (k, v): (&[f32], &[f32]),
+    qkv: &[f32],
+    out: &mut [f32],
+) {
+    let (q_size, qkv_width) = (dims.q_size(), dims.qkv_width());
+    let width = rows.iter().map(|(_, slots)| slots.len()).max().unwrap_or(0);
+    let mut table = vec![0i64; rows.len() * width];
+    let (mut lens, mut gathered) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len() * qkv_width));
+    for (i, &(row, slots)) in rows.iter().enumerate() {
+        table[i * width..][..slots.len()].copy_from_slice(slots);
+        lens.push(slots.len() as i64);
+        gathered.extend_from_slice(&qkv[row * qkv_width..][..qkv_width]);
+    }
+    let mut attended = vec![0f32; rows.len() * q_size];
+    // SAFETY: each row attends over its own slots, inside the cache (check_slots).
+    unsafe {
+        decode_attention::attend(pool, threads, &dims.heads(), (&table, width, &lens), (k, v), &gathered, &mut attended)
+    };
+    for (&(row, _), heads) in rows.iter().zip(attended.chunks_exact(q_size)) {
+        out[row * q_size..][..q_size].copy_from_slice(heads);
+    }
 }
 
 /// out = SiLU(gate) * up.
@@ -438,6 +484,49 @@ mod tests {
         for (i, (a, b)) in extended.iter().zip(&decoded).enumerate() {
             assert!((a - b).abs() < 1e-5, "value {i}: {a} vs {b}");
         }
+    }
+
+    /// A decode row between two extends (a verify step's batch: drafted
+    /// and undrafted sequences) attends as a decode step's row does, to
+    /// the bit; the extends' rows as they do alone.
+    #[test]
+    fn a_decode_row_among_extends_attends_as_in_a_decode_step() {
+        let dims = Dims { hidden: 0, heads: 6, kv_heads: 2, head_dim: 8, intermediate: 0, eps: 0.0, scale: 0.35 };
+        let (q_size, kv_size) = (6 * 8, 2 * 8);
+        let wave = |i: usize, salt: usize| ((i * 17 + salt * 5) % 31) as f32 / 31.0 * 3.0 - 1.5;
+        let cache_slots = 80;
+        let k: Vec<f32> = (0..cache_slots * kv_size).map(|i| wave(i, 1)).collect();
+        let v: Vec<f32> = (0..cache_slots * kv_size).map(|i| wave(i, 2)).collect();
+        let (first, decoded, last): (Vec<i64>, Vec<i64>, Vec<i64>) =
+            ((0..20).collect(), (20..57).collect(), (57..66).collect());
+        let rows = 4 + 1 + 3;
+        let qkv: Vec<f32> = (0..rows * (q_size + 2 * kv_size)).map(|i| wave(i, 3)).collect();
+        let sequences = vec![(4, &first[..]), (1, &decoded[..]), (3, &last[..])];
+        let mut mixed = vec![0f32; rows * q_size];
+        attend_extends(SpinPool::global(), 2, &dims, &sequences, (&k, &v), &qkv, &mut mixed).unwrap();
+        let mut alone = vec![0f32; q_size];
+        let row = &qkv[4 * (q_size + 2 * kv_size)..][..q_size + 2 * kv_size];
+        // SAFETY: the row's slots are inside the cache.
+        unsafe {
+            attend(SpinPool::global(), 2, &dims.heads(), (&decoded, decoded.len(), &[37]), (&k, &v), row, &mut alone)
+        };
+        assert_eq!(&mixed[4 * q_size..5 * q_size], &alone[..]);
+        let mut extends = vec![0f32; rows * q_size];
+        for (range, (count, slots)) in [(0..4, sequences[0]), (5..8, sequences[2])] {
+            let at = range.start * (q_size + 2 * kv_size);
+            attend_extends(
+                SpinPool::global(),
+                2,
+                &dims,
+                &[(count, slots)],
+                (&k, &v),
+                &qkv[at..],
+                &mut extends[range.start * q_size..range.end * q_size],
+            )
+            .unwrap();
+        }
+        assert_eq!(&mixed[..4 * q_size], &extends[..4 * q_size]);
+        assert_eq!(&mixed[5 * q_size..], &extends[5 * q_size..]);
     }
 
     #[test]

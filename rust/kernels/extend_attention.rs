@@ -79,7 +79,8 @@ pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) -> Res
     }
     #[cfg(target_arch = "x86_64")]
     if e.head_dim % 8 == 0 && simd::avx2() {
-        let blocks = e.tokens().div_ceil(TOKENS_PER_TASK);
+        let per_task = tokens_per_task(e.tokens(), e.kv_heads, parts.clamp(1, pool.threads()));
+        let blocks = e.tokens().div_ceil(per_task);
         let tasks = blocks * e.kv_heads;
         let out_ptr = SharedPtr(out.as_mut_ptr());
         let parts = parts.clamp(1, pool.threads()).min(tasks.max(1));
@@ -87,17 +88,34 @@ pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) -> Res
             let mut scratch = avx2::Scratch::new(e);
             for task in tasks * part / parts..tasks * (part + 1) / parts {
                 let (kv_head, block) = (task % e.kv_heads, task / e.kv_heads);
-                let first = block * TOKENS_PER_TASK;
-                let tokens = first..e.tokens().min(first + TOKENS_PER_TASK);
+                let first = block * per_task;
+                let tokens = first..e.tokens().min(first + per_task);
+                // The keys walked: those the last token of the task's
+                // TOKENS_PER_TASK block sees (all of a split extend's
+                // tasks walk the same tiles, each row's sums as unsplit).
+                let seen = e.visible(if per_task < TOKENS_PER_TASK { e.tokens() } else { tokens.end } - 1);
                 // SAFETY: the CPU has AVX2; each task writes only its own
                 // tokens' heads of `out`.
-                unsafe { scratch.attend(e, kv_head, tokens, out_ptr.get()) };
+                unsafe { scratch.attend(e, kv_head, tokens, seen, out_ptr.get()) };
             }
         });
         return Ok(());
     }
     plain(e, out);
     Ok(())
+}
+
+/// New tokens per task: TOKENS_PER_TASK, or fewer for an extend of one
+/// task's tokens or less (a speculative verify step's token and drafts)
+/// whose KV heads alone make fewer than two tasks a thread: one task per KV head left 3 heads
+/// uneven on 2 threads.
+fn tokens_per_task(tokens: usize, kv_heads: usize, parts: usize) -> usize {
+    if tokens > TOKENS_PER_TASK || kv_heads >= 2 * parts {
+        return TOKENS_PER_TASK;
+    }
+    // At most one task per 4 tokens (rounded up): a task's query rows fill 4-row register blocks.
+    let blocks = (2 * parts).div_ceil(kv_heads).min(tokens.div_ceil(4));
+    tokens.div_ceil(blocks.max(1))
 }
 
 /// `attend` as plain loops: one query row at a time, the whole softmax at
@@ -165,10 +183,11 @@ mod avx2 {
             }
         }
 
-        /// The attention of `tokens`' query heads of `kv_head`'s group, into
+        /// The attention of `tokens`' query heads of `kv_head`'s group over
+        /// the first `seen` slots (each token's own visible ones), into
         /// their places in `out`.
         #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn attend(&mut self, e: &Extend, kv_head: usize, tokens: Range<usize>, out: *mut f32) {
+        pub unsafe fn attend(&mut self, e: &Extend, kv_head: usize, tokens: Range<usize>, seen: usize, out: *mut f32) {
             let (d, group) = (e.head_dim, e.heads / e.kv_heads);
             let rows = tokens.len() * group;
             let padded = rows.div_ceil(4) * 4;
@@ -183,7 +202,6 @@ mod avx2 {
             self.o[..padded * d].fill(0.0);
             self.max[..rows].fill(f32::NEG_INFINITY);
             self.total[..rows].fill(0.0);
-            let seen = e.visible(tokens.end - 1);
             for start in (0..seen).step_by(KEY_TILE) {
                 let keys = KEY_TILE.min(seen - start);
                 self.load_tile(e, kv_head, &e.slots[start..start + keys]);
@@ -332,6 +350,28 @@ mod tests {
                 assert!((g - w).abs() < 2e-5, "{tokens} tokens after {prefix}, d {d}: {g} vs {w}");
             }
         }
+    }
+
+    /// A short extend split into several tasks a KV head (2 threads, 3 KV
+    /// heads, 7 tokens: a verify step's) gives each row the bits it gets
+    /// on one thread, unsplit. 280 slots: the last tile's 24 keys, of
+    /// which the first task's last token sees 21, would be summed in
+    /// another order if that task walked only the keys it sees.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_split_short_extends_are_the_unsplit_bit_for_bit() {
+        simd::require_avx2();
+        assert!(tokens_per_task(7, 3, 2) < 7 && tokens_per_task(7, 3, 1) == TOKENS_PER_TASK);
+        let (tokens, prefix, heads, kv_heads, d) = (7, 273, 9, 3, 64);
+        let cache_slots = prefix + tokens;
+        let (k, v) = (values(cache_slots * kv_heads * d, 4), values(cache_slots * kv_heads * d, 5));
+        let q = values(tokens * heads * d, 6);
+        let slots: Vec<i64> = (0..cache_slots as i64).rev().collect();
+        let e = Extend { q: &q, k: &k, v: &v, slots: &slots, heads, kv_heads, head_dim: d, scale: 0.125 };
+        let (mut split, mut whole) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        attend(&SpinPool::new(2), 2, &e, &mut split).unwrap();
+        attend(&SpinPool::new(1), 1, &e, &mut whole).unwrap();
+        assert_eq!(split, whole);
     }
 
     #[test]

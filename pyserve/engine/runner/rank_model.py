@@ -295,7 +295,8 @@ class RankModel:
         native_extend = self.native_extend_fits and threads == 1
         if self.native_layers is not None and decode:
             layers = Layers.NATIVE_DECODE
-        elif self.native_layers is not None and native_extend and not any(one_token):
+        elif self.native_layers is not None and native_extend:
+            # Prefill chunks and verify rows, decode rows among them or not.
             layers = Layers.NATIVE_EXTENDS
         elif self.model.compiled_decode_layer is not None and decode:
             layers = Layers.COMPILED_DECODE

@@ -104,32 +104,35 @@ def rejection_run(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
                   generator: torch.Generator) -> list[int]:
     """The tokens one verify step emits for a sampled sequence: `p` the
     target's [k + 1, vocab] distributions (unnormalised is fine), `q` the
-    drafts' [k, vocab] ones or None for point masses."""
+    drafts' [k, vocab] ones or None for point masses. Only the drafts'
+    probabilities and the one row drawn from are read in float64, each
+    over its row's total: a float64 copy of every row cost a verify step
+    of 7 rows as much as 2 ms on a CPU."""
     k = len(draft)
     u = torch.rand(k + 1, generator=generator, dtype=torch.float64)
-    p = p.double()
-    p = p / p.sum(dim=-1, keepdim=True)
     d = torch.tensor(draft, device=p.device)
     rows = torch.arange(k, device=p.device)
+    p_total = p.sum(dim=-1, dtype=torch.float64)
+    p_d = p[rows, d].double() / p_total[:k]
     if q is None:
         q_d = torch.ones(k, dtype=torch.float64, device=p.device)
     else:
-        q = q.double()
-        q = q / q.sum(dim=-1, keepdim=True)
-        q_d = q[rows, d]
+        q_total = q.sum(dim=-1, dtype=torch.float64)
+        q_d = q[rows, d].double() / q_total
     # u < p(d) / q(d), without dividing by a q(d) that may be tiny.
-    kept = (u[:k].to(p.device) * q_d < p[rows, d]).tolist()
+    kept = (u[:k].to(p.device) * q_d < p_d).tolist()
     n = kept.index(False) if False in kept else k
+    p_n = p[n].double() / p_total[n]
     if n == k:
-        last = p[k]
+        last = p_n
     else:
         if q is None:
-            last = p[n].clone()
+            last = p_n.clone()
             last[draft[n]] = 0.0
         else:
-            last = (p[n] - q[n]).clamp(min=0.0)
+            last = (p_n - q[n].double() / q_total[n]).clamp(min=0.0)
         if float(last.sum()) <= 0.0:  # p_n == q_n: rejection had probability 0, rounding did it
-            last = p[n]
+            last = p_n
     return draft[:n] + [int(inverse_cdf(last[None], u[k:].to(p.device))[0])]
 
 

@@ -75,8 +75,8 @@ class AttentionBackend(ABC):
         return None
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
-        """For a prepared prefill step planned with native extend attention,
-        whose layers may then run natively (cpu/native_layers.py, over this
+        """For a prepared step planned with native extend attention, whose
+        layers may then run natively (cpu/native_layers.py, over this
         backend's `kv_buffer`): each sequence's count of new tokens and its
         slots, the new tokens' last. None for any other step, and on
         backends that keep their own attention."""

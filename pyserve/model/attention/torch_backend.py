@@ -286,13 +286,14 @@ class TorchAttention(AttentionBackend):
             torch._dynamo.mark_dynamic(single.mask, 3)
 
     def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
-        """Prefill chunks alone, in a step whose plan has extends run
+        """Every sequence of a step whose plan has extends run
         extend_attention's kernel: the native layer runs them with that same
-        kernel. Decode rows beside them (a mixed step) keep these layers'
-        batched SDPA."""
-        if not self._plan.native_extend_attention or self._single is not None:
+        kernel, and its decode rows (a mixed step's, a verify step's
+        undrafted ones) as a decode step's."""
+        if not self._plan.native_extend_attention:
             return None
-        return [(s.num_new, s.slots) for s in self._extend]
+        batch = self._batch
+        return list(zip(batch.extend_lens, batch.kv_indices.split(batch.seq_lens)))
 
     def decode_inputs(self, layer_id: int, window: int | None = None) -> tuple | None:
         """For a prepared batch of single-token rows only (a decode step):

@@ -1,9 +1,10 @@
 """Steps of a model in the 8da4w layout as one Rust call per layer
 (rust/kernels/decode_layer.rs): norms, Q4_1 projections, rotary, the KV write and
 attention over each sequence's slots, SiLU, without a torch op between.
-Decode steps, and the prefill steps that the attention backend hands over
-(`native_extends`: the one-thread 8da4w steps of prefill chunks alone,
-whose attention is rust/kernels/extend_attention.rs).
+Decode steps, and the steps that the attention backend hands over
+(`native_extends`: the one-thread 8da4w steps of prefill chunks or
+speculative verify rows, whose attention is rust/kernels/extend_attention.rs;
+decode rows among them attend as in a decode step).
 
 At batch 1 a small model's projections are about half of a step on a CPU;
 the other half was the cost around them (torch.compile's per-call checks,
@@ -11,8 +12,7 @@ custom-op dispatch, SDPA's set-up for one query). In a prefill chunk over a
 cached prefix, torch's ops between the kernels ran on one thread while the
 kernels' helper waited: a quarter of the step. Llama-style layers on
 one rank only: Q4_1 q/k/v (with or without a bias), o, gate/up and down
-projections without biases, no q/k norms, float32 KV cache. Mixed steps
-(decode rows beside a prefill chunk) keep the torch layers.
+projections without biases, no q/k norms, float32 KV cache.
 """
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ class NativeDecode:
 
     def run_extends(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
                     extends: list[tuple[int, torch.Tensor]], kv_buffer) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `run`, for a prefill step: `extends` holds each sequence's
-        count of new tokens (the next rows in order) and its slots (int64,
-        the new tokens' last); `new_slots` the rows' KV slots."""
+        """As `run`, for a step of prefill chunks or verify rows (decode rows
+        among them or not): `extends` holds each sequence's count of new
+        tokens (the next rows in order) and its slots (int64, the new
+        tokens' last); `new_slots` the rows' KV slots."""
         if kv_buffer.k_buffer[0] is not self._cache_of:
             self._view_caches(kv_buffer.k_buffer[0], list(zip(kv_buffer.k_buffer, kv_buffer.v_buffer)))
         extends = [(count, _view(slots.to(torch.long))) for count, slots in extends]

@@ -17,6 +17,14 @@ pub fn avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
+/// Whether this CPU also has AVX-512 VNNI on 256-bit vectors (`vpdpbusd`:
+/// 32 byte products summed into eight 32-bit lanes in one instruction),
+/// which block_gemm's products use beside the AVX2 path.
+#[cfg(target_arch = "x86_64")]
+pub fn vnni() -> bool {
+    avx2() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+}
+
 /// sum a[i] * b[i] in eight independent lanes, which the compiler vectorizes.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
