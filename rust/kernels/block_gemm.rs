@@ -226,6 +226,25 @@ mod avx2 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
+    /// Tile t's first block, the blocks per row, and the activation rows'
+    /// codes, scales and sums, each row `blocks` blocks after the last;
+    /// checks that they lie inside their buffers.
+    fn operands(
+        weights: &Q4_1Tiles,
+        t: usize,
+        xs: &QuantizedRows,
+        rows: &Range<usize>,
+    ) -> (*const u8, usize, (*const i8, *const f32, *const f32)) {
+        let blocks = weights.blocks();
+        assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len() && t < weights.tiles());
+        let at = (
+            xs.codes[rows.start * blocks * BLOCK..].as_ptr(),
+            xs.scales[rows.start * blocks..].as_ptr(),
+            xs.sums[rows.start * blocks..].as_ptr(),
+        );
+        (weights.block(t, 0).as_ptr(), blocks, at)
+    }
+
     /// out[r, 0..count] (rows `n` apart) = activation rows `rows` (at most
     /// 4) dotted with tile t's weight rows.
     #[target_feature(enable = "avx2,fma")]
@@ -238,15 +257,7 @@ mod avx2 {
         n: usize,
         count: usize,
     ) {
-        let blocks = weights.blocks();
-        assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len() && t < weights.tiles());
-        let tile = weights.block(t, 0).as_ptr();
-        // The rows' codes, scales and sums, each row `blocks` blocks after the last.
-        let at = (
-            xs.codes.as_ptr().add(rows.start * blocks * BLOCK),
-            xs.scales.as_ptr().add(rows.start * blocks),
-            xs.sums.as_ptr().add(rows.start * blocks),
-        );
+        let (tile, blocks, at) = operands(weights, t, xs, &rows);
         match rows.len() {
             4 => tile_rows::<4>(tile, blocks, at, out, n, count),
             3 => tile_rows::<3>(tile, blocks, at, out, n, count),
@@ -269,14 +280,7 @@ mod avx2 {
         n: usize,
         count: usize,
     ) {
-        let blocks = weights.blocks();
-        assert!(xs.blocks == blocks && rows.end * blocks <= xs.scales.len() && t < weights.tiles());
-        let tile = weights.block(t, 0).as_ptr();
-        let at = (
-            xs.codes.as_ptr().add(rows.start * blocks * BLOCK),
-            xs.scales.as_ptr().add(rows.start * blocks),
-            xs.sums.as_ptr().add(rows.start * blocks),
-        );
+        let (tile, blocks, at) = operands(weights, t, xs, &rows);
         match rows.len() {
             8 => tile_rows_vnni::<8>(tile, blocks, at, out, n, count),
             7 => tile_rows_vnni::<7>(tile, blocks, at, out, n, count),
