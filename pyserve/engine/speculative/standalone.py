@@ -66,8 +66,7 @@ class DraftModel:
                           context_length=target.context_len, is_embedding=False, torchao_config=mode,
                           tp_size=1, nnodes=1, node_rank=0)
         self.model = RankModel(options, draft_dir, target.device)
-        self.model.allocate(target.kv_buffer.num_pages)
-        self.model.capture_graphs(verify_tokens)
+        self.model.allocate(target.kv_buffer.num_pages, verify_tokens=verify_tokens)
         self.vocab_size = target.config.vocab_size
 
     def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState],

@@ -105,7 +105,7 @@ def expand(step: ScheduledStep, device_batch: ForwardBatch, trees: list[DraftTre
                 if windowed:
                     window_tables.append(own[1][index])
                 if node >= 0:
-                    positions[start + 1 + node] = positions[start] + tree.depth(node)
+                    positions[start + 1 + node] = positions[start] + len(path)  # its depth
         start += n
     seq_lens = [t.numel() for t in tables]
     indptr = torch.tensor([0] + seq_lens).cumsum(0)
