@@ -118,7 +118,7 @@ def test_a_decode_row_reads_a_token_still_in_flight_through_a_placeholder():
     sched.on_launched(first)  # first's tokens are not back yet
     assert a.pending == 1 and b.pending == 1 and b.pending_row == 1
     second = sched.schedule()
-    assert second.has_placeholders
+    assert [(f.row, f.sampled, f.previous) for f in second.following] == [(0, 0, 0), (1, 1, 1)]
     assert second.batch.input_ids.tolist() == [-1, -2]  # rows 0 and 1 of the first step's ids
     assert second.batch.positions.tolist() == [4, 6]
     sched.on_launched(second)  # the engine launches a step before it reads the previous one's ids

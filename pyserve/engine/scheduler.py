@@ -46,6 +46,11 @@ overlapped: the row that follows a jump needs the forced tokens.
 
 Speculative decoding: a drafter (engine/speculative/) proposes draft
 tokens for each decode row, which then asks for room for all of them.
+With overlap, a sequence whose verify step still runs does not know how
+many of its drafts the target keeps: its next row is scheduled after all
+of them (`Sequence.pending_drafts` keeps their slots), with placeholder
+drafts, and the forward thread moves the row back over the rejected ones
+and fills the drafts in (engine/speculative/overlap.py).
 """
 
 from __future__ import annotations
@@ -104,15 +109,18 @@ class Scheduler:
 
     def on_launched(self, step: ScheduledStep) -> None:
         """The step is running: each sampled sequence has one more token in
-        flight, at its row of the step's output (read by placeholders)."""
+        flight, at its row of the step's output (read by placeholders), and
+        its drafts' slots reserved."""
         for row, seq in enumerate(step.sampled):
             seq.pending += 1
             seq.pending_row = row
+            seq.pending_drafts += len(step.drafts[row]) if step.drafts else 0
 
     def on_results(self, step: ScheduledStep) -> None:
         """The step's sampled ids are back: nothing of it is in flight."""
-        for seq in step.sampled:
+        for row, seq in enumerate(step.sampled):
             seq.pending -= 1
+            seq.pending_drafts -= len(step.drafts[row]) if step.drafts else 0
 
     def needs_known_tokens(self) -> bool:
         """Penalties read every previous token when sampling, and a jump
@@ -141,6 +149,12 @@ class Scheduler:
         if not decode.seqs and not prefill.seqs:
             return None
         step = build_step(self.kv, prefill, decode, cached_tokens)
+        if self.drafter is not None:
+            for row in step.following:
+                seq = step.sampled[row.sampled]
+                late = self.drafter.late_drafts(seq, len(seq.draft_ids)) if seq.draft_ids else None
+                if late is not None:
+                    step.late_drafts[row.sampled] = late
         for seq, scored in step.prompt_spans:
             seq.next_prompt_logprob = scored.stop + 1
         for seq in prefill.seqs:
@@ -162,7 +176,7 @@ class Scheduler:
         the pool cannot hold them all."""
         rows = Rows()
         for seq in self.running:
-            seq.draft_ids = self.drafter.propose(seq) if self.drafter is not None and not seq.pending else []
+            seq.draft_ids = self._drafts(seq)
         while self.running:
             needed = sum(self.kv.pages_needed(s, self._decode_length(s)) for s in self.running)
             if self.kv.make_room(needed):
@@ -173,6 +187,14 @@ class Scheduler:
             n = self._decode_length(seq)
             rows.add(seq, n, self.kv.new_slots(seq, n))
         return rows
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """The draft tokens of `seq`'s next decode row: the drafter's, or,
+        while its previous step runs, placeholders that the forward thread
+        fills once that step's accepted tokens are known."""
+        if self.drafter is None:
+            return []
+        return self.drafter.reserve(seq) if seq.pending else self.drafter.propose(seq)
 
     @staticmethod
     def _decode_length(seq: Sequence) -> int:

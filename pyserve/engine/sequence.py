@@ -56,6 +56,9 @@ class Sequence:
     # come back yet, and where the newest one sits in its step's output.
     pending: int = 0
     pending_row: int = 0
+    # Draft tokens of launched steps not back yet: their KV slots stay
+    # reserved until the results say how many the target kept.
+    pending_drafts: int = 0
     # Next prompt position whose log-probability is still to be computed
     # (prompt_logprobs); survives retraction, so none is computed twice.
     next_prompt_logprob: int = 1
@@ -96,13 +99,20 @@ class Sequence:
 
     @property
     def num_total(self) -> int:
-        """Tokens including the pending ones."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        """Tokens including the pending ones and the drafts of steps not back yet."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending + self.pending_drafts
 
     @property
     def kv_len(self) -> int:
         """Tokens whose KV is in the cache (own and shared slots)."""
         return self.slots.numel()
+
+    @property
+    def kv_kept(self) -> int:
+        """KV tokens that stay whatever the steps still running accept (their
+        drafts' slots may be dropped): where this sequence's next row starts,
+        at the earliest."""
+        return self.kv_len - self.pending_drafts
 
     @property
     def uncached_ids(self) -> list[int]:

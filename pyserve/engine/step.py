@@ -7,8 +7,10 @@ sequences get a token sampled and which prompt positions are scored.
 
 Overlap: when step N+1 is built while step N still runs, a sequence's
 newest token may not be known yet. Its decode row then carries a
-placeholder, -(row + 1), that the model runner replaces with row `row` of
-step N's sampled ids before the forward pass.
+placeholder, -(row + 1), that the model runner replaces with the last
+token sampled sequence `row` of step N emitted, before the forward pass.
+Such a row may carry drafts too, placeholders as well
+(engine/speculative/overlap.py).
 
 Speculative decoding: a decode row with k draft tokens (Sequence.draft_ids)
 computes k + 1 tokens, its last known token and the drafts, with logits at
@@ -18,6 +20,7 @@ every one of them; the runner keeps the longest run the target agrees with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +46,14 @@ class Rows:
         self.new_slots.append(slots)
 
 
+class Following(NamedTuple):
+    """A decode row scheduled while its sequence's previous step runs."""
+
+    row: int  # its index in the step's seqs
+    sampled: int  # its index in the step's sampled
+    previous: int  # its sequence's index in the previous step's sampled
+
+
 @dataclass
 class ScheduledStep:
     seqs: list[Sequence]
@@ -58,7 +69,10 @@ class ScheduledStep:
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens newly admitted requests took from the radix cache
     # Decode rows whose input is a placeholder for the previous step's output.
-    has_placeholders: bool = False
+    following: list[Following] = field(default_factory=list)
+    # Per sampled index, what finds the drafts of a following row on the
+    # forward thread (a drafter's late_drafts) where the scheduler could not.
+    late_drafts: dict = field(default_factory=dict)
     # Prompt log-probabilities: the token each extra logits row (after the
     # sampled ones) is scored on, and per sequence the positions it scores
     # (position p scores prompt token p + 1), in the order of the rows.
@@ -89,7 +103,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     logits_indices: list[int] = []
     sampled: list[Sequence] = []
     drafts: list[list[int]] = []
-    has_placeholders = False
+    following: list[Following] = []
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     prompt_spans: list[tuple[Sequence, range]] = []
@@ -99,14 +113,14 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     seqs = prefill.seqs + decode.seqs
     lengths = prefill.lengths + decode.lengths
     new_slots = prefill.new_slots + decode.new_slots
-    for seq, n, slots in zip(seqs, lengths, new_slots):
+    for row, (seq, n, slots) in enumerate(zip(seqs, lengths, new_slots)):
         start = seq.kv_len
         if start < seq.num_tokens:
             # Only a decode row asks for more tokens than are known: its drafts.
             new = (seq.uncached_ids + seq.draft_ids)[:n]
         else:  # a decode row whose input is still being sampled
-            new = [-(seq.pending_row + 1)]
-            has_placeholders = True
+            new = [-(seq.pending_row + 1)] + seq.draft_ids
+            following.append(Following(row, len(sampled), seq.pending_row))
         if seq.params.prompt_logprobs:
             scored = _unscored_prompt_positions(seq, start, n)
             if scored:
@@ -140,7 +154,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         seqs=seqs, batch=batch, sampled=sampled, drafts=drafts if any(drafts) else [],
         num_prefill_seqs=len(prefill.seqs),
         num_prefill_tokens=sum(prefill.lengths), num_cached_tokens=cached_tokens,
-        has_placeholders=has_placeholders, prompt_targets=prompt_targets, prompt_spans=prompt_spans,
+        following=following, prompt_targets=prompt_targets, prompt_spans=prompt_spans,
         embed_rows=embed_rows, embed_spans=embed_spans, embedded=embedded,
     )
 

@@ -89,11 +89,12 @@ class KVManager:
     def slide(self, seq: Sequence) -> None:
         """Give back the sliding pages of `seq`'s own tokens that its next
         step no longer reads: the pages wholly below its next token's
-        window (position kv_len - window + 1 on). A step still running
-        reads them before any later step can write them again."""
+        window (position kv_kept - window + 1 on: drafts still being
+        verified may be dropped). A step still running reads them before
+        any later step can write them again."""
         if self.windowed is None:
             return
-        end = self._window_start(seq.kv_len) // self.page_size * self.page_size
+        end = self._window_start(seq.kv_kept) // self.page_size * self.page_size
         if end > seq.shared_len:
             self.windowed.drop_window(self.allocator.pages_of(seq.slots[seq.shared_len : end]))
 
@@ -107,7 +108,7 @@ class KVManager:
         pending hit's first chunk reads its sliding K/V from the cache."""
         protected = torch.zeros(self.allocator.num_pages, dtype=torch.bool)
         ps = self.page_size
-        reads = [(s.slots, s.kv_len, s.shared_len) for s in self._holders]
+        reads = [(s.slots, s.kv_kept, s.shared_len) for s in self._holders]
         reads += [(h.slots, h.length, h.length) for h in self._hits]
         for slots, first, cached in reads:
             start = self._window_start(first) // ps * ps

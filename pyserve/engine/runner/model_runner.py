@@ -33,6 +33,7 @@ from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative import tree
+from pyserve.engine.speculative.overlap import StepRuns, follow_previous, resolve_placeholders
 from pyserve.engine.speculative.rejection import verify_drafts
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
@@ -99,7 +100,7 @@ class ModelRunner:
             raise
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
-        self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
         # --speculative-algorithm STANDALONE or EAGLE3: its DraftModel or Eagle3Draft (speculative/options.py sets it).
         self.draft = None
         kv_buffer = self.rank_model.kv_buffer
@@ -184,17 +185,21 @@ class ModelRunner:
         Returns as soon as the work is queued on the device: on CUDA the ids
         come back through a non-blocking copy and an event, so this thread
         can launch the next step while this one computes. Decode rows whose
-        input is a placeholder (-(row + 1), see step.py) read row `row` of
-        the previous step's ids, which are still on the device. Logits rows
-        past the sampled ones score the step's prompt targets.
+        input is a placeholder (-(row + 1), see step.py) read the last token
+        sampled sequence `row` of the previous step emitted, still on the
+        device; with drafts they move back over the previous step's
+        rejected ones first (speculative/overlap.py). Logits rows past the
+        sampled ones score the step's prompt targets.
         """
         seqs = step.sampled
         try:
             states = self.sampler.states_of(seqs)
             with torch.inference_mode():
+                if step.following:
+                    step = follow_previous(step, self._last_runs)
                 batch = step.batch.to(self.device)
-                if step.has_placeholders:
-                    batch.input_ids = self._resolve_placeholders(batch.input_ids)
+                if step.following:
+                    batch.input_ids = resolve_placeholders(batch.input_ids, self._last_runs)
                 drafts, draft_probs, trees, capture = step.drafts, None, None, None
                 if self.draft is not None:
                     if drafts:
@@ -224,7 +229,7 @@ class ModelRunner:
                 if step.prompt_targets:
                     targets = torch.tensor(step.prompt_targets, device=self.device)
                     prompt_logprobs = token_logprobs(all_logits[num_rows:], targets, step.prompt_top_logprobs)
-                self._last_ids = next_ids.to(self.device)
+                self._last_runs = StepRuns.of(next_ids.to(self.device), drafts, counts)
                 if self.device.type != "cuda":
                     return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts, forced)
 
@@ -237,7 +242,7 @@ class ModelRunner:
                 output.ready.record()
                 return output
         except Exception:
-            self._last_ids = None  # a step that reads it now gets zeros, never an invalid index
+            self._last_runs = None  # a step that reads it now gets zeros, never an invalid index
             raise
 
     def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
@@ -270,13 +275,6 @@ class ModelRunner:
         hidden = self.rank_model.model.hidden_states(batch, self.rank_model.attention, rows, capture=capture)
         pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
         return self.rank_model.model.logits(hidden[:wanted]), pooled
-
-    def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
-        last = self._last_ids
-        if last is None or last.numel() == 0:
-            last = torch.zeros(1, dtype=torch.long, device=ids.device)
-        rows = (-ids - 1).clamp(0, last.numel() - 1)
-        return torch.where(ids < 0, last[rows], ids)
 
     def shutdown(self) -> None:
         """Stop the forward thread, then every other rank. RuntimeError when a

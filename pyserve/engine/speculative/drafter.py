@@ -30,7 +30,12 @@ def drafts_exactly(p: SamplingParams) -> bool:
 
 class Drafter:
     """The scheduler's side of a drafter: `propose` gives each decode row
-    its draft tokens ([] for a plain row)."""
+    its draft tokens ([] for a plain row); `reserve`, for a row scheduled
+    while its sequence's previous step runs, placeholders that the forward
+    thread fills (`late_drafts` says how, or None: the draft model does)."""
+
+    # Whether rows may be drafted while their previous step runs (overlap scheduling).
+    overlaps = True
 
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
@@ -38,13 +43,23 @@ class Drafter:
     def propose(self, seq: Sequence) -> list[int]:
         raise NotImplementedError
 
+    def reserve(self, seq: Sequence) -> list[int]:
+        return [0] * self.budget(seq)
+
+    def late_drafts(self, seq: Sequence, k: int):
+        """What finds `seq`'s `k` reserved drafts on the forward thread; None
+        when the draft model there proposes them anyway."""
+        return None
+
     def budget(self, seq: Sequence) -> int:
         """Draft tokens `seq` may have this step: none when it is not
         drafted, and never past its length limit (the target's own token
-        after the drafts is the last)."""
+        after the drafts is the last), counting every token of its steps
+        still running as kept."""
         if not seq.drafting or not drafts_exactly(seq.params):
             return 0
-        return max(0, min(self.num_draft_tokens, seq.params.max_new_tokens - len(seq.output_ids) - 1))
+        in_flight = seq.pending + seq.pending_drafts
+        return max(0, min(self.num_draft_tokens, seq.params.max_new_tokens - len(seq.output_ids) - in_flight - 1))
 
     @staticmethod
     def on_verified(seq: Sequence, drafted: int, accepted: int) -> None:
@@ -59,7 +74,13 @@ class Drafter:
 class PlaceholderDrafter(Drafter):
     """For a draft model run on the forward thread (STANDALONE, EAGLE3):
     the scheduler only reserves room, placeholder tokens that the forward
-    thread replaces with the draft model's tokens before the target runs."""
+    thread replaces with the draft model's tokens before the target runs.
+    Draft trees do not overlap: the tree's accepted path moves its KV, so
+    the next row needs the step's results."""
+
+    def __init__(self, num_draft_tokens: int, overlaps: bool = True):
+        super().__init__(num_draft_tokens)
+        self.overlaps = overlaps
 
     def propose(self, seq: Sequence) -> list[int]:
-        return [0] * self.budget(seq)
+        return self.reserve(seq)

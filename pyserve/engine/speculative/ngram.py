@@ -10,6 +10,8 @@ on the event loop, at scheduling; verification is the target's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.drafter import Drafter
 
@@ -51,6 +53,27 @@ def _positions(ids: list[int], token: int, start: int, stop: int) -> list[int]:
         return found
 
 
+@dataclass
+class LateNgramDraft:
+    """NGRAM drafts for a row scheduled while its sequence's previous step
+    runs: the forward thread finds them once that step's accepted tokens
+    are known, after the tokens known at scheduling (`known`, the last
+    stretch that a search can read)."""
+
+    known: list[int]
+    min_window: int
+    max_window: int
+    k: int
+
+    def find(self, accepted: list[int]) -> list[int]:
+        """Exactly k drafts: the row was scheduled with room for k, so a
+        shorter match is padded with the last token (verification keeps
+        only what the target agrees with)."""
+        ids = self.known + accepted
+        found = find_draft(ids, self.min_window, self.max_window, self.k)
+        return found + [ids[-1]] * (self.k - len(found))
+
+
 class NgramDrafter(Drafter):
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int):
         super().__init__(num_draft_tokens)
@@ -61,3 +84,9 @@ class NgramDrafter(Drafter):
         """The drafts for `seq`'s next step ([] for a plain decode row)."""
         k = self.budget(seq)
         return find_draft(seq.all_ids, self.min_window, self.max_window, k) if k else []
+
+    def late_drafts(self, seq: Sequence, k: int) -> LateNgramDraft:
+        span = _SEARCH_SPAN + self.max_window
+        out = seq.output_ids
+        known = out[-span:] if len(out) >= span else seq.prompt_ids[len(out) - span :] + out
+        return LateNgramDraft(known, self.min_window, self.max_window, k)

@@ -43,8 +43,8 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         raise ValueError("--speculative-eagle-topk must be at least 1")
     if topk > 1 and algorithm != "EAGLE3":
         raise ValueError(f"--speculative-eagle-topk {topk}: draft trees are EAGLE3's; {algorithm} drafts a chain")
+    tree = None
     if algorithm == "EAGLE3":
-        tree = None
         if topk > 1:
             if model_options.tp_size > 1:
                 raise ValueError("draft trees (--speculative-eagle-topk above 1) run on one rank: their accepted "
@@ -59,7 +59,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError(problem)
         runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
     _verify_graphs(runner, steps, model_options)
-    return PlaceholderDrafter(steps)
+    return PlaceholderDrafter(steps, overlaps=tree is None)
 
 
 def _verify_graphs(runner: ModelRunner, draft_tokens: int, model_options: ModelOptions) -> None:

@@ -1,0 +1,104 @@
+"""Speculative decoding with overlap scheduling: a step is scheduled while
+the previous one, verifying drafts, still runs; the forward thread moves
+each row back over the drafts the target rejected and finds NGRAM's drafts
+from the accepted tokens. The output stays what decoding without either
+gives, and every KV page comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyserve.engine.runner.model_runner as model_runner
+from pyserve.engine.speculative import overlap
+from pyserve.engine.speculative.ngram import LateNgramDraft
+from pyserve.model.forward_batch import ForwardBatch
+from tests.test_speculative import SPEC, assert_identical_on_the_embedded_model, outputs, repetitive, same
+
+OVERLAP = {"disable_overlap_schedule": False}
+
+
+def test_a_shifted_row_reads_and_writes_what_a_row_built_at_its_place_would():
+    """Sequence 1 scheduled at position 7 after 3 drafts the target then
+    rejected 2 of: moved back by 2, it is the row built at position 5."""
+    slots = [torch.arange(100, 106), torch.arange(200, 210), torch.arange(300, 304)]
+    lens = [1, 3, 1]
+    scheduled = ForwardBatch.build(
+        [1, 2, 3, 4, 5], [5, 7, 8, 9, 3], torch.tensor([105, 207, 208, 209, 303]), lens, slots,
+        [0, 1, 2, 3, 4], is_decode=False, device="cpu", window_slots=lambda s: s + 1000)
+    moved = overlap.shifted(scheduled, {1: 2})
+    slots[1] = slots[1][:8]
+    expected = ForwardBatch.build(
+        [1, 2, 3, 4, 5], [5, 5, 6, 7, 3], torch.tensor([105, 205, 206, 207, 303]), lens, slots,
+        [0, 1, 2, 3, 4], is_decode=False, device="cpu", window_slots=lambda s: s + 1000)
+    for name in ("positions", "out_cache_loc", "kv_indptr", "kv_indices", "window_out_cache_loc",
+                 "window_kv_indices"):
+        assert getattr(moved, name).tolist() == getattr(expected, name).tolist(), name
+    assert moved.seq_lens == expected.seq_lens
+    assert scheduled.positions.tolist() == [5, 7, 8, 9, 3]  # the event loop's batch is left as it was
+
+
+def test_placeholders_read_the_last_token_each_sequence_emitted():
+    # Two sequences, the first verified 2 drafts and kept 1 (+ the target's token).
+    runs = overlap.StepRuns.of(torch.tensor([11, 12, 13, 21]), [[7, 8], []], [2, 1])
+    assert runs.rejected == [1, 0] and runs.first_rows == [0, 3]
+    ids = overlap.resolve_placeholders(torch.tensor([-2, 5, -1, 0, 0]), runs)
+    assert ids.tolist() == [21, 5, 12, 0, 0]
+
+
+def test_a_late_ngram_draft_reads_the_accepted_tokens_and_fills_its_row():
+    late = LateNgramDraft(known=[1, 2, 3, 4, 9, 1], min_window=2, max_window=3, k=3)
+    assert late.find([2]) == [3, 4, 9]  # "1 2" matched only once the accepted 2 is known
+    assert late.find([7]) == [7, 7, 7]  # no match: padded, verification rejects what the target disagrees with
+
+
+@pytest.fixture
+def late_steps(monkeypatch):
+    """Counts, over the engines a test runs, the following rows the forward
+    thread moved back and the drafts it found late."""
+    seen = {"moved": 0, "late": 0}
+    real = overlap.follow_previous
+
+    def counted(step, runs):
+        if runs is not None:
+            seen["moved"] += sum(1 for f in step.following if runs.rejected[f.previous])
+        seen["late"] += len(step.late_drafts)
+        return real(step, runs)
+
+    monkeypatch.setattr(model_runner, "follow_previous", counted)
+    return seen
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_ngram_with_overlap_is_greedy_identical(tiny_llama_dir, page_size, late_steps):
+    greedy = {"temperature": 0, "ignore_eos": True}
+    requests = [
+        (repetitive(), {**greedy, "max_new_tokens": 30}),
+        (repetitive(33), {**greedy, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
+        ([5, 17, 99], {**greedy, "max_new_tokens": 12}),
+        (repetitive(), {**greedy, "max_new_tokens": 20, "presence_penalty": 0.5}),  # plain, not overlapped
+        (repetitive(37), {**greedy, "max_new_tokens": 25}),
+    ]
+    plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": page_size, **OVERLAP})
+    same(plain, spec)
+    assert verify_steps > 0
+    assert late_steps["late"] > 0 and late_steps["moved"] > 0
+
+
+def test_ngram_with_overlap_and_retraction_is_greedy_identical(tiny_llama_dir, late_steps):
+    """A pool too small for every request: sequences are retracted while
+    their verify step runs, and resume later."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
+    requests = [(repetitive(40 + i), greedy) for i in range(4)]
+    plain, spec, verify_steps = outputs(tiny_llama_dir, requests,
+                                        {"page_size": 4, "max_total_tokens": 200, **OVERLAP})
+    same(plain, spec)
+    assert verify_steps > 0 and late_steps["late"] > 0
+
+
+def test_ngram_with_overlap_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, late_steps):
+    metrics = assert_identical_on_the_embedded_model(default_model_dir, SPEC, {"torchao_config": "none", **OVERLAP},
+                                                     1e-4)
+    assert metrics.spec_verify_steps > 0 and late_steps["moved"] > 0
+    # Drafting under overlap still pays on a copy: more than 2 tokens a verify step.
+    assert metrics.spec_emitted_tokens > 2 * metrics.spec_verify_steps
