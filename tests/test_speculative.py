@@ -151,14 +151,17 @@ def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(defa
     assert metrics.spec_verify_steps > 0
 
 
-def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir):
+def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir, caplog):
     """A pool too small for every request at once: requests are retracted
     and resumed mid-draft, and still decode as without speculation."""
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
-    requests = [(repetitive(40 + i), greedy) for i in range(4)]
-    plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": 4, "max_total_tokens": 200})
+    # Repeating stretches of their own: no prefix shared through the cache.
+    requests = [([300 + 50 * i + t % 20 for t in range(40)], greedy) for i in range(4)]
+    with caplog.at_level("INFO", logger="pyserve.engine"):
+        plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": 4, "max_total_tokens": 200})
     same(plain, spec)
     assert verify_steps > 0
+    assert "retracting" in caplog.text
 
 
 def test_accept_length_is_reported(default_model_dir, caplog):

@@ -29,6 +29,7 @@ from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random
                                 second_drafts, target_features, trained_weights)
 from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same, started,
                                    with_and_without)
+from tests.test_speculative_overlap import late_steps  # noqa: F401 (a fixture)
 from tests.tiny_models import build_tiny_model
 
 K = 4
@@ -344,3 +345,26 @@ def embedded_head(default_model_dir, tmp_path_factory) -> Path:
 def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol):
     metrics = assert_identical_on_the_embedded_model(default_model_dir, spec(embedded_head), mode, tol)
     assert metrics.spec_emitted_tokens >= 2 * metrics.spec_verify_steps
+
+
+def test_with_overlap_scheduling_drafts_still_pay_and_output_is_identical(target, heads, late_steps):
+    """Overlap scheduling (tests/test_speculative_overlap.py): the head
+    drafts each row scheduled while its previous step ran, from the hidden
+    states that step kept at its accepted positions."""
+    from pyserve._rust import Tokenizer
+
+    text = heads["texts"][0][len(PROMPTS[0]):]
+    stop_text = Tokenizer.from_file(str(target / "tokenizer.json")).decode(text[12:14])
+    requests = [
+        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
+        (PROMPTS[1], {**GREEDY, "max_new_tokens": 40}),
+        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "stop": [stop_text]}),
+        (PROMPTS[1], {**GREEDY, "max_new_tokens": 8}),
+    ]
+    plain, got, metrics = run_both(target, requests, heads["fitted"], {"disable_overlap_schedule": False})
+    same(plain, got)
+    assert got[2][3].finish_reason == "stop" and stop_text not in got[2][0]
+    assert len(got[3][1]) == 8
+    # The length limit, counted as if every token in flight were kept, trims
+    # a few drafts near the end: a little below the 2.9 of the test above.
+    assert metrics.spec_emitted_tokens >= 2.7 * metrics.spec_verify_steps and late_steps["moved"] > 0

@@ -6,6 +6,8 @@ gives, and every KV page comes back."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -13,9 +15,15 @@ import pyserve.engine.runner.model_runner as model_runner
 from pyserve.engine.speculative import overlap
 from pyserve.engine.speculative.ngram import LateNgramDraft
 from pyserve.model.forward_batch import ForwardBatch
-from tests.test_speculative import SPEC, assert_identical_on_the_embedded_model, outputs, repetitive, same
+from tests.test_sliding_pool import assert_as_transformers, engine_greedy, sliding_engine
+from tests.test_speculative import (SPEC, assert_identical_on_the_embedded_model, outputs, repetitive, same,
+                                    with_and_without)
+from tests.test_speculative_standalone import GREEDY, assert_abort_gives_every_page_back, drafts  # noqa: F401
+from tests.tiny_models import build_tiny_model
+from tests.test_speculative_standalone import run_both as standalone_both
 
 OVERLAP = {"disable_overlap_schedule": False}
+TWO_RANKS = {"tp_size": 2, "device": "cpu", "torchao_config": "none"}
 
 
 def test_a_shifted_row_reads_and_writes_what_a_row_built_at_its_place_would():
@@ -85,15 +93,18 @@ def test_ngram_with_overlap_is_greedy_identical(tiny_llama_dir, page_size, late_
     assert late_steps["late"] > 0 and late_steps["moved"] > 0
 
 
-def test_ngram_with_overlap_and_retraction_is_greedy_identical(tiny_llama_dir, late_steps):
+def test_ngram_with_overlap_and_retraction_is_greedy_identical(tiny_llama_dir, late_steps, caplog):
     """A pool too small for every request: sequences are retracted while
     their verify step runs, and resume later."""
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
-    requests = [(repetitive(40 + i), greedy) for i in range(4)]
-    plain, spec, verify_steps = outputs(tiny_llama_dir, requests,
-                                        {"page_size": 4, "max_total_tokens": 200, **OVERLAP})
+    # Repeating stretches of their own: no prefix shared through the cache.
+    requests = [([300 + 50 * i + t % 20 for t in range(40)], greedy) for i in range(4)]
+    with caplog.at_level("INFO", logger="pyserve.engine"):
+        plain, spec, verify_steps = outputs(tiny_llama_dir, requests,
+                                            {"page_size": 4, "max_total_tokens": 200, **OVERLAP})
     same(plain, spec)
     assert verify_steps > 0 and late_steps["late"] > 0
+    assert "retracting" in caplog.text
 
 
 def test_ngram_with_overlap_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, late_steps):
@@ -102,3 +113,57 @@ def test_ngram_with_overlap_on_the_embedded_model_with_stops_in_accepted_runs(de
     assert metrics.spec_verify_steps > 0 and late_steps["moved"] > 0
     # Drafting under overlap still pays on a copy: more than 2 tokens a verify step.
     assert metrics.spec_emitted_tokens > 2 * metrics.spec_verify_steps
+
+
+def test_standalone_with_overlap_is_greedy_identical(tiny_llama_dir, drafts, late_steps):
+    """The draft model proposes each following row's drafts after the
+    row moved back; stops and the length limit inside accepted runs hold."""
+    requests = [
+        (repetitive(), {**GREEDY, "max_new_tokens": 30}),
+        (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
+        ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
+        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+    ]
+    plain, got, metrics = standalone_both(tiny_llama_dir, requests, drafts["noisy"], {"page_size": 4, **OVERLAP})
+    same(plain, got)
+    assert len(got[1][1]) == 7
+    assert metrics.spec_emitted_tokens > 1.5 * metrics.spec_verify_steps and late_steps["moved"] > 0
+
+
+
+def test_abort_under_overlap_gives_every_page_back(tiny_llama_dir):
+    assert_abort_gives_every_page_back(tiny_llama_dir, {**SPEC, **OVERLAP}, repetitive())
+
+
+def test_ngram_with_overlap_beside_a_sliding_pool_is_transformers_greedy(tmp_path, default_model_dir, late_steps):
+    """Gemma 2's 8-token window in a small sliding pool: pages a window has
+    left go back while a verify step runs, counted from the earliest place
+    the next row can start (its drafts may all be rejected)."""
+    import transformers
+
+    model_dir = build_tiny_model(tmp_path / "gemma2", "gemma2", tokenizer_dir=default_model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = repetitive(40)
+
+    async def run():
+        engine = sliding_engine(model_dir, 32, **SPEC, **OVERLAP)
+        await engine.start()
+        try:
+            got = await engine_greedy(engine, prompt, 30, "spec")
+            engine.check_integrity()
+            return got, engine.metrics
+        finally:
+            await engine.shutdown()
+
+    got, metrics = asyncio.run(run())
+    assert_as_transformers(hf, prompt, got)
+    assert metrics.spec_verify_steps > 0 and late_steps["moved"] > 0
+
+
+def test_ngram_with_overlap_over_two_ranks(tiny_llama_dir, late_steps):
+    """Rank 0 moves the rows and finds the drafts before it sends the batch."""
+    requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30, "logprobs": True}),
+                (repetitive(33), {**GREEDY, "max_new_tokens": 12})]
+    plain, got, metrics = with_and_without(tiny_llama_dir, requests, {**SPEC, **OVERLAP}, TWO_RANKS)
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0 and late_steps["moved"] > 0

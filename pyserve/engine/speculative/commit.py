@@ -30,10 +30,9 @@ def accepted_runs(step: ScheduledStep, counts: list[int], kv: KVManager, drafter
             if draft:
                 # KV stays for the last known token and the accepted drafts;
                 # the rejected drafts' slots are the last ones (with overlap, a
-                # later row took their place on the forward thread). None
-                # left: retracted while the step ran, its KV went back whole.
-                if seq.kv_len:
-                    kv.drop_tail(seq, seq.kv_len - (len(draft) - (count - 1)))
+                # later row took their place on the forward thread; retracted
+                # while the step ran, the sequence holds none).
+                kv.drop_tail(seq, seq.kv_len - (len(draft) - (count - 1)))
                 drafter.on_verified(seq, len(draft), count - 1)
                 metrics.on_verify(count)
             yield seq, range(row, row + count)
