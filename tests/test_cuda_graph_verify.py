@@ -133,7 +133,7 @@ def graphed_engine(model_dir, speculative: dict) -> tuple[Engine, Counter]:
     CUDA, in the target and in a STANDALONE draft model), and a count of
     replays per (model: "target" or "draft", row length), and of the steps
     that verified drafts ("drafted")."""
-    engine = Engine.from_args(options(model_dir, disable_overlap_schedule=True, **speculative))
+    engine = Engine.from_args(options(model_dir, **{"disable_overlap_schedule": True, **speculative}))
     draft = engine.runner.draft
     models = [engine.runner.rank_model] + ([draft.model] if hasattr(draft, "model") else [])
     replays = Counter()
@@ -197,9 +197,11 @@ def eagle3_head(model_dir, out):
     return save_head(out, cfg, random_weights(cfg, seed=1), torch.arange(256) * 2, vocab)
 
 
-# NGRAM in the default suite; the draft models' cases (their own graphs,
-# the kept hidden states, trees on the decode graphs) are slow.
-@pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("STANDALONE", marks=slow),
+# NGRAM in the default suite; with overlap scheduling (rows moved back over
+# rejected drafts on the host before the replay) and the draft models' cases
+# (their own graphs, the kept hidden states, trees on the decode graphs), slow.
+@pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("NGRAM-overlap", marks=slow),
+                                       pytest.param("STANDALONE", marks=slow),
                                        pytest.param("EAGLE3", marks=slow), pytest.param("EAGLE3-tree", marks=slow)])
 def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tiny_llama_dir, tmp_path, algorithm,
                                                                    expanded):
@@ -209,8 +211,9 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
     runs on the two-layer tiny Llama, whose greedy text repeats a token
     within 30, where its drafts come from.)"""
     speculative = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": ROW - 1}
-    if algorithm == "NGRAM":
-        speculative["speculative_ngram_min_match_window_size"] = 1
+    if algorithm.startswith("NGRAM"):
+        speculative.update(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=1,
+                           disable_overlap_schedule=algorithm == "NGRAM")
         model_dir = tiny_llama_dir
     elif algorithm == "STANDALONE":
         speculative["speculative_draft_model_path"] = str(model_dir)  # the target drafts for itself: all kept
@@ -218,7 +221,7 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
         speculative["speculative_draft_model_path"] = str(eagle3_head(model_dir, tmp_path / "head"))
     if algorithm == "EAGLE3-tree":  # trees of 3 nodes: one-token rows, replayed by the decode graphs
         speculative.update(speculative_algorithm="EAGLE3", speculative_eagle_topk=2, speculative_num_steps=2)
-    requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30 if algorithm == "NGRAM" else 14, "logprobs": True}),
+    requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30 if algorithm.startswith("NGRAM") else 14, "logprobs": True}),
                 (repetitive(23), {**GREEDY, "max_new_tokens": 9}),
                 ([5, 17, 99], {**GREEDY, "max_new_tokens": 6, "logprobs": True})]
     plain, _, _ = served(model_dir, requests, None)
