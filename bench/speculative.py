@@ -133,7 +133,8 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
     from pyserve.server_args import ServerArgs
 
     common = dict(model_path=str(model_dir), device=args.device, max_total_tokens=16384, disable_radix_cache=True,
-                  torchao_config=args.torchao_config)
+                  torchao_config=args.torchao_config,
+                  disable_overlap_schedule={"auto": None, "on": False, "off": True}[args.overlap])
     engines = {"off": Engine.from_args(ServerArgs(**common)),
                "ngram": Engine.from_args(ServerArgs(**common, speculative_algorithm="NGRAM",
                                                     speculative_num_draft_tokens=args.draft_tokens,
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eagle3-head", default=None,
                    help="an EAGLE-3 head trained for --model (SGLang's format): adds EAGLE3 rows")
     p.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="overlap scheduling in every engine (auto: on CUDA only, the server's default)")
     p.add_argument("--step-costs", action="store_true",
                    help="time one decode step against verify steps of 1, 3 and 6 drafts instead")
     args = p.parse_args(argv)

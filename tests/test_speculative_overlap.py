@@ -26,52 +26,56 @@ OVERLAP = {"disable_overlap_schedule": False}
 TWO_RANKS = {"tp_size": 2, "device": "cpu", "torchao_config": "none"}
 
 
-def test_a_shifted_row_reads_and_writes_what_a_row_built_at_its_place_would():
-    """Sequence 1 scheduled at position 7 after 3 drafts the target then
-    rejected 2 of: moved back by 2, it is the row built at position 5."""
-    slots = [torch.arange(100, 106), torch.arange(200, 210), torch.arange(300, 304)]
-    lens = [1, 3, 1]
+def test_a_moved_row_reads_and_writes_what_a_row_built_at_its_place_would():
+    """Sequence 1 scheduled at position 7 with 3 drafts, after a step that
+    gave back 2 slots (rejected drafts), and cut to 1 draft: it is the
+    2-token row built at position 5; the logits rows of its cut tokens go."""
+    slots = [torch.arange(100, 106), torch.arange(200, 211), torch.arange(300, 304)]
     scheduled = ForwardBatch.build(
-        [1, 2, 3, 4, 5], [5, 7, 8, 9, 3], torch.tensor([105, 207, 208, 209, 303]), lens, slots,
-        [0, 1, 2, 3, 4], is_decode=False, device="cpu", window_slots=lambda s: s + 1000)
-    moved = overlap.shifted(scheduled, {1: 2})
-    slots[1] = slots[1][:8]
+        [1, 2, 3, 4, 5, 6], [5, 7, 8, 9, 10, 3], torch.tensor([105, 207, 208, 209, 210, 303]), [1, 4, 1], slots,
+        [0, 1, 2, 3, 4, 5], is_decode=False, device="cpu", window_slots=lambda s: s + 1000)
+    moved = overlap.relaid(scheduled, {1: (2, 2)})
+    slots[1] = slots[1][:7]
     expected = ForwardBatch.build(
-        [1, 2, 3, 4, 5], [5, 5, 6, 7, 3], torch.tensor([105, 205, 206, 207, 303]), lens, slots,
-        [0, 1, 2, 3, 4], is_decode=False, device="cpu", window_slots=lambda s: s + 1000)
-    for name in ("positions", "out_cache_loc", "kv_indptr", "kv_indices", "window_out_cache_loc",
-                 "window_kv_indices"):
+        [1, 2, 3, 6], [5, 5, 6, 3], torch.tensor([105, 205, 206, 303]), [1, 2, 1], slots,
+        [0, 1, 2, 3], is_decode=False, device="cpu", window_slots=lambda s: s + 1000)
+    for name in ("input_ids", "positions", "out_cache_loc", "kv_indptr", "kv_indices", "logits_indices",
+                 "window_out_cache_loc", "window_kv_indices"):
         assert getattr(moved, name).tolist() == getattr(expected, name).tolist(), name
-    assert moved.seq_lens == expected.seq_lens
-    assert scheduled.positions.tolist() == [5, 7, 8, 9, 3]  # the event loop's batch is left as it was
+    assert (moved.seq_lens, moved.extend_lens) == (expected.seq_lens, expected.extend_lens)
+    assert scheduled.positions.tolist() == [5, 7, 8, 9, 10, 3]  # the event loop's batch is left as it was
 
 
 def test_placeholders_read_the_last_token_each_sequence_emitted():
-    # Two sequences, the first verified 2 drafts and kept 1 (+ the target's token).
-    runs = overlap.StepRuns.of(torch.tensor([11, 12, 13, 21]), [[7, 8], []], [2, 1])
-    assert runs.rejected == [1, 0] and runs.first_rows == [0, 3]
+    # Two sequences: the first had room for 3 drafts, verified 2 and kept 1
+    # (+ the target's token), so 2 of its slots go back.
+    runs = overlap.StepRuns.of(torch.tensor([11, 12, 13, 21]), [[7, 8], []], [2, 1], [[0, 0, 0], []])
+    assert runs.dropped == [2, 0] and runs.first_rows == [0, 3]
     ids = overlap.resolve_placeholders(torch.tensor([-2, 5, -1, 0, 0]), runs)
     assert ids.tolist() == [21, 5, 12, 0, 0]
 
 
-def test_a_late_ngram_draft_reads_the_accepted_tokens_and_fills_its_row():
+def test_a_late_ngram_draft_reads_the_accepted_tokens():
     late = LateNgramDraft(known=[1, 2, 3, 4, 9, 1], min_window=2, max_window=3, k=3)
     assert late.find([2]) == [3, 4, 9]  # "1 2" matched only once the accepted 2 is known
-    assert late.find([7]) == [7, 7, 7]  # no match: padded, verification rejects what the target disagrees with
+    assert late.find([7]) == []  # no match: the row is cut to its first token
 
 
 @pytest.fixture
 def late_steps(monkeypatch):
     """Counts, over the engines a test runs, the following rows the forward
-    thread moved back and the drafts it found late."""
-    seen = {"moved": 0, "late": 0}
+    thread moved back, the drafts it found late, and the rows it cut to
+    fewer drafts than they had room for."""
+    seen = {"moved": 0, "late": 0, "cut": 0}
     real = overlap.follow_previous
 
     def counted(step, runs):
         if runs is not None:
-            seen["moved"] += sum(1 for f in step.following if runs.rejected[f.previous])
+            seen["moved"] += sum(1 for f in step.following if runs.dropped[f.previous])
         seen["late"] += len(step.late_drafts)
-        return real(step, runs)
+        followed = real(step, runs)
+        seen["cut"] += sum(len(a) < len(b) for a, b in zip(followed.drafts, step.drafts))
+        return followed
 
     monkeypatch.setattr(model_runner, "follow_previous", counted)
     return seen
@@ -90,7 +94,7 @@ def test_ngram_with_overlap_is_greedy_identical(tiny_llama_dir, page_size, late_
     plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": page_size, **OVERLAP})
     same(plain, spec)
     assert verify_steps > 0
-    assert late_steps["late"] > 0 and late_steps["moved"] > 0
+    assert late_steps["late"] > 0 and late_steps["moved"] > 0 and late_steps["cut"] > 0
 
 
 def test_ngram_with_overlap_and_retraction_is_greedy_identical(tiny_llama_dir, late_steps, caplog):

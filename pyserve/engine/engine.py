@@ -43,7 +43,7 @@ from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.commit import row_sequences
-from pyserve.engine.speculative.options import drafter_of
+from pyserve.engine.speculative.options import drafter_of, target_graphs
 from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
 from pyserve.model.config import ModelConfig
@@ -65,7 +65,7 @@ class Engine:
 
             self.model_dir = default_model_path()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self.runner = ModelRunner(model_options, self.model_dir)
+        self.runner = ModelRunner(model_options, self.model_dir, target_graphs(options, model_options))
         self.default_max_tokens = options.default_max_tokens
         self.grammars = None  # --grammar-backend none: constrained requests are refused
         # --is-embedding: how prompts become vectors; None on a generation server.
@@ -295,7 +295,7 @@ class Engine:
         try:
             output = await self.runner.wait(launched)
             next_ids = output.ids.tolist()
-            logprobs = sampled_logprobs(output, row_sequences(step), next_ids)
+            logprobs = sampled_logprobs(output, row_sequences(step, output.drafted), next_ids)
             prompt = prompt_logprobs(output, step)
         except Exception:
             self._on_failed_step(step)

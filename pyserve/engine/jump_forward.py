@@ -43,7 +43,8 @@ def emitted_tokens(step: ScheduledStep, output: StepOutput, ids: list[int], logp
         runs = ((i, seq, range(i, i + 1)) for i, seq in enumerate(step.sampled))
     else:
         index = {seq: i for i, seq in enumerate(step.sampled)}
-        runs = ((index[seq], seq, rows) for seq, rows in accepted_runs(step, output.counts, kv, drafter, metrics))
+        accepted = accepted_runs(step, output.counts, output.drafted, kv, drafter, metrics)
+        runs = ((index[seq], seq, rows) for seq, rows in accepted)
     for i, seq, rows in runs:
         if seq.finished:  # aborted, or finished by an earlier token, while this step ran
             continue

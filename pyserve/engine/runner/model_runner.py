@@ -33,6 +33,7 @@ from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative import tree
+from pyserve.engine.speculative.options import TargetGraphs
 from pyserve.engine.speculative.overlap import StepRuns, follow_previous, resolve_placeholders
 from pyserve.engine.speculative.rejection import verify_drafts
 from pyserve.engine.step import ScheduledStep
@@ -68,6 +69,10 @@ class StepOutput:
     # Jump-forward: per sampled sequence, the tokens its grammar forced
     # after its last emitted one (Sampler.take_forced); None when none.
     forced: list[list[int]] | None = None
+    # Per sampled sequence, the drafts its row verified where the forward
+    # thread cut rows to the drafts it found (speculative/overlap.py); None:
+    # ScheduledStep.drafts.
+    drafted: list[int] | None = None
 
     def wait(self) -> None:
         """Blocks until the results are on the host; call it off the event loop."""
@@ -84,8 +89,9 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, options: ModelOptions, model_dir: Path):
-        """`options` resolved (ServerArgs.resolved): no "auto" left."""
+    def __init__(self, options: ModelOptions, model_dir: Path, graphs: TargetGraphs | None = None):
+        """`options` resolved (ServerArgs.resolved): no "auto" left; `graphs`:
+        what speculative decoding needs of the CUDA graphs."""
         torch.manual_seed(options.random_seed)
         self.ranks = None  # the other tensor-parallel ranks, when --tp-size > 1
         if options.tp_size > 1:
@@ -93,7 +99,7 @@ class ModelRunner:
 
             self.ranks = TensorParallelRanks(options, model_dir)
         try:
-            self.rank_model = self._start_rank_model(options, model_dir)
+            self.rank_model = self._start_rank_model(options, model_dir, graphs or TargetGraphs())
         except BaseException:
             if self.ranks is not None:
                 self.ranks.abandon()
@@ -114,18 +120,20 @@ class ModelRunner:
             logger.info("KV cache of the %d sliding-window layers: %d tokens of their own",
                         len(kv_buffer.window_layers), (kv_buffer.window_pages - 1) * kv_buffer.page_size)
 
-    def _start_rank_model(self, options: ModelOptions, model_dir: Path) -> RankModel:
+    def _start_rank_model(self, options: ModelOptions, model_dir: Path, graphs: TargetGraphs) -> RankModel:
         """Rank 0's model, with a KV cache of the size it decides for every rank."""
         if self.ranks is None:
             rank_model = RankModel(options, model_dir, torch.device(options.device))
-            rank_model.allocate(rank_model.num_pages(), window_pool=True)
+            rank_model.allocate(rank_model.num_pages(), True, graphs.verify_tokens,
+                                graphs.aux_layers(rank_model.config.num_hidden_layers))
             return rank_model
         ranks, member = self.ranks, self.ranks.member
         rank_model = RankModel(options, model_dir, member.device, member.tp, ranks.layout.ranks_per_node)
+        aux_layers = graphs.aux_layers(rank_model.config.num_hidden_layers)
         num_pages = rank_model.num_pages()
         ranks.watched(ranks.channel.send_value, num_pages)
         # Capturing CUDA graphs runs collectives: every rank allocates at once.
-        ranks.watched(rank_model.allocate, num_pages, True)
+        ranks.watched(rank_model.allocate, num_pages, True, graphs.verify_tokens, aux_layers)
         ranks.watched(ranks.channel.barrier)
         ranks.serving = True
         logger.info("Tensor parallelism: %d ranks over %d node(s) (%s), KV cache of %d pages on each",
@@ -195,8 +203,10 @@ class ModelRunner:
         try:
             states = self.sampler.states_of(seqs)
             with torch.inference_mode():
+                scheduled = step
                 if step.following:
                     step = follow_previous(step, self._last_runs)
+                drafted = None if step.drafts is scheduled.drafts else [len(d) for d in step.drafts]
                 batch = step.batch.to(self.device)
                 if step.following:
                     batch.input_ids = resolve_placeholders(batch.input_ids, self._last_runs)
@@ -229,16 +239,17 @@ class ModelRunner:
                 if step.prompt_targets:
                     targets = torch.tensor(step.prompt_targets, device=self.device)
                     prompt_logprobs = token_logprobs(all_logits[num_rows:], targets, step.prompt_top_logprobs)
-                self._last_runs = StepRuns.of(next_ids.to(self.device), drafts, counts)
+                self._last_runs = StepRuns.of(next_ids.to(self.device), drafts, counts, scheduled.drafts)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts, forced)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts, forced,
+                                      drafted)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
                                     to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None,
-                                    refused, counts, forced)
+                                    refused, counts, forced, drafted)
                 output.ready.record()
                 return output
         except Exception:

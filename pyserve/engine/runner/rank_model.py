@@ -159,11 +159,12 @@ class RankModel:
         affordable = int(available_memory() * _CPU_KV_MEM_FRACTION) // (per_rank * self.ranks_on_this_node)
         return min(wanted, affordable)
 
-    def allocate(self, num_pages: int, window_pool: bool = False, verify_tokens: int = 0) -> None:
+    def allocate(self, num_pages: int, window_pool: bool = False, verify_tokens: int = 0,
+                 aux_layers: frozenset[int] | None = None) -> None:
         """The KV buffer of `num_pages` pages (and the sliding pool, with
         `window_pool`, where the model has sliding layers: the engine's
-        KV manager then gives their pages back; `verify_tokens`:
-        capture_graphs'), the attention backend over
+        KV manager then gives their pages back; `verify_tokens` and
+        `aux_layers`: capture_graphs'), the attention backend over
         it, the CUDA graphs, the native layers and the compiled decode step
         as the options and the machine allow."""
         options = self.options
@@ -173,7 +174,7 @@ class RankModel:
                                   window_layers=self.window_layers() if window_pages else frozenset(),
                                   window_pages=window_pages)
         self.attention = self._make_attention(options.attention_backend)
-        self.capture_graphs(verify_tokens)
+        self.capture_graphs(verify_tokens, aux_layers)
         self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
                                    and extend_attention.fits(self.kv_buffer, self.model.layers))
         self.native_layers = self._native_layers()

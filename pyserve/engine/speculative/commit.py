@@ -14,26 +14,34 @@ from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import ScheduledStep
 
 
-def row_sequences(step: ScheduledStep) -> list[Sequence]:
-    """The sequence of every sampled logits row, in order."""
+def row_sequences(step: ScheduledStep, drafted: list[int] | None) -> list[Sequence]:
+    """The sequence of every sampled logits row, in order (`drafted`: StepOutput's)."""
     if not step.drafts:
         return step.sampled
-    return [seq for seq, draft in zip(step.sampled, step.drafts) for _ in range(len(draft) + 1)]
+    return [seq for seq, n in zip(step.sampled, verified_drafts(step, drafted)) for _ in range(n + 1)]
 
 
-def accepted_runs(step: ScheduledStep, counts: list[int], kv: KVManager, drafter: Drafter,
-                  metrics: EngineMetrics) -> Iterator[tuple[Sequence, range]]:
+def verified_drafts(step: ScheduledStep, drafted: list[int] | None) -> list[int]:
+    """Per sampled sequence, the drafts its row verified: what the
+    scheduler made room for, unless the forward thread cut the row."""
+    return drafted if drafted is not None else [len(d) for d in step.drafts]
+
+
+def accepted_runs(step: ScheduledStep, counts: list[int], drafted: list[int] | None, kv: KVManager,
+                  drafter: Drafter, metrics: EngineMetrics) -> Iterator[tuple[Sequence, range]]:
     """Per live sampled sequence, the logits rows whose tokens it emits."""
     row = 0
-    for seq, draft, count in zip(step.sampled, step.drafts, counts):
+    for seq, draft, verified, count in zip(step.sampled, step.drafts, verified_drafts(step, drafted), counts):
         if not seq.finished:  # else aborted while the step ran: its KV is already back
             if draft:
                 # KV stays for the last known token and the accepted drafts;
-                # the rejected drafts' slots are the last ones (with overlap, a
-                # later row took their place on the forward thread; retracted
-                # while the step ran, the sequence holds none).
+                # the slots of the rejected drafts and of those the row was cut
+                # to are the last ones (with overlap, a later row took their
+                # place on the forward thread; retracted while the step ran,
+                # the sequence holds none).
                 kv.drop_tail(seq, seq.kv_len - (len(draft) - (count - 1)))
-                drafter.on_verified(seq, len(draft), count - 1)
+            if verified:
+                drafter.on_verified(seq, verified, count - 1)
                 metrics.on_verify(count)
             yield seq, range(row, row + count)
-        row += len(draft) + 1
+        row += verified + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,46 @@ if TYPE_CHECKING:
     from pyserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("pyserve.engine")
+
+
+@dataclass(frozen=True)
+class TargetGraphs:
+    """The CUDA graphs the target captures at start for speculation (where
+    it captures any): verify rows of `verify_tokens` tokens (0: none) and,
+    for EAGLE3, graphs keeping the hidden states the head in `eagle3_head`
+    reads. Known from the options alone, so that every graph is captured
+    once, and over several ranks while the others capture theirs (a
+    capture runs the ranks' collectives)."""
+
+    verify_tokens: int = 0
+    eagle3_head: Path | None = None
+
+    def aux_layers(self, target_layers: int) -> frozenset[int] | None:
+        if self.eagle3_head is None:
+            return None
+        from pyserve.model.eagle3_head import Eagle3Config
+
+        return Eagle3Config(self.eagle3_head).aux_layers(target_layers)
+
+
+def target_graphs(options: EngineOptions, model_options: ModelOptions) -> TargetGraphs:
+    """What the target captures for the --speculative-* options. Over
+    several ranks verify steps run eagerly (the other ranks know nothing of
+    speculation, and every rank must replay the same shapes): decode graphs
+    only, rank 0's keeping an EAGLE3 head's hidden states."""
+    algorithm = options.speculative_algorithm
+    if algorithm is None:
+        return TargetGraphs()
+    if algorithm == "NGRAM":
+        drafts = options.speculative_num_draft_tokens
+    else:
+        drafts = _draft_model_steps(options, model_options)
+        if options.speculative_eagle_topk > 1:
+            drafts = options.speculative_num_draft_tokens - 1
+    head = None
+    if algorithm == "EAGLE3":
+        head = _head_dir(options)
+    return TargetGraphs(drafts + 1 if model_options.tp_size == 1 else 0, head)
 
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
@@ -34,7 +75,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         if not 1 <= low <= high:
             raise ValueError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
-        _verify_graphs(runner, k, model_options)
+        _warn_eager_verify(runner, model_options)
         return NgramDrafter(k, low, high)
     steps = _draft_model_steps(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
@@ -50,7 +91,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
                 raise ValueError("draft trees (--speculative-eagle-topk above 1) run on one rank: their accepted "
                                  "K/V moves on rank 0's cache only; with --tp-size above 1 use a chain (top-k 1)")
             tree, steps = _tree_shape(options, topk), options.speculative_num_draft_tokens - 1
-        runner.draft = _eagle3(draft_dir, runner, tree, model_dir)
+        runner.draft = _eagle3(_head_dir(options), runner, tree, model_dir)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
@@ -58,27 +99,22 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         if problem is not None:
             raise ValueError(problem)
         runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
-    _verify_graphs(runner, steps, model_options)
+    _warn_eager_verify(runner, model_options)
     return PlaceholderDrafter(steps, overlaps=tree is None)
 
 
-def _verify_graphs(runner: ModelRunner, draft_tokens: int, model_options: ModelOptions) -> None:
-    """Recapture the target's CUDA graphs (where it has them) with verify
-    rows of a token and `draft_tokens` drafts, and for EAGLE3 the hidden
-    states its head reads. Over several ranks every rank must replay a
-    graph of the same shape for the same step, and the other ranks know
-    nothing of speculation: there rank 0 keeps decode graphs only (with the
-    head's hidden states), and verify steps run eagerly on every rank."""
-    if runner.rank_model.cuda_graphs is None:
-        return
-    aux_layers = getattr(runner.draft, "aux_layers", None)
-    if model_options.tp_size > 1:
+def _warn_eager_verify(runner: ModelRunner, model_options: ModelOptions) -> None:
+    """Over several ranks the target has decode graphs only (target_graphs)."""
+    if runner.rank_model.cuda_graphs is not None and model_options.tp_size > 1:
         logger.warning("Speculative decoding over %d ranks: verify steps run without CUDA graphs while plain "
                        "decode steps replay them, so speculation can be slower than none", model_options.tp_size)
-        if aux_layers is not None:
-            runner.rank_model.capture_graphs(0, aux_layers)
-        return
-    runner.rank_model.capture_graphs(draft_tokens + 1, aux_layers)
+
+
+def _head_dir(options: EngineOptions) -> Path:
+    head_dir = Path(options.speculative_draft_model_path)
+    if not head_dir.is_dir():
+        raise ValueError(f"--speculative-draft-model-path {head_dir} is not a directory")
+    return head_dir
 
 
 def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> int:
@@ -114,8 +150,6 @@ def _eagle3(head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_d
     from pyserve.engine.speculative.eagle3 import Eagle3Draft
     from pyserve.model.eagle3_head import Eagle3Config
 
-    if not head_dir.is_dir():
-        raise ValueError(f"--speculative-draft-model-path {head_dir} is not a directory")
     config = Eagle3Config(head_dir)
     target = runner.rank_model.config
     if config.target_hidden_size != target.hidden_size or config.model.hidden_size != target.hidden_size:
