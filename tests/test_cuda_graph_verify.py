@@ -237,3 +237,29 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
     assert replays["target", ROW] >= replays["drafted"] > 0  # every verify step replayed (short prompts too)
     if algorithm == "STANDALONE":  # the draft model's own steps, and its run over the verify rows
         assert replays["draft", 1] > 0 and replays["draft", ROW] >= replays["drafted"]
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+def test_the_target_captures_its_graphs_once_with_what_speculation_reads(model_dir, tmp_path, monkeypatch,
+                                                                          algorithm):
+    """At start, before any draft is loaded, the target captures its graphs
+    once: verify rows of a token and the drafts, and for EAGLE3 every graph
+    keeping the hidden states the head reads (a second capture would cost
+    start-up time, and over several ranks one rank capturing alone would
+    wait forever on the others' collectives)."""
+    from pyserve.engine.runner import cuda_graph_runner
+
+    captures = []
+
+    class Recorded:
+        def __init__(self, model, attention, max_bs, context_len, verify_tokens=0, aux_layers=None):
+            captures.append((verify_tokens, aux_layers))
+
+    monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", Recorded)
+    monkeypatch.setattr(RankModel, "_graphs_fit", lambda self: True)
+    speculative = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": ROW - 1}
+    if algorithm == "EAGLE3":
+        speculative["speculative_draft_model_path"] = str(eagle3_head(model_dir, tmp_path / "head"))
+    engine = Engine.from_args(options(model_dir, **speculative))
+    engine.runner.shutdown()
+    assert captures == [(ROW, frozenset({0, 1, 2}) if algorithm == "EAGLE3" else None)]
