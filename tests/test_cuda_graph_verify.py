@@ -149,7 +149,15 @@ def graphed_engine(model_dir, speculative: dict) -> tuple[Engine, Counter]:
         for (row, bs), replay in list(graphs.graphs.items()):
             graphs.graphs[row, bs] = lambda key=(name, row), replay=replay: (replays.update([key]), replay())[1]
     step = engine.runner.step
-    engine.runner.step = lambda s: (replays.update(["drafted"] * bool(s.drafts)), step(s))[1]
+
+    def counted(s):
+        output = step(s)
+        # With overlap the forward thread may cut a row's drafts to none.
+        verified = output.drafted if output.drafted is not None else [len(d) for d in s.drafts]
+        replays.update(["drafted"] * any(verified))
+        return output
+
+    engine.runner.step = counted
     return engine, replays
 
 
