@@ -2,6 +2,12 @@
 //! caller computing part 0 itself; between jobs they spin for a moment
 //! before they sleep.
 //!
+//! Parts are claimed, not assigned: each thread, the caller included,
+//! takes the next part not taken yet until none is left, so a helper that
+//! the OS has not scheduled (a machine busier than its cores) delays no
+//! job: the caller does its part. Every part computes the same thing on
+//! whichever thread runs it.
+//!
 //! Why not rayon: a parallel call from a thread outside rayon's pool
 //! queues the job, wakes a sleeping worker and puts the caller to sleep
 //! until it is done. On this 2-core machine that round trip cost ~45 µs
@@ -33,11 +39,14 @@ pub struct SpinPool {
 struct Shared {
     /// Bumped once per job; helpers watch it.
     generation: AtomicU64,
-    /// The current job and how many parts it has, written before
-    /// `generation` is bumped and read after it is seen.
-    job: UnsafeCell<Option<(*const Job, usize)>>,
-    /// Helpers still running the current job.
-    running: AtomicUsize,
+    /// The current job, written before `generation` is bumped and read by
+    /// a thread once it has claimed one of its parts.
+    job: UnsafeCell<Option<*const Job>>,
+    /// The current job's generation (low 32 bits), number of parts and
+    /// next part not claimed yet, in one word (see `claim`).
+    claims: AtomicU64,
+    /// Parts of the current job not finished yet.
+    unfinished: AtomicUsize,
     panicked: AtomicBool,
     sleeping: AtomicUsize,
     sleep_lock: Mutex<()>,
@@ -52,21 +61,29 @@ unsafe impl Send for Shared {}
 impl SpinPool {
     /// A pool of `threads` threads: the caller and `threads - 1` helpers.
     pub fn new(threads: usize) -> SpinPool {
+        SpinPool::with_helpers(threads, threads.max(1) - 1)
+    }
+
+    /// A pool that splits jobs for `threads` threads but starts only
+    /// `running` helpers: the others never get to run, as a helper the OS
+    /// does not schedule.
+    fn with_helpers(threads: usize, running: usize) -> SpinPool {
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
             job: UnsafeCell::new(None),
-            running: AtomicUsize::new(0),
+            claims: AtomicU64::new(0),
+            unfinished: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             sleeping: AtomicUsize::new(0),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
         });
         let helpers = threads.max(1) - 1;
-        for part in 1..=helpers {
+        for index in 1..=running.min(helpers) {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
-                .name(format!("pyserve-matmul-{part}"))
-                .spawn(move || helper(&shared, part))
+                .name(format!("pyserve-matmul-{index}"))
+                .spawn(move || helper(&shared))
                 .expect("spawning a matmul thread");
         }
         SpinPool { shared, helpers, submitting: Mutex::new(()) }
@@ -91,25 +108,61 @@ impl SpinPool {
         }
         let _one_job = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
         let shared = &*self.shared;
-        // SAFETY: no helper reads `job` until `generation` moves, and this
-        // call returns only once every helper is done with it, so the
-        // borrowed closure outlives its use.
+        // SAFETY: no helper reads `job` before it claims a part of this
+        // generation, and this call returns only once every claimed part is
+        // done, so the borrowed closure outlives its use.
         unsafe {
             let erased: *const Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(job);
-            *shared.job.get() = Some((erased, parts));
+            *shared.job.get() = Some(erased);
         }
-        shared.running.store(self.helpers, Ordering::Relaxed);
-        shared.generation.fetch_add(1, Ordering::SeqCst);
+        let generation = shared.generation.load(Ordering::Relaxed) + 1;
+        shared.unfinished.store(parts, Ordering::Relaxed);
+        shared.claims.store(claim_word(generation, parts, 1), Ordering::Relaxed); // part 0 is ours
+        shared.generation.store(generation, Ordering::SeqCst);
         if shared.sleeping.load(Ordering::SeqCst) > 0 {
             let _guard = shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             shared.wake.notify_all();
         }
-        let own = catch_unwind(AssertUnwindSafe(|| job(0)));
-        while shared.running.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+        let mut failed = false;
+        let mut part = Some(0);
+        while let Some(p) = part {
+            failed |= catch_unwind(AssertUnwindSafe(|| job(p))).is_err();
+            shared.unfinished.fetch_sub(1, Ordering::AcqRel);
+            part = claim(shared, generation);
         }
-        if own.is_err() || shared.panicked.swap(false, Ordering::Relaxed) {
+        // Parts the helpers claimed: spin for them, and let the OS run one
+        // that waits for this core now and then.
+        let mut spins = 0u32;
+        while shared.unfinished.load(Ordering::Acquire) != 0 {
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if failed || shared.panicked.swap(false, Ordering::Relaxed) {
             panic!("a matmul part panicked");
+        }
+    }
+}
+
+fn claim_word(generation: u64, parts: usize, next: usize) -> u64 {
+    (generation & 0xffff_ffff) << 32 | (parts as u64) << 16 | next as u64
+}
+
+/// The next unclaimed part of the job of `generation`, claimed; None once
+/// all are, or when a later job has replaced it (a helper that woke late).
+fn claim(shared: &Shared, generation: u64) -> Option<usize> {
+    let mut word = shared.claims.load(Ordering::Acquire);
+    loop {
+        let (parts, next) = ((word >> 16 & 0xffff) as usize, (word & 0xffff) as usize);
+        if word >> 32 != generation & 0xffff_ffff || next >= parts {
+            return None;
+        }
+        match shared.claims.compare_exchange_weak(word, word + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some(next),
+            Err(now) => word = now,
         }
     }
 }
@@ -135,19 +188,19 @@ impl<T> SharedPtr<T> {
     }
 }
 
-fn helper(shared: &Shared, part: usize) {
+fn helper(shared: &Shared) {
     let mut seen = 0;
     loop {
         seen = next_generation(shared, seen);
-        // SAFETY: the caller wrote the job before bumping `generation`.
-        let (job, parts) = unsafe { (*shared.job.get()).expect("a job comes with its generation") };
-        if part < parts {
-            // SAFETY: the caller keeps the closure alive until `running` is 0.
+        while let Some(part) = claim(shared, seen) {
+            // SAFETY: the caller wrote the job before bumping `generation`
+            // and keeps the closure alive until its claimed parts are done.
+            let job = unsafe { (*shared.job.get()).expect("a job comes with its generation") };
             if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(part) })).is_err() {
                 shared.panicked.store(true, Ordering::Relaxed);
             }
+            shared.unfinished.fetch_sub(1, Ordering::AcqRel);
         }
-        shared.running.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -192,6 +245,18 @@ mod tests {
             });
         }
         assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 200));
+    }
+
+    #[test]
+    fn a_helper_that_never_runs_delays_no_job() {
+        let pool = SpinPool::with_helpers(3, 1);
+        let counts: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        for _ in 0..100 {
+            pool.run(3, &|part| {
+                counts[part].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 100));
     }
 
     #[test]
