@@ -35,6 +35,23 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=default_model_dir)
 
 
+@pytest.fixture(scope="session")
+def eagle3_target(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny Llama of four layers with the default model's tokenizer: the
+    EAGLE3 tests' target."""
+    return build_tiny_model(tmp_path_factory.mktemp("eagle3-target"), "llama", tokenizer_dir=default_model_dir,
+                            num_hidden_layers=4)
+
+
+@pytest.fixture(scope="session")
+def eagle3_heads(eagle3_target, tmp_path_factory) -> dict:
+    """Its random and fitted heads (tests/eagle3_heads.py), fitted once for
+    every EAGLE3 test file."""
+    from tests.eagle3_heads import tiny_target_heads
+
+    return tiny_target_heads(eagle3_target, tmp_path_factory.mktemp("eagle3-heads"))
+
+
 SERVER_DEFAULT_MAX_TOKENS = 200
 
 

@@ -10,17 +10,26 @@ position i (those entering the chosen layers, through `fc`), attends
 causally over pairs 0..i, and predicts token i + 2 (`first_drafts`); the
 chained step after it reads token i + 2 and pair i's output hidden state
 at position i + 1 and predicts token i + 3 (`second_drafts`).
+
+`tiny_target_heads` makes the random and fitted heads of the four-layer
+tiny target that the EAGLE3 tests share (conftest.py: once a session).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tests.test_speculative import collect, repetitive, started
+
 HEAD_INTERMEDIATE = 96
+AUX_IDS = [0, 1, 2]  # the tiny target's: outputs of layers 0..2, entering layers 1..3
+AUX_LAYERS = [1, 2, 3]
+PROMPTS = [repetitive(), repetitive(33)]
 
 
 def head_config(target_dir: Path, draft_vocab: int, aux_layer_ids: list[int] | None, **overrides) -> dict:
@@ -167,14 +176,21 @@ def trained_weights(target_dir: Path, cfg: dict, texts: list[list[int]], hot_ids
         data.append((embeds[1:-1], hidden[:-2], labels))
     w = {k: v.clone().requires_grad_() for k, v in random_weights(cfg, seed).items()}
     opt = torch.optim.Adam(w.values(), lr=3e-3)
-    for _ in range(steps):
-        loss = 0.0
-        for e, h, y in data:
-            logits, outputs = first_drafts(w, cfg, e, h)
-            loss = loss + F.cross_entropy(logits, y) + F.cross_entropy(second_drafts(w, cfg, e, h, outputs), y[1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    # One thread: on these tiny tensors a second one only waits for the
+    # first (on 2 busy cores 35-135 s against 1.3 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            loss = 0.0
+            for e, h, y in data:
+                logits, outputs = first_drafts(w, cfg, e, h)
+                loss = loss + F.cross_entropy(logits, y) + F.cross_entropy(second_drafts(w, cfg, e, h, outputs), y[1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return {k: v.detach() for k, v in w.items()}
 
 
@@ -188,3 +204,42 @@ def head_accuracy(target_dir: Path, cfg: dict, w: dict, ids: list[int], hot_ids:
     truth = torch.tensor(ids[2:])
     return (float((hot_ids[logits.argmax(-1)] == truth).float().mean()),
             float((hot_ids[second.argmax(-1)] == truth[1:]).float().mean()))
+
+
+def vocab_size(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def hot_ids(model_dir: Path, must: list[int], size: int = 256) -> torch.Tensor:
+    """A draft vocabulary of `size` target ids, sorted: `must` and random
+    others (so d2t is no identity)."""
+    g = torch.Generator().manual_seed(3)
+    must = set(must)
+    extra = [t for t in torch.randperm(vocab_size(model_dir), generator=g).tolist() if t not in must]
+    return torch.tensor(sorted(must | set(extra[: size - len(must)])))
+
+
+def greedy_continuations(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The model's `n` greedy tokens after each prompt, by pyserve in float32."""
+    async def main():
+        engine = await started(model_dir, torchao_config="none")
+        try:
+            return [(await collect(engine, ids, temperature=0, ignore_eos=True, max_new_tokens=n))[1]
+                    for ids in prompts]
+        finally:
+            await engine.shutdown()
+    return asyncio.run(main())
+
+
+def tiny_target_heads(target: Path, root: Path) -> dict:
+    """A random head, and one fitted to the target's greedy continuations
+    of PROMPTS (checked to draft them right > 90% of the time), each with a
+    draft vocabulary of 256 tokens mapped through d2t; and those texts."""
+    texts = [p + out for p, out in zip(PROMPTS, greedy_continuations(target, PROMPTS, 40))]
+    hot = hot_ids(target, [t for text in texts for t in text])
+    cfg = head_config(target, len(hot), AUX_IDS)
+    random_dir = save_head(root / "random", cfg, random_weights(cfg, seed=1), hot, vocab_size(target))
+    fitted = trained_weights(target, cfg, texts, hot, AUX_LAYERS)
+    assert min(min(head_accuracy(target, cfg, fitted, t, hot, AUX_LAYERS)) for t in texts) > 0.9
+    return {"random": random_dir, "fitted": save_head(root / "fitted", cfg, fitted, hot, vocab_size(target)),
+            "texts": texts}

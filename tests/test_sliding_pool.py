@@ -192,17 +192,15 @@ def sliding_model_dir(request, tmp_path_factory, default_model_dir):
     return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, tokenizer_dir=default_model_dir)
 
 
-def hf_greedy_logprobs(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their log-probabilities, one whole
-    forward pass per token (no cache to get wrong)."""
-    ids, tokens, logprobs = list(prompt), [], []
+def hf_next_tokens_and_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy choice after the prompt and each prefix of
+    `tokens`, and its log-probability: one causal forward pass over the
+    prompt and `tokens` (no cache to get wrong), read at each position."""
     with torch.inference_mode():
-        for _ in range(n):
-            logp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
-            tokens.append(int(logp.argmax()))
-            logprobs.append(float(logp[tokens[-1]]))
-            ids.append(tokens[-1])
-    return tokens, logprobs
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    logp = logits.float().log_softmax(-1)
+    best = logp.argmax(-1)
+    return best.tolist(), logp.gather(-1, best[:, None])[:, 0].tolist()
 
 
 def sliding_engine(model_dir, window_tokens: int, **options) -> Engine:
@@ -226,8 +224,11 @@ async def engine_greedy(engine: Engine, prompt: list[int], n: int, rid: str):
 
 
 def assert_as_transformers(hf, prompt, got):
+    """The engine's tokens are transformers' greedy ones: each is what
+    transformers picks after the prompt and the tokens before it (so, from
+    the first on, the same text greedy decoding gives), with its logprob."""
     tokens, logprobs, _ = got
-    want_tokens, want_logprobs = hf_greedy_logprobs(hf, prompt, len(tokens))
+    want_tokens, want_logprobs = hf_next_tokens_and_logprobs(hf, prompt, tokens)
     assert tokens == want_tokens
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
 

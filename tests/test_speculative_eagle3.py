@@ -25,62 +25,29 @@ from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
-from tests.eagle3_heads import (first_drafts, head_accuracy, head_config, random_weights, save_head,
-                                second_drafts, target_features, trained_weights)
+from tests.eagle3_heads import (AUX_LAYERS, PROMPTS, first_drafts, greedy_continuations, head_config, hot_ids,
+                                random_weights, save_head, second_drafts, target_features, trained_weights,
+                                vocab_size)
 from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same, started,
                                    with_and_without)
 from tests.test_speculative_overlap import late_steps  # noqa: F401 (a fixture)
 from tests.tiny_models import build_tiny_model
 
 K = 4
-AUX_IDS = [0, 1, 2]  # the checkpoint's names: outputs of layers 0..2, entering layers 1..3
-AUX_LAYERS = [1, 2, 3]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-PROMPTS = [repetitive(), repetitive(33)]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory, default_model_dir) -> Path:
-    """A tiny Llama of four layers with the default model's tokenizer."""
-    return build_tiny_model(tmp_path_factory.mktemp("eagle3-target"), "llama", tokenizer_dir=default_model_dir,
-                            num_hidden_layers=4)
+@pytest.fixture
+def target(eagle3_target) -> Path:
+    """A tiny Llama of four layers with the default model's tokenizer
+    (conftest's, built once a session)."""
+    return eagle3_target
 
 
-def _vocab(target: Path) -> int:
-    return json.loads((target / "config.json").read_text())["vocab_size"]
-
-
-def _hot_ids(target: Path, must: list[int], size: int = 256) -> torch.Tensor:
-    """A draft vocabulary of `size` target ids, sorted: `must` and random
-    others (so d2t is no identity)."""
-    g = torch.Generator().manual_seed(3)
-    must = set(must)
-    extra = [t for t in torch.randperm(_vocab(target), generator=g).tolist() if t not in must]
-    return torch.tensor(sorted(must | set(extra[: size - len(must)])))
-
-
-async def _plain(target, prompts, n):
-    engine = await started(target, torchao_config="none")
-    try:
-        return [(await collect(engine, ids, **GREEDY, max_new_tokens=n))[1] for ids in prompts]
-    finally:
-        await engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def heads(target, tmp_path_factory) -> dict[str, Path]:
-    """A random head, and one fitted (by tests/eagle3_heads.py) to the
-    target's greedy continuations of PROMPTS, each with a draft vocabulary
-    of 256 tokens mapped through d2t."""
-    root = tmp_path_factory.mktemp("eagle3-heads")
-    texts = [p + out for p, out in zip(PROMPTS, asyncio.run(_plain(target, PROMPTS, 40)))]
-    hot = _hot_ids(target, [t for text in texts for t in text])
-    cfg = head_config(target, len(hot), AUX_IDS)
-    random_dir = save_head(root / "random", cfg, random_weights(cfg, seed=1), hot, _vocab(target))
-    fitted = trained_weights(target, cfg, texts, hot, AUX_LAYERS)
-    assert min(min(head_accuracy(target, cfg, fitted, t, hot, AUX_LAYERS)) for t in texts) > 0.9
-    return {"random": random_dir, "fitted": save_head(root / "fitted", cfg, fitted, hot, _vocab(target)),
-            "texts": texts}
+@pytest.fixture
+def heads(eagle3_heads) -> dict[str, Path]:
+    """Its random and fitted heads (conftest's, fitted once a session)."""
+    return eagle3_heads
 
 
 def spec(head: Path, **extra) -> dict:
@@ -330,11 +297,11 @@ def embedded_head(default_model_dir, tmp_path_factory) -> Path:
     from pyserve._rust import Tokenizer
 
     ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
-    text = ids + asyncio.run(_plain(default_model_dir, [ids], 60))[0]
-    hot = _hot_ids(default_model_dir, text, size=1024)
+    text = ids + greedy_continuations(default_model_dir, [ids], 60)[0]
+    hot = hot_ids(default_model_dir, text, size=1024)
     cfg = head_config(default_model_dir, len(hot), None)
     weights = trained_weights(default_model_dir, cfg, [text], hot, [2, 15, 27], steps=60)
-    return save_head(tmp_path_factory.mktemp("eagle3-embedded") / "head", cfg, weights, hot, _vocab(default_model_dir))
+    return save_head(tmp_path_factory.mktemp("eagle3-embedded") / "head", cfg, weights, hot, vocab_size(default_model_dir))
 
 
 # The default 4-bit mode: with EAGLE3 every step runs the torch layers,
