@@ -314,20 +314,27 @@ def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head
     assert metrics.spec_emitted_tokens >= 2 * metrics.spec_verify_steps
 
 
-def test_with_overlap_scheduling_drafts_still_pay_and_output_is_identical(target, heads, late_steps):
-    """Overlap scheduling (tests/test_speculative_overlap.py): the head
-    drafts each row scheduled while its previous step ran, from the hidden
-    states that step kept at its accepted positions."""
+def runs_with_stops(target, heads) -> tuple[list, str]:
+    """Greedy requests over the fitted head's texts, two of them ending
+    inside its accepted runs (a stop string: returned too, and a length
+    limit of 8)."""
     from pyserve._rust import Tokenizer
 
     text = heads["texts"][0][len(PROMPTS[0]):]
     stop_text = Tokenizer.from_file(str(target / "tokenizer.json")).decode(text[12:14])
-    requests = [
+    return [
         (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
         (PROMPTS[1], {**GREEDY, "max_new_tokens": 40}),
         (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "stop": [stop_text]}),
         (PROMPTS[1], {**GREEDY, "max_new_tokens": 8}),
-    ]
+    ], stop_text
+
+
+def test_with_overlap_scheduling_drafts_still_pay_and_output_is_identical(target, heads, late_steps):
+    """Overlap scheduling (tests/test_speculative_overlap.py): the head
+    drafts each row scheduled while its previous step ran, from the hidden
+    states that step kept at its accepted positions."""
+    requests, stop_text = runs_with_stops(target, heads)
     plain, got, metrics = run_both(target, requests, heads["fitted"], {"disable_overlap_schedule": False})
     same(plain, got)
     assert got[2][3].finish_reason == "stop" and stop_text not in got[2][0]

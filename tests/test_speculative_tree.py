@@ -17,7 +17,8 @@ from pyserve.engine.speculative.tree import DraftTree, chain_order, expand
 from pyserve.model.forward_batch import ForwardBatch
 from tests.slow import slow_test
 from tests.test_speculative import same
-from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, run_both, spec, target  # noqa: F401 (fixtures)
+from tests.test_speculative_eagle3 import (GREEDY, PROMPTS, heads, run_both, runs_with_stops,  # noqa: F401
+                                           spec, target)
 
 TREE = {"speculative_eagle_topk": 3, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}
 # Root children: nodes 0 and 1; node 0's: 2 and 3; node 2's: 4.
@@ -101,17 +102,8 @@ def test_greedy_identical_with_trees_and_a_fitted_head_keeps_more(target, heads,
     deep, 7 nodes): tokens and log-probabilities of plain decoding, stops
     and length limits inside accepted runs included; the fitted head's
     trees keep more tokens a step than its chain of as many drafts."""
-    from pyserve._rust import Tokenizer
-
-    text = heads["texts"][0][len(PROMPTS[0]):]
-    stop_text = Tokenizer.from_file(str(target / "tokenizer.json")).decode(text[12:14])
-    requests = [
-        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
-        (PROMPTS[1], {**GREEDY, "max_new_tokens": 40}),
-        (PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "stop": [stop_text]}),
-        (PROMPTS[1], {**GREEDY, "max_new_tokens": 8}),
-        ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
-    ]
+    requests, stop_text = runs_with_stops(target, heads)
+    requests.append(([5, 17, 99], {**GREEDY, "max_new_tokens": 13}))
     engine_args = {"page_size": page_size}
     for head in ("random", "fitted"):
         plain, got, metrics = run_both(target, requests, heads[head], engine_args, tree=TREE)
