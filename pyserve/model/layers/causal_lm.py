@@ -71,7 +71,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.shard = shard = shard or ModelShard.of(config)
-        self.embed_tokens = nn.Embedding(len(shard.vocab), config.hidden_size)
+        # Zeros, not nn.Embedding's random init (over half of a small model's
+        # start): the checkpoint's rows replace them.
+        self.embed_tokens = nn.Embedding(len(shard.vocab), config.hidden_size,
+                                         _weight=torch.zeros(len(shard.vocab), config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, shard, self.build_mlp(config, i, shard, fused_kernels), fused_kernels)
             for i in range(config.num_hidden_layers))
