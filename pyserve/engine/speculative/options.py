@@ -46,16 +46,18 @@ def target_graphs(options: EngineOptions, model_options: ModelOptions) -> Target
     algorithm = options.speculative_algorithm
     if algorithm is None:
         return TargetGraphs()
-    if algorithm == "NGRAM":
-        drafts = options.speculative_num_draft_tokens
-    else:
-        drafts = _draft_model_steps(options, model_options)
-        if options.speculative_eagle_topk > 1:
-            drafts = options.speculative_num_draft_tokens - 1
-    head = None
-    if algorithm == "EAGLE3":
-        head = _head_dir(options)
+    drafts = _drafts_per_row(options, model_options)  # first: it asks for a missing draft path
+    head = _head_dir(options) if algorithm == "EAGLE3" else None
     return TargetGraphs(drafts + 1 if model_options.tp_size == 1 else 0, head)
+
+
+def _drafts_per_row(options: EngineOptions, model_options: ModelOptions) -> int:
+    """The drafts a verify row carries: NGRAM's --speculative-num-draft-tokens,
+    a draft model's steps, or a draft tree's nodes (the root not counted)."""
+    if options.speculative_algorithm == "NGRAM":
+        return options.speculative_num_draft_tokens
+    steps = _draft_model_steps(options, model_options)
+    return options.speculative_num_draft_tokens - 1 if options.speculative_eagle_topk > 1 else steps
 
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
@@ -77,7 +79,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
                              "<= --speculative-ngram-max-match-window-size")
         _warn_eager_verify(runner, model_options)
         return NgramDrafter(k, low, high)
-    steps = _draft_model_steps(options, model_options)
+    steps = _drafts_per_row(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
     topk = options.speculative_eagle_topk
     if topk < 1:
@@ -90,7 +92,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             if model_options.tp_size > 1:
                 raise ValueError("draft trees (--speculative-eagle-topk above 1) run on one rank: their accepted "
                                  "K/V moves on rank 0's cache only; with --tp-size above 1 use a chain (top-k 1)")
-            tree, steps = _tree_shape(options, topk), options.speculative_num_draft_tokens - 1
+            tree = _tree_shape(options, topk)
         runner.draft = _eagle3(_head_dir(options), runner, tree, model_dir)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch

@@ -49,13 +49,20 @@ class StepRuns:
             n = ids.numel()
             first, counts = list(range(n)), [1] * n
         else:
-            first, row = [], 0
-            for draft in drafts:
-                first.append(row)
-                row += len(draft) + 1
+            first = first_rows(drafts)
         dropped = [len(r) - (c - 1) for r, c in zip(reserved, counts)] if reserved else [0] * len(counts)
         last = torch.tensor([f + c - 1 for f, c in zip(first, counts)], dtype=torch.long)
         return cls(ids, last.to(ids.device, non_blocking=True), first, counts, dropped)
+
+
+def first_rows(drafts: list[list[int]]) -> list[int]:
+    """Per sampled sequence of a step with drafts, its first logits row
+    (each has one for its known token and one per draft)."""
+    first, row = [], 0
+    for draft in drafts:
+        first.append(row)
+        row += len(draft) + 1
+    return first
 
 
 def resolve_placeholders(ids: torch.Tensor, runs: StepRuns | None) -> torch.Tensor:
@@ -80,14 +87,12 @@ def follow_previous(step: ScheduledStep, runs: StepRuns | None) -> ScheduledStep
         emitted = runs.ids.tolist()
         drafts = [list(d) for d in drafts]
         input_ids = step.batch.input_ids.clone()
-        first_rows = [0]
-        for draft in step.drafts:
-            first_rows.append(first_rows[-1] + len(draft) + 1)
+        firsts = first_rows(step.drafts)
         for f in step.following:
             late = step.late_drafts.get(f.sampled)
             if late is None:
                 continue
-            first_row, p = first_rows[f.sampled], f.previous
+            first_row, p = firsts[f.sampled], f.previous
             found = late.find(emitted[runs.first_rows[p] : runs.first_rows[p] + runs.counts[p]])
             at = step.batch.logits_indices[first_row + 1 : first_row + 1 + len(found)]
             input_ids[at] = torch.tensor(found, dtype=input_ids.dtype)
