@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from tests.tiny_models import build_tiny_model
 
 def greedy_with_logits(model, config, prompts, n, decode_plan: StepPlan = TORCH_STEP):
     seqs = CachedSequences(model, config, decode_plan=decode_plan)
+    seqs.attn.compiled_decode = decode_plan.layers is Layers.COMPILED_DECODE
     logits = [seqs.forward(dict(enumerate(prompts)))]
     outputs = [[t] for t in logits[-1].argmax(-1).tolist()]
     for _ in range(n - 1):
@@ -69,3 +72,29 @@ def test_engine_with_compiled_decode_gives_the_eager_tokens(tmp_path, default_mo
     compiled, compiled_during_requests = run(tokens(enable_torch_compile=True))
     assert compiled == eager
     assert compiled_during_requests == 0  # start-up compiled every shape the requests needed
+
+
+def test_eager_decode_steps_leave_torch_dynamo_unimported(default_model_dir):
+    """Without --enable-torch-compile nothing marks dynamic sizes, so the
+    first request does not pay for importing torch._dynamo (about 1.5 s
+    on these cores)."""
+    script = f"""
+import asyncio, sys
+from pyserve.engine.engine import Engine
+from pyserve.engine.request import GenerateRequest, SamplingParams
+from pyserve.server_args import ServerArgs
+
+async def main():
+    for quant in ("none", "8da4w"):
+        engine = Engine.from_args(ServerArgs(model_path={str(default_model_dir)!r}, torchao_config=quant))
+        await engine.start()
+        async for _ in engine.generate(GenerateRequest([100, 101, 102], SamplingParams(max_new_tokens=4))):
+            pass
+        await engine.shutdown()
+    print("torch._dynamo" in sys.modules)
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"

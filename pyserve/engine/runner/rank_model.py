@@ -253,6 +253,7 @@ class RankModel:
                            type(self.attention).__name__)
             return
         self.model.compile_decode(self.attention.attend_decode)
+        self.attention.compiled_decode = True
         start = time.perf_counter()
         zero = torch.zeros
         windowed = bool(self.kv_buffer.window_layers)

@@ -119,6 +119,10 @@ class TorchAttention(AttentionBackend):
         the backend takes plans that leave the threads alone."""
         self.kv_buffer = kv_buffer
         self.threads = threads
+        # Set when torch.compile compiles the decode layers over `attend_decode`:
+        # only then are the varying sizes marked (torch._dynamo's import alone
+        # costs a second and a half on the first decode step).
+        self.compiled_decode = False
         self._batch: ForwardBatch | None = None
         self._plan = TORCH_STEP
         self._extend: list[_ExtendSeq] = []
@@ -179,7 +183,7 @@ class TorchAttention(AttentionBackend):
             sees = torch.arange(max(lens), device=device)[None, :] < lens_t[:, None]
             mask = self._additive(sees)[:, None, None, :]
         single = _SingleTokenRows(rows, pad_sequence(slots, batch_first=True, padding_value=0), mask)
-        if rows is None:
+        if rows is None and self.compiled_decode:
             self._mark_dynamic_decode_dims(out_cache_loc, single)
         return single
 
