@@ -219,16 +219,21 @@ def matmul_q4_1(x: NDArray[np.float32], tiles: NDArray[np.uint8], out: NDArray[n
                 threads: int) -> None:
     """out [rows, n] = x [rows, k] @ w.T, the Q4_1 weight w [n, k] given by its tiles."""
 
-def matmul_q8_0(x: NDArray[np.float32], codes: NDArray[np.int8], scales: NDArray[np.float32],
-                out: NDArray[np.float32], threads: int) -> None:
-    """out [rows, n] = x [rows, k] @ w.T, w the Q8_0 weight: codes [n, k], scales [n, k / 32]."""
+def q8_0_tiles_size(n: int, k: int) -> int:
+    """Bytes of a Q8_0 weight [n, k] in rust/kernels/q8_0's tiles (k a multiple of 32)."""
+
+def pack_q8_0(codes: NDArray[np.int8], scales: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
+    """Packs codes [n, k] and scales [n, k / 32] into the tiles `out`."""
+
+def matmul_q8_0(x: NDArray[np.float32], tiles: NDArray[np.uint8], out: NDArray[np.float32],
+                threads: int) -> None:
+    """out [rows, n] = x [rows, k] @ w.T, the Q8_0 weight w [n, k] given by its tiles."""
 
 def dequantize_q4_1(tiles: NDArray[np.uint8], out: NDArray[np.float32]) -> None:
     """out [n, k] = the Q4_1 weight given by its tiles."""
 
-def dequantize_q8_0(codes: NDArray[np.int8], scales: NDArray[np.float32], out: NDArray[np.float32],
-                    threads: int) -> None:
-    """out [n, k] = the Q8_0 weight."""
+def dequantize_q8_0(tiles: NDArray[np.uint8], out: NDArray[np.float32], threads: int) -> None:
+    """out [n, k] = the Q8_0 weight given by its tiles."""
 
 def attend_extend(q: NDArray[np.float32], k_cache: NDArray[np.float32], v_cache: NDArray[np.float32],
                   slots: NDArray[np.int64], scale: float, out: NDArray[np.float32], threads: int) -> None:

@@ -23,9 +23,9 @@ def q4_1() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def q8_0() -> tuple[np.ndarray, np.ndarray]:
-    layer = Q8_0Linear.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(1)))
-    return layer.codes.numpy(), layer.scales.numpy()
+def q8_0() -> np.ndarray:
+    """The tiles of a Q8_0 weight [N, K]."""
+    return Q8_0Linear.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(1))).tiles.numpy()
 
 
 def rows(count: int = ROWS, width: int = K) -> np.ndarray:
@@ -71,31 +71,47 @@ def test_an_output_that_overlaps_an_input_is_refused(q8_0):
     """The products borrow their inputs to read and the output to write:
     memory both read and written in one call is refused (rust-numpy's
     borrow tracking), not raced."""
-    codes, scales = q8_0
     square = Q8_0Linear.quantize(torch.randn(K, K, generator=torch.Generator().manual_seed(2)))
     x = rows()
     with pytest.raises(ValueError, match="out"):
-        _rust.matmul_q8_0(x, square.codes.numpy(), square.scales.numpy(), x, 1)
-    floats = np.zeros(N * K, np.float32)  # scales and out over one buffer
+        _rust.matmul_q8_0(x, square.tiles.numpy(), x, 1)
     with pytest.raises(ValueError, match="out"):
-        _rust.dequantize_q8_0(codes, floats[: N * K // 32].reshape(N, -1), floats.reshape(N, K), 1)
+        _rust.matmul_q4_1(x, square.tiles.numpy(), x, 1)  # not even read as Q4_1: the borrow comes first
+    floats = np.zeros((N, K), np.float32)
+    with pytest.raises(ValueError, match="out"):
+        _rust.dequantize_q8_0(floats.view(np.uint8).reshape(-1)[: q8_0.size], floats, 1)
 
 
-def test_q8_0_entry_points_check_codes_scales_and_output(q8_0):
-    codes, scales = q8_0
+def test_q8_0_entry_points_check_tiles_activations_and_output(q8_0):
     out = np.zeros((ROWS, N), np.float32)
-    _rust.matmul_q8_0(rows(), codes, scales, out, 2)
-    assert out.any()
+    _rust.matmul_q8_0(rows(), q8_0, out, 2)
+    dense = np.zeros((N, K), np.float32)
+    _rust.dequantize_q8_0(q8_0, dense, 2)
+    np.testing.assert_allclose(out, rows() @ dense.T, rtol=0.05, atol=0.1)  # the activations' 8-bit rounding
     with pytest.raises(TypeError):
-        _rust.matmul_q8_0(rows(), codes.view(np.uint8), scales, out, 2)
+        _rust.matmul_q8_0(rows(), q8_0.view(np.int8), out, 2)
+    with pytest.raises(ValueError, match="tiles of a"):
+        _rust.matmul_q8_0(rows(), q8_0[:-1], out, 2)
+    with pytest.raises(ValueError, match="tiles of a"):
+        _rust.matmul_q8_0(rows(ROWS, K + 32), q8_0, out, 2)
+    with pytest.raises(ValueError, match="rows"):
+        _rust.matmul_q8_0(rows(ROWS + 1), q8_0, out, 2)
+    with pytest.raises(ValueError, match="tiles of a"):
+        _rust.dequantize_q8_0(q8_0, np.zeros((N + 8, K), np.float32), 2)  # more weight rows than packed
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _rust.dequantize_q8_0(q8_0, np.zeros((N, K - 8), np.float32), 2)
+
+
+def test_q8_0_packing_refuses_misshapen_scales_and_a_short_buffer():
+    codes, scales = np.zeros((N, K), np.int8), np.ones((N, K // 32), np.float32)
+    tiles = np.zeros(_rust.q8_0_tiles_size(N, K), np.uint8)
+    _rust.pack_q8_0(codes, scales, tiles)
+    with pytest.raises(ValueError, match="bytes"):
+        _rust.pack_q8_0(codes, scales, tiles[:-1])
     with pytest.raises(ValueError, match="scales"):
-        _rust.matmul_q8_0(rows(), codes, scales[:-1], out, 2)
-    with pytest.raises(ValueError, match="rows hold"):
-        _rust.matmul_q8_0(rows(ROWS, K + 32), codes, scales, out, 2)
-    with pytest.raises(ValueError, match="out is"):
-        _rust.matmul_q8_0(rows(), codes, scales, np.zeros((ROWS, N - 1), np.float32), 2)
-    with pytest.raises(ValueError, match="out is"):
-        _rust.dequantize_q8_0(codes, scales, np.zeros((N - 1, K), np.float32), 2)
+        _rust.pack_q8_0(codes, scales[:, :1].copy(), tiles)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _rust.q8_0_tiles_size(N, 40)
 
 
 def test_packing_refuses_codes_past_four_bits_and_a_short_buffer():

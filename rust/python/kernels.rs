@@ -27,7 +27,7 @@ use super::value_error;
 use crate::kernels::block_gemm::{self, Q4_1Tiles};
 use crate::kernels::decode_layer::{self, Dims, KvCache, Layer, Rows, Sequences};
 use crate::kernels::extend_attention::{self, Extend};
-use crate::kernels::q8_0::{self, Q8_0};
+use crate::kernels::q8_0::{self, Q8_0Tiles};
 use crate::kernels::simd::BLOCK;
 use crate::kernels::spin_pool::SpinPool;
 
@@ -143,34 +143,50 @@ fn matmul_q4_1(
     Ok(())
 }
 
-/// The Q8_0 weight [n, k]: codes [n, k] (int8) and scales [n, k / 32] (float32).
-fn q8_0<'a>(
-    codes: &'a PyReadonlyArray<'_, i8, numpy::Ix2>,
-    scales: &'a PyReadonlyArray<'_, f32, numpy::Ix2>,
-) -> PyResult<(Q8_0<'a>, usize, usize)> {
-    let (n, k) = block_rows("codes", codes.shape())?;
-    require(scales.shape() == [n, k / BLOCK], || format!("a [{n}, {k}] Q8_0 weight has [{n}, {}] scales", k / BLOCK))?;
-    Ok((Q8_0 { codes: values(codes)?, scales: values(scales)? }, n, k))
+/// The bytes of a Q8_0 weight [n, k] in q8_0's tiles.
+#[pyfunction]
+fn q8_0_tiles_size(n: usize, k: usize) -> PyResult<usize> {
+    require(k % BLOCK == 0, || format!("Q8_0 rows hold a multiple of {BLOCK} inputs"))?;
+    Ok(Q8_0Tiles::size(n, k))
 }
 
-/// As matmul_q4_1 for the Q8_0 weight `codes` and `scales`.
+/// Packs a Q8_0 weight into q8_0's tiles `out` (q8_0_tiles_size(n, k)
+/// bytes): codes [n, k] (int8), scales [n, k / 32] (float32).
+#[pyfunction]
+fn pack_q8_0(
+    codes: &Bound<'_, PyArray2<i8>>,
+    scales: &Bound<'_, PyArray2<f32>>,
+    out: &Bound<'_, PyArray1<u8>>,
+) -> PyResult<()> {
+    let (codes, scales, mut out) = (read("codes", codes)?, read("scales", scales)?, write("out", out)?);
+    let (n, k) = block_rows("codes", codes.shape())?;
+    require(scales.shape() == [n, k / BLOCK], || format!("a [{n}, {k}] Q8_0 weight has [{n}, {}] scales", k / BLOCK))?;
+    let size = Q8_0Tiles::size(n, k);
+    require(out.len() == size, || format!("the tiles of a [{n}, {k}] weight are {size} bytes, not {}", out.len()))?;
+    q8_0::pack(values(&codes)?, values(&scales)?, n, k, values_mut(&mut out)?);
+    Ok(())
+}
+
+/// The Q8_0 weight [n, k] whose tiles are `tiles`.
+fn q8_0_tiles<'a>(tiles: &'a PyReadonlyArray<'_, u8, numpy::Ix1>, n: usize, k: usize) -> PyResult<Q8_0Tiles<'a>> {
+    Q8_0Tiles::checked(values(tiles)?, n, k).map_err(value_error)
+}
+
+/// As matmul_q4_1 for the Q8_0 weight whose tiles are `tiles`.
 #[pyfunction]
 fn matmul_q8_0(
     py: Python<'_>,
     x: &Bound<'_, PyArray2<f32>>,
-    codes: &Bound<'_, PyArray2<i8>>,
-    scales: &Bound<'_, PyArray2<f32>>,
+    tiles: &Bound<'_, PyArray1<u8>>,
     out: &Bound<'_, PyArray2<f32>>,
     threads: usize,
 ) -> PyResult<()> {
-    let (x, codes, scales, mut out) =
-        (read("x", x)?, read("codes", codes)?, read("scales", scales)?, write("out", out)?);
-    let (weights, n, k) = q8_0(&codes, &scales)?;
-    let (rows, x_k) = block_rows("x", x.shape())?;
-    require(x_k == k, || format!("x's rows hold {x_k} values, the weight's {k}"))?;
-    require(out.shape() == [rows, n], || format!("out is [{rows}, {n}], not {:?}", out.shape()))?;
-    let (x, out) = (values(&x)?, values_mut(&mut out)?);
-    py.allow_threads(|| q8_0::matmul(SpinPool::global(), threads, x, k, &weights, out));
+    let (x, tiles, mut out) = (read("x", x)?, read("tiles", tiles)?, write("out", out)?);
+    let (rows, k) = block_rows("x", x.shape())?;
+    let n = out.shape()[1];
+    require(out.shape()[0] == rows, || format!("out has {} rows, x {rows}", out.shape()[0]))?;
+    let (weights, x, out) = (q8_0_tiles(&tiles, n, k)?, values(&x)?, values_mut(&mut out)?);
+    py.allow_threads(|| q8_0::matmul(SpinPool::global(), threads, x, &weights, out));
     Ok(())
 }
 
@@ -184,20 +200,18 @@ fn dequantize_q4_1(py: Python<'_>, tiles: &Bound<'_, PyArray1<u8>>, out: &Bound<
     Ok(())
 }
 
-/// out [n, k] (float32) = the Q8_0 weight `codes` and `scales`.
+/// out [n, k] (float32) = the Q8_0 weight whose tiles are `tiles`.
 #[pyfunction]
 fn dequantize_q8_0(
     py: Python<'_>,
-    codes: &Bound<'_, PyArray2<i8>>,
-    scales: &Bound<'_, PyArray2<f32>>,
+    tiles: &Bound<'_, PyArray1<u8>>,
     out: &Bound<'_, PyArray2<f32>>,
     threads: usize,
 ) -> PyResult<()> {
-    let (codes, scales, mut out) = (read("codes", codes)?, read("scales", scales)?, write("out", out)?);
-    let (weights, n, k) = q8_0(&codes, &scales)?;
-    require(out.shape() == [n, k], || format!("out is [{n}, {k}], not {:?}", out.shape()))?;
-    let out = values_mut(&mut out)?;
-    py.allow_threads(|| q8_0::dequantize(SpinPool::global(), threads, &weights, k, out));
+    let (tiles, mut out) = (read("tiles", tiles)?, write("out", out)?);
+    let (n, k) = block_rows("out", out.shape())?;
+    let (weights, out) = (q8_0_tiles(&tiles, n, k)?, values_mut(&mut out)?);
+    py.allow_threads(|| q8_0::dequantize(SpinPool::global(), threads, &weights, out));
     Ok(())
 }
 
@@ -329,6 +343,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q4_1_tiles_size, m)?)?;
     m.add_function(wrap_pyfunction!(pack_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q4_1, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_0_tiles_size, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_q8_0, m)?)?;

@@ -54,17 +54,17 @@ def _q4_1_product(x: torch.Tensor, tiles: torch.Tensor, out_features: int, threa
     return out
 
 
-def _q8_0_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
-    """x [rows, k] float32 @ the Q8_0 weight [n, k].T"""
-    out = x.new_empty(x.shape[0], scales.shape[0])
-    _rust.matmul_q8_0(_view(x), codes.numpy(), scales.numpy(), out.numpy(), threads)
+def _q8_0_product(x: torch.Tensor, tiles: torch.Tensor, out_features: int, threads: int) -> torch.Tensor:
+    """x [rows, k] float32 @ the Q8_0 weight [out_features, k].T, from its tiles"""
+    out = x.new_empty(x.shape[0], out_features)
+    _rust.matmul_q8_0(_view(x), tiles.numpy(), out.numpy(), threads)
     return out
 
 
-def _q8_0_dense(codes: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
-    """The Q8_0 weight as float32 [n, k]."""
-    w = codes.new_empty(codes.shape, dtype=torch.float32)
-    _rust.dequantize_q8_0(codes.numpy(), scales.numpy(), w.numpy(), threads)
+def _q8_0_dense(tiles: torch.Tensor, out_features: int, in_features: int, threads: int) -> torch.Tensor:
+    """The Q8_0 weight as float32 [out_features, in_features], from its tiles."""
+    w = torch.empty(out_features, in_features)
+    _rust.dequantize_q8_0(tiles.numpy(), w.numpy(), threads)
     return w
 
 
@@ -79,8 +79,8 @@ def _view(x: torch.Tensor):
 # breaking its graph; eager calls skip the op's dispatch (~20 µs a call).
 _LIBRARY = torch.library.Library("pyserve", "DEF")
 _LIBRARY.define("matmul_q4_1(Tensor x, Tensor tiles, int out_features, int threads) -> Tensor")
-_LIBRARY.define("matmul_q8_0(Tensor x, Tensor codes, Tensor scales, int threads) -> Tensor")
-_LIBRARY.define("dense_q8_0(Tensor codes, Tensor scales, int threads) -> Tensor")
+_LIBRARY.define("matmul_q8_0(Tensor x, Tensor tiles, int out_features, int threads) -> Tensor")
+_LIBRARY.define("dense_q8_0(Tensor tiles, int out_features, int in_features, int threads) -> Tensor")
 _LIBRARY.impl("matmul_q4_1", _q4_1_product, "CPU")
 _LIBRARY.impl("matmul_q8_0", _q8_0_product, "CPU")
 _LIBRARY.impl("dense_q8_0", _q8_0_dense, "CPU")
@@ -92,13 +92,13 @@ def _(x, tiles, out_features, threads):
 
 
 @torch.library.register_fake("pyserve::matmul_q8_0")
-def _(x, codes, scales, threads):
-    return x.new_empty(x.shape[0], scales.shape[0])
+def _(x, tiles, out_features, threads):
+    return x.new_empty(x.shape[0], out_features)
 
 
 @torch.library.register_fake("pyserve::dense_q8_0")
-def _(codes, scales, threads):
-    return codes.new_empty(codes.shape, dtype=torch.float32)
+def _(tiles, out_features, in_features, threads):
+    return tiles.new_empty(out_features, in_features, dtype=torch.float32)
 
 
 def _call(op, eager, *args) -> torch.Tensor:
@@ -184,11 +184,16 @@ class Q8_0Linear(_BlockLinear):
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threads: int = 1):
         super().__init__()
-        _check(codes.shape[1])
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
+        out, cols = codes.shape
+        _check(cols)
+        if scales.shape != (out, cols // BLOCK):
+            raise ValueError(f"a [{out}, {cols}] Q8_0 weight has [{out}, {cols // BLOCK}] scales")
+        tiles = torch.empty(_rust.q8_0_tiles_size(out, cols), dtype=torch.uint8)
+        _rust.pack_q8_0(_view(codes.to(torch.int8).contiguous()), _view(scales.float().contiguous()), tiles.numpy())
+        # The weight as rust/kernels/q8_0's tiles read it; nothing else keeps a copy.
+        self.register_buffer("tiles", tiles)
         self.register_buffer("bias", bias)
-        self.out_features = codes.shape[0]
+        self.in_features, self.out_features = cols, out
         self.threads = threads
 
     @classmethod
@@ -203,10 +208,11 @@ class Q8_0Linear(_BlockLinear):
         return cls(codes.reshape(out, cols), scales, bias, threads)
 
     def dense_weight(self) -> torch.Tensor:
-        return _call(torch.ops.pyserve.dense_q8_0, _q8_0_dense, self.codes, self.scales, self.threads)
+        return _call(torch.ops.pyserve.dense_q8_0, _q8_0_dense, self.tiles, self.out_features, self.in_features,
+                     self.threads)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """The decode kernel below VOCAB_DENSE_FROM_ROWS rows, the dense weight from there on."""
         if rows.shape[0] >= VOCAB_DENSE_FROM_ROWS:
             return F.linear(rows, self.dense_weight())
-        return _call(torch.ops.pyserve.matmul_q8_0, _q8_0_product, rows, self.codes, self.scales, self.threads)
+        return _call(torch.ops.pyserve.matmul_q8_0, _q8_0_product, rows, self.tiles, self.out_features, self.threads)

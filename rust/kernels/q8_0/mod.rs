@@ -1,137 +1,223 @@
-//! Q8_0 products: the vocabulary projection of the 8da4w layout, on the CPU.
+//! Q8_0 weights in pyserve's tile layout, and their products with rows of
+//! activations: the vocabulary projection of the 8da4w layout, on the CPU.
 //!
-//! Weights come in ggml's blocks of 32 inputs. Q8_0 holds 8-bit codes and
-//! a scale per block: w = d * q. The activations are quantized on the fly
-//! to 8 bits per block of 32 (`simd::QuantizedRows`, which block_gemm's
-//! Q4_1 products share), so that one block's dot product is integer
-//! arithmetic: AVX2's `maddubs` multiplies 32 byte pairs in one
-//! instruction, where a kernel that widens the codes to floats first does
-//! four times the work. That is what makes a small model's decode step on
-//! a CPU without AVX-512 fast; torch's CPU kernels widen to floats.
+//! The numerics are ggml's Q8_0 x Q8 products: weights in blocks of 32
+//! inputs, 8-bit codes and a scale per block (w = d * q), activations
+//! quantized on the fly to 8 bits per block (`simd::QuantizedRows`, which
+//! block_gemm's Q4_1 products share), each block's dot product integer
+//! arithmetic, scaled by the two block scales and summed block after block.
 //!
-//! Without AVX2 and FMA a plain loop computes the same sums.
+//! The layout is block_gemm's: a tile interleaves 8 weight rows, 4 codes
+//! of each row in turn, so one byte product instruction against 4
+//! activation codes broadcast to all lanes feeds 8 weight rows, and each
+//! block's float work (a conversion, the scales' product, a fused
+//! multiply-add) is shared by the 8: each output is one lane. A kernel
+//! that reduces one weight row at a time pays that float work per row;
+//! with the 7 activation rows of a speculative verify step (a token and 6
+//! drafts) that float work, not reading the weights, bounded the
+//! projection. The tiles are packed once, when the layer is built (`pack`):
+//! for each tile of 8 weight rows and each block of 32 inputs, 256 bytes
+//! of codes (8 vectors; vector j holds codes 4j..4j+3 of each row in
+//! turn), then the rows' 8 scales (f32). As many bytes as ggml's Q8_0.
+//!
+//! Every path computes each block's exact integer dot product and then
+//! acc += dot * (weight scale * activation scale), one fused multiply-add
+//! a block in block order, so a row's outputs are the same to the bit on
+//! every path and whichever rows share its call: a verify step's rows get
+//! what a decode step gives them.
+//!
+//! - AVX-512 VNNI (`vpdpbusd`, unsigned times signed bytes summed into
+//!   32-bit lanes) on the codes plus 128, 8 activation rows a pass; the
+//!   excess, 128 times the activation block's code sum, is taken off the
+//!   integer sum.
+//! - AVX2: `maddubs` on the codes' magnitudes against the activations with
+//!   the codes' signs, 4 activation rows a pass.
+//! - Otherwise plain loops.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
-use crate::kernels::simd::{self, ActivationRow, QuantizedRows, BLOCK};
+use crate::kernels::simd::{self, QuantizedRows, BLOCK};
 use crate::kernels::spin_pool::{SharedPtr, SpinPool};
 
-/// Q8_0 weights [n, k]: per block, 32 signed codes and a scale.
-pub struct Q8_0<'a> {
-    pub codes: &'a [i8],
-    pub scales: &'a [f32],
+/// Weight rows interleaved in a tile.
+const TILE_ROWS: usize = 8;
+/// A tile's codes for one block: 8 rows of 32 codes.
+const CODE_BYTES: usize = TILE_ROWS * BLOCK;
+/// A tile's bytes for one block: the codes and 8 scales.
+const TILE_BLOCK_BYTES: usize = CODE_BYTES + TILE_ROWS * 4;
+/// Activation rows a VNNI pass over a tile multiplies: a verify step's 7
+/// in one pass.
+const VNNI_ROWS: usize = 8;
+
+/// Q8_0 weights [n, k] in the tile layout (see the module's comment):
+/// w[r, c] = scale[r, c / 32] * code[r, c], codes -127..127.
+pub struct Q8_0Tiles<'a> {
+    bytes: &'a [u8],
+    n: usize,
+    k: usize,
 }
 
-impl Q8_0<'_> {
-    fn row(&self, n: usize, blocks: usize) -> (&[i8], &[f32]) {
-        let b = n * blocks;
-        (&self.codes[b * BLOCK..(b + blocks) * BLOCK], &self.scales[b..b + blocks])
+impl<'a> Q8_0Tiles<'a> {
+    /// The bytes of weights [n, k] in the tile layout.
+    pub fn size(n: usize, k: usize) -> usize {
+        assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
+        n.div_ceil(TILE_ROWS) * (k / BLOCK) * TILE_BLOCK_BYTES
     }
 
-    /// Output features; each row has `blocks` blocks.
-    fn rows(&self, blocks: usize) -> usize {
-        self.scales.len() / blocks
+    /// `bytes`, as `pack` wrote them for weights [n, k], or why they cannot be.
+    pub fn checked(bytes: &'a [u8], n: usize, k: usize) -> Result<Q8_0Tiles<'a>, String> {
+        if k % BLOCK != 0 || bytes.len() != Self::size(n, k) {
+            return Err(format!("{} bytes are not the Q8_0 tiles of a [{n}, {k}] weight", bytes.len()));
+        }
+        Ok(Q8_0Tiles { bytes, n, k })
     }
 
-    /// Row `n` as floats, `blocks * BLOCK` of them.
-    fn dequantize_row(&self, n: usize, blocks: usize, out: &mut [f32]) {
-        let (codes, scales) = self.row(n, blocks);
-        for ((block, codes), d) in out.chunks_exact_mut(BLOCK).zip(codes.chunks_exact(BLOCK)).zip(scales) {
-            for (w, q) in block.iter_mut().zip(codes) {
-                *w = d * *q as f32;
-            }
-        }
+    fn blocks(&self) -> usize {
+        self.k / BLOCK
     }
 
-    /// Rows `n` and `n + 1` dotted with each of `xs` (at most 4 rows).
-    fn dot_pair(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [[f32; 4]; 2]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd::avx2() {
-            // SAFETY: the CPU has AVX2 and FMA; both weight rows are
-            // slices of `blocks` blocks, and so is each activation row
-            // (QuantizedRows of the same k).
-            return unsafe { avx2::dot_pair([self.row(n, blocks), self.row(n + 1, blocks)], xs, out) };
-        }
-        self.dot(n, blocks, xs, &mut out[0]);
-        self.dot(n + 1, blocks, xs, &mut out[1]);
+    fn tiles(&self) -> usize {
+        self.n.div_ceil(TILE_ROWS)
     }
 
-    /// Row `n` of the weights dotted with each of `xs` (at most 4 rows).
-    fn dot(&self, n: usize, blocks: usize, xs: &[ActivationRow], out: &mut [f32; 4]) {
-        let (codes, scales) = self.row(n, blocks);
-        out.fill(0.0);
-        #[cfg(target_arch = "x86_64")]
-        if simd::avx2() {
-            // SAFETY: as in `dot_pair`, for one weight row.
-            return unsafe { avx2::dot(codes, scales, xs, out) };
-        }
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
-            for b in 0..blocks {
-                let range = b * BLOCK..(b + 1) * BLOCK;
-                let total: i32 = codes[range.clone()].iter().zip(&x.0[range]).map(|(w, v)| *w as i32 * *v as i32).sum();
-                *o += scales[b] * x.1[b] * total as f32;
-            }
-        }
+    /// Tile t's bytes for block b.
+    fn block(&self, t: usize, b: usize) -> &[u8] {
+        let at = (t * self.blocks() + b) * TILE_BLOCK_BYTES;
+        &self.bytes[at..at + TILE_BLOCK_BYTES]
+    }
+
+    /// Weight row r's code for input c, and its block's scale.
+    fn weight(&self, r: usize, c: usize) -> (i8, f32) {
+        let block = self.block(r / TILE_ROWS, c / BLOCK);
+        let row = r % TILE_ROWS;
+        let scale = &block[CODE_BYTES + 4 * row..][..4];
+        (block[code_byte(row, c % BLOCK)] as i8, f32::from_le_bytes(scale.try_into().unwrap()))
     }
 }
 
-/// out[m, n] = sum_k x[m, k] * w[n, k] for `x` of rows of `k` values; the
-/// columns are split in `parts` (at most the pool's threads).
-pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], k: usize, weights: &Q8_0, out: &mut [f32]) {
-    let xs = QuantizedRows::new(x, k);
-    let (m, blocks) = (xs.len(), xs.blocks);
-    let n = weights.rows(blocks);
+/// Where, in a tile's block, row `row`'s code `i` lies.
+fn code_byte(row: usize, i: usize) -> usize {
+    (i / 4) * TILE_ROWS * 4 + row * 4 + i % 4
+}
+
+/// Packs weights [n, k] into `out` (`Q8_0Tiles::size(n, k)` bytes): codes
+/// [n, k], scales [n, k / 32]. Rows past `n` in the last tile are zeros.
+pub fn pack(codes: &[i8], scales: &[f32], n: usize, k: usize, out: &mut [u8]) {
+    let blocks = k / BLOCK;
+    assert!(codes.len() == n * k && scales.len() == n * blocks);
+    assert_eq!(out.len(), Q8_0Tiles::size(n, k));
+    out.fill(0);
+    for r in 0..n {
+        let (t, row) = (r / TILE_ROWS, r % TILE_ROWS);
+        for b in 0..blocks {
+            let block = &mut out[(t * blocks + b) * TILE_BLOCK_BYTES..][..TILE_BLOCK_BYTES];
+            for i in 0..BLOCK {
+                block[code_byte(row, i)] = codes[r * k + b * BLOCK + i] as u8;
+            }
+            block[CODE_BYTES + 4 * row..][..4].copy_from_slice(&scales[r * blocks + b].to_le_bytes());
+        }
+    }
+}
+
+/// out[m, n] = x[m, k] @ w.T, the columns split in `parts` runs of tiles
+/// (at most the pool's threads).
+pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q8_0Tiles, out: &mut [f32]) {
+    let xs = QuantizedRows::new(x, weights.k);
+    let (m, n, blocks) = (xs.len(), weights.n, weights.blocks());
     assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
-    let rows: Vec<_> = (0..m).map(|r| xs.row(r)).collect();
+    // Each activation block's code sum, which the VNNI path's offset codes add 128 times.
+    let code_sums: Vec<i32> = xs.codes.chunks_exact(BLOCK).map(|b| b.iter().map(|&q| q as i32).sum()).collect();
     let out_ptr = SharedPtr(out.as_mut_ptr());
-    let parts = parts.clamp(1, pool.threads());
-    // SAFETY: each task writes its own columns, inside `out`.
-    let write = |row: usize, col: usize, value: f32| unsafe { *out_ptr.get().add(row * n + col) = value };
+    let tiles = weights.tiles();
+    let parts = parts.clamp(1, pool.threads()).min(tiles);
+    #[cfg(target_arch = "x86_64")]
+    let vnni = simd::vnni();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    // Activation rows per pass over a tile: each pass reads the tile's codes once.
+    let pass = if vnni { VNNI_ROWS } else { 4 };
     pool.run(parts, &|part| {
-        let mut cols = n * part / parts..n * (part + 1) / parts;
-        // Weight rows in pairs and activation rows in fours: each weight
-        // block is decoded once for four rows, each activation block
-        // loaded once for two weight rows.
-        let mut pair = [[0f32; 4]; 2];
-        while cols.len() >= 2 {
-            for (tile, group) in rows.chunks(4).enumerate() {
-                weights.dot_pair(cols.start, blocks, group, &mut pair);
-                for (c, sums) in pair.iter().enumerate() {
-                    for (i, s) in sums.iter().take(group.len()).enumerate() {
-                        write(tile * 4 + i, cols.start + c, *s);
-                    }
+        for t in tiles * part / parts..tiles * (part + 1) / parts {
+            let first = t * TILE_ROWS;
+            let count = TILE_ROWS.min(n - first);
+            for row in (0..m).step_by(pass) {
+                let rows = row..m.min(row + pass);
+                // SAFETY: each task writes only its own tiles' columns, inside `out`.
+                let out = unsafe { out_ptr.get().add(row * n + first) };
+                let operands = Operands { tile: weights.block(t, 0).as_ptr(), blocks, xs: &xs, code_sums: &code_sums };
+                #[cfg(target_arch = "x86_64")]
+                if vnni {
+                    // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; the tile and rows lie inside their buffers.
+                    unsafe { avx2::multiply_vnni(&operands, rows, out, n, count) };
+                    continue;
                 }
-            }
-            cols.start += 2;
-        }
-        let mut sums = [0f32; 4];
-        for col in cols {
-            for (tile, group) in rows.chunks(4).enumerate() {
-                weights.dot(col, blocks, group, &mut sums);
-                for (i, s) in sums.iter().take(group.len()).enumerate() {
-                    write(tile * 4 + i, col, *s);
+                #[cfg(target_arch = "x86_64")]
+                if simd::avx2() {
+                    // SAFETY: the CPU has AVX2 and FMA; as above.
+                    unsafe { avx2::multiply(&operands, rows, out, n, count) };
+                    continue;
                 }
+                // SAFETY: as above.
+                unsafe { plain_multiply(weights, t, &xs, rows, out, n, count) };
             }
         }
     });
 }
 
+/// What a pass over one tile reads: the tile's first block, the blocks per
+/// row, the activation rows and their blocks' code sums.
+struct Operands<'a> {
+    tile: *const u8,
+    blocks: usize,
+    xs: &'a QuantizedRows,
+    code_sums: &'a [i32],
+}
+
+/// The paths' products in plain loops: per block the integer dot product,
+/// then acc += dot * (weight scale * activation scale).
+unsafe fn plain_multiply(
+    weights: &Q8_0Tiles,
+    t: usize,
+    xs: &QuantizedRows,
+    rows: std::ops::Range<usize>,
+    out: *mut f32,
+    n: usize,
+    count: usize,
+) {
+    let blocks = weights.blocks();
+    for (i, r) in rows.enumerate() {
+        for row in 0..count {
+            let weight_row = t * TILE_ROWS + row;
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let x_codes = &xs.codes[(r * blocks + b) * BLOCK..][..BLOCK];
+                let dot: i32 =
+                    (0..BLOCK).map(|c| weights.weight(weight_row, b * BLOCK + c).0 as i32 * x_codes[c] as i32).sum();
+                let scale = weights.weight(weight_row, b * BLOCK).1;
+                acc = (dot as f32).mul_add(scale * xs.scales[r * blocks + b], acc);
+            }
+            *out.add(i * n + row) = acc;
+        }
+    }
+}
+
 /// The weights as floats, `out` [n, k], rows split in `parts`: what a
 /// long prefill multiplies densely (a float GEMM's cost grows slower with
 /// the rows than the block kernels').
-pub fn dequantize(pool: &SpinPool, parts: usize, weights: &Q8_0, k: usize, out: &mut [f32]) {
-    assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
-    let blocks = k / BLOCK;
-    let n = weights.rows(blocks);
+pub fn dequantize(pool: &SpinPool, parts: usize, weights: &Q8_0Tiles, out: &mut [f32]) {
+    let (n, k) = (weights.n, weights.k);
     assert_eq!(out.len(), n * k, "out is [rows of the weights, k]");
     let out_ptr = SharedPtr(out.as_mut_ptr());
     let parts = parts.clamp(1, pool.threads());
     pool.run(parts, &|part| {
-        for row in n * part / parts..n * (part + 1) / parts {
+        for r in n * part / parts..n * (part + 1) / parts {
             // SAFETY: each task writes its own rows, inside `out`.
-            let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(row * k), k) };
-            weights.dequantize_row(row, blocks, out);
+            let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * k), k) };
+            for (c, w) in row.iter_mut().enumerate() {
+                let (code, scale) = weights.weight(r, c);
+                *w = scale * code as f32;
+            }
         }
     });
 }
@@ -141,71 +227,108 @@ mod tests {
     use super::*;
     use crate::kernels::simd::test_values as values;
 
-    fn reference(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
-        let n = w.len() / k;
-        x.chunks(k)
-            .flat_map(|row| {
-                (0..n).map(move |c| row.iter().zip(&w[c * k..(c + 1) * k]).map(|(a, b)| a * b).sum::<f32>())
-            })
-            .collect()
+    /// Weights [n, k]: codes -127..127 (the extremes among them) and scales.
+    fn weights(n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
+        let mut codes: Vec<i8> = values(n * k, 5).iter().map(|v| (v * 127.0) as i8).collect();
+        codes[0] = -127;
+        codes[1] = 127;
+        let scales = values(n * k / BLOCK, 6).iter().map(|v| v.abs() * 0.01 + 0.001).collect();
+        (codes, scales)
     }
 
-    fn close(got: &[f32], want: &[f32], tolerance: f32) {
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for (g, w) in got.iter().zip(want) {
-            assert!((g - w).abs() <= tolerance * scale, "{g} vs {w}");
-        }
+    fn packed(codes: &[i8], scales: &[f32], n: usize, k: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; Q8_0Tiles::size(n, k)];
+        pack(codes, scales, n, k, &mut bytes);
+        bytes
     }
 
-    fn pair_is_two_dots(weights: &Q8_0, k: usize) {
-        let xs = QuantizedRows::new(&values(4 * k, 10), k);
-        for count in 1..=4 {
-            let rows: Vec<_> = (0..count).map(|r| xs.row(r)).collect();
-            let mut pair = [[0f32; 4]; 2];
-            weights.dot_pair(0, k / BLOCK, &rows, &mut pair);
-            for (n, got) in pair.iter().enumerate() {
-                let mut one = [0f32; 4];
-                weights.dot(n, k / BLOCK, &rows, &mut one);
-                assert_eq!(got[..count], one[..count], "{count} rows");
+    /// Each output as the module's comment gives it, in plain arithmetic
+    /// on the unpacked weights: the bits every path must give.
+    fn reference(x: &[f32], codes: &[i8], scales: &[f32], k: usize) -> Vec<f32> {
+        let xs = QuantizedRows::new(x, k);
+        let (blocks, n) = (k / BLOCK, scales.len() / (k / BLOCK));
+        let mut out = vec![];
+        for r in 0..xs.len() {
+            for c in 0..n {
+                let mut acc = 0f32;
+                for b in 0..blocks {
+                    let w = &codes[c * k + b * BLOCK..][..BLOCK];
+                    let a = &xs.codes[(r * blocks + b) * BLOCK..][..BLOCK];
+                    let dot: i32 = w.iter().zip(a).map(|(&w, &a)| w as i32 * a as i32).sum();
+                    acc = (dot as f32).mul_add(scales[c * blocks + b] * xs.scales[r * blocks + b], acc);
+                }
+                out.push(acc);
             }
         }
+        out
     }
 
-    /// 5 blocks a row: the pairs of blocks and the odd one. Without AVX2
-    /// `dot_pair` is two `dot`s.
+    #[test]
+    fn packed_tiles_dequantize_to_their_weights() {
+        // 20 rows: two whole tiles and one of 4.
+        let (n, k) = (20, 96);
+        let (codes, scales) = weights(n, k);
+        let bytes = packed(&codes, &scales, n, k);
+        let mut dense = vec![0f32; n * k];
+        dequantize(&SpinPool::new(3), 3, &Q8_0Tiles::checked(&bytes, n, k).unwrap(), &mut dense);
+        let want: Vec<f32> = (0..n * k).map(|i| scales[i / BLOCK] * codes[i] as f32).collect();
+        assert_eq!(dense, want);
+    }
+
+    /// Every row count from 1 to 17 (VNNI's passes of 8 and AVX2's of 4,
+    /// whole and partial) against 21 weight rows (a partial last tile):
+    /// the reference's bits, on this CPU's path. Without AVX2 that is the
+    /// plain loops.
+    #[test]
+    fn products_are_the_block_sums_to_the_bit_at_every_row_count() {
+        let (n, k) = (21, 160);
+        let (codes, scales) = weights(n, k);
+        let bytes = packed(&codes, &scales, n, k);
+        let tiles = Q8_0Tiles::checked(&bytes, n, k).unwrap();
+        for m in 1..=17 {
+            let x = values(m * k, 7 + m as u32);
+            let mut out = vec![0f32; m * n];
+            matmul(&SpinPool::new(3), 3, &x, &tiles, &mut out);
+            assert_eq!(out, reference(&x, &codes, &scales, k), "{m} rows");
+        }
+    }
+
+    /// The AVX2 path on its own, where the CPU would take VNNI's.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_weight_rows_in_pairs_give_each_rows_own_dot_product() {
+    fn avx2_products_are_the_block_sums_to_the_bit() {
         simd::require_avx2();
-        let k = 160;
-        let scales = values(2 * k / BLOCK, 8);
-        let codes: Vec<i8> = values(2 * k, 11).iter().map(|v| (v * 127.0) as i8).collect();
-        pair_is_two_dots(&Q8_0 { codes: &codes, scales: &scales }, k);
+        let (n, k) = (16, 96);
+        let (codes, scales) = weights(n, k);
+        let bytes = packed(&codes, &scales, n, k);
+        let tiles = Q8_0Tiles::checked(&bytes, n, k).unwrap();
+        let x = values(5 * k, 3);
+        let xs = QuantizedRows::new(&x, k);
+        let code_sums: Vec<i32> = xs.codes.chunks_exact(BLOCK).map(|b| b.iter().map(|&q| q as i32).sum()).collect();
+        let mut out = vec![0f32; 5 * n];
+        for t in 0..2 {
+            for rows in [0..4, 4..5] {
+                let operands =
+                    Operands { tile: tiles.block(t, 0).as_ptr(), blocks: k / BLOCK, xs: &xs, code_sums: &code_sums };
+                // SAFETY: the CPU has AVX2 and FMA; the tile and rows are inside their buffers.
+                unsafe { avx2::multiply(&operands, rows.clone(), out.as_mut_ptr().add(rows.start * n + t * 8), n, 8) };
+            }
+        }
+        assert_eq!(out, reference(&x, &codes, &scales, k));
     }
 
     #[test]
-    fn q8_0_matches_the_dequantized_product() {
-        let (k, n) = (64, 33);
-        let codes: Vec<i8> = values(n * k, 5).iter().map(|v| (v * 127.0) as i8).collect();
-        let scales = values(n * k / BLOCK, 6).iter().map(|v| v.abs() * 0.01 + 0.001).collect::<Vec<_>>();
-        let dense: Vec<f32> = (0..n * k).map(|i| scales[i / BLOCK] * codes[i] as f32).collect();
-        let weights = Q8_0 { codes: &codes, scales: &scales };
-        for m in [1, 5] {
-            let x = values(m * k, 7 + m as u32);
-            let mut out = vec![0.0; m * n];
-            matmul(&SpinPool::new(3), 3, &x, k, &weights, &mut out);
-            close(&out, &reference(&x, &dense, k), 0.02);
-        }
-        let mut floats = vec![0.0; n * k];
-        dequantize(&SpinPool::new(3), 3, &weights, k, &mut floats);
-        assert_eq!(floats, dense);
+    fn tiles_of_the_wrong_size_are_refused() {
+        let misfit = Q8_0Tiles::checked(&[0u8; 10], 8, 32).err().unwrap();
+        assert!(misfit.contains("not the Q8_0 tiles of a [8, 32] weight"), "{misfit}");
     }
 
     #[test]
     fn zero_activations_give_zero() {
-        let mut out = vec![1.0; 2];
-        let codes = vec![3i8; 2 * BLOCK];
-        matmul(&SpinPool::new(2), 2, &vec![0.0; BLOCK], BLOCK, &Q8_0 { codes: &codes, scales: &[1.0, 1.0] }, &mut out);
-        assert_eq!(out, vec![0.0, 0.0]);
+        let (codes, scales) = weights(8, BLOCK);
+        let bytes = packed(&codes, &scales, 8, BLOCK);
+        let mut out = vec![1.0; 8];
+        matmul(&SpinPool::new(2), 2, &[0.0; BLOCK], &Q8_0Tiles::checked(&bytes, 8, BLOCK).unwrap(), &mut out);
+        assert_eq!(out, vec![0.0; 8]);
     }
 }

@@ -15,10 +15,6 @@ pub struct QuantizedRows {
     pub(crate) blocks: usize,
 }
 
-/// One quantized activation row: its codes, and per block the scale and
-/// the scale times the sum of the codes.
-pub type ActivationRow<'a> = (&'a [i8], &'a [f32], &'a [f32]);
-
 impl QuantizedRows {
     /// `x` holds rows of `k` values; `k` is a multiple of BLOCK.
     pub fn new(x: &[f32], k: usize) -> QuantizedRows {
@@ -32,15 +28,6 @@ impl QuantizedRows {
         };
         quantize_blocks(x, &mut rows.codes, &mut rows.scales, &mut rows.sums);
         rows
-    }
-
-    pub(crate) fn row(&self, r: usize) -> ActivationRow<'_> {
-        let b = r * self.blocks;
-        (
-            &self.codes[b * BLOCK..(b + self.blocks) * BLOCK],
-            &self.scales[b..b + self.blocks],
-            &self.sums[b..b + self.blocks],
-        )
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -8,7 +8,7 @@ pub mod activations;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 
-pub use activations::{ActivationRow, QuantizedRows, BLOCK};
+pub use activations::{QuantizedRows, BLOCK};
 
 /// Whether this CPU runs the AVX2 and FMA paths (else plain loops compute
 /// the same sums).
