@@ -28,10 +28,9 @@ token as dear as a target step): the bound of what acceptance alone buys.
 
 Rounds alternate off, on, on, off (ABBA) and each figure is the median
 over rounds of decode tokens per second (after the first token), so the
-ratio holds on a noisy machine. Greedy NGRAM and STANDALONE engines give
-the plain engine's tokens, in float32 and in the 4-bit mode; the script
-reports how many leading tokens agree (EAGLE3's 4-bit steps run the torch
-layers, whose rounding differs).
+ratio holds on a noisy machine. Greedy engines give the plain engine's
+tokens, in float32 and in the 4-bit mode; the script reports how many
+leading tokens agree.
 
 `--step-costs` times single forward steps instead, on the model alone
 (no engine): a decode step (one row, one token) and verify steps of one

@@ -16,6 +16,7 @@ from pyserve.model.cpu import native_layers
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.model.quant import parse_quant
 from pyserve.model.step_plan import Layers, StepPlan
@@ -26,9 +27,9 @@ from tests.tiny_models import build_tiny_model
 PROMPT_LENGTHS = (5, 11, 8)  # unequal: the decode step pads the shorter rows' slots
 
 
-def _decode_logits(model, config, native: bool) -> torch.Tensor:
+def _decode_logits(model, config, native: bool, capture: AuxCapture | None = None) -> torch.Tensor:
     """Logits of one decode step over three sequences prefilled by the torch
-    layers, the step's layers native or not."""
+    layers, the step's layers native or not (filling `capture`)."""
     kv = KVBuffer(config.num_hidden_layers, 64, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
     attn = TorchAttention(kv)
     generator = torch.Generator().manual_seed(0)
@@ -51,8 +52,8 @@ def _decode_logits(model, config, native: bool) -> torch.Tensor:
         step = ForwardBatch.build(prefill.argmax(-1).tolist(), list(PROMPT_LENGTHS), new, [1] * len(prompts),
                                   slots, list(range(len(prompts))), True, "cpu")
         if not native:
-            return model(step, attn)
-        return model(step, attn, StepPlan(Layers.NATIVE_DECODE), native_layers.NativeDecode(model))
+            return model(step, attn, capture=capture)
+        return model(step, attn, StepPlan(Layers.NATIVE_DECODE), native_layers.NativeDecode(model), capture)
 
 
 @pytest.mark.parametrize("arch, overrides", [
@@ -68,12 +69,19 @@ def test_native_decode_step_gives_the_torch_layers_logits(tmp_path, default_mode
     model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, **overrides)
     model, config = load_model(model_dir, torch.float32, "cpu", parse_quant("8da4w"))
     assert native_layers.unfit_reason(model) is None
-    torch_logits = _decode_logits(model, config, native=False)
-    native_logits = _decode_logits(model, config, native=True)
+    # The hidden states entering the first and the last layer, as an EAGLE-3 head reads them.
+    kept = frozenset([0, config.num_hidden_layers - 1])
+    torch_kept, native_kept = AuxCapture(kept), AuxCapture(kept)
+    torch_logits = _decode_logits(model, config, native=False, capture=torch_kept)
+    native_logits = _decode_logits(model, config, native=True, capture=native_kept)
     assert native_logits.shape == torch_logits.shape == (len(PROMPT_LENGTHS), config.vocab_size)
     scale = torch_logits.abs().max()
     assert (native_logits - torch_logits).abs().max() < 1e-4 * scale
     assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).all()
+    assert len(native_kept.states) == len(torch_kept.states) == 2
+    for native_state, torch_state in zip(native_kept.states, torch_kept.states):
+        assert native_state.shape == torch_state.shape == (len(PROMPT_LENGTHS), config.hidden_size)
+        assert (native_state - torch_state).abs().max() < 1e-4 * torch_state.abs().max()
 
 
 def _extend_logits(model, config, native: bool) -> tuple[torch.Tensor, int]:

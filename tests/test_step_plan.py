@@ -102,5 +102,8 @@ def test_a_step_runs_the_layers_and_threads_its_plan_names(rank, monkeypatch):
     layers = rank.model.config.num_hidden_layers
     assert seen == [("run_extends", 1), ("run", 1), ("run_extends", 1)]
     seen.clear()
-    rank.forward(steps.batch({0: 1, 1: 3}), capture=AuxCapture(frozenset([0])))  # kept hidden states: torch layers
-    assert seen == [("extend kernel", 1)] * layers
+    # Kept hidden states (an EAGLE-3 head's): the same native layers, which fill them.
+    capture = AuxCapture(frozenset([0, layers - 1]))
+    rank.forward(steps.batch({0: 1, 1: 3}), capture=capture)
+    assert seen == [("run_extends", 1)]
+    assert [tuple(s.shape) for s in capture.states] == [(4, rank.model.config.hidden_size)] * 2

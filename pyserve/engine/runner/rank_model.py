@@ -271,13 +271,13 @@ class RankModel:
     def forward(self, batch: ForwardBatch, capture: AuxCapture | None = None) -> torch.Tensor:
         """Float32 logits [B, vocab] for the rows in batch.logits_indices.
         `capture`: also keep hidden states (CausalLM.hidden_states), which
-        only the torch layers and the graphs capturing them do."""
+        the torch and native layers and the graphs capturing them do."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch, capture):
             return self.cuda_graphs.replay(batch, capture)
         if self.lora is not None:
             self.lora.current = batch.lora
         plan = self.plan(batch)
-        if capture is not None:
+        if capture is not None and plan.layers == Layers.COMPILED_DECODE:
             plan = replace(plan, layers=Layers.TORCH)
         threads = self.threads.using(plan.torch_threads) if self.threads is not None else nullcontext()
         with threads:

@@ -17,11 +17,16 @@ projections without biases, no q/k norms, float32 KV cache.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pyserve import _rust
 from pyserve.model.cpu.blocks import Q4_1Linear
 from pyserve.model.layers.mlp import MLP
+
+if TYPE_CHECKING:
+    from pyserve.model.layers.causal_lm import AuxCapture
 
 
 def unfit_reason(model) -> str | None:
@@ -72,19 +77,21 @@ class NativeDecode:
         self._caches: list[tuple] = []
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int],
-            decode_inputs) -> tuple[torch.Tensor, torch.Tensor]:
+            decode_inputs, capture: AuxCapture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it) for
         the embeddings `x` [rows, hidden] of a decode step.
-        `decode_inputs(i)`: layer i's (k cache, v cache, new slots, slots, mask)."""
+        `decode_inputs(i)`: layer i's (k cache, v cache, new slots, slots, mask);
+        `capture`: filled with the hidden states entering its layers."""
         k_cache, _, new_slots, slots, _ = decode_inputs(0)
         if k_cache is not self._cache_of:
             self._view_caches(k_cache, [decode_inputs(i)[:2] for i in range(len(self.layers))])
         lens = torch.tensor(seq_lens, dtype=torch.long)
         decode = (_view(slots.to(torch.long)), lens.numpy())
-        return self._layers(x, cos, sin, new_slots, decode, [])
+        return self._layers(x, cos, sin, new_slots, decode, [], capture)
 
     def run_extends(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
-                    extends: list[tuple[int, torch.Tensor]], kv_buffer) -> tuple[torch.Tensor, torch.Tensor]:
+                    extends: list[tuple[int, torch.Tensor]], kv_buffer,
+                    capture: AuxCapture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As `run`, for a step of prefill chunks or verify rows (decode rows
         among them or not): `extends` holds each sequence's count of new
         tokens (the next rows in order) and its slots (int64, the new
@@ -92,7 +99,7 @@ class NativeDecode:
         if kv_buffer.k_buffer[0] is not self._cache_of:
             self._view_caches(kv_buffer.k_buffer[0], list(zip(kv_buffer.k_buffer, kv_buffer.v_buffer)))
         extends = [(count, _view(slots.to(torch.long))) for count, slots in extends]
-        return self._layers(x, cos, sin, new_slots, None, extends)
+        return self._layers(x, cos, sin, new_slots, None, extends, capture)
 
     def _view_caches(self, first_k: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(caches) != len(self.layers):
@@ -100,17 +107,21 @@ class NativeDecode:
         self._cache_of = first_k
         self._caches = [(k.numpy(), v.numpy()) for k, v in caches]
 
-    def _layers(self, x, cos, sin, new_slots, decode, extends) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layers(self, x, cos, sin, new_slots, decode, extends,
+                capture: AuxCapture | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on the step's rows: `decode` (slots, lens) for a
         decode step, else `extends` (new tokens, slots) per sequence. The
-        Rust side checks every shape, dtype and slot."""
+        Rust side checks every shape, dtype and slot; each call updates x
+        and the residual in place, so a captured state is a sum made anew."""
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous().clone()
         residual = torch.zeros_like(x)
         step = (_view(cos.reshape(rows, -1).to(torch.float32)), _view(sin.reshape(rows, -1).to(torch.float32)),
                 _view(new_slots.to(torch.long)))
         x_view, residual_view = x.numpy(), residual.numpy()
-        for layer, cache in zip(self.layers, self._caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, self._caches)):
+            if capture is not None and i in capture.layers:
+                capture.states.append(x + residual)
             _rust.decode_layer_q4_1(x_view, residual_view, self.dims, layer, step, decode, extends, cache,
                                     self.threads)
         return x, residual

@@ -53,8 +53,8 @@ class AuxCapture:
     states entering `layers` (the residual stream before each of those
     layers; layer 0's is the embeddings) of every token row, one
     [tokens, hidden] tensor per layer in layer order, which an EAGLE-3
-    draft head reads (engine/speculative/eagle3.py). Only the torch layers
-    fill it."""
+    draft head reads (engine/speculative/eagle3.py). The torch layers and
+    the native ones fill it, not the compiled decode layer."""
 
     layers: frozenset[int]
     states: list[torch.Tensor] = field(default_factory=list)
@@ -127,11 +127,11 @@ class CausalLM(nn.Module):
         projection reads, and what embedding models pool. `plan`: how the
         step runs, decided by its owner; `native_layers`: the owner's native
         layer runner, for plans of native layers; `capture`: filled with the
-        hidden states entering its layers (torch layers only)."""
+        hidden states entering its layers (not by the compiled decode layer)."""
         if plan.layers in (Layers.NATIVE_DECODE, Layers.NATIVE_EXTENDS) and native_layers is None:
             raise ValueError(f"a step planned for the {plan.layers.value} layers needs the native layer runner")
-        if capture is not None and plan.layers != Layers.TORCH:
-            raise ValueError(f"hidden states are kept by the torch layers, not the {plan.layers.value} layers")
+        if capture is not None and plan.layers == Layers.COMPILED_DECODE:
+            raise ValueError("hidden states are not kept by the compiled decode layer")
         attn.prepare(batch, plan)
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
         multiplier = self.config.embedding_multiplier
@@ -146,10 +146,10 @@ class CausalLM(nn.Module):
             case Layers.COMPILED_DECODE:
                 x, residual = self._compiled_decode_layers(x, cos, sin, attn)
             case Layers.NATIVE_DECODE:
-                x, residual = native_layers.run(x, cos, sin, batch.seq_lens, _decode_inputs(attn))
+                x, residual = native_layers.run(x, cos, sin, batch.seq_lens, _decode_inputs(attn), capture)
             case Layers.NATIVE_EXTENDS:
                 x, residual = native_layers.run_extends(x, cos, sin, batch.out_cache_loc, _native_extends(attn),
-                                                        attn.kv_buffer)
+                                                        attn.kv_buffer, capture)
         # Only the rows whose next token (or hidden state) is wanted go
         # through the last residual add, the norm and the vocabulary
         # projection, the most expensive matmul for small models.
