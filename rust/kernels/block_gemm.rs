@@ -32,10 +32,9 @@
 //! the 4-bit mode").
 
 use crate::kernels::simd::{self, QuantizedRows, BLOCK};
-use crate::kernels::spin_pool::{SharedPtr, SpinPool};
+use crate::kernels::spin_pool::SpinPool;
+use crate::kernels::tiles::{self, TILE_ROWS};
 
-/// Weight rows interleaved in a tile.
-const TILE_ROWS: usize = 8;
 /// A tile's codes for one block: 8 rows of 32 codes, two to a byte.
 const CODE_BYTES: usize = TILE_ROWS * BLOCK / 2;
 /// A tile's bytes for one block: the codes, 8 scales and 8 minimums.
@@ -151,41 +150,26 @@ pub fn dequantize(weights: &Q4_1Tiles, out: &mut [f32]) {
 /// same sums in the same order.
 pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q4_1Tiles, out: &mut [f32]) {
     let xs = QuantizedRows::new(x, weights.k);
-    let (m, n) = (xs.len(), weights.n);
-    assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
-    let out_ptr = SharedPtr(out.as_mut_ptr());
-    let tiles = weights.tiles();
-    let parts = parts.clamp(1, pool.threads()).min(tiles);
     #[cfg(target_arch = "x86_64")]
     let vnni = simd::vnni();
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     // Activation rows per pass over a tile: each pass reads the tile's codes once.
-    let pass = if vnni { VNNI_ROWS } else { 4 };
-    pool.run(parts, &|part| {
-        for t in tiles * part / parts..tiles * (part + 1) / parts {
-            let first = t * TILE_ROWS;
-            let count = TILE_ROWS.min(n - first);
-            for row in (0..m).step_by(pass) {
-                let rows = row..m.min(row + pass);
-                // SAFETY: each task writes only its own tiles' columns, inside `out`.
-                let out = unsafe { out_ptr.get().add(row * n + first) };
-                #[cfg(target_arch = "x86_64")]
-                if vnni {
-                    // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; as below.
-                    unsafe { avx2::multiply_vnni(weights, t, &xs, rows, out, n, count) };
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if simd::avx2() {
-                    // SAFETY: the CPU has AVX2 and FMA; the tile and the rows are inside their buffers.
-                    unsafe { avx2::multiply(weights, t, &xs, rows, out, n, count) };
-                    continue;
-                }
-                // SAFETY: as above.
-                unsafe { plain_multiply(weights, t, &xs, rows, out, n, count) };
-            }
+    let rows_per_pass = if vnni { VNNI_ROWS } else { 4 };
+    tiles::run_passes(pool, parts, (xs.len(), weights.n), rows_per_pass, out, &|t, rows, out, count| {
+        let n = weights.n;
+        #[cfg(target_arch = "x86_64")]
+        if vnni {
+            // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; as below.
+            return unsafe { avx2::multiply_vnni(weights, t, &xs, rows, out, n, count) };
         }
+        #[cfg(target_arch = "x86_64")]
+        if simd::avx2() {
+            // SAFETY: the CPU has AVX2 and FMA; the tile and the rows are inside their buffers.
+            return unsafe { avx2::multiply(weights, t, &xs, rows, out, n, count) };
+        }
+        // SAFETY: as above.
+        unsafe { plain_multiply(weights, t, &xs, rows, out, n, count) };
     });
 }
 
@@ -202,27 +186,19 @@ unsafe fn plain_multiply(
     count: usize,
 ) {
     let blocks = weights.blocks();
-    for (i, r) in rows.enumerate() {
-        for row in 0..count {
-            let weight_row = t * TILE_ROWS + row;
-            let mut acc = 0f32;
-            for b in 0..blocks {
-                let x_codes = &xs.codes[(r * blocks + b) * BLOCK..][..BLOCK];
-                let dot: i32 =
-                    (0..BLOCK).map(|c| weights.weight(weight_row, b * BLOCK + c).0 as i32 * x_codes[c] as i32).sum();
-                let (_, scale, min) = weights.weight(weight_row, b * BLOCK);
-                acc = (dot as f32).mul_add(scale * xs.scales[r * blocks + b], acc);
-                acc = min.mul_add(xs.sums[r * blocks + b], acc);
-            }
-            *out.add(i * n + row) = acc;
-        }
-    }
+    let code = |row, c| weights.weight(row, c).0 as i32;
+    tiles::plain_pass(xs, t, rows, out, n, count, code, |row, r, b, dot, acc| {
+        let (_, scale, min) = weights.weight(row, b * BLOCK);
+        let acc = (dot as f32).mul_add(scale * xs.scales[r * blocks + b], acc);
+        min.mul_add(xs.sums[r * blocks + b], acc)
+    });
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Q4_1Tiles, CODE_BYTES, TILE_ROWS};
     use crate::kernels::simd::{QuantizedRows, BLOCK};
+    use crate::kernels::tiles::avx2::store;
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -332,21 +308,6 @@ mod avx2 {
             }
         }
         store(&acc, out, n, count);
-    }
-
-    /// Each row's 8 sums into its `count` columns of `out` (rows `n` apart).
-    #[inline(always)]
-    unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, n: usize, count: usize) {
-        for (r, sums) in acc.iter().enumerate() {
-            let row = out.add(r * n);
-            if count == TILE_ROWS {
-                _mm256_storeu_ps(row, *sums);
-            } else {
-                let mut lanes = [0f32; TILE_ROWS];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), *sums);
-                std::ptr::copy_nonoverlapping(lanes.as_ptr(), row, count);
-            }
-        }
     }
 
     #[target_feature(enable = "avx2,fma")]

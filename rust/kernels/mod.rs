@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! decode_layer ──> decode_attention, extend_attention, block_gemm
-//! block_gemm, q8_0, decode_attention, extend_attention ──> simd, spin_pool
+//! block_gemm, q8_0 ──> tiles
+//! block_gemm, q8_0, tiles, decode_attention, extend_attention ──> simd, spin_pool
 //! ```
 
 pub mod block_gemm;
@@ -17,3 +18,4 @@ pub mod extend_attention;
 pub mod q8_0;
 pub mod simd;
 pub mod spin_pool;
+pub mod tiles;

@@ -2,8 +2,9 @@
 //! each output one lane, each block's integer sums then one fused
 //! multiply-add per output, in block order (the module's comment).
 
-use super::{Operands, CODE_BYTES, TILE_BLOCK_BYTES, TILE_ROWS};
+use super::{Operands, CODE_BYTES, TILE_BLOCK_BYTES};
 use crate::kernels::simd::BLOCK;
+use crate::kernels::tiles::avx2::store;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -129,19 +130,4 @@ unsafe fn tile_rows<const R: usize>(
         }
     }
     store(&acc, out, n, count);
-}
-
-/// Each row's 8 sums into its `count` columns of `out` (rows `n` apart).
-#[inline(always)]
-unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, n: usize, count: usize) {
-    for (r, sums) in acc.iter().enumerate() {
-        let row = out.add(r * n);
-        if count == TILE_ROWS {
-            _mm256_storeu_ps(row, *sums);
-        } else {
-            let mut lanes = [0f32; TILE_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *sums);
-            std::ptr::copy_nonoverlapping(lanes.as_ptr(), row, count);
-        }
-    }
 }

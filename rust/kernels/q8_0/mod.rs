@@ -39,9 +39,8 @@ mod avx2;
 
 use crate::kernels::simd::{self, QuantizedRows, BLOCK};
 use crate::kernels::spin_pool::{SharedPtr, SpinPool};
+use crate::kernels::tiles::{self, TILE_ROWS};
 
-/// Weight rows interleaved in a tile.
-const TILE_ROWS: usize = 8;
 /// A tile's codes for one block: 8 rows of 32 codes.
 const CODE_BYTES: usize = TILE_ROWS * BLOCK;
 /// A tile's bytes for one block: the codes and 8 scales.
@@ -75,10 +74,6 @@ impl<'a> Q8_0Tiles<'a> {
 
     fn blocks(&self) -> usize {
         self.k / BLOCK
-    }
-
-    fn tiles(&self) -> usize {
-        self.n.div_ceil(TILE_ROWS)
     }
 
     /// Tile t's bytes for block b.
@@ -124,44 +119,30 @@ pub fn pack(codes: &[i8], scales: &[f32], n: usize, k: usize, out: &mut [u8]) {
 /// (at most the pool's threads).
 pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q8_0Tiles, out: &mut [f32]) {
     let xs = QuantizedRows::new(x, weights.k);
-    let (m, n, blocks) = (xs.len(), weights.n, weights.blocks());
-    assert_eq!(out.len(), m * n, "out is [rows of x, rows of the weights]");
+    let blocks = weights.blocks();
     // Each activation block's code sum, which the VNNI path's offset codes add 128 times.
     let code_sums: Vec<i32> = xs.codes.chunks_exact(BLOCK).map(|b| b.iter().map(|&q| q as i32).sum()).collect();
-    let out_ptr = SharedPtr(out.as_mut_ptr());
-    let tiles = weights.tiles();
-    let parts = parts.clamp(1, pool.threads()).min(tiles);
     #[cfg(target_arch = "x86_64")]
     let vnni = simd::vnni();
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     // Activation rows per pass over a tile: each pass reads the tile's codes once.
-    let pass = if vnni { VNNI_ROWS } else { 4 };
-    pool.run(parts, &|part| {
-        for t in tiles * part / parts..tiles * (part + 1) / parts {
-            let first = t * TILE_ROWS;
-            let count = TILE_ROWS.min(n - first);
-            for row in (0..m).step_by(pass) {
-                let rows = row..m.min(row + pass);
-                // SAFETY: each task writes only its own tiles' columns, inside `out`.
-                let out = unsafe { out_ptr.get().add(row * n + first) };
-                let operands = Operands { tile: weights.block(t, 0).as_ptr(), blocks, xs: &xs, code_sums: &code_sums };
-                #[cfg(target_arch = "x86_64")]
-                if vnni {
-                    // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; the tile and rows lie inside their buffers.
-                    unsafe { avx2::multiply_vnni(&operands, rows, out, n, count) };
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if simd::avx2() {
-                    // SAFETY: the CPU has AVX2 and FMA; as above.
-                    unsafe { avx2::multiply(&operands, rows, out, n, count) };
-                    continue;
-                }
-                // SAFETY: as above.
-                unsafe { plain_multiply(weights, t, &xs, rows, out, n, count) };
-            }
+    let rows_per_pass = if vnni { VNNI_ROWS } else { 4 };
+    tiles::run_passes(pool, parts, (xs.len(), weights.n), rows_per_pass, out, &|t, rows, out, count| {
+        let (n, operands) =
+            (weights.n, Operands { tile: weights.block(t, 0).as_ptr(), blocks, xs: &xs, code_sums: &code_sums });
+        #[cfg(target_arch = "x86_64")]
+        if vnni {
+            // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; the tile and rows lie inside their buffers.
+            return unsafe { avx2::multiply_vnni(&operands, rows, out, n, count) };
         }
+        #[cfg(target_arch = "x86_64")]
+        if simd::avx2() {
+            // SAFETY: the CPU has AVX2 and FMA; as above.
+            return unsafe { avx2::multiply(&operands, rows, out, n, count) };
+        }
+        // SAFETY: as above.
+        unsafe { plain_multiply(weights, t, &xs, rows, out, n, count) };
     });
 }
 
@@ -186,20 +167,10 @@ unsafe fn plain_multiply(
     count: usize,
 ) {
     let blocks = weights.blocks();
-    for (i, r) in rows.enumerate() {
-        for row in 0..count {
-            let weight_row = t * TILE_ROWS + row;
-            let mut acc = 0f32;
-            for b in 0..blocks {
-                let x_codes = &xs.codes[(r * blocks + b) * BLOCK..][..BLOCK];
-                let dot: i32 =
-                    (0..BLOCK).map(|c| weights.weight(weight_row, b * BLOCK + c).0 as i32 * x_codes[c] as i32).sum();
-                let scale = weights.weight(weight_row, b * BLOCK).1;
-                acc = (dot as f32).mul_add(scale * xs.scales[r * blocks + b], acc);
-            }
-            *out.add(i * n + row) = acc;
-        }
-    }
+    let code = |row, c| weights.weight(row, c).0 as i32;
+    tiles::plain_pass(xs, t, rows, out, n, count, code, |row, r, b, dot, acc| {
+        (dot as f32).mul_add(weights.weight(row, b * BLOCK).1 * xs.scales[r * blocks + b], acc)
+    });
 }
 
 /// The weights as floats, `out` [n, k], rows split in `parts`: what a
@@ -313,6 +284,23 @@ mod tests {
                 // SAFETY: the CPU has AVX2 and FMA; the tile and rows are inside their buffers.
                 unsafe { avx2::multiply(&operands, rows.clone(), out.as_mut_ptr().add(rows.start * n + t * 8), n, 8) };
             }
+        }
+        assert_eq!(out, reference(&x, &codes, &scales, k));
+    }
+
+    /// The plain loops, which a CPU without AVX2 takes.
+    #[test]
+    fn plain_loops_are_the_block_sums_to_the_bit() {
+        let (n, k) = (12, 96);
+        let (codes, scales) = weights(n, k);
+        let bytes = packed(&codes, &scales, n, k);
+        let tiles = Q8_0Tiles::checked(&bytes, n, k).unwrap();
+        let x = values(3 * k, 4);
+        let xs = QuantizedRows::new(&x, k);
+        let mut out = vec![0f32; 3 * n];
+        for t in 0..2 {
+            // SAFETY: the tile's rows and the activation rows are inside their buffers.
+            unsafe { plain_multiply(&tiles, t, &xs, 0..3, out.as_mut_ptr().add(t * 8), n, 8.min(n - t * 8)) };
         }
         assert_eq!(out, reference(&x, &codes, &scales, k));
     }
