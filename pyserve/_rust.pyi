@@ -249,7 +249,7 @@ def decode_layer_q4_1(
                  NDArray[np.uint8], NDArray[np.uint8], NDArray[np.float32] | None],
     step: tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]],
     decode: tuple[NDArray[np.int64], NDArray[np.int64]] | None,
-    extends: list[tuple[int, NDArray[np.int64]]],
+    extends: list[tuple[int, NDArray[np.int64], bool]],
     cache: tuple[NDArray[np.float32], NDArray[np.float32]],
     threads: int,
 ) -> None:
@@ -258,5 +258,6 @@ def decode_layer_q4_1(
     layer: (input norm, post-attention norm, qkv, o, gate_up, down tiles,
     q/k/v bias or None); step: (cos, sin [rows, head_dim / 2], new KV slot
     per row); a decode step's `decode` (slots [rows, width], lens [rows]),
-    else a prefill step's `extends` ((new tokens, slots) per sequence);
+    else a prefill step's `extends` ((new tokens, slots, whether they attend
+    as decode rows) per sequence);
     cache: the layer's (k, v) [cache slots, kv_heads, head_dim]."""

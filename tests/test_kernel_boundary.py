@@ -214,7 +214,8 @@ def test_decode_layer_runs_on_arrays_that_fit(layer):
     assert cache[0][10:12].any(), "the new tokens' k were written"
     # A prefill step of the same rows: one sequence of 2 new tokens.
     x, residual, step, _, cache = decode_step()
-    _rust.decode_layer_q4_1(x, residual, DIMS, layer, step, None, [(2, np.arange(5, 12, dtype=np.int64))], cache, 2)
+    extends = [(2, np.arange(5, 12, dtype=np.int64), False)]
+    _rust.decode_layer_q4_1(x, residual, DIMS, layer, step, None, extends, cache, 2)
     assert np.isfinite(x).all()
 
 
@@ -241,7 +242,8 @@ def test_decode_layer_refuses_kv_slots_outside_the_cache(layer):
     far = slots.copy()
     far[1, 0] = 10**12
     refused(layer, match="outside the cache", decode=(far, lens))
-    refused(layer, match="outside the cache", decode=None, extends=[(2, np.array([3, CACHE_SLOTS + 5], np.int64))])
+    refused(layer, match="outside the cache", decode=None,
+            extends=[(2, np.array([3, CACHE_SLOTS + 5], np.int64), False)])
 
 
 def test_decode_layer_refuses_lengths_past_their_slots(layer):
@@ -249,8 +251,10 @@ def test_decode_layer_refuses_lengths_past_their_slots(layer):
     refused(layer, match="1..=4 slots", decode=(slots, lens + 1))
     refused(layer, match="1..=4 slots", decode=(slots, lens * 0))
     refused(layer, match="one list", decode=(slots[:1], lens))
-    refused(layer, match="new tokens are the rows", decode=None, extends=[(1, np.arange(4, dtype=np.int64))])
-    refused(layer, match="new tokens", decode=None, extends=[(2, np.arange(1, dtype=np.int64)), (0, slots[0])])
+    refused(layer, match="new tokens are the rows", decode=None,
+            extends=[(1, np.arange(4, dtype=np.int64), False)])
+    refused(layer, match="new tokens", decode=None,
+            extends=[(2, np.arange(1, dtype=np.int64), True), (0, slots[0], False)])
 
 
 def test_decode_layer_refuses_weights_and_rows_that_do_not_fit(layer):

@@ -29,8 +29,10 @@ class Steps:
         self.next_slot = 1  # slot 0 pads
         self.generator = torch.Generator().manual_seed(0)
 
-    def batch(self, new: dict[int, int]) -> ForwardBatch:
-        """`new`: tokens to add per sequence (sequences are created in order)."""
+    def batch(self, new: dict[int, int], verify: frozenset[int] = frozenset()) -> ForwardBatch:
+        """`new`: tokens to add per sequence (sequences are created in order);
+        `verify`: the sequences whose every new token wants its logits (a
+        verify row), where the others want their last token's."""
         ids, positions, fresh = [], [], []
         for seq, count in new.items():
             if seq == len(self.slots):
@@ -43,9 +45,11 @@ class Steps:
             positions += range(cached, cached + count)
             fresh.append(slots)
         ends = torch.tensor(list(new.values())).cumsum(0) - 1
+        logits = [row for (seq, count), end in zip(new.items(), ends.tolist())
+                  for row in (range(end - count + 1, end + 1) if seq in verify else [end])]
         decode = all(count == 1 for count in new.values()) and all(self.slots[s].numel() > 1 for s in new)
         return ForwardBatch.build(ids, positions, torch.cat(fresh), list(new.values()),
-                                  [self.slots[s] for s in new], ends.tolist(), decode, "cpu")
+                                  [self.slots[s] for s in new], logits, decode, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +111,17 @@ def test_a_step_runs_the_layers_and_threads_its_plan_names(rank, monkeypatch):
     rank.forward(steps.batch({0: 1, 1: 3}), capture=capture)
     assert seen == [("run_extends", 1)]
     assert [tuple(s.shape) for s in capture.states] == [(4, rank.model.config.hidden_size)] * 2
+
+
+def test_a_verify_row_attends_as_decode_rows_and_a_chunk_does_not(rank):
+    """A verify row (every new token wants its logits, after a cached
+    past) attends as decode rows, so its tokens get a decode step's bits; a
+    prompt's chunk after a cached past keeps extend attention's tiles, and
+    a lone new token is a decode row either way."""
+    steps = Steps()
+    rank.forward(steps.batch({0: 9, 1: 5, 2: 7}))
+    step = steps.batch({0: 1, 1: 4, 2: 5}, verify=frozenset([1]))
+    rank.attention.prepare(step, rank.plan(step))
+    assert [(count, as_decode) for count, _, as_decode in rank.attention.native_extends()] == [
+        (1, False), (4, True), (5, False)]
+    assert rank.forward(step).shape == (1 + 4 + 1, rank.model.config.vocab_size)

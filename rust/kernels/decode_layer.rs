@@ -16,12 +16,6 @@ use crate::kernels::extend_attention::{self, Extend};
 use crate::kernels::simd::{self, dot, BLOCK};
 use crate::kernels::spin_pool::SpinPool;
 
-/// New tokens after a cached past up to which an extend's tokens attend
-/// as decode rows, each over the slots up to its own: a speculative
-/// verify row's token and drafts then get the bits a decode step would
-/// give them, so greedy speculation keeps plain decoding's tokens.
-const DECODE_STYLE_TOKENS: usize = 16;
-
 /// The layer's sizes.
 pub struct Dims {
     pub hidden: usize,
@@ -99,12 +93,27 @@ pub enum Sequences<'a> {
     /// token's last).
     Decode { slots: &'a [i64], width: usize, lens: &'a [i64] },
     /// A step of prefill chunks or speculative verify rows, decode rows
-    /// among them or not: each entry is a sequence's count of new tokens,
-    /// the next rows in order, and its slots (the new tokens' last); each
-    /// new token sees the slots up to its own (extend_attention's rule).
-    /// A sequence of one new token after a cached past is a decode row and
-    /// attends as one (decode_attention), as in a decode step.
-    Extend(Vec<(usize, &'a [i64])>),
+    /// among them or not: each sequence's new tokens, the next rows in
+    /// order. A sequence of one new token after a cached past is a decode
+    /// row and attends as one (decode_attention), as in a decode step.
+    Extend(Vec<NewTokens<'a>>),
+}
+
+/// One sequence's new tokens in an extend step.
+#[derive(Clone, Copy)]
+pub struct NewTokens<'a> {
+    /// How many: the step's next rows.
+    pub count: usize,
+    /// The sequence's slots, the new tokens' last. Each new token sees the
+    /// slots up to its own.
+    pub slots: &'a [i64],
+    /// Whether each new token attends as a decode row (decode_attention
+    /// over the slots up to its own) instead of in extend_attention's
+    /// tiles: a speculative verify row's token and drafts then get what a
+    /// decode step gives them, to the bit, so greedy speculation keeps
+    /// plain decoding's tokens where the activations' 8-bit rounding would
+    /// turn a last-bit difference into another code.
+    pub as_decode_rows: bool,
 }
 
 /// One layer's KV cache, k and v [cache slots, kv_heads * head_dim] each.
@@ -259,10 +268,10 @@ fn check_slots(rows: &Rows, cache_slots: usize) -> Result<(), String> {
             }
         }
         Sequences::Extend(sequences) => {
-            if sequences.iter().map(|(count, _)| count).sum::<usize>() != n {
+            if sequences.iter().map(|tokens| tokens.count).sum::<usize>() != n {
                 return Err(format!("the extends' new tokens are the rows ({n})"));
             }
-            for (count, slots) in sequences {
+            for NewTokens { count, slots, .. } in sequences {
                 if *count < 1 || *count > slots.len() {
                     return Err(format!("an extend has 1..={} new tokens, not {count}", slots.len()));
                 }
@@ -276,14 +285,15 @@ fn check_slots(rows: &Rows, cache_slots: usize) -> Result<(), String> {
 }
 
 /// Each extend's attention (extend_attention) over the cache, its rows'
-/// queries copied out of `qkv` together; the decode rows among them
-/// (one new token after a cached past) in one decode_attention call, so
-/// that such a row's output is what a decode step gives it.
+/// queries copied out of `qkv` together; the decode rows among them (one
+/// new token after a cached past, and every token of an extend marked
+/// `as_decode_rows`) in one decode_attention call, so that such a row's
+/// output is what a decode step gives it.
 fn attend_extends(
     pool: &SpinPool,
     threads: usize,
     dims: &Dims,
-    sequences: &[(usize, &[i64])],
+    sequences: &[NewTokens],
     (k, v): (&[f32], &[f32]),
     qkv: &[f32],
     out: &mut [f32],
@@ -292,8 +302,8 @@ fn attend_extends(
     let mut q = Vec::new();
     let mut decode_rows = Vec::new(); // (row, slots)
     let mut first = 0;
-    for &(count, slots) in sequences {
-        if count <= DECODE_STYLE_TOKENS && slots.len() > count {
+    for &NewTokens { count, slots, as_decode_rows } in sequences {
+        if as_decode_rows || (count == 1 && slots.len() > 1) {
             let past = slots.len() - count;
             decode_rows.extend((0..count).map(|t| (first + t, &slots[..past + t + 1])));
             first += count;
@@ -453,11 +463,11 @@ mod tests {
         assert!(check_slots(&rows, 2).unwrap_err().contains("outside the cache"));
     }
 
-    /// Two extends in one step (3 new tokens after 37 cached, a verify
-    /// row's shape, and a fresh prompt of 5): each new token attends as a
-    /// decode row over its sequence's slots up to its own, the verify
-    /// row's tokens to the bit (decode-style), the prompt's within float
-    /// rounding (extend_attention).
+    /// Two extends in one step (3 new tokens after 37 cached, a verify row
+    /// marked `as_decode_rows`, and a fresh prompt of 5): each new token
+    /// attends as a decode row over its sequence's slots up to its own, the
+    /// verify row's tokens to the bit, the prompt's (extend_attention)
+    /// within float rounding.
     #[test]
     fn extend_rows_attend_as_decode_rows_over_their_prefix() {
         let dims = Dims { hidden: 0, heads: 6, kv_heads: 2, head_dim: 8, intermediate: 0, eps: 0.0, scale: 0.35 };
@@ -471,7 +481,10 @@ mod tests {
         let rows = 8;
         let qkv: Vec<f32> = (0..rows * (q_size + 2 * kv_size)).map(|i| wave(i, 3)).collect();
         let mut extended = vec![0f32; rows * q_size];
-        let sequences = vec![(3, &first[..]), (5, &second[..])];
+        let sequences = vec![
+            NewTokens { count: 3, slots: &first, as_decode_rows: true },
+            NewTokens { count: 5, slots: &second, as_decode_rows: false },
+        ];
         let step = Rows { cos: &[], sin: &[], new_slot: &[0; 8], sequences: Sequences::Extend(sequences.clone()) };
         check_slots(&step, cache_slots).unwrap();
         attend_extends(SpinPool::global(), 2, &dims, &sequences, (&k, &v), &qkv, &mut extended).unwrap();
@@ -480,8 +493,8 @@ mod tests {
         let width = first.len();
         let mut table = vec![0i64; rows * width];
         let mut lens = vec![];
-        for (count, slots) in &sequences {
-            for t in 0..*count {
+        for &NewTokens { count, slots, .. } in &sequences {
+            for t in 0..count {
                 let seen = slots.len() - count + t + 1;
                 table[lens.len() * width..][..seen].copy_from_slice(&slots[..seen]);
                 lens.push(seen as i64);
@@ -511,7 +524,11 @@ mod tests {
             ((0..20).collect(), (20..57).collect(), (57..66).collect());
         let rows = 4 + 1 + 3;
         let qkv: Vec<f32> = (0..rows * (q_size + 2 * kv_size)).map(|i| wave(i, 3)).collect();
-        let sequences = vec![(4, &first[..]), (1, &decoded[..]), (3, &last[..])];
+        let sequences = [(4, &first[..]), (1, &decoded[..]), (3, &last[..])].map(|(count, slots)| NewTokens {
+            count,
+            slots,
+            as_decode_rows: false,
+        });
         let mut mixed = vec![0f32; rows * q_size];
         attend_extends(SpinPool::global(), 2, &dims, &sequences, (&k, &v), &qkv, &mut mixed).unwrap();
         let mut alone = vec![0f32; q_size];
@@ -522,13 +539,13 @@ mod tests {
         };
         assert_eq!(&mixed[4 * q_size..5 * q_size], &alone[..]);
         let mut extends = vec![0f32; rows * q_size];
-        for (range, (count, slots)) in [(0..4, sequences[0]), (5..8, sequences[2])] {
+        for (range, NewTokens { count, slots, .. }) in [(0..4, sequences[0]), (5..8, sequences[2])] {
             let at = range.start * (q_size + 2 * kv_size);
             attend_extends(
                 SpinPool::global(),
                 2,
                 &dims,
-                &[(count, slots)],
+                &[NewTokens { count, slots, as_decode_rows: false }],
                 (&k, &v),
                 &qkv[at..],
                 &mut extends[range.start * q_size..range.end * q_size],
@@ -541,7 +558,7 @@ mod tests {
 
     #[test]
     fn extends_must_cover_the_rows() {
-        let sequences = Sequences::Extend(vec![(1, &[0, 1][..])]);
+        let sequences = Sequences::Extend(vec![NewTokens { count: 1, slots: &[0, 1], as_decode_rows: false }]);
         let misfit = check_slots(&Rows { cos: &[], sin: &[], new_slot: &[1, 2], sequences }, 4).unwrap_err();
         assert!(misfit.contains("the extends' new tokens are the rows"), "{misfit}");
     }

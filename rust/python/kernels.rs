@@ -25,7 +25,7 @@ use pyo3::prelude::*;
 
 use super::value_error;
 use crate::kernels::block_gemm::{self, Q4_1Tiles};
-use crate::kernels::decode_layer::{self, Dims, KvCache, Layer, Rows, Sequences};
+use crate::kernels::decode_layer::{self, Dims, KvCache, Layer, NewTokens, Rows, Sequences};
 use crate::kernels::extend_attention::{self, Extend};
 use crate::kernels::q8_0::{self, Q8_0Tiles};
 use crate::kernels::simd::BLOCK;
@@ -274,8 +274,9 @@ type LayerArrays<'py> = (
 /// dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale);
 /// step: (cos, sin [rows, head_dim / 2], the rows' new KV slots [rows]); a
 /// decode step's `decode`: (slots [rows, width], lens [rows]), or else a
-/// prefill step's `extends`: (new tokens, slots) per sequence (slots
-/// int64); cache: the layer's (k, v) [cache slots, kv_heads, head_dim].
+/// prefill step's `extends`: (new tokens, slots, as decode rows) per
+/// sequence (slots int64; decode_layer::NewTokens); cache: the layer's
+/// (k, v) [cache slots, kv_heads, head_dim].
 #[pyfunction]
 #[pyo3(signature = (x, residual, dims, layer, step, decode, extends, cache, threads))]
 #[allow(clippy::too_many_arguments)]
@@ -287,7 +288,7 @@ fn decode_layer_q4_1<'py>(
     layer: LayerArrays<'py>,
     step: (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<i64>>),
     decode: Option<(Bound<'py, PyArray2<i64>>, Bound<'py, PyArray1<i64>>)>,
-    extends: Vec<(usize, Bound<'py, PyArray1<i64>>)>,
+    extends: Vec<(usize, Bound<'py, PyArray1<i64>>, bool)>,
     cache: (Bound<'py, PyArray3<f32>>, Bound<'py, PyArray3<f32>>),
     threads: usize,
 ) -> PyResult<()> {
@@ -305,8 +306,10 @@ fn decode_layer_q4_1<'py>(
         Some((slots, lens)) => Some((read("slots", slots)?, read("lens", lens)?)),
         None => None,
     };
-    let extends =
-        extends.iter().map(|(count, slots)| Ok((*count, read("slots", slots)?))).collect::<PyResult<Vec<_>>>()?;
+    let extends = extends
+        .iter()
+        .map(|(count, slots, as_decode_rows)| Ok((*count, read("slots", slots)?, *as_decode_rows)))
+        .collect::<PyResult<Vec<_>>>()?;
     let (mut k, mut v) = (write("k_cache", &cache.0)?, write("v_cache", &cache.1)?);
     require(k.shape()[1..] == [kv_heads, head_dim] && v.shape() == k.shape(), || {
         format!("the k {:?} and v {:?} caches are [slots, {kv_heads}, {head_dim}]", k.shape(), v.shape())
@@ -326,7 +329,12 @@ fn decode_layer_q4_1<'py>(
             Sequences::Decode { slots: values(slots)?, width: slots.shape()[1], lens: values(lens)? }
         }
         None => Sequences::Extend(
-            extends.iter().map(|(count, slots)| Ok((*count, values(slots)?))).collect::<PyResult<_>>()?,
+            extends
+                .iter()
+                .map(|(count, slots, as_decode_rows)| {
+                    Ok(NewTokens { count: *count, slots: values(slots)?, as_decode_rows: *as_decode_rows })
+                })
+                .collect::<PyResult<_>>()?,
         ),
     };
     let rows = Rows { cos: values(&cos)?, sin: values(&sin)?, new_slot: values(&new_slot)?, sequences };

@@ -74,12 +74,14 @@ class AttentionBackend(ABC):
         step; None otherwise."""
         return None
 
-    def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
+    def native_extends(self) -> list[tuple[int, torch.Tensor, bool]] | None:
         """For a prepared step planned with native extend attention, whose
         layers may then run natively (cpu/native_layers.py, over this
-        backend's `kv_buffer`): each sequence's count of new tokens and its
-        slots, the new tokens' last. None for any other step, and on
-        backends that keep their own attention."""
+        backend's `kv_buffer`): each sequence's count of new tokens, its
+        slots (the new tokens' last), and whether its new tokens attend as
+        decode rows (a speculative verify row's: rust/kernels/decode_layer.rs's
+        NewTokens). None for any other step, and on backends that keep
+        their own attention."""
         return None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -108,6 +108,12 @@ def _attention(q, k, v, mask, scale: float, softcap=None, sinks=None, causal: bo
     return torch.matmul(probs, v).to(q.dtype)
 
 
+# The longest verify row attended as decode rows: each row reads its whole
+# past, where extend_attention reads it once for every 4 tokens, so past
+# this a prompt's tokens that all want logits (prompt logprobs) take the tiles.
+VERIFY_AS_DECODE_ROWS = 64
+
+
 class TorchAttention(AttentionBackend):
     attend_decode = staticmethod(attend_single_tokens)
 
@@ -289,15 +295,25 @@ class TorchAttention(AttentionBackend):
         if single.mask is not None:
             torch._dynamo.mark_dynamic(single.mask, 3)
 
-    def native_extends(self) -> list[tuple[int, torch.Tensor]] | None:
+    def native_extends(self) -> list[tuple[int, torch.Tensor, bool]] | None:
         """Every sequence of a step whose plan has extends run
         extend_attention's kernel: the native layer runs them with that same
         kernel, and its decode rows (a mixed step's, a verify step's
-        undrafted ones) as a decode step's."""
+        undrafted ones) as a decode step's. A sequence whose every new token
+        after a cached past wants its logits (a verify row: the known token
+        and its drafts), up to VERIFY_AS_DECODE_ROWS of them, attends as
+        that many decode rows: each token then gets a decode step's bits."""
         if not self._plan.native_extend_attention:
             return None
         batch = self._batch
-        return list(zip(batch.extend_lens, batch.kv_indices.split(batch.seq_lens)))
+        wanted = set(batch.logits_indices.tolist())
+        extends, first = [], 0
+        for count, slots in zip(batch.extend_lens, batch.kv_indices.split(batch.seq_lens)):
+            verify = 1 < count <= VERIFY_AS_DECODE_ROWS and len(slots) > count and all(
+                row in wanted for row in range(first, first + count))
+            extends.append((count, slots, verify))
+            first += count
+        return extends
 
     def decode_inputs(self, layer_id: int, window: int | None = None) -> tuple | None:
         """For a prepared batch of single-token rows only (a decode step):

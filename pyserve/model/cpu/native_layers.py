@@ -90,15 +90,16 @@ class NativeDecode:
         return self._layers(x, cos, sin, new_slots, decode, [], capture)
 
     def run_extends(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
-                    extends: list[tuple[int, torch.Tensor]], kv_buffer,
+                    extends: list[tuple[int, torch.Tensor, bool]], kv_buffer,
                     capture: AuxCapture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As `run`, for a step of prefill chunks or verify rows (decode rows
         among them or not): `extends` holds each sequence's count of new
-        tokens (the next rows in order) and its slots (int64, the new
-        tokens' last); `new_slots` the rows' KV slots."""
+        tokens (the next rows in order), its slots (int64, the new tokens'
+        last) and whether its tokens attend as decode rows; `new_slots` the
+        rows' KV slots."""
         if kv_buffer.k_buffer[0] is not self._cache_of:
             self._view_caches(kv_buffer.k_buffer[0], list(zip(kv_buffer.k_buffer, kv_buffer.v_buffer)))
-        extends = [(count, _view(slots.to(torch.long))) for count, slots in extends]
+        extends = [(count, _view(slots.to(torch.long)), as_decode) for count, slots, as_decode in extends]
         return self._layers(x, cos, sin, new_slots, None, extends, capture)
 
     def _view_caches(self, first_k: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -204,7 +204,7 @@ def _decode_inputs(attn: AttentionBackend):
     return attn.decode_inputs
 
 
-def _native_extends(attn: AttentionBackend) -> list[tuple[int, torch.Tensor]]:
+def _native_extends(attn: AttentionBackend) -> list[tuple[int, torch.Tensor, bool]]:
     extends = attn.native_extends()
     if extends is None:
         raise ValueError("a step planned for the native extends, which the attention backend did not prepare so")
