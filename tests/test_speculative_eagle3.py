@@ -305,11 +305,15 @@ def embedded_head(default_model_dir, tmp_path_factory) -> Path:
 
 
 # The default 4-bit mode: the native layers keep the head's hidden states,
-# and a verify row gets a decode step's bits, so logprobs agree there too.
+# and a verify row (or a tree's rows, each a decode row over its path) gets
+# a decode step's bits, so logprobs agree there too.
 @slow_test
-@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, 1e-6)], ids=["float32", "4bit"])
-def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol):
-    metrics = assert_identical_on_the_embedded_model(default_model_dir, spec(embedded_head), mode, tol)
+@pytest.mark.parametrize("mode,tol,tree", [({"torchao_config": "none"}, 1e-4, {}), ({}, 1e-6, {}),
+                                           ({}, 1e-6, {"speculative_eagle_topk": 2, "speculative_num_steps": 3,
+                                                       "speculative_num_draft_tokens": 6})],
+                         ids=["float32", "4bit", "4bit-tree"])
+def test_greedy_identical_on_the_embedded_model(default_model_dir, embedded_head, mode, tol, tree):
+    metrics = assert_identical_on_the_embedded_model(default_model_dir, spec(embedded_head, **tree), mode, tol)
     assert metrics.spec_emitted_tokens >= 2 * metrics.spec_verify_steps
 
 
