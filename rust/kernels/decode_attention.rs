@@ -47,17 +47,23 @@ pub unsafe fn attend(
     let kv_size = dims.kv_heads * head_dim;
     let qkv_width = q_size + 2 * kv_size;
     let group = dims.heads / dims.kv_heads;
-    let mut tasks = Vec::new(); // (row, kv head, slots)
+    let mut tasks = Vec::new(); // (row, kv head, piece, slots)
     for (r, &len) in lens.iter().enumerate() {
         let slots = &slots[r * width..][..len as usize];
         let pieces = slots.len().div_ceil(SLOTS_PER_PIECE);
         for kv_head in 0..dims.kv_heads {
             for piece in 0..pieces {
                 let range = slots.len() * piece / pieces..slots.len() * (piece + 1) / pieces;
-                tasks.push((r, kv_head, &slots[range]));
+                tasks.push((r, kv_head, piece, &slots[range]));
             }
         }
     }
+    // Each head's piece p of every row in turn: the rows of a verify step
+    // (one sequence's token and drafts, each over its own prefix) read
+    // nearly the same k/v, which one row leaves in cache for the next. A
+    // stable sort: a row's pieces stay in order, and its output's bits do
+    // not depend on the order of the tasks.
+    tasks.sort_by_key(|&(_, kv_head, piece, _)| (kv_head, piece));
     // Each task's unnormalized weighted sums and (max score, sum of exp)
     // per query head.
     let mut partial = vec![0f32; tasks.len() * group * head_dim];
@@ -67,7 +73,7 @@ pub unsafe fn attend(
     pool.run(parts, &|part| {
         let mut weights = Vec::new();
         for t in tasks.len() * part / parts..tasks.len() * (part + 1) / parts {
-            let (r, kv_head, slots) = tasks[t];
+            let (r, kv_head, _, slots) = tasks[t];
             let kv_offset = kv_head * head_dim;
             let head_cache = HeadCache { k: k.as_ptr().add(kv_offset), v: v.as_ptr().add(kv_offset), stride: kv_size };
             let qs = &qkv[r * qkv_width + kv_head * group * head_dim..][..group * head_dim];
@@ -85,17 +91,18 @@ pub unsafe fn attend(
             }
         }
     });
-    // The pieces of a row's KV head are consecutive tasks.
-    let mut t = 0;
-    while t < tasks.len() {
-        let (r, kv_head, _) = tasks[t];
-        let pieces = tasks[t..].iter().take_while(|&&(r2, h2, _)| (r2, h2) == (r, kv_head)).count();
+    // Each row's KV head's pieces, in order.
+    let mut pieces_of = vec![Vec::new(); lens.len() * dims.kv_heads];
+    for (t, &(r, kv_head, _, _)) in tasks.iter().enumerate() {
+        pieces_of[r * dims.kv_heads + kv_head].push(t);
+    }
+    for (i, pieces) in pieces_of.iter().enumerate() {
+        let (r, kv_head) = (i / dims.kv_heads, i % dims.kv_heads);
         for h in 0..group {
             let o = &mut out[r * q_size + (kv_head * group + h) * head_dim..][..head_dim];
-            let head_pieces = (t..t + pieces).map(|p| (stats[p * group + h], &partial[(p * group + h) * head_dim..]));
+            let head_pieces = pieces.iter().map(|&p| (stats[p * group + h], &partial[(p * group + h) * head_dim..]));
             merge(head_pieces, o);
         }
-        t += pieces;
     }
 }
 

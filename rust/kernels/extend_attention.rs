@@ -106,9 +106,9 @@ pub fn attend(pool: &SpinPool, parts: usize, e: &Extend, out: &mut [f32]) -> Res
 }
 
 /// New tokens per task: TOKENS_PER_TASK, or fewer for an extend of one
-/// task's tokens or less (a speculative verify step's token and drafts)
-/// whose KV heads alone make fewer than two tasks a thread: one task per KV head left 3 heads
-/// uneven on 2 threads.
+/// task's tokens or less (a short chunk after a cached prefix) whose KV
+/// heads alone make fewer than two tasks a thread: one task per KV head
+/// left 3 heads uneven on 2 threads.
 fn tokens_per_task(tokens: usize, kv_heads: usize, parts: usize) -> usize {
     if tokens > TOKENS_PER_TASK || kv_heads >= 2 * parts {
         return TOKENS_PER_TASK;
@@ -353,7 +353,7 @@ mod tests {
     }
 
     /// A short extend split into several tasks a KV head (2 threads, 3 KV
-    /// heads, 7 tokens: a verify step's) gives each row the bits it gets
+    /// heads, 7 tokens) gives each row the bits it gets
     /// on one thread, unsplit. 280 slots: the last tile's 24 keys, of
     /// which the first task's last token sees 21, would be summed in
     /// another order if that task walked only the keys it sees.
