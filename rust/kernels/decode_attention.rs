@@ -372,6 +372,35 @@ mod tests {
         }
     }
 
+    /// Rows of three and two pieces and of one, over two KV heads, the
+    /// first two a verify step's (one prefix, one slot apart): each row's
+    /// output in the batch is the one it gets alone, to the bit, whatever
+    /// order the tasks ran in.
+    #[test]
+    fn a_row_gets_the_same_bits_alone_and_among_rows_of_many_pieces() {
+        let (dims, cached) = (Heads { heads: 4, kv_heads: 2, head_dim: 8, scale: 0.3 }, 2600usize);
+        let wave = |i: usize, d: usize| ((i * 7 + d * 3) % 23) as f32 / 23.0 * 4.0 - 2.0;
+        let kv_size = dims.kv_heads * dims.head_dim;
+        let k: Vec<f32> = (0..cached * kv_size).map(|i| wave(i, 1)).collect();
+        let v: Vec<f32> = (0..cached * kv_size).map(|i| wave(i, 2)).collect();
+        let slots: Vec<i64> = (0..cached as i64).collect();
+        let lens = [2599i64, 2600, 1500, 700];
+        let table: Vec<i64> = lens.iter().flat_map(|_| slots.iter().copied()).collect();
+        let qkv_width = (dims.heads + 2 * dims.kv_heads) * dims.head_dim;
+        let qkv: Vec<f32> = (0..lens.len() * qkv_width).map(|i| wave(i, 5)).collect();
+        let q_size = dims.heads * dims.head_dim;
+        let mut batched = vec![0f32; lens.len() * q_size];
+        // SAFETY: every row's slots are 0..cached, the cache's.
+        unsafe { attend(SpinPool::global(), 2, &dims, (&table, cached, &lens), (&k, &v), &qkv, &mut batched) };
+        for (r, &len) in lens.iter().enumerate() {
+            let mut alone = vec![0f32; q_size];
+            let row = &qkv[r * qkv_width..][..qkv_width];
+            // SAFETY: as above.
+            unsafe { attend(SpinPool::global(), 2, &dims, (&slots, cached, &[len]), (&k, &v), row, &mut alone) };
+            assert_eq!(&batched[r * q_size..][..q_size], &alone[..], "row {r}");
+        }
+    }
+
     /// Two rows over one shared KV head (two query heads each), the first
     /// attending over 3 slots, the second over 1 (its list padded).
     #[test]
