@@ -14,8 +14,8 @@
 //! multiply-add) is shared by the 8: each output is one lane. A kernel
 //! that reduces one weight row at a time pays that float work per row;
 //! with the 7 activation rows of a speculative verify step (a token and 6
-//! drafts) that float work, not reading the weights, bounded the
-//! projection. The tiles are packed once, when the layer is built (`pack`):
+//! drafts) that float work, not reading the weights, bounds the
+//! projection (bench/README.md K22). The tiles are packed once, when the layer is built (`pack`):
 //! for each tile of 8 weight rows and each block of 32 inputs, 256 bytes
 //! of codes (8 vectors; vector j holds codes 4j..4j+3 of each row in
 //! turn), then the rows' 8 scales (f32). As many bytes as ggml's Q8_0.
