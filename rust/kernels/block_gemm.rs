@@ -33,7 +33,7 @@
 
 use crate::kernels::simd::{self, QuantizedRows, BLOCK};
 use crate::kernels::spin_pool::SpinPool;
-use crate::kernels::tiles::{self, TILE_ROWS};
+use crate::kernels::tiles::{self, TileBytes, TILE_ROWS};
 
 /// A tile's codes for one block: 8 rows of 32 codes, two to a byte.
 const CODE_BYTES: usize = TILE_ROWS * BLOCK / 2;
@@ -46,17 +46,21 @@ const VNNI_ROWS: usize = 8;
 
 /// Q4_1 weights [n, k] in the tile layout (see the module's comment):
 /// w[r, c] = scale[r, c / 32] * code[r, c] + min[r, c / 32], codes 0..15.
-pub struct Q4_1Tiles<'a> {
-    bytes: &'a [u8],
-    n: usize,
-    k: usize,
+/// Its `n`, `k`, blocks and tiles are its bytes' (Deref).
+pub struct Q4_1Tiles<'a>(TileBytes<'a>);
+
+impl<'a> std::ops::Deref for Q4_1Tiles<'a> {
+    type Target = TileBytes<'a>;
+
+    fn deref(&self) -> &TileBytes<'a> {
+        &self.0
+    }
 }
 
 impl<'a> Q4_1Tiles<'a> {
     /// The bytes of weights [n, k] in the tile layout.
     pub fn size(n: usize, k: usize) -> usize {
-        assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
-        n.div_ceil(TILE_ROWS) * (k / BLOCK) * TILE_BLOCK_BYTES
+        TileBytes::size(n, k, TILE_BLOCK_BYTES)
     }
 
     /// `bytes`, as `pack` wrote them for weights [n, k].
@@ -66,29 +70,12 @@ impl<'a> Q4_1Tiles<'a> {
 
     /// `new`, or why `bytes` cannot be the tiles of weights [n, k].
     pub fn checked(bytes: &'a [u8], n: usize, k: usize) -> Result<Q4_1Tiles<'a>, String> {
-        if k % BLOCK != 0 || bytes.len() != Self::size(n, k) {
-            return Err(format!("{} bytes are not the Q4_1 tiles of a [{n}, {k}] weight", bytes.len()));
-        }
-        Ok(Q4_1Tiles { bytes, n, k })
+        TileBytes::checked(bytes, (n, k), TILE_BLOCK_BYTES, "Q4_1").map(Q4_1Tiles)
     }
 
     /// The weight's [n, k].
     pub fn shape(&self) -> (usize, usize) {
         (self.n, self.k)
-    }
-
-    fn blocks(&self) -> usize {
-        self.k / BLOCK
-    }
-
-    fn tiles(&self) -> usize {
-        self.n.div_ceil(TILE_ROWS)
-    }
-
-    /// Tile t's bytes for block b.
-    fn block(&self, t: usize, b: usize) -> &[u8] {
-        let at = (t * self.blocks() + b) * TILE_BLOCK_BYTES;
-        &self.bytes[at..at + TILE_BLOCK_BYTES]
     }
 
     /// Weight row r's code for input c, its block's scale and minimum.

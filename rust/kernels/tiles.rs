@@ -10,6 +10,51 @@ use std::ops::Range;
 /// Weight rows interleaved in a tile: one AVX2 vector's lanes.
 pub const TILE_ROWS: usize = 8;
 
+/// A weight [n, k] packed in a tile layout of `block_bytes` bytes for
+/// each tile and block of 32 inputs, tile after tile, block after block:
+/// what each layout's own type reads its codes and scales from.
+pub struct TileBytes<'a> {
+    bytes: &'a [u8],
+    pub n: usize,
+    pub k: usize,
+    block_bytes: usize,
+}
+
+impl<'a> TileBytes<'a> {
+    /// The bytes of weights [n, k] in a layout of `block_bytes` a tile and block.
+    pub fn size(n: usize, k: usize, block_bytes: usize) -> usize {
+        assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
+        n.div_ceil(TILE_ROWS) * (k / BLOCK) * block_bytes
+    }
+
+    /// `bytes` as the `format` tiles of weights [n, k], or why they cannot be.
+    pub fn checked(
+        bytes: &'a [u8],
+        (n, k): (usize, usize),
+        block_bytes: usize,
+        format: &str,
+    ) -> Result<TileBytes<'a>, String> {
+        if k % BLOCK != 0 || bytes.len() != Self::size(n, k, block_bytes) {
+            return Err(format!("{} bytes are not the {format} tiles of a [{n}, {k}] weight", bytes.len()));
+        }
+        Ok(TileBytes { bytes, n, k, block_bytes })
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.k / BLOCK
+    }
+
+    pub fn tiles(&self) -> usize {
+        self.n.div_ceil(TILE_ROWS)
+    }
+
+    /// Tile t's bytes for block b.
+    pub fn block(&self, t: usize, b: usize) -> &'a [u8] {
+        let at = (t * self.blocks() + b) * self.block_bytes;
+        &self.bytes[at..at + self.block_bytes]
+    }
+}
+
 /// Calls `pass(t, rows, out, count)` for every tile t of the `n` weight
 /// rows and every run `rows` of at most `rows_per_pass` of the `m`
 /// activation rows, the tiles split in `parts` runs (at most the pool's

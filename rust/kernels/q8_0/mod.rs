@@ -39,7 +39,7 @@ mod avx2;
 
 use crate::kernels::simd::{self, QuantizedRows, BLOCK};
 use crate::kernels::spin_pool::{SharedPtr, SpinPool};
-use crate::kernels::tiles::{self, TILE_ROWS};
+use crate::kernels::tiles::{self, TileBytes, TILE_ROWS};
 
 /// A tile's codes for one block: 8 rows of 32 codes.
 const CODE_BYTES: usize = TILE_ROWS * BLOCK;
@@ -50,36 +50,27 @@ const TILE_BLOCK_BYTES: usize = CODE_BYTES + TILE_ROWS * 4;
 const VNNI_ROWS: usize = 8;
 
 /// Q8_0 weights [n, k] in the tile layout (see the module's comment):
-/// w[r, c] = scale[r, c / 32] * code[r, c], codes -127..127.
-pub struct Q8_0Tiles<'a> {
-    bytes: &'a [u8],
-    n: usize,
-    k: usize,
+/// w[r, c] = scale[r, c / 32] * code[r, c], codes -127..127. Its `n`,
+/// `k`, blocks and tiles are its bytes' (Deref).
+pub struct Q8_0Tiles<'a>(TileBytes<'a>);
+
+impl<'a> std::ops::Deref for Q8_0Tiles<'a> {
+    type Target = TileBytes<'a>;
+
+    fn deref(&self) -> &TileBytes<'a> {
+        &self.0
+    }
 }
 
 impl<'a> Q8_0Tiles<'a> {
     /// The bytes of weights [n, k] in the tile layout.
     pub fn size(n: usize, k: usize) -> usize {
-        assert!(k % BLOCK == 0, "rows of a multiple of {BLOCK} values");
-        n.div_ceil(TILE_ROWS) * (k / BLOCK) * TILE_BLOCK_BYTES
+        TileBytes::size(n, k, TILE_BLOCK_BYTES)
     }
 
     /// `bytes`, as `pack` wrote them for weights [n, k], or why they cannot be.
     pub fn checked(bytes: &'a [u8], n: usize, k: usize) -> Result<Q8_0Tiles<'a>, String> {
-        if k % BLOCK != 0 || bytes.len() != Self::size(n, k) {
-            return Err(format!("{} bytes are not the Q8_0 tiles of a [{n}, {k}] weight", bytes.len()));
-        }
-        Ok(Q8_0Tiles { bytes, n, k })
-    }
-
-    fn blocks(&self) -> usize {
-        self.k / BLOCK
-    }
-
-    /// Tile t's bytes for block b.
-    fn block(&self, t: usize, b: usize) -> &[u8] {
-        let at = (t * self.blocks() + b) * TILE_BLOCK_BYTES;
-        &self.bytes[at..at + TILE_BLOCK_BYTES]
+        TileBytes::checked(bytes, (n, k), TILE_BLOCK_BYTES, "Q8_0").map(Q8_0Tiles)
     }
 
     /// Weight row r's code for input c, and its block's scale.
