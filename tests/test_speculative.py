@@ -88,6 +88,22 @@ def test_find_draft_takes_what_followed_the_latest_longest_match():
     assert find_draft([4, 4, 4], 1, 2, 5) == [4]
 
 
+def test_ngram_drafts_follow_the_run_the_last_verify_step_kept():
+    """Up to --speculative-num-draft-tokens at first; then at most twice the
+    run the last verify step kept plus one, at least 2."""
+    from pyserve.engine.request import SamplingParams
+    from pyserve.engine.sequence import Sequence
+    from pyserve.engine.speculative.ngram import NgramDrafter
+
+    drafter = NgramDrafter(16, 3, 12)
+    seq = Sequence("r", list(range(100, 140)) * 3, SamplingParams(max_new_tokens=100, temperature=0))
+    assert len(drafter.propose(seq)) == 16
+    for accepted, room in ((0, 2), (1, 4), (3, 8), (16, 16), (2, 6)):
+        drafter.on_verified(seq, drafted=room, accepted=accepted)
+        assert drafter.budget(seq) == room
+        assert len(drafter.propose(seq)) == room
+
+
 def test_greedy_run_stops_at_the_first_disagreement():
     # Drafts [5, 6, 7] against the target's argmax [5, 6, 9, 1]: two kept, then the target's 9.
     assert greedy_run([5, 6, 9, 1], [5, 6, 7]) == [5, 6, 9]

@@ -71,6 +71,7 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
+    last_accepted: int | None = None  # drafts the latest verify step kept
 
     # The engine.
     finished: bool = False

@@ -67,6 +67,7 @@ class Drafter:
         seq.drafted += drafted
         seq.accepted += accepted
         seq.verify_steps += 1
+        seq.last_accepted = accepted
         if seq.verify_steps >= _JUDGED_AFTER and seq.accepted < _MIN_ACCEPT_RATE * seq.drafted:
             seq.drafting = False
 

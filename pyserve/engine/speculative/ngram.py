@@ -76,6 +76,19 @@ class NgramDrafter(Drafter):
         self.min_window = min_window
         self.max_window = max_window
 
+    def budget(self, seq: Sequence) -> int:
+        """Drafter.budget, and after a verify step at most twice the run it
+        kept plus one (at least 2): a copy that goes on earns longer drafts
+        step after step, one that broke off drafts little until it picks
+        up again. Each draft makes the verify step dearer: a fixed long
+        --speculative-num-draft-tokens pays for drafts past every
+        divergence, and the switch-off then judges the request on the small
+        share of them it keeps (bench/README.md SV6-SV9)."""
+        k = super().budget(seq)
+        if seq.last_accepted is None:
+            return k
+        return min(k, max(2, 2 * (seq.last_accepted + 1)))
+
     def propose(self, seq: Sequence) -> list[int]:
         """The drafts for `seq`'s next step ([] for a plain decode row)."""
         k = self.budget(seq)
