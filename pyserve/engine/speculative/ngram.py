@@ -83,7 +83,7 @@ class NgramDrafter(Drafter):
         up again. Each draft makes the verify step dearer: a fixed long
         --speculative-num-draft-tokens pays for drafts past every
         divergence, and the switch-off then judges the request on the small
-        share of them it keeps (bench/README.md SV6-SV9)."""
+        share of them it keeps (bench/README.md SV6-SV11)."""
         k = super().budget(seq)
         if seq.last_accepted is None:
             return k
