@@ -58,12 +58,13 @@ pub unsafe fn attend(
             }
         }
     }
-    // Each head's piece p of every row in turn: the rows of a verify step
-    // (one sequence's token and drafts, each over its own prefix) read
-    // nearly the same k/v, which one row leaves in cache for the next. A
-    // stable sort: a row's pieces stay in order, and its output's bits do
-    // not depend on the order of the tasks.
-    tasks.sort_by_key(|&(_, kv_head, piece, _)| (kv_head, piece));
+    // The tasks run each head's piece p of every row in turn: the rows of
+    // a verify step (one sequence's token and drafts, each over its own
+    // prefix) read nearly the same k/v, which one row leaves in cache for
+    // the next. Each task writes its own partial sums, so the order changes
+    // no bit of the output.
+    let mut order: Vec<usize> = (0..tasks.len()).collect();
+    order.sort_by_key(|&t| (tasks[t].1, tasks[t].2));
     // Each task's unnormalized weighted sums and (max score, sum of exp)
     // per query head.
     let mut partial = vec![0f32; tasks.len() * group * head_dim];
@@ -72,7 +73,7 @@ pub unsafe fn attend(
     let parts = threads.clamp(1, pool.threads()).min(tasks.len().max(1));
     pool.run(parts, &|part| {
         let mut weights = Vec::new();
-        for t in tasks.len() * part / parts..tasks.len() * (part + 1) / parts {
+        for &t in &order[tasks.len() * part / parts..tasks.len() * (part + 1) / parts] {
             let (r, kv_head, _, slots) = tasks[t];
             let kv_offset = kv_head * head_dim;
             let head_cache = HeadCache { k: k.as_ptr().add(kv_offset), v: v.as_ptr().add(kv_offset), stride: kv_size };
@@ -91,18 +92,17 @@ pub unsafe fn attend(
             }
         }
     });
-    // Each row's KV head's pieces, in order.
-    let mut pieces_of = vec![Vec::new(); lens.len() * dims.kv_heads];
-    for (t, &(r, kv_head, _, _)) in tasks.iter().enumerate() {
-        pieces_of[r * dims.kv_heads + kv_head].push(t);
-    }
-    for (i, pieces) in pieces_of.iter().enumerate() {
-        let (r, kv_head) = (i / dims.kv_heads, i % dims.kv_heads);
+    // The pieces of a row's KV head are consecutive tasks.
+    let mut t = 0;
+    while t < tasks.len() {
+        let (r, kv_head, _, _) = tasks[t];
+        let pieces = tasks[t..].iter().take_while(|&&(r2, h2, _, _)| (r2, h2) == (r, kv_head)).count();
         for h in 0..group {
             let o = &mut out[r * q_size + (kv_head * group + h) * head_dim..][..head_dim];
-            let head_pieces = pieces.iter().map(|&p| (stats[p * group + h], &partial[(p * group + h) * head_dim..]));
+            let head_pieces = (t..t + pieces).map(|p| (stats[p * group + h], &partial[(p * group + h) * head_dim..]));
             merge(head_pieces, o);
         }
+        t += pieces;
     }
 }
 

@@ -186,8 +186,7 @@ class Q8_0Linear(_BlockLinear):
         super().__init__()
         out, cols = codes.shape
         _check(cols)
-        if scales.shape != (out, cols // BLOCK):
-            raise ValueError(f"a [{out}, {cols}] Q8_0 weight has [{out}, {cols // BLOCK}] scales")
+        # pack_q8_0 refuses scales that are not [out, cols / 32].
         tiles = torch.empty(_rust.q8_0_tiles_size(out, cols), dtype=torch.uint8)
         _rust.pack_q8_0(_view(codes.to(torch.int8).contiguous()), _view(scales.float().contiguous()), tiles.numpy())
         # The weight as rust/kernels/q8_0's tiles read it; nothing else keeps a copy.

@@ -111,7 +111,8 @@ class NativeDecode:
     def _layers(self, x, cos, sin, new_slots, decode, extends,
                 capture: AuxCapture | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on the step's rows: `decode` (slots, lens) for a
-        decode step, else `extends` (new tokens, slots) per sequence. The
+        decode step, else `extends` (new tokens, slots, whether they attend
+        as decode rows) per sequence. The
         Rust side checks every shape, dtype and slot; each call updates x
         and the residual in place, so a captured state is a sum made anew."""
         rows = x.shape[0]

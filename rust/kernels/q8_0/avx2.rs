@@ -12,11 +12,11 @@ use std::ops::Range;
 /// `rows` lie inside them.
 fn activations(a: &Operands, rows: &Range<usize>) -> (*const i8, *const f32, *const i32) {
     let blocks = a.blocks;
-    assert!(a.xs.blocks == blocks && rows.end * blocks <= a.xs.scales.len() && a.code_sums.len() == a.xs.scales.len());
+    assert!(a.xs.blocks == blocks && rows.end * blocks <= a.xs.scales.len());
     (
         a.xs.codes[rows.start * blocks * BLOCK..].as_ptr(),
         a.xs.scales[rows.start * blocks..].as_ptr(),
-        a.code_sums[rows.start * blocks..].as_ptr(),
+        a.xs.code_sums[rows.start * blocks..].as_ptr(),
     )
 }
 

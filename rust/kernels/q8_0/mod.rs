@@ -111,8 +111,6 @@ pub fn pack(codes: &[i8], scales: &[f32], n: usize, k: usize, out: &mut [u8]) {
 pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q8_0Tiles, out: &mut [f32]) {
     let xs = QuantizedRows::new(x, weights.k);
     let blocks = weights.blocks();
-    // Each activation block's code sum, which the VNNI path's offset codes add 128 times.
-    let code_sums: Vec<i32> = xs.codes.chunks_exact(BLOCK).map(|b| b.iter().map(|&q| q as i32).sum()).collect();
     #[cfg(target_arch = "x86_64")]
     let vnni = simd::vnni();
     #[cfg(not(target_arch = "x86_64"))]
@@ -120,8 +118,7 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q8_0Tiles, out
     // Activation rows per pass over a tile: each pass reads the tile's codes once.
     let rows_per_pass = if vnni { VNNI_ROWS } else { 4 };
     tiles::run_passes(pool, parts, (xs.len(), weights.n), rows_per_pass, out, &|t, rows, out, count| {
-        let (n, operands) =
-            (weights.n, Operands { tile: weights.block(t, 0).as_ptr(), blocks, xs: &xs, code_sums: &code_sums });
+        let (n, operands) = (weights.n, Operands { tile: weights.block(t, 0).as_ptr(), blocks, xs: &xs });
         #[cfg(target_arch = "x86_64")]
         if vnni {
             // SAFETY: the CPU has AVX2, FMA and AVX-512 VNNI; the tile and rows lie inside their buffers.
@@ -138,12 +135,11 @@ pub fn matmul(pool: &SpinPool, parts: usize, x: &[f32], weights: &Q8_0Tiles, out
 }
 
 /// What a pass over one tile reads: the tile's first block, the blocks per
-/// row, the activation rows and their blocks' code sums.
+/// row and the activation rows.
 struct Operands<'a> {
     tile: *const u8,
     blocks: usize,
     xs: &'a QuantizedRows,
-    code_sums: &'a [i32],
 }
 
 /// The paths' products in plain loops: per block the integer dot product,
@@ -266,12 +262,10 @@ mod tests {
         let tiles = Q8_0Tiles::checked(&bytes, n, k).unwrap();
         let x = values(5 * k, 3);
         let xs = QuantizedRows::new(&x, k);
-        let code_sums: Vec<i32> = xs.codes.chunks_exact(BLOCK).map(|b| b.iter().map(|&q| q as i32).sum()).collect();
         let mut out = vec![0f32; 5 * n];
         for t in 0..2 {
             for rows in [0..4, 4..5] {
-                let operands =
-                    Operands { tile: tiles.block(t, 0).as_ptr(), blocks: k / BLOCK, xs: &xs, code_sums: &code_sums };
+                let operands = Operands { tile: tiles.block(t, 0).as_ptr(), blocks: k / BLOCK, xs: &xs };
                 // SAFETY: the CPU has AVX2 and FMA; the tile and rows are inside their buffers.
                 unsafe { avx2::multiply(&operands, rows.clone(), out.as_mut_ptr().add(rows.start * n + t * 8), n, 8) };
             }

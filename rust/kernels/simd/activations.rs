@@ -7,11 +7,13 @@
 pub const BLOCK: usize = 32;
 
 /// Rows of activations quantized per block: q = round(x / d) (ties to even) with
-/// d = max|x| / 127, and sum = d * sum(q), which a Q4_1 block's minimum multiplies.
+/// d = max|x| / 127, sum = d * sum(q), which a Q4_1 block's minimum multiplies,
+/// and code_sum = sum(q), which q8_0's VNNI products take off their offset codes'.
 pub struct QuantizedRows {
     pub(crate) codes: Vec<i8>,
     pub(crate) scales: Vec<f32>,
     pub(crate) sums: Vec<f32>,
+    pub(crate) code_sums: Vec<i32>,
     pub(crate) blocks: usize,
 }
 
@@ -24,9 +26,10 @@ impl QuantizedRows {
             codes: vec![0; x.len()],
             scales: vec![0.0; blocks_total],
             sums: vec![0.0; blocks_total],
+            code_sums: vec![0; blocks_total],
             blocks: k / BLOCK,
         };
-        quantize_blocks(x, &mut rows.codes, &mut rows.scales, &mut rows.sums);
+        quantize_blocks(x, &mut rows);
         rows
     }
 
@@ -35,22 +38,25 @@ impl QuantizedRows {
     }
 }
 
-fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
-    for (((x, codes), scale), sum) in
-        x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).zip(sums.iter_mut())
-    {
+fn quantize_blocks(x: &[f32], rows: &mut QuantizedRows) {
+    for (b, (x, codes)) in x.chunks_exact(BLOCK).zip(rows.codes.chunks_exact_mut(BLOCK)).enumerate() {
         #[cfg(target_arch = "x86_64")]
-        if super::avx2() {
+        let (scale, code_sum) = if super::avx2() {
             // SAFETY: the CPU has AVX2 and FMA; both blocks hold BLOCK values.
-            (*scale, *sum) = unsafe { avx2::quantize_block(x, codes) };
-            continue;
-        }
-        (*scale, *sum) = quantize_block(x, codes);
+            unsafe { avx2::quantize_block(x, codes) }
+        } else {
+            quantize_block(x, codes)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (scale, code_sum) = quantize_block(x, codes);
+        rows.scales[b] = scale;
+        rows.sums[b] = scale * code_sum as f32;
+        rows.code_sums[b] = code_sum;
     }
 }
 
-/// One block's codes; returns its scale d and d * the sum of its codes.
-fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, f32) {
+/// One block's codes; returns its scale d and the sum of its codes.
+fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, i32) {
     let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = max / 127.0;
     let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -60,7 +66,7 @@ fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, f32) {
         *q = (v * inverse).round_ties_even() as i8;
         total += *q as i32;
     }
-    (d, d * total as f32)
+    (d, total)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -72,7 +78,7 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2 and FMA; `x` and `codes` hold at least 32 values.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, f32) {
+    pub unsafe fn quantize_block(x: &[f32], codes: &mut [i8]) -> (f32, i32) {
         let values: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
         let sign = _mm256_set1_ps(-0.0);
         let [a, b, c, d] = values.map(|v| _mm256_andnot_ps(sign, v));
@@ -94,7 +100,7 @@ mod avx2 {
         let words = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
         let ordered = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(codes.as_mut_ptr() as *mut __m256i, ordered);
-        (scale, scale * total as f32)
+        (scale, total)
     }
 }
 
@@ -112,7 +118,8 @@ mod tests {
         let rows = QuantizedRows::new(&x, 2 * BLOCK);
         for (b, block) in x.chunks(BLOCK).enumerate() {
             let mut codes = [0i8; BLOCK];
-            assert_eq!(quantize_block(block, &mut codes), (rows.scales[b], rows.sums[b]));
+            assert_eq!(quantize_block(block, &mut codes), (rows.scales[b], rows.code_sums[b]));
+            assert_eq!(rows.sums[b], rows.scales[b] * rows.code_sums[b] as f32);
             assert_eq!(codes[..], rows.codes[b * BLOCK..(b + 1) * BLOCK]);
             let max = codes.iter().map(|q| q.unsigned_abs()).max();
             assert_eq!(max, Some(127), "the largest value maps to 127");
