@@ -430,6 +430,31 @@ def test_engine_retraction_and_abort_leave_both_pools_whole(sliding_model_dir):
         assert_as_transformers(hf, prompt, got)
 
 
+def test_kv_copies_move_sliding_layers_by_their_sliding_slots():
+    """A draft tree's accepted K/V moves (speculative/tree.py): full layers
+    from and to the full slots, sliding layers by the sliding ones, every
+    source read before a destination is written."""
+    from pyserve.model.kv_buffer import KVBuffer, SlotCopies
+
+    pool = KVBuffer(2, 6, 1, 2, torch.float32, "cpu", page_size=2, window_layers=frozenset({0}), window_pages=3)
+    for buffer in pool.k_buffer + pool.v_buffer:
+        buffer.copy_(torch.arange(buffer.numel(), dtype=torch.float32).reshape(buffer.shape))
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    # Full slots 7 -> 5 and 8 -> 7 (7 is read before it is written); sliding 3 -> 1 and 4 -> 3.
+    pool.copy_slots(SlotCopies(torch.tensor([7, 8]), torch.tensor([5, 7]), torch.tensor([3, 4]),
+                               torch.tensor([1, 3])))
+    k_window, k_full, v_window, v_full = before
+    expected_full, expected_window = k_full.clone(), k_window.clone()
+    expected_full[[5, 7]] = k_full[[7, 8]]
+    expected_window[[1, 3]] = k_window[[3, 4]]
+    assert torch.equal(pool.k_buffer[1], expected_full) and torch.equal(pool.k_buffer[0], expected_window)
+    expected_full, expected_window = v_full.clone(), v_window.clone()
+    expected_full[[5, 7]] = v_full[[7, 8]]
+    expected_window[[1, 3]] = v_window[[3, 4]]
+    assert torch.equal(pool.v_buffer[1], expected_full) and torch.equal(pool.v_buffer[0], expected_window)
+
+
+
 @pytest.mark.parametrize("ratio", ["0", "1.5"])
 def test_a_sliding_pool_ratio_outside_0_to_1_is_refused(ratio, capsys):
     assert ServerArgs.from_cli(["--swa-full-tokens-ratio", "0.25"]).swa_full_tokens_ratio == 0.25

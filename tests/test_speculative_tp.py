@@ -2,13 +2,15 @@
 the drafts are made on rank 0 (NGRAM's on the event loop, a STANDALONE
 draft model whole on rank 0, an EAGLE-3 head reading rank 0's copy of the
 target's hidden states and the whole embedding from the checkpoint), the
-verify pass runs on both ranks, and greedy output is what two ranks give
-without speculation."""
+verify pass runs on both ranks (and a draft tree's accepted K/V moves in
+both ranks' caches), and greedy output is what two ranks give without
+speculation."""
 
 from __future__ import annotations
 
 from tests.test_speculative import SPEC, repetitive, same, with_and_without
-from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, spec, target  # noqa: F401 (fixtures)
+from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, runs_with_stops, spec, target  # noqa: F401
+from tests.test_speculative_tree import TREE
 
 TWO_RANKS = {"tp_size": 2, "device": "cpu", "torchao_config": "none"}
 
@@ -40,4 +42,16 @@ def test_eagle3_over_two_ranks_keeps_the_fitted_heads_drafts(target, heads):
                 (PROMPTS[1], {**GREEDY, "max_new_tokens": 40})]
     plain, got, metrics = with_and_without(target, requests, spec(heads["fitted"]), TWO_RANKS)
     same(plain, got)
+    assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
+
+
+def test_eagle3_trees_over_two_ranks(target, heads):
+    """The fitted head's trees: each step's accepted nodes below the first
+    level sit in other slots than a chain's, and their K/V is moved on
+    both ranks before the next step reads it. Tokens and log-probabilities
+    are plain decoding's, stops inside accepted runs included."""
+    requests, stop_text = runs_with_stops(target, heads)
+    plain, got, metrics = with_and_without(target, requests, spec(heads["fitted"], **TREE), TWO_RANKS)
+    same(plain, got)
+    assert got[2][3].finish_reason == "stop" and stop_text not in got[2][0]
     assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps

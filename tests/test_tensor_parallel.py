@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pyserve.engine.request import GenerateRequest, SamplingParams
-from pyserve.engine.tp.broadcast import header, payload, unpack
+from pyserve.engine.tp.broadcast import copies_message, copies_size, header, payload, unpack, unpack_copies
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import SlotCopies
 from pyserve.model.parallel import TensorParallel, embed
 from pyserve.asgi import create_app
 from pyserve.server_args import ModelOptions, ServerArgs
@@ -42,6 +43,18 @@ def same_batch(a: ForwardBatch, b: ForwardBatch) -> bool:
 def test_a_batch_survives_packing():
     batch = sample_batch()
     assert same_batch(unpack(header(batch).tolist(), payload(batch)), batch)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_kv_copies_survive_packing(windowed):
+    slots = [torch.tensor([9, 12]), torch.tensor([4, 5])] + ([torch.tensor([1, 2]), torch.tensor([0, 3])]
+                                                             if windowed else [])
+    sizes, data = copies_message(SlotCopies(*slots))
+    assert data.numel() == copies_size(sizes.tolist())
+    got = unpack_copies(sizes.tolist(), data)
+    assert [t.tolist() for t in (got.src, got.dst, got.window_src, got.window_dst) if t is not None] == \
+        [t.tolist() for t in slots]
+    assert (got.window_src is None) == (not windowed)
 
 
 def test_shards_and_replicated_kv_heads():

@@ -26,6 +26,8 @@ its slots are the harmless target of padded rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -47,6 +49,18 @@ class LatentDim(int):
 
     def __repr__(self) -> str:
         return f"LatentDim({int(self)}, value_dim={self.value_dim})"
+
+
+@dataclass(frozen=True)
+class SlotCopies:
+    """K/V to copy in every layer, slot `src[i]` to slot `dst[i]` (int64
+    tensors on the cache's device); in the sliding layers by their sliding
+    slots, `window_src` and `window_dst` (None without a sliding pool)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    window_src: torch.Tensor | None = None
+    window_dst: torch.Tensor | None = None
 
 
 class KVBuffer:
@@ -83,6 +97,15 @@ class KVBuffer:
         else:
             self.v_pages = [torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)]
             self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
+
+    def copy_slots(self, copies: SlotCopies) -> None:
+        """Every layer's K and V at the sources, read before any is written,
+        to the destinations."""
+        for layer, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
+            windowed = layer in self.window_layers
+            src, dst = (copies.window_src, copies.window_dst) if windowed else (copies.src, copies.dst)
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

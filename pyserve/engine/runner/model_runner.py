@@ -39,6 +39,7 @@ from pyserve.engine.speculative.rejection import verify_drafts
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import SlotCopies
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.pooling import sum_spans
 from pyserve.server_args import ModelOptions
@@ -224,8 +225,9 @@ class ModelRunner:
                     next_ids, counts, forced, paths = verify_drafts(
                         logits, states, drafts, draft_probs, self.sampler, trees)
                     if trees:
-                        logits = tree.to_chain(step.batch, batch, logits, capture, self.rank_model.kv_buffer,
-                                               drafts, paths)
+                        logits, copies = tree.to_chain(step.batch, batch, logits, capture, drafts, paths)
+                        if copies is not None:
+                            self._copy_kv_on_every_rank(copies)
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
                     forced = self.sampler.take_forced()
@@ -271,6 +273,16 @@ class ModelRunner:
             # The ranks may now be inside different collectives: none can go on.
             self.ranks.fail(f"a tensor-parallel step failed on rank 0: {e}")
             raise
+
+    def _copy_kv_on_every_rank(self, copies: SlotCopies) -> None:
+        if self.ranks is not None:
+            self.ranks.check()
+            try:
+                self.ranks.channel.send_kv_copies(copies)
+            except Exception as e:
+                self.ranks.fail(f"sending K/V copies to the tensor-parallel ranks failed: {e}")
+                raise
+        self.rank_model.kv_buffer.copy_slots(copies)
 
     def _forward(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -89,9 +89,6 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     tree = None
     if algorithm == "EAGLE3":
         if topk > 1:
-            if model_options.tp_size > 1:
-                raise ValueError("draft trees (--speculative-eagle-topk above 1) run on one rank: their accepted "
-                                 "K/V moves on rank 0's cache only; with --tp-size above 1 use a chain (top-k 1)")
             tree = _tree_shape(options, topk)
         runner.draft = _eagle3(_head_dir(options), runner, tree, model_dir)
     else:

@@ -21,10 +21,11 @@ A sampled walk takes depth + 1 uniform numbers from the request's
 generator whatever it accepts.
 
 After the walk the accepted nodes' K/V are copied to the row's first
-slots after the root's (`move_accepted_kv`), where a chain's accepted run
-would have left them: the sequence's slots stay in position order, and the
-KV manager keeps the run and frees the rest as for a chain. The logits
-rows and captured hidden states are reordered the same way (`chain_order`),
+slots after the root's (`accepted_kv_copies`, in every tensor-parallel
+rank's cache), where a chain's accepted run would have left them: the
+sequence's slots stay in position order, and the KV manager keeps the
+run and frees the rest as for a chain. The logits rows and captured
+hidden states are reordered the same way (`chain_order`),
 so that what follows (log-probabilities, the head's follow-up) reads a
 chain.
 """
@@ -37,6 +38,7 @@ import torch
 
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import SlotCopies
 
 
 @dataclass(frozen=True)
@@ -128,28 +130,27 @@ def chain_order(first_row: int, path: list[int], nodes: int) -> list[int]:
     return accepted + [r for r in range(first_row, first_row + nodes + 1) if r not in accepted]
 
 
-def move_accepted_kv(kv_buffer, batch: ForwardBatch, moves: list[tuple[int, int]]) -> None:
-    """Copy each (from, to) pair of the batch's token rows' K/V, in every
-    layer (the sliding layers' by their sliding slots)."""
+def accepted_kv_copies(batch: ForwardBatch, moves: list[tuple[int, int]]) -> SlotCopies | None:
+    """The cache slots of each (from, to) pair of the batch's token rows,
+    the sliding layers' by their sliding slots; None for no pair."""
     if not moves:
-        return
+        return None
     device = batch.out_cache_loc.device
     src = torch.tensor([a for a, _ in moves], device=device)
     dst = torch.tensor([b for _, b in moves], device=device)
-    window_layers = getattr(kv_buffer, "window_layers", frozenset())
-    for layer, (k, v) in enumerate(zip(kv_buffer.k_buffer, kv_buffer.v_buffer)):
-        slots = batch.window_out_cache_loc if layer in window_layers else batch.out_cache_loc
-        frm, to = slots[src], slots[dst]
-        k[to] = k[frm]
-        v[to] = v[frm]
+    if batch.window_out_cache_loc is None:
+        return SlotCopies(batch.out_cache_loc[src], batch.out_cache_loc[dst])
+    window = batch.window_out_cache_loc
+    return SlotCopies(batch.out_cache_loc[src], batch.out_cache_loc[dst], window[src], window[dst])
 
 
-def to_chain(host: ForwardBatch, batch: ForwardBatch, logits: torch.Tensor, capture, kv_buffer,
-             drafts: list[list[int]], paths: list[list[int] | None]) -> torch.Tensor:
-    """After verification: each tree row's accepted K/V moved to its first
-    slots, its logits rows (returned) and captured hidden states (in
-    `capture`, when given) in chain order. `paths[i]`: sequence i's
-    accepted nodes, None for a chain or plain row."""
+def to_chain(host: ForwardBatch, batch: ForwardBatch, logits: torch.Tensor, capture,
+             drafts: list[list[int]], paths: list[list[int] | None]) -> tuple[torch.Tensor, SlotCopies | None]:
+    """After verification: each tree row's logits rows (returned) and
+    captured hidden states (in `capture`, when given) in chain order, and
+    the K/V copies that move its accepted nodes to its first slots (for
+    every rank's cache). `paths[i]`: sequence i's accepted nodes, None for
+    a chain or plain row."""
     rows, tokens = list(range(logits.shape[0])), list(range(batch.input_ids.numel()))
     moves = []
     first = 0
@@ -160,8 +161,7 @@ def to_chain(host: ForwardBatch, batch: ForwardBatch, logits: torch.Tensor, capt
             tokens[start : start + len(draft) + 1] = chain_order(start, path, len(draft))
             moves += [(start + 1 + node, start + 1 + j) for j, node in enumerate(path) if node != j]
         first += len(draft) + 1
-    move_accepted_kv(kv_buffer, batch, moves)
     if capture is not None:
         order = torch.tensor(tokens, device=capture.states[0].device)
         capture.states[:] = [state[order] for state in capture.states]
-    return logits[torch.tensor(rows, device=logits.device)]
+    return logits[torch.tensor(rows, device=logits.device)], accepted_kv_copies(batch, moves)

@@ -11,6 +11,9 @@ tells them the KV cache's size (it decides it; every rank holds as many
 pages), and every rank says it is ready. A LoRA adapter loaded at run
 time reaches them the same way, between steps: a header saying which slot
 and how long its path is, then the path (each rank reads its own shard).
+So do the K/V copies that move a draft tree's accepted nodes to their
+sequence's next slots after a verify step (speculative/tree.py): a
+header with their count, then the slots on the model's device.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from dataclasses import dataclass
 from pyserve.engine.tp.group import Membership
 from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.kv_buffer import SlotCopies
 
 # tokens, sequences, is_decode, logits rows, kv slots, whether tokens run under adapters
 _HEADER = 7
 _STOP = -1
 _LOAD_ADAPTER = -2  # then the slot and the path's length in bytes
+_COPY_KV = -3  # then the copies' count and whether they carry sliding slots
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,22 @@ def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
     )
 
 
+def copies_message(copies: SlotCopies) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header (on the CPU) and the slots (on their device) that carry `copies`."""
+    windowed = copies.window_src is not None
+    sizes = torch.tensor([_COPY_KV, copies.src.numel(), int(windowed)] + [0] * (_HEADER - 3))
+    slots = [copies.src, copies.dst] + ([copies.window_src, copies.window_dst] if windowed else [])
+    return sizes, torch.cat(slots)
+
+
+def copies_size(sizes: list[int]) -> int:
+    return (4 if sizes[2] else 2) * sizes[1]
+
+
+def unpack_copies(sizes: list[int], slots: torch.Tensor) -> SlotCopies:
+    return SlotCopies(*slots.split(sizes[1]))
+
+
 class StepChannel:
     """Rank 0's side sends; the other ranks' side receives, in the same order."""
 
@@ -104,14 +125,20 @@ class StepChannel:
         self._broadcast_header(torch.tensor([_LOAD_ADAPTER, slot, data.numel()] + [0] * (_HEADER - 3)))
         dist.broadcast(data, src=0, group=self.member.control)
 
+    def send_kv_copies(self, copies: SlotCopies) -> None:
+        """Have the other ranks copy the same K/V slots in their caches."""
+        sizes, slots = copies_message(copies)
+        self._broadcast_header(sizes)
+        dist.broadcast(slots, src=0, group=self.member.tp.group)
+
     def send_value(self, value: int) -> None:
         self._broadcast_header(torch.tensor([value] * _HEADER, dtype=torch.long))
 
     # ranks 1..N-1
 
-    def receive(self) -> ForwardBatch | AdapterLoad | None:
+    def receive(self) -> ForwardBatch | AdapterLoad | SlotCopies | None:
         """The next step's batch on this rank's device, an adapter to load,
-        or None when rank 0 stops."""
+        K/V slots to copy, or None when rank 0 stops."""
         sizes = torch.empty(_HEADER, dtype=torch.long)
         self._broadcast_header(sizes)
         sizes = sizes.tolist()
@@ -121,6 +148,10 @@ class StepChannel:
             path = torch.empty(sizes[2], dtype=torch.uint8)
             dist.broadcast(path, src=0, group=self.member.control)
             return AdapterLoad(sizes[1], bytes(path.tolist()).decode())
+        if sizes[0] == _COPY_KV:
+            slots = torch.empty(copies_size(sizes), dtype=torch.long, device=self.member.device)
+            dist.broadcast(slots, src=0, group=self.member.tp.group)
+            return unpack_copies(sizes, slots)
         data = torch.empty(payload_size(sizes), dtype=torch.long, device=self.member.device)
         dist.broadcast(data, src=0, group=self.member.tp.group)
         return unpack(sizes, data)

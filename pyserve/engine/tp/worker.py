@@ -24,6 +24,7 @@ from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel
 from pyserve.lora.adapter import read_adapter
+from pyserve.model.kv_buffer import SlotCopies
 from pyserve.server_args import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
@@ -48,6 +49,8 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
             while (message := channel.receive()) is not None:
                 if isinstance(message, AdapterLoad):
                     model.lora.load(message.slot, read_adapter(message.path, options.max_lora_rank))
+                elif isinstance(message, SlotCopies):
+                    model.kv_buffer.copy_slots(message)
                 else:
                     model.forward(message)
         tp_group.leave()
