@@ -19,6 +19,7 @@ from tests.slow import slow_test
 from tests.test_speculative import same
 from tests.test_speculative_eagle3 import (GREEDY, PROMPTS, heads, run_both, runs_with_stops,  # noqa: F401
                                            spec, target)
+from tests.test_speculative_overlap import late_steps  # noqa: F401 (a fixture)
 
 TREE = {"speculative_eagle_topk": 3, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}
 # Root children: nodes 0 and 1; node 0's: 2 and 3; node 2's: 4.
@@ -113,6 +114,26 @@ def test_greedy_identical_with_trees_and_a_fitted_head_keeps_more(target, heads,
     assert len(got[3][1]) == 8
     _, _, chain = run_both(target, requests, heads["fitted"], engine_args, tree={"speculative_num_steps": 7})
     assert metrics.spec_emitted_tokens / metrics.spec_verify_steps > chain.spec_emitted_tokens / chain.spec_verify_steps
+
+
+@pytest.mark.parametrize("head, page_size", [("fitted", 1), ("random", 4)])
+def test_trees_under_overlap_scheduling_give_plain_decodings_output(target, heads, late_steps, head, page_size):
+    """Overlap scheduling (tests/test_speculative_overlap.py) with trees:
+    each row scheduled while its tree was verified moves back over the
+    nodes the walk did not keep, and reads the accepted ones' K/V where
+    the walk moved them. The fitted head's trees keep as many tokens a
+    step as without overlap, but for the length limit's trims near the end."""
+    requests, stop_text = runs_with_stops(target, heads)
+    requests.append(([5, 17, 99], {**GREEDY, "max_new_tokens": 13}))
+    engine_args = {"page_size": page_size, "disable_overlap_schedule": False}
+    plain, got, metrics = run_both(target, requests, heads[head], engine_args, tree=TREE)
+    same(plain, got)
+    assert got[2][3].finish_reason == "stop" and stop_text not in got[2][0]
+    assert len(got[3][1]) == 8 and late_steps["moved"] > 0
+    if head == "fitted":
+        _, _, alone = run_both(target, requests, heads[head], {"page_size": page_size}, tree=TREE)
+        kept, kept_alone = (m.spec_emitted_tokens / m.spec_verify_steps for m in (metrics, alone))
+        assert kept >= 0.9 * kept_alone
 
 
 @slow_test

@@ -93,8 +93,7 @@ class Engine:
         self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval, self.metrics)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        # Draft trees wait for the previous step's accepted paths (their KV moves).
-        self.overlap = not options.disable_overlap_schedule and (self.drafter is None or self.drafter.overlaps)
+        self.overlap = not options.disable_overlap_schedule
         # --enable-lora: the adapters requests pick by name; None: the base model alone.
         self.adapters = Adapters(model_options, self.runner, self.scheduler.requests.values) \
             if model_options.enable_lora else None

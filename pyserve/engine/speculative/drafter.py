@@ -34,9 +34,6 @@ class Drafter:
     while its sequence's previous step runs, placeholders that the forward
     thread fills (`late_drafts` says how, or None: the draft model does)."""
 
-    # Whether rows may be drafted while their previous step runs (overlap scheduling).
-    overlaps = True
-
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
 
@@ -75,13 +72,7 @@ class Drafter:
 class PlaceholderDrafter(Drafter):
     """For a draft model run on the forward thread (STANDALONE, EAGLE3):
     the scheduler only reserves room, placeholder tokens that the forward
-    thread replaces with the draft model's tokens before the target runs.
-    Draft trees do not overlap: the tree's accepted path moves its KV, so
-    the next row needs the step's results."""
-
-    def __init__(self, num_draft_tokens: int, overlaps: bool = True):
-        super().__init__(num_draft_tokens)
-        self.overlaps = overlaps
+    thread replaces with the draft model's tokens before the target runs."""
 
     def propose(self, seq: Sequence) -> list[int]:
         return self.reserve(seq)
