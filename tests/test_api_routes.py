@@ -167,6 +167,16 @@ def test_flush_cache_empties_the_prefix_cache(http):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_server_info_carries_sglangs_internal_states(http):
+    """One scheduler's state where SGLang's tools read it: the throughput
+    of the last decode line (after 41 decode steps there is one), and no
+    accept length without speculation."""
+    http.post("/v1/completions", json={"prompt": "Count: one, two,", "max_tokens": 60, "temperature": 0,
+                                       "ignore_eos": True})
+    (state,) = http.get("/get_server_info").json()["internal_states"]
+    assert state["last_gen_throughput"] > 0 and "avg_spec_accept_length" not in state
+
+
 def test_native_generate_returns_sglang_logprobs(http):
     body = {"input_ids": [504, 3575, 282, 4649, 314], "return_logprob": True, "logprob_start_len": 0,
             "top_logprobs_num": 2, "return_text_in_logprobs": True,

@@ -188,6 +188,8 @@ def test_accept_length_is_reported(default_model_dir, caplog):
         engine = await started(default_model_dir, **SPEC, decode_log_interval=2)
         try:
             await collect(engine, ids, temperature=0, max_new_tokens=30)
+            # What SGLang's tools read from /get_server_info: the same mean.
+            assert engine.internal_state()["avg_spec_accept_length"] == engine.metrics.accept_length()
             return engine.metrics.render({})
         finally:
             await engine.shutdown()

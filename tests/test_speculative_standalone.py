@@ -192,6 +192,11 @@ def assert_served_like_without(model_dir, *speculative: str) -> None:
             info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
             assert info["kv_integrity"] == "ok", info["kv_integrity"]
             metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+            # Where SGLang's tests read the accept length: only with speculation on.
+            accept_length = info["internal_states"][0].get("avg_spec_accept_length")
+            assert (accept_length is None) == (not args)
+            if args:
+                assert accept_length >= 1.0 and f"pyserve:spec_accept_length {accept_length}" in metrics
             return [c.text for c in whole.choices], streamed, whole.usage.completion_tokens, metrics
         finally:
             srv.stop()

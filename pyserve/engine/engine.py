@@ -369,6 +369,15 @@ class Engine:
         """Share of the KV cache that running requests need (0 when idle)."""
         return self.kv.token_usage()
 
+    def internal_state(self) -> dict[str, float]:
+        """What SGLang's /get_server_info reports of a scheduler
+        (`internal_states`): the last decode line's generation throughput
+        and, with speculation on, the mean tokens a verify step emitted."""
+        state = {"last_gen_throughput": self._step_log.last_gen_throughput}
+        if self.drafter is not None:
+            state["avg_spec_accept_length"] = self.metrics.accept_length()
+        return state
+
     def integrity_problem(self) -> str | None:
         """None when every KV page is free, cached, or held by exactly one
         running request; else what is wrong."""

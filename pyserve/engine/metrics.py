@@ -94,6 +94,10 @@ class EngineMetrics:
         self.spec_verify_steps += 1
         self.spec_emitted_tokens += emitted
 
+    def accept_length(self) -> float:
+        """Mean tokens a verify step emitted (0.0 before the first)."""
+        return self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
     def on_finish(self, reason: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
                   seconds: float, ttft: float | None) -> None:
         self.finished[reason] += 1
@@ -133,8 +137,7 @@ class EngineMetrics:
         scalar("counter", "spec_verify_steps_total", self.spec_verify_steps, "Decode rows that verified draft tokens.")
         scalar("counter", "spec_accepted_tokens_total", self.spec_emitted_tokens,
                "Tokens those rows emitted (accepted drafts + the target's own).")
-        scalar("gauge", "spec_accept_length",
-               self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0,
+        scalar("gauge", "spec_accept_length", self.accept_length(),
                "Mean tokens emitted per verify step (SGLang's accept len).")
         for histogram in (self.ttft, self.e2e, self.tpot, self.step_tokens):
             lines += histogram.lines(series_name(family, histogram.name), labels)

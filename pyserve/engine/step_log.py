@@ -31,6 +31,7 @@ class StepLog:
         self._since = time.perf_counter()
         self._verify_steps = self._emitted = 0  # the metrics' figures at the last decode line
         self._drafts_counted = 0  # accepted drafts already in the throughput
+        self.last_gen_throughput = 0.0  # tokens/s, the last decode line's
 
     def on_launch(self, step: ScheduledStep) -> None:
         s = self.scheduler
@@ -43,7 +44,7 @@ class StepLog:
             )
         elif self._decode_steps % self.interval == 0 and self._decode_steps:
             now = time.perf_counter()
-            throughput = self._decode_tokens / max(now - self._since, 1e-9)
+            throughput = self.last_gen_throughput = self._decode_tokens / max(now - self._since, 1e-9)
             m = self.metrics
             spec = ""
             if m is not None and s.drafter is not None:

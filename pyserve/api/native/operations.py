@@ -131,7 +131,8 @@ def server_info(ctx: ServingContext) -> dict:
     """The options the server runs with, as SGLang reports its server args
     (the API key left out), then the engine's state now, for operators and
     for tests that check nothing leaked: where an option says "the
-    default", the value the engine chose (KV capacity, context length)."""
+    default", the value the engine chose (KV capacity, context length);
+    `internal_states` as SGLang's tools read it (one scheduler: one entry)."""
     engine = ctx.engine
     kv = engine.kv_usage()
     return {
@@ -152,6 +153,7 @@ def server_info(ctx: ServingContext) -> dict:
         "kv_page_size": kv["page_size"],
         "kv_integrity": engine.integrity_problem() or "ok",
         "context_length": engine.context_len,
+        "internal_states": [engine.internal_state()],
     }
 
 
