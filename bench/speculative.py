@@ -10,10 +10,10 @@ Each row compares one of them with the plain engine on one workload:
 - with --eagle3-head DIR (an EAGLE-3 head trained for the target, as
   SGLang loads it; none is on this machine), copy-heavy and free chat
   with EAGLE3;
-- the copy-heavy workload sampled at temperature 0.7 (seeded per round,
-  the same seed on both sides), for NGRAM: sampled drafts go through
-  rejection sampling, so the text differs from the plain engine's but
-  follows the same distribution.
+- the copy-heavy workload sampled at temperature 0.7, and free chat at 0.7
+  and 1.0 (seeded per round, the same seed on both sides), for NGRAM:
+  sampled drafts go through rejection sampling, so the text differs from
+  the plain engine's but follows the same distribution.
 
 No draft model smaller than the embedded SmolLM2-135M with its tokenizer
 is on this machine, so the STANDALONE draft is built by the script from
@@ -74,6 +74,8 @@ ROWS = [
     ("ngram_copy", COPY, "ngram", 0.0),
     ("ngram_chat", CHAT, "ngram", 0.0),
     ("ngram_copy_t0.7", COPY, "ngram", 0.7),
+    ("ngram_chat_t0.7", CHAT, "ngram", 0.7),
+    ("ngram_chat_t1.0", CHAT, "ngram", 1.0),
     ("standalone_copy", COPY, "standalone", 0.0),
     ("standalone_chat", CHAT, "standalone", 0.0),
     ("standalone_self_copy", COPY, "standalone_self", 0.0),
