@@ -104,6 +104,22 @@ def test_ngram_drafts_follow_the_run_the_last_verify_step_kept():
         assert len(drafter.propose(seq)) == room
 
 
+@pytest.mark.parametrize("accepted, drafts_on", [([1] * 8, True), ([1] * 7 + [0], False), ([0] * 7, True)])
+def test_a_request_stops_drafting_once_its_drafts_keep_less_than_they_cost(accepted, drafts_on):
+    """Judged from the 8th verify step on: a request that kept fewer than
+    15% of its drafted tokens (7 of 48 here) decodes plainly from then on;
+    8 of 48 is enough, and 7 failed steps are not judged yet."""
+    from pyserve.engine.request import SamplingParams
+    from pyserve.engine.sequence import Sequence
+    from pyserve.engine.speculative.ngram import NgramDrafter
+
+    drafter = NgramDrafter(6, 3, 12)
+    seq = Sequence("r", list(range(100, 140)) * 3, SamplingParams(max_new_tokens=100, temperature=0))
+    for kept in accepted:
+        drafter.on_verified(seq, drafted=6, accepted=kept)
+    assert (drafter.propose(seq) != []) == drafts_on
+
+
 def test_greedy_run_stops_at_the_first_disagreement():
     # Drafts [5, 6, 7] against the target's argmax [5, 6, 9, 1]: two kept, then the target's 9.
     assert greedy_run([5, 6, 9, 1], [5, 6, 7]) == [5, 6, 9]
