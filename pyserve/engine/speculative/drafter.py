@@ -15,7 +15,7 @@ from pyserve.engine.sequence import Sequence
 # A request's drafting is judged over this many verify steps: below
 # MIN_ACCEPT_RATE accepted tokens per drafted one, it decodes plainly. A
 # verify step costs about a decode step plus 0.12 of one per draft (the
-# 4-bit CPU mode, bench/README.md SV1 and SO1-SO6), so a request keeping
+# 4-bit CPU mode, bench/README.md SV1 and SO1-SO4), so a request keeping
 # more than that share of its drafts gains from them.
 _JUDGED_AFTER = 8
 _MIN_ACCEPT_RATE = 0.15
