@@ -195,8 +195,12 @@ def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir, cap
     assert "retracting" in caplog.text
 
 
-def test_accept_length_is_reported(default_model_dir, caplog):
+def test_accept_length_and_rate_are_reported_under_each_familys_names(default_model_dir, caplog):
+    """The decode log line's accept len; /metrics' series under pyserve's,
+    SGLang's and vLLM's names (vLLM counts drafts and kept drafts, SGLang
+    reports the mean length and rate); /get_server_info's internal state."""
     from pyserve._rust import Tokenizer
+    from pyserve.engine.metrics import FAMILIES
 
     ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
 
@@ -206,11 +210,20 @@ def test_accept_length_is_reported(default_model_dir, caplog):
             await collect(engine, ids, temperature=0, max_new_tokens=30)
             # What SGLang's tools read from /get_server_info: the same mean.
             assert engine.internal_state()["avg_spec_accept_length"] == engine.metrics.accept_length()
-            return engine.metrics.render({})
+            return engine.metrics.render({}, FAMILIES, "m"), engine.metrics.spec_verify_steps
         finally:
             await engine.shutdown()
     with caplog.at_level("INFO", logger="pyserve.engine"):
-        text = asyncio.run(main())
+        text, verify_steps = asyncio.run(main())
     assert any("accept len: " in r.getMessage() for r in caplog.records if "Decode batch." in r.getMessage())
-    line = next(x for x in text.splitlines() if x.startswith("pyserve:spec_accept_length "))
-    assert float(line.split()[1]) > 1.0  # the copy is drafted and accepted several tokens a step
+    series = {line.split()[0].split("{")[0]: float(line.split()[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    calls, drafted, kept = (series[f"vllm:spec_decode_num_{n}_total"] for n in ("drafts", "draft_tokens",
+                                                                                "accepted_tokens"))
+    assert calls == series["pyserve:spec_verify_calls_total"] == series["sglang:spec_verify_calls_total"] == verify_steps
+    assert 0 < kept <= drafted <= SPEC["speculative_num_draft_tokens"] * calls
+    assert kept == series["pyserve:spec_accepted_drafts_total"] and drafted == series["pyserve:spec_draft_tokens_total"]
+    assert series["sglang:spec_accept_length"] == pytest.approx(1 + kept / calls)
+    assert series["sglang:spec_accept_length"] > 1.5  # the copy is drafted and kept several tokens a step
+    assert series["sglang:spec_accept_rate"] == pytest.approx(kept / drafted)
+    assert "sglang:spec_draft_tokens_total" not in series and "vllm:spec_accept_length" not in series

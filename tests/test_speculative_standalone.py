@@ -206,7 +206,7 @@ def assert_served_like_without(model_dir, *speculative: str) -> None:
     assert texts[0] == texts[1] == streamed == plain_texts[0]
     assert tokens == 48
     verified = next(float(line.split()[1]) for line in metrics.splitlines()
-                    if line.startswith("pyserve:spec_verify_steps_total"))
+                    if line.startswith("pyserve:spec_verify_calls_total"))
     assert verified > 0
 
 

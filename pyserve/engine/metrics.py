@@ -30,7 +30,14 @@ _VLLM_NAMES = {
     "cached_tokens_total": "prefix_cache_hits_total",
     "prompt_tokens_cached_queries": "prefix_cache_queries_total",  # vLLM's only
     "num_requests_total": "request_success_total",
+    "spec_verify_calls_total": "spec_decode_num_drafts_total",
+    "spec_draft_tokens_total": "spec_decode_num_draft_tokens_total",
+    "spec_accepted_drafts_total": "spec_decode_num_accepted_tokens_total",
+    "spec_accept_length": None,  # vLLM has the counters above instead
+    "spec_accept_rate": None,
 }
+# pyserve's own series, of no SGLang name: left out of the `sglang:` family.
+_PYSERVE_ONLY = frozenset({"spec_draft_tokens_total", "spec_accepted_drafts_total"})
 # vLLM labels a finished request's reason `finished_reason`; SGLang and pyserve, `finish_reason`.
 _REASON_LABEL = {"pyserve": "finish_reason", "sglang": "finish_reason", "vllm": "finished_reason"}
 
@@ -38,7 +45,7 @@ _REASON_LABEL = {"pyserve": "finish_reason", "sglang": "finish_reason", "vllm": 
 def series_name(family: str, name: str) -> str | None:
     if family == "vllm":
         name = _VLLM_NAMES.get(name, name)
-    elif name == "prompt_tokens_cached_queries":
+    elif name == "prompt_tokens_cached_queries" or (family == "sglang" and name in _PYSERVE_ONLY):
         return None
     return None if name is None else f"{family}:{name}"
 
@@ -74,8 +81,10 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.cached_tokens = 0
         self.finished = Counter()  # finish reason -> requests
-        # Speculative decoding: verify steps of drafted rows, and the tokens they emitted.
+        # Speculative decoding: verify steps of drafted rows, the drafts they
+        # verified, and the tokens they emitted (kept drafts + the target's own).
         self.spec_verify_steps = 0
+        self.spec_draft_tokens = 0
         self.spec_emitted_tokens = 0
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
@@ -90,13 +99,21 @@ class EngineMetrics:
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def on_verify(self, emitted: int) -> None:
+    def on_verify(self, drafted: int, emitted: int) -> None:
         self.spec_verify_steps += 1
+        self.spec_draft_tokens += drafted
         self.spec_emitted_tokens += emitted
 
     def accept_length(self) -> float:
         """Mean tokens a verify step emitted (0.0 before the first)."""
         return self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
+    def accepted_drafts(self) -> int:
+        return self.spec_emitted_tokens - self.spec_verify_steps
+
+    def accept_rate(self) -> float:
+        """Kept drafts per verified draft (0.0 before the first)."""
+        return self.accepted_drafts() / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     def on_finish(self, reason: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
                   seconds: float, ttft: float | None) -> None:
@@ -134,11 +151,12 @@ class EngineMetrics:
         lines += [f"# HELP {name} Finished requests, by finish reason.", f"# TYPE {name} counter"]
         for reason in sorted(self.finished):
             lines.append(f"{name}{_labels({**labels, _REASON_LABEL[family]: reason})} {self.finished[reason]}")
-        scalar("counter", "spec_verify_steps_total", self.spec_verify_steps, "Decode rows that verified draft tokens.")
-        scalar("counter", "spec_accepted_tokens_total", self.spec_emitted_tokens,
-               "Tokens those rows emitted (accepted drafts + the target's own).")
+        scalar("counter", "spec_verify_calls_total", self.spec_verify_steps, "Decode rows that verified draft tokens.")
+        scalar("counter", "spec_draft_tokens_total", self.spec_draft_tokens, "Draft tokens those rows verified.")
+        scalar("counter", "spec_accepted_drafts_total", self.accepted_drafts(), "Draft tokens the target kept.")
         scalar("gauge", "spec_accept_length", self.accept_length(),
-               "Mean tokens emitted per verify step (SGLang's accept len).")
+               "Mean tokens emitted per verify step, the target's own included (SGLang's accept len).")
+        scalar("gauge", "spec_accept_rate", self.accept_rate(), "Kept draft tokens per verified one.")
         for histogram in (self.ttft, self.e2e, self.tpot, self.step_tokens):
             lines += histogram.lines(series_name(family, histogram.name), labels)
         return "\n".join(lines) + "\n"

@@ -70,6 +70,6 @@ class StepLog:
         m = self.metrics
         if m is None:
             return 0
-        total = m.spec_emitted_tokens - m.spec_verify_steps
+        total = m.accepted_drafts()
         new, self._drafts_counted = total - self._drafts_counted, total
         return new

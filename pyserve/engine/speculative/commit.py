@@ -42,6 +42,6 @@ def accepted_runs(step: ScheduledStep, counts: list[int], drafted: list[int] | N
                 kv.drop_tail(seq, seq.kv_len - (len(draft) - (count - 1)))
             if verified:
                 drafter.on_verified(seq, verified, count - 1)
-                metrics.on_verify(count)
+                metrics.on_verify(verified, count)
             yield seq, range(row, row + count)
         row += verified + 1
