@@ -15,12 +15,18 @@ pub struct Heads {
     pub scale: f32,
 }
 
-/// Slots a piece of one row's attention covers at most: a longer context
-/// is split into pieces (each with its own softmax, merged afterwards) so
-/// that a single row's few KV heads still occupy every thread. The count
-/// depends only on the row's length, so a row's output does not depend
-/// on the batch or the threads.
-const SLOTS_PER_PIECE: usize = 1024;
+/// How many pieces a row of `len` slots is split into, each with its own
+/// softmax, merged afterwards, so that a single row's few KV heads still
+/// occupy every thread: pieces of at most 1,024 slots, and up to 4 pieces
+/// of at least 256 slots, so that a row of a few hundred tokens spreads
+/// the embedded model's three KV heads over two threads evenly (a decode
+/// step at 1,000 tokens of context about 4% faster, bench/README.md
+/// K25). The count depends only on the
+/// row's length, so a row's output does not depend on the batch or the
+/// threads.
+fn pieces(len: usize) -> usize {
+    len.div_ceil(1024).max(len.div_ceil(256).min(4))
+}
 
 /// Softmax attention of each row's query heads over its sequence's cached
 /// k/v. A task is a piece of a row's slots for one KV head and its group
@@ -50,7 +56,7 @@ pub unsafe fn attend(
     let mut tasks = Vec::new(); // (row, kv head, piece, slots)
     for (r, &len) in lens.iter().enumerate() {
         let slots = &slots[r * width..][..len as usize];
-        let pieces = slots.len().div_ceil(SLOTS_PER_PIECE);
+        let pieces = pieces(slots.len());
         for kv_head in 0..dims.kv_heads {
             for piece in 0..pieces {
                 let range = slots.len() * piece / pieces..slots.len() * (piece + 1) / pieces;
@@ -359,7 +365,7 @@ mod tests {
         }
     }
 
-    /// A row of 2,600 slots is three pieces (SLOTS_PER_PIECE) whose
+    /// A row of 2,600 slots is four pieces (`pieces`) whose
     /// softmaxes are merged: the result is the whole softmax, computed here
     /// in f64, for heads on the AVX2 path (8 values) and off it (6).
     #[test]
@@ -396,7 +402,13 @@ mod tests {
         }
     }
 
-    /// Rows of three and two pieces and of one, over two KV heads, the
+    #[test]
+    fn rows_split_into_pieces_of_256_to_1024_slots() {
+        let counts: Vec<usize> = [1, 256, 257, 700, 1024, 1025, 2600, 4096, 4097].map(pieces).to_vec();
+        assert_eq!(counts, [1, 1, 2, 3, 4, 4, 4, 4, 5]);
+    }
+
+    /// Rows of four and three pieces and of one, over two KV heads, the
     /// first two a verify step's (one prefix, one slot apart): each row's
     /// output in the batch is the one it gets alone, to the bit, whatever
     /// order the tasks ran in.
@@ -408,7 +420,7 @@ mod tests {
         let k: Vec<f32> = (0..cached * kv_size).map(|i| wave(i, 1)).collect();
         let v: Vec<f32> = (0..cached * kv_size).map(|i| wave(i, 2)).collect();
         let slots: Vec<i64> = (0..cached as i64).collect();
-        let lens = [2599i64, 2600, 1500, 700];
+        let lens = [2599i64, 2600, 1500, 700, 200];
         let table: Vec<i64> = lens.iter().flat_map(|_| slots.iter().copied()).collect();
         let qkv_width = (dims.heads + 2 * dims.kv_heads) * dims.head_dim;
         let qkv: Vec<f32> = (0..lens.len() * qkv_width).map(|i| wave(i, 5)).collect();
