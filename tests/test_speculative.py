@@ -227,3 +227,9 @@ def test_accept_length_and_rate_are_reported_under_each_familys_names(default_mo
     assert series["sglang:spec_accept_length"] > 1.5  # the copy is drafted and kept several tokens a step
     assert series["sglang:spec_accept_rate"] == pytest.approx(kept / drafted)
     assert "sglang:spec_draft_tokens_total" not in series and "vllm:spec_accept_length" not in series
+    # vLLM's kept drafts by position: a draft is kept only after every one before it.
+    by_position = [float(line.split()[1]) for line in text.splitlines()
+                   if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert len(by_position) == SPEC["speculative_num_draft_tokens"] and sum(by_position) == kept
+    assert by_position == sorted(by_position, reverse=True) and by_position[0] > 0
+    assert "sglang:spec_accepted_drafts_per_position_total" not in series

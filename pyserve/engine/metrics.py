@@ -33,11 +33,13 @@ _VLLM_NAMES = {
     "spec_verify_calls_total": "spec_decode_num_drafts_total",
     "spec_draft_tokens_total": "spec_decode_num_draft_tokens_total",
     "spec_accepted_drafts_total": "spec_decode_num_accepted_tokens_total",
+    "spec_accepted_drafts_per_position_total": "spec_decode_num_accepted_tokens_per_pos_total",
     "spec_accept_length": None,  # vLLM has the counters above instead
     "spec_accept_rate": None,
 }
 # pyserve's own series, of no SGLang name: left out of the `sglang:` family.
-_PYSERVE_ONLY = frozenset({"spec_draft_tokens_total", "spec_accepted_drafts_total"})
+_PYSERVE_ONLY = frozenset({"spec_draft_tokens_total", "spec_accepted_drafts_total",
+                           "spec_accepted_drafts_per_position_total"})
 # vLLM labels a finished request's reason `finished_reason`; SGLang and pyserve, `finish_reason`.
 _REASON_LABEL = {"pyserve": "finish_reason", "sglang": "finish_reason", "vllm": "finished_reason"}
 
@@ -86,6 +88,7 @@ class EngineMetrics:
         self.spec_verify_steps = 0
         self.spec_draft_tokens = 0
         self.spec_emitted_tokens = 0
+        self.spec_kept_at: list[int] = []  # per draft position (0: the first draft), the verify steps that kept it
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.tpot = Histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
@@ -103,6 +106,9 @@ class EngineMetrics:
         self.spec_verify_steps += 1
         self.spec_draft_tokens += drafted
         self.spec_emitted_tokens += emitted
+        self.spec_kept_at += [0] * (drafted - len(self.spec_kept_at))
+        for position in range(emitted - 1):  # the kept drafts, the target's own token after them
+            self.spec_kept_at[position] += 1
 
     def accept_length(self) -> float:
         """Mean tokens a verify step emitted (0.0 before the first)."""
@@ -157,6 +163,11 @@ class EngineMetrics:
         scalar("gauge", "spec_accept_length", self.accept_length(),
                "Mean tokens emitted per verify step, the target's own included (SGLang's accept len).")
         scalar("gauge", "spec_accept_rate", self.accept_rate(), "Kept draft tokens per verified one.")
+        name = series_name(family, "spec_accepted_drafts_per_position_total")
+        if name is not None:
+            lines += [f"# HELP {name} Draft tokens kept, by their position in the draft (0: the first).",
+                      f"# TYPE {name} counter"]
+            lines += [f"{name}{_labels({**labels, 'position': str(p)})} {n}" for p, n in enumerate(self.spec_kept_at)]
         for histogram in (self.ttft, self.e2e, self.tpot, self.step_tokens):
             lines += histogram.lines(series_name(family, histogram.name), labels)
         return "\n".join(lines) + "\n"
