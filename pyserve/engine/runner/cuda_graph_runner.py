@@ -73,6 +73,9 @@ class CudaGraphRunner:
         if verify_tokens > 1:
             self.batch_sizes[verify_tokens] = capture_batch_sizes(max(1, min(max_bs, VERIFY_GRAPH_TOKENS // verify_tokens)))
         self.graphs: dict[tuple[int, int], Callable[[], Outputs]] = {}  # (row length, batch size): replay
+        # A recorded graph reads its static batch's tensors at the addresses
+        # they had when captured: the batches live as long as the graphs.
+        self.static_batches: dict[tuple[int, int], ForwardBatch] = {}
         device = attention.device
         max_tokens = max(max(sizes) * r for r, sizes in self.batch_sizes.items())
         max_padding = max(max(sizes) * r for r, sizes in self.batch_sizes.items() if r > 1) if verify_tokens > 1 else 0
@@ -127,7 +130,7 @@ class CudaGraphRunner:
         )
 
     def _capture(self, row_tokens: int, bs: int, pool, stream) -> Callable[[], Outputs]:
-        batch = self._static_batch(row_tokens, bs)
+        batch = self.static_batches[row_tokens, bs] = self._static_batch(row_tokens, bs)
 
         def run() -> Outputs:
             capture = AuxCapture(self.aux_layers) if self.aux_layers is not None else None
