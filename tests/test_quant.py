@@ -189,7 +189,8 @@ def test_quantized_embedded_model_answers_like_float32(default_model_dir, mode):
 def test_engine_serves_a_safetensors_model_quantized_at_load(tmp_path, mode, default_model_dir):
     """A bf16/fp32 checkpoint quantized at load: the engine runs it to the end."""
     model_dir = build_tiny_model(tmp_path, "llama", tokenizer_dir=default_model_dir)
-    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config=mode))
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config=mode,
+                                         device="cpu"))  # CPU weight modes
 
     async def run():
         await engine.start()
@@ -210,7 +211,8 @@ def test_8da4w_serves_layers_with_a_window_or_soft_cap(tmp_path, arch, default_m
     soft-cap (Gemma 2) under 8da4w: a prompt longer than the window is
     served to the end, its extends attending through the torch backend."""
     model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir, sliding_window=8)
-    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config="8da4w"))
+    engine = Engine.from_args(ServerArgs(model_path=str(model_dir), max_total_tokens=512, torchao_config="8da4w",
+                                         device="cpu"))
 
     async def run():
         await engine.start()

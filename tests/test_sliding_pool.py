@@ -278,7 +278,9 @@ def test_engine_cuts_a_hit_back_where_sliding_pages_were_freed(sliding_model_dir
     prompt = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(1)).tolist()
 
     async def run():
-        engine = sliding_engine(sliding_model_dir, 256)
+        # Without overlap (on by default on CUDA), whose step past the last
+        # token would cache one more.
+        engine = sliding_engine(sliding_model_dir, 256, disable_overlap_schedule=True)
         await engine.start()
         try:
             first = await engine_greedy(engine, prompt, 40, "turn1")
@@ -368,19 +370,20 @@ def test_cuda_graph_tables_carry_the_sliding_slots():
     """The static tables a CUDA graph reads (filled here without CUDA): the
     sliding slots beside the full ones, spare rows on both padding pages."""
     pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton backend's device
     from pyserve.model.attention.triton_backend import TritonAttention
     from pyserve.model.forward_batch import ForwardBatch
     from pyserve.model.kv_buffer import KVBuffer
 
     allocator = WindowPageAllocator(9, 5, PAGE, WINDOW)
-    pool = KVBuffer(2, 9, 1, 8, torch.float32, "cpu", page_size=PAGE, window_layers=frozenset({0}), window_pages=5)
+    pool = KVBuffer(2, 9, 1, 8, torch.float32, device, page_size=PAGE, window_layers=frozenset({0}), window_pages=5)
     assert pool.k_buffer[0].shape[0] == 5 * PAGE and pool.k_buffer[1].shape[0] == 9 * PAGE
     attention = TritonAttention(pool, 2, context_len=64)
     pages = allocator.alloc(3)
     slots = [pages[0] * PAGE + torch.arange(3), (pages[1:, None] * PAGE + torch.arange(PAGE)).flatten()]
     allocator.drop_window(pages[1:2])  # the second sequence's first page: left behind by its window
     batch = ForwardBatch.build([5, 6], [2, 7], torch.stack([s[-1] for s in slots]), [1, 1], slots, [0, 1], True,
-                               "cpu", window_slots=allocator.window_slots)
+                               device, window_slots=allocator.window_slots)
     assert batch.window_kv_indices[3:7].tolist() == [0, 1, 2, 3]  # the padding page's slots: never read
     attention.init_cuda_graph_state(max_bs=4)
     indptr, indices, window_indices = attention.cuda_graph_kv_tables(4)

@@ -80,7 +80,9 @@ class DraftModel:
         host, drafts = step.batch, step.drafts
         drafted = [i for i, d in enumerate(drafts) if d]
         token_at, slots = _drafted_rows(host, drafts, drafted)
-        inputs = [int(host.input_ids[t]) for t in token_at]
+        # The device batch's: a row scheduled under overlap has a placeholder
+        # for its first token in the host batch, resolved on the device.
+        inputs = batch.input_ids[torch.tensor(token_at, device=batch.input_ids.device)].tolist()
         out: list[list[int]] = [[] for _ in drafts]
         dists: list[list[torch.Tensor]] = [[] for _ in drafts]
         for j in range(max(len(drafts[i]) for i in drafted)):
