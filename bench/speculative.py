@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="an EAGLE-3 head trained for --model (SGLang's format): adds EAGLE3 rows")
     p.add_argument("--only", nargs="*", help="row names to run (default: all)")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
-                   help="overlap scheduling in every engine (auto: on CUDA only, the server's default)")
+                   help="overlap scheduling in every engine (auto: the server's default, on CUDA without speculation)")
     p.add_argument("--step-costs", action="store_true",
                    help="time one decode step against verify steps of 1, 3 and 6 drafts instead")
     args = p.parse_args(argv)

@@ -136,11 +136,15 @@ class EngineOptions:
                     "starves) and retract the least urgent first; without it a `priority` field is refused",
         alias=("--scheduling-policy", {"fcfs": False, "priority": True},
                "vLLM's name: priority is --enable-priority-scheduling, fcfs (the default) is without it"))
-    # None: overlap on CUDA only. On CPU the forward pass and the loop's own
-    # work share the same cores, so overlap buys nothing and delays tokens.
+    # None: overlap on CUDA without speculative decoding. On CPU the forward
+    # pass and the loop's own work share the same cores, so overlap buys
+    # nothing and delays tokens; with speculation the next row's drafts
+    # wait for the verify step's tokens, and on an H100 NGRAM ran 1.35x
+    # faster without overlap (bench/README.md G23-G26).
     disable_overlap_schedule: bool | None = option(
         None, help="schedule the next step only after the current one finished",
-        inverse=("--enable-overlap-schedule", "overlap scheduling on CPU too (by default only on CUDA)"))
+        inverse=("--enable-overlap-schedule",
+                 "overlap scheduling on CPU or with speculative decoding too (by default only on CUDA without it)"))
     # Structured outputs (engine/grammar): JSON schema, regex, EBNF and required tool calls.
     grammar_backend: str = option("xgrammar", choices=["xgrammar", "none"],
                                   help="constrained decoding backend; none refuses constrained requests")
@@ -359,8 +363,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             dtype=("bfloat16" if on_cuda else "float32") if self.dtype == "auto" else self.dtype,
             attention_backend=(("triton" if on_cuda else "torch") if self.attention_backend == "auto"
                                else self.attention_backend),
-            disable_overlap_schedule=(not on_cuda if self.disable_overlap_schedule is None
-                                      else self.disable_overlap_schedule),
+            disable_overlap_schedule=(not on_cuda or self.speculative_algorithm is not None
+                                      if self.disable_overlap_schedule is None else self.disable_overlap_schedule),
             cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_running_requests),
         )
 

@@ -56,6 +56,10 @@ def test_auto_resolves_to_cuda_settings_with_cuda(cuda):
     args = ServerArgs().resolved()
     assert (args.device, args.dtype, args.attention_backend) == ("cuda", "bfloat16", "triton")
     assert args.disable_overlap_schedule is False
+    # Speculation turns overlap off unless it is asked for.
+    assert ServerArgs(speculative_algorithm="NGRAM").resolved().disable_overlap_schedule is True
+    assert ServerArgs(speculative_algorithm="NGRAM", disable_overlap_schedule=False).resolved() \
+        .disable_overlap_schedule is False
 
 
 def test_explicit_choices_are_kept(cuda):
