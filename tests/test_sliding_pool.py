@@ -464,3 +464,19 @@ def test_a_sliding_pool_ratio_outside_0_to_1_is_refused(ratio, capsys):
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--swa-full-tokens-ratio", ratio])
     assert "--swa-full-tokens-ratio must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_kv_copies_of_a_latent_cache_move_the_latent_once():
+    """A latent cache's V is a view of K's first values: the copy moves
+    K, and V comes with it."""
+    from pyserve.model.kv_buffer import KVBuffer, LatentDim, SlotCopies
+
+    pool = KVBuffer(2, 4, 1, LatentDim(6, value_dim=4), torch.float32, "cpu", page_size=2)
+    for k in pool.k_buffer:
+        k.copy_(torch.arange(k.numel(), dtype=torch.float32).reshape(k.shape))
+    before = [k.clone() for k in pool.k_buffer]
+    pool.copy_slots(SlotCopies(torch.tensor([5, 6]), torch.tensor([2, 5])))
+    for k, v, old in zip(pool.k_buffer, pool.v_buffer, before):
+        expected = old.clone()
+        expected[[2, 5]] = old[[5, 6]]
+        assert torch.equal(k, expected) and torch.equal(v, expected[..., :4])

@@ -91,7 +91,8 @@ class KVBuffer:
 
         self.k_pages = [torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)]
         self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
-        if isinstance(head_dim, LatentDim):  # V is a view of K's first values
+        self.latent = isinstance(head_dim, LatentDim)
+        if self.latent:  # V is a view of K's first values
             self.v_pages = [k[..., :head_dim.value_dim] for k in self.k_pages]
             self.v_buffer = [k[..., :head_dim.value_dim] for k in self.k_buffer]
         else:
@@ -105,7 +106,8 @@ class KVBuffer:
             windowed = layer in self.window_layers
             src, dst = (copies.window_src, copies.window_dst) if windowed else (copies.src, copies.dst)
             k[dst] = k[src]
-            v[dst] = v[src]
+            if not self.latent:  # a latent cache's V is a view of K: copied with it
+                v[dst] = v[src]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
