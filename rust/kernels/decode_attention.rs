@@ -244,16 +244,19 @@ mod avx2 {
         }
         out.fill(0.0);
         for (tile, tile_slots) in slots.chunks(SLOT_TILE).enumerate() {
-            for (o, head_weights) in out.chunks_exact_mut(head_dim).zip(weights.chunks_exact(len)) {
+            for (h, (o, head_weights)) in out.chunks_exact_mut(head_dim).zip(weights.chunks_exact(len)).enumerate() {
                 let tile_weights = &head_weights[tile * SLOT_TILE..][..tile_slots.len()];
+                // The group's first head reads each v row from memory: it
+                // prefetches, across the tile's end too; the others read L1.
+                let ahead = if h == 0 { slots.get(tile * SLOT_TILE + PREFETCH_SLOTS..).unwrap_or(&[]) } else { &[] };
                 let mut start = 0;
                 for width in [8, 4, 2, 1] {
                     while head_dim / 8 - start >= width {
                         match width {
-                            8 => weighted_sum::<8>(cache, tile_slots, tile_weights, start, o),
-                            4 => weighted_sum::<4>(cache, tile_slots, tile_weights, start, o),
-                            2 => weighted_sum::<2>(cache, tile_slots, tile_weights, start, o),
-                            _ => weighted_sum::<1>(cache, tile_slots, tile_weights, start, o),
+                            8 => weighted_sum::<8>(cache, tile_slots, ahead, tile_weights, start, o),
+                            4 => weighted_sum::<4>(cache, tile_slots, ahead, tile_weights, start, o),
+                            2 => weighted_sum::<2>(cache, tile_slots, ahead, tile_weights, start, o),
+                            _ => weighted_sum::<1>(cache, tile_slots, ahead, tile_weights, start, o),
                         }
                         start += width;
                     }
@@ -290,11 +293,13 @@ mod avx2 {
 
     /// o[8 * start .. 8 * (start + N)] += the weighted sum of those values
     /// of v over `slots`: N vectors of accumulators stay in registers
-    /// across the slots.
+    /// across the slots. While at slot j it prefetches the same values of
+    /// slot `ahead[j]` (none past `ahead`'s end).
     #[inline(always)]
     unsafe fn weighted_sum<const N: usize>(
         cache: &HeadCache,
         slots: &[i64],
+        ahead: &[i64],
         weights: &[f32],
         start: usize,
         o: &mut [f32],
@@ -305,7 +310,7 @@ mod avx2 {
             *a = _mm256_loadu_ps(o.add(8 * i));
         }
         for (j, (&s, &w)) in slots.iter().zip(weights).enumerate() {
-            prefetch_row(cache.v.add(8 * start), cache.stride, slots.get(j + PREFETCH_SLOTS), 8 * N);
+            prefetch_row(cache.v.add(8 * start), cache.stride, ahead.get(j), 8 * N);
             let v = cache.v.add(s as usize * cache.stride + 8 * start);
             let w = _mm256_set1_ps(w);
             for (i, a) in acc.iter_mut().enumerate() {
