@@ -99,7 +99,10 @@ class ForwardBatch:
         """The batch on `device`. Host tensors go through pinned memory so the
         copies queue behind the running step instead of waiting for it."""
         if self.input_ids.device.type == device.type:
-            return self
+            # Still a batch of its own, with its own token ids: the runner and
+            # the drafters write tokens into the device batch (placeholders
+            # resolved, drafts), which on a GPU never reach the host batch.
+            return replace(self, input_ids=self.input_ids.clone())
         pin = device.type == "cuda"
 
         def move(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -210,10 +210,7 @@ class ModelRunner:
                 drafted = None if step.drafts is scheduled.drafts else [len(d) for d in step.drafts]
                 batch = step.batch.to(self.device)
                 if step.following:
-                    # A new batch: on the CPU `to` returns the host batch itself,
-                    # whose placeholders the step's other readers must see as
-                    # they see them on a GPU.
-                    batch = replace(batch, input_ids=resolve_placeholders(batch.input_ids, self._last_runs))
+                    batch.input_ids = resolve_placeholders(batch.input_ids, self._last_runs)
                 drafts, draft_probs, trees, capture = step.drafts, None, None, None
                 if self.draft is not None:
                     if drafts:
