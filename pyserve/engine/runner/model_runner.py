@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,26 +264,31 @@ class ModelRunner:
         """The step's logits (and pooled sums), the other tensor-parallel ranks
         given the same batch. `capture`: hidden states rank 0 keeps (the
         residual stream is whole on every rank)."""
-        if self.ranks is None:
+        with self._on_every_rank("a tensor-parallel step") as channel:
+            if channel is not None:
+                channel.send(batch)
             return self._forward(batch, step, capture)
-        self.ranks.check()
-        try:
-            self.ranks.channel.send(batch)
-            return self._forward(batch, step, capture)
-        except Exception as e:
-            # The ranks may now be inside different collectives: none can go on.
-            self.ranks.fail(f"a tensor-parallel step failed on rank 0: {e}")
-            raise
 
     def _copy_kv_on_every_rank(self, copies: SlotCopies) -> None:
-        if self.ranks is not None:
-            self.ranks.check()
-            try:
-                self.ranks.channel.send_kv_copies(copies)
-            except Exception as e:
-                self.ranks.fail(f"sending K/V copies to the tensor-parallel ranks failed: {e}")
-                raise
+        with self._on_every_rank("sending K/V copies to the tensor-parallel ranks") as channel:
+            if channel is not None:
+                channel.send_kv_copies(copies)
         self.rank_model.kv_buffer.copy_slots(copies)
+
+    @contextmanager
+    def _on_every_rank(self, what: str):
+        """The other ranks' step channel (None on one rank) for a block that
+        tells them what to do; a failure in the block fails every rank."""
+        if self.ranks is None:
+            yield None
+            return
+        self.ranks.check()
+        try:
+            yield self.ranks.channel
+        except Exception as e:
+            # The ranks may now be inside different collectives: none can go on.
+            self.ranks.fail(f"{what} failed on rank 0: {e}")
+            raise
 
     def _forward(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
