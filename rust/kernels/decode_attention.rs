@@ -201,6 +201,15 @@ mod avx2 {
         }
     }
 
+    /// The slots whose rows head `h` prefetches while it reads tile `tile`'s,
+    /// the i-th while at the tile's i-th slot (PREFETCH_SLOTS ahead, past the
+    /// tile's end too): the group's first head reads each row from memory,
+    /// the others find it in cache and prefetch none.
+    #[inline(always)]
+    fn prefetched(slots: &[i64], tile: usize, h: usize) -> &[i64] {
+        if h == 0 { slots.get(tile * SLOT_TILE + PREFETCH_SLOTS..).unwrap_or(&[]) } else { &[] }
+    }
+
     /// Slots whose k (then v) rows each head of the group reads in turn:
     /// 64 rows of 128 floats are 32 KB, which stay in L1 and L2.
     const SLOT_TILE: usize = 64;
@@ -229,11 +238,9 @@ mod avx2 {
         for (tile, tile_slots) in slots.chunks(SLOT_TILE).enumerate() {
             for (h, (q, scores)) in qs.chunks_exact(head_dim).zip(weights.chunks_exact_mut(len)).enumerate() {
                 let scores = &mut scores[tile * SLOT_TILE..][..tile_slots.len()];
+                let ahead = prefetched(slots, tile, h);
                 for (i, (score, &s)) in scores.iter_mut().zip(tile_slots).enumerate() {
-                    if h == 0 {
-                        // The group's first head reads each k row from memory; the others, from L1.
-                        prefetch_row(cache.k, cache.stride, slots.get(tile * SLOT_TILE + i + PREFETCH_SLOTS), head_dim);
-                    }
+                    prefetch_row(cache.k, cache.stride, ahead.get(i), head_dim);
                     *score = dot(q, cache.k.add(s as usize * cache.stride)) * scale;
                 }
             }
@@ -246,9 +253,7 @@ mod avx2 {
         for (tile, tile_slots) in slots.chunks(SLOT_TILE).enumerate() {
             for (h, (o, head_weights)) in out.chunks_exact_mut(head_dim).zip(weights.chunks_exact(len)).enumerate() {
                 let tile_weights = &head_weights[tile * SLOT_TILE..][..tile_slots.len()];
-                // The group's first head reads each v row from memory: it
-                // prefetches, across the tile's end too; the others read L1.
-                let ahead = if h == 0 { slots.get(tile * SLOT_TILE + PREFETCH_SLOTS..).unwrap_or(&[]) } else { &[] };
+                let ahead = prefetched(slots, tile, h);
                 let mut start = 0;
                 for width in [8, 4, 2, 1] {
                     while head_dim / 8 - start >= width {
