@@ -7,6 +7,8 @@ Each row compares one of them with the plain engine on one workload:
 - copy-heavy (rewrite a ~300-token text with one change: most of the
   answer is in the prompt) and free chat (nothing to copy; the drafter must
   switch itself off), greedy, for NGRAM and STANDALONE;
+- the copy-heavy workload as JSON under a schema, for NGRAM: both engines
+  jump forward over the keys, the speculative one drafts the text too;
 - with --eagle3-head DIR (an EAGLE-3 head trained for the target, as
   SGLang loads it; none is on this machine), copy-heavy and free chat
   with EAGLE3;
@@ -68,10 +70,16 @@ TEXT = (
     "sound is the bell."
 )
 COPY = f"Rewrite the following text exactly, but change the town's name from Kelmsford to Ashby.\n\n{TEXT}"
+# The copy as structured output: the grammar forces the keys and quotes (jump-forward on both sides).
+JSON_COPY = ("Answer in JSON with the town's new name and the rewritten text. " + COPY)
+JSON_SCHEMA = json.dumps({"type": "object", "properties": {"town": {"type": "string", "maxLength": 40},
+                                                             "text": {"type": "string", "maxLength": 3000}},
+                          "required": ["town", "text"]})
 CHAT = "Write a short story about a robot who learns to paint."
-# (row name, prompt, engine compared with "off", temperature)
+# (row name, prompt, engine compared with "off", temperature[, JSON schema])
 ROWS = [
     ("ngram_copy", COPY, "ngram", 0.0),
+    ("ngram_json_copy", JSON_COPY, "ngram", 0.0, JSON_SCHEMA),
     ("ngram_chat", CHAT, "ngram", 0.0),
     ("ngram_copy_t0.7", COPY, "ngram", 0.7),
     ("ngram_chat_t0.7", CHAT, "ngram", 0.7),
@@ -112,13 +120,14 @@ def truncated_draft(model_dir: Path, out: Path, layers: int) -> Path:
     return out
 
 
-async def decode_speed(engine, ids: list[int], max_tokens: int, temperature: float, seed: int
-                       ) -> tuple[float, list[int]]:
+async def decode_speed(engine, ids: list[int], max_tokens: int, temperature: float, seed: int,
+                       schema: str | None = None) -> tuple[float, list[int]]:
     """(decode tokens per second after the first token, the tokens) of one request."""
-    from pyserve.engine.request import GenerateRequest, SamplingParams
+    from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                            seed=seed if temperature else None)
+                            seed=seed if temperature else None,
+                            constraint=Constraint("json_schema", schema) if schema else None)
     tokens, first = [], None
     async for out in engine.generate(GenerateRequest(ids, params)):
         tokens += out.token_ids
@@ -162,21 +171,22 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
                                                                 add_generation_prompt=True))
 
     result = {}
-    for name, text, side, temperature in rows:
+    for name, text, side, temperature, *schema in rows:
         if args.only and name not in args.only:
             continue
+        schema = schema[0] if schema else None
         ids = prompt(text)
         engine = engines[side]
         speeds = {"off": [], "on": []}
         outputs = {}
-        await decode_speed(engine, ids, 8, temperature, 0)  # warm-up
-        await decode_speed(engines["off"], ids, 8, temperature, 0)
+        await decode_speed(engine, ids, 8, temperature, 0, schema)  # warm-up
+        await decode_speed(engines["off"], ids, 8, temperature, 0, schema)
         m = engine.metrics
         steps0, emitted0 = m.spec_verify_steps, m.spec_emitted_tokens
         for r in range(args.rounds):
             for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 speed, tokens = await decode_speed(engines["off"] if which == "off" else engine, ids,
-                                                   args.max_tokens, temperature, r)
+                                                   args.max_tokens, temperature, r, schema)
                 speeds[which].append(speed)
                 outputs[which] = tokens
         on, off = statistics.median(speeds["on"]), statistics.median(speeds["off"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
@@ -127,6 +128,100 @@ def test_greedy_run_stops_at_the_first_disagreement():
     assert greedy_run([3, 8], [3]) == [3, 8]  # all kept: the target's token after them too
 
 
+def plain_decoding(rows: torch.Tensor, drafts: list[int], state, sampler) -> list[int]:
+    """What decoding one token a step emits over verify rows whose logits do
+    not depend on the tokens before them: row j is sampled once row j - 1's
+    token is output, until a token differs from its draft or the grammar
+    forces text (the forced tokens follow)."""
+    emitted = []
+    for j, row in enumerate(rows):
+        token = int(sampler.sample(row[None].clone(), [state])[0])
+        forced = (sampler.take_forced() or [[]])[0]
+        emitted += [token] + forced
+        state.seq.output_ids.append(token)
+        if forced or j == len(drafts) or token != drafts[j]:
+            break
+    return emitted
+
+
+def verified_and_plain(model_dir, drafts: list[str], rows: list[dict], schema: str | None, after: str | None = None,
+                       **params):
+    """One sequence's verify step on the embedded model's vocabulary, its
+    drafts and its rows' logits (0 but the tokens named, and `ĠB` at 4.5)
+    given as tokens; `after`: the text the grammar starts after. Returns
+    (the tokens verify_drafts emits, the forced ones after them included;
+    the tokens decoding one token a step emits)."""
+    from pyserve._rust import Tokenizer
+    from pyserve.engine.grammar import GrammarBackend, tokenizer_info
+    from pyserve.engine.sampler import Sampler
+    from pyserve.engine.sampling_state import SamplingState
+    from pyserve.engine.sequence import Sequence
+    from pyserve.engine.speculative.rejection import verify_drafts
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    vocab = tokenizer.vocab_size
+    backend = GrammarBackend(tokenizer_info(tokenizer, (model_dir / "tokenizer.json").read_text(), vocab, [2]),
+                             tokenizer)
+    constraint = Constraint("json_schema", schema) if schema else None
+    draft = [tokenizer.token_to_id(t) for t in drafts]
+    logits = torch.zeros(len(rows), vocab)
+    logits[:, tokenizer.token_to_id("ĠB")] = 4.5
+    for j, row in enumerate(rows):
+        for token, value in row.items():
+            logits[j, tokenizer.token_to_id(token)] = value
+    bias = {tokenizer.token_to_id(t): v for t, v in params.pop("logit_bias", {}).items()}
+
+    def state():
+        seq = Sequence("r", [7, 8], SamplingParams(temperature=0, constraint=constraint, logit_bias=bias, **params))
+        grammar = backend.new_state(asyncio.run(backend.compile(constraint)), after) if constraint else None
+        return SamplingState(seq, grammar=grammar, stop_ids=frozenset([2]))  # 2: <|im_end|>
+    try:
+        ids, counts, forced, _ = verify_drafts(logits.clone(), [state()], [draft], None, Sampler(0))
+        verified = ids[: counts[0]].tolist() + (forced[0] if forced else [])
+        return verified, plain_decoding(logits, draft, state(), Sampler(0))
+    finally:
+        backend.shutdown()
+
+
+NAME = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+
+
+@pytest.mark.parametrize("drafts, rows, schema, params, expected", [
+    # A frequency penalty counts the drafts before each row: the third `ĠA` falls below `ĠB`.
+    (["ĠA"] * 3, [{"ĠA": 5.0}] * 4, None, {"frequency_penalty": 0.3}, ["ĠA", "ĠA", "ĠB"]),
+    (["ĠA"] * 2, [{"ĠA": 5.0}] * 3, None, {"repetition_penalty": 1.5}, ["ĠA", "ĠB"]),
+    (["ĠA", "ĠC"], [{"ĠA": 5.0}, {"ĠC": 5.0}, {}], None, {"logit_bias": {"ĠC": -1.0}}, ["ĠA", "ĠB"]),
+    # min_tokens masks the stop token up to its row, and no further.
+    (["ĠA", "<|im_end|>"], [{"ĠA": 5.0}, {"<|im_end|>": 5.0}, {}], None, {"min_new_tokens": 2}, ["ĠA", "ĠB"]),
+    (["ĠA", "<|im_end|>"], [{"ĠA": 5.0}, {"<|im_end|>": 5.0}, {}], None, {"min_new_tokens": 1},
+     ["ĠA", "<|im_end|>", "ĠB"]),
+    # A grammar masks each row after the drafts before it: `Ġ` is refused after `{"`.
+    (["{", '"', "Ġ"], [{"{": 5.0}, {'"': 5.0}, {"Ġ": 5.0, "name": 1.0}, {}], NAME, {"logprobs": True},
+     ["{", '"', "name"]),
+    # Jump-forward: the run ends at the first token the grammar forces text
+    # after, `{`, and the tokenizer's encoding of the two replaces it, as
+    # decoding one token a step gives, though the drafts spell the same text.
+    (["{", '"', "name"], [{"{": 5.0}, {'"': 5.0}, {"name": 5.0}, {'":': 5.0}], NAME, {},
+     ['{"', "name", '":', 'Ġ"']),
+], ids=["frequency", "repetition", "logit-bias", "min-tokens", "min-tokens-ends", "grammar", "jump-forward"])
+def test_verification_samples_each_row_as_plain_decoding_would(default_model_dir, drafts, rows, schema, params,
+                                                              expected):
+    from pyserve._rust import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    verified, plain = verified_and_plain(default_model_dir, drafts, rows, schema, **params)
+    assert [tokenizer.id_to_token(t) for t in verified] == expected
+    assert verified == plain
+
+
+def test_a_grammar_that_starts_after_reasoning_keeps_a_verify_rows_first_token(default_model_dir):
+    """Until `</think>` is out the grammar's masks past the drafts are not
+    known (it may start inside them): the row emits its first token alone."""
+    drafts, rows = ["ĠA", "ĠA"], [{"ĠA": 5.0}] * 3
+    verified, plain = verified_and_plain(default_model_dir, drafts, rows, NAME, after="</think>")
+    assert len(plain) == 3 and verified == plain[:1]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_identical_on_a_tiny_checkpoint(tiny_llama_dir, page_size):
     greedy = {"temperature": 0, "ignore_eos": True}
@@ -134,7 +229,7 @@ def test_greedy_identical_on_a_tiny_checkpoint(tiny_llama_dir, page_size):
         (repetitive(), {**greedy, "max_new_tokens": 30}),
         (repetitive(33), {**greedy, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
         ([5, 17, 99], {**greedy, "max_new_tokens": 12}),
-        (repetitive(), {**greedy, "max_new_tokens": 20, "presence_penalty": 0.5}),  # plain
+        (repetitive(), {**greedy, "max_new_tokens": 20, "presence_penalty": 0.5}),
     ]
     plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": page_size})
     same(plain, spec)
@@ -153,7 +248,7 @@ def assert_identical_on_the_embedded_model(default_model_dir, speculative: dict,
     """The copy prompt on the embedded model with and without the
     `speculative` options: the same output (logprobs within `tol`), with a
     stop string and a stop token inside accepted runs, max_tokens never
-    exceeded, and a constrained request decoding plainly beside them; the
+    exceeded, and a constrained request and a penalized one; the
     speculative engine's metrics."""
     from pyserve._rust import Tokenizer
 
@@ -166,7 +261,8 @@ def assert_identical_on_the_embedded_model(default_model_dir, speculative: dict,
         (ids, {**greedy, "max_new_tokens": 40, "stop": ["lazy"]}),
         (ids, {**greedy, "max_new_tokens": 40, "logprobs": True, "top_logprobs": 2}),
         (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
-        (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),  # plain
+        (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),
+        (ids, {**greedy, "max_new_tokens": 30, "frequency_penalty": 0.3, "logit_bias": {tok.encode(" fox")[0]: -2.0}}),
     ]
     plain, spec, metrics = with_and_without(default_model_dir, requests, speculative, mode)
     same(plain, spec, tol)

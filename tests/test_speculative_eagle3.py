@@ -135,7 +135,7 @@ def test_greedy_identical_with_a_random_head(target, heads, page_size):
         (repetitive(), {**GREEDY, "max_new_tokens": 30}),
         (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
         ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
-        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),
     ]
     plain, got, metrics = run_both(target, requests, heads["random"], {"page_size": page_size})
     same(plain, got)
@@ -209,9 +209,10 @@ def test_the_heads_kv_is_the_same_for_chunked_and_cached_prompts(target, heads):
 
 
 def test_constrained_sampled_and_retracted_requests(target, heads):
-    """A JSON-schema request decodes plainly beside drafted ones; sampled
-    requests give as many tokens as asked; a KV pool that forces
-    retraction gives plain decoding's output and every page back."""
+    """A JSON-schema request, drafted beside the others, gives plain
+    decoding's output; sampled requests give as many tokens as asked; a KV
+    pool that forces retraction gives plain decoding's output and every
+    page back."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     requests = [(repetitive(40 + i), {**GREEDY, "max_new_tokens": 40}) for i in range(4)]
     requests.append((PROMPTS[0], {"temperature": 0, "max_new_tokens": 30,

@@ -126,7 +126,7 @@ def test_standalone_with_overlap_is_greedy_identical(tiny_llama_dir, drafts, lat
         (repetitive(), {**GREEDY, "max_new_tokens": 30}),
         (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
         ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
-        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),
     ]
     plain, got, metrics = standalone_both(tiny_llama_dir, requests, drafts["noisy"], {"page_size": 4, **OVERLAP})
     same(plain, got)

@@ -79,7 +79,7 @@ def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, 
         (repetitive(33), {**GREEDY, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
         ([5, 17, 99], {**GREEDY, "max_new_tokens": 13}),
         (repetitive(), {**GREEDY, "max_new_tokens": 30, "stop_token_ids": [stop_token]}),
-        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),  # decodes plainly
+        (repetitive(), {**GREEDY, "max_new_tokens": 20, "presence_penalty": 0.5}),
         (repetitive(), {**GREEDY, "max_new_tokens": 30, "stop": [stop_text]}),
     ]
     plain, got, metrics = run_both(tiny_llama_dir, requests, drafts[draft], {"page_size": page_size})

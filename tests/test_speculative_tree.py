@@ -6,12 +6,13 @@ fitted head gets more of its drafts kept than with a chain."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pyserve.engine.request import SamplingParams
+from pyserve.engine.request import Constraint, SamplingParams
 from pyserve.engine.speculative.rejection import walk
 from pyserve.engine.speculative.tree import DraftTree, chain_order, expand
 from pyserve.model.forward_batch import ForwardBatch
@@ -114,6 +115,24 @@ def test_greedy_identical_with_trees_and_a_fitted_head_keeps_more(target, heads,
     assert len(got[3][1]) == 8
     _, _, chain = run_both(target, requests, heads["fitted"], engine_args, tree={"speculative_num_steps": 7})
     assert metrics.spec_emitted_tokens / metrics.spec_verify_steps > chain.spec_emitted_tokens / chain.spec_verify_steps
+
+
+def test_constrained_and_penalized_requests_are_drafted_as_trees(target, heads):
+    """Each node's logits row is masked by the grammar after the node's
+    path and penalized as if the path were output: a JSON-schema request
+    and penalized ones give plain decoding's output, and the trees keep
+    drafts."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 60}}, "required": ["a"]}
+    requests = [
+        (PROMPTS[0], {"temperature": 0, "max_new_tokens": 40,
+                      "constraint": Constraint("json_schema", json.dumps(schema))}),
+        (PROMPTS[0], {**GREEDY, "max_new_tokens": 30, "frequency_penalty": 0.2, "presence_penalty": 0.2}),
+        (PROMPTS[1], {**GREEDY, "max_new_tokens": 30, "repetition_penalty": 1.1, "min_new_tokens": 25}),
+    ]
+    plain, got, metrics = run_both(target, requests, heads["fitted"], tree=TREE)
+    same(plain, got)
+    json.loads(got[0][0])
+    assert metrics.accepted_drafts() > 0
 
 
 @pytest.mark.parametrize("head, page_size", [("fitted", 1), ("random", 4)])

@@ -11,7 +11,9 @@ the xgrammar matcher. Only the forward thread touches it, in the sampler:
 a step accepts the tokens its sequences sampled in their previous step
 (the thread runs steps in order, so with overlap scheduling too the mask
 of step N+1 is filled after step N's token was accepted), then fills the
-token bitmask of this step.
+token bitmask of this step. A speculative verify step fills a mask per
+logits row, walking the matcher through the drafts and back
+(`GrammarState.along`), then accepts the run it kept.
 
 Jump-forward: where the grammar allows exactly one continuation (a JSON
 schema's keys, quotes, colons and braces, a regex's literal stretch), a
@@ -245,6 +247,44 @@ class GrammarState(ThreadOwned):
         the grammar ended: that token is never used)."""
         return self.active and not self.failed and self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    @property
+    def watching(self) -> bool:
+        """The constraint has not started: the output is free text until
+        `after` appears in it."""
+        return self._after is not None
+
+    def along(self, prefixes: list[list[int]], bitmask: torch.Tensor, first_row: int, jumping: bool
+              ) -> tuple[list[int], list[bool]]:
+        """A speculative verify step's masks: for each prefix (draft tokens
+        after the accepted ones, one per logits row), what the grammar
+        allows after it, in bitmask[first_row + r]; and for a `jumping`
+        request whether the grammar forces text after it (a jump-forward
+        would follow its last token).
+        A prefix the grammar refuses gets neither: its last token is masked
+        at the row before, so its row is never reached. The matcher ends
+        where it started. Call on an active grammar (not `watching`)."""
+        masked, forces = [], []
+        path: list[int] = []  # the tokens the matcher holds beyond its start
+        for r, prefix in enumerate(prefixes):
+            common = 0
+            while common < min(len(path), len(prefix)) and path[common] == prefix[common]:
+                common += 1
+            if len(path) > common:
+                self.matcher.rollback(len(path) - common)
+                del path[common:]
+            for token in prefix[common:]:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                    break
+                path.append(token)
+            reached = len(path) == len(prefix)
+            if reached and self.fill(bitmask, first_row + r):
+                masked.append(first_row + r)
+            forces.append(jumping and reached and bool(prefix) and not self.matcher.is_terminated()
+                          and bool(self.matcher.find_jump_forward_string()))
+        if path:
+            self.matcher.rollback(len(path))
+        return masked, forces
+
 
 class SampledIds:
     """A step's sampled ids, readable on the host by a later step. On CUDA
@@ -284,10 +324,15 @@ def token_bitmask(states: list[GrammarState | None], vocab_size: int) -> tuple[t
         if state is None or not state.active:
             continue
         if bitmask is None:
-            bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+            bitmask = new_bitmask(len(states), vocab_size)
         if state.fill(bitmask, row):
             rows.append(row)
     return (bitmask, rows) if rows else None
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An empty token bitmask of `rows` rows, for GrammarState.fill and .along."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -7,7 +7,10 @@ one gather or scatter over those entries, never a pass over [batch,
 vocab] and never a loop over rows in torch. What a request has seen is
 kept in its sampling state (engine/sampling_state.py's TokenHistory).
 
-Runs on the forward thread, over the requests' SamplingStates.
+Runs on the forward thread, over the requests' SamplingStates. A
+speculative verify step adjusts each of a drafted row's logits rows as if
+the drafts before it were output already (`after`), which is what plain
+decoding sees at that position.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pyserve.engine.request import SamplingParams
-from pyserve.engine.sampling_state import SamplingState
+from pyserve.engine.sampling_state import SamplingState, joined
 
 
 def reads_history(p: SamplingParams) -> bool:
@@ -23,10 +26,11 @@ def reads_history(p: SamplingParams) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
-def ends_too_soon(state: SamplingState) -> bool:
-    """The request may not stop yet: its stop tokens are masked. A grammar's
-    own end (only EOS allowed) still ends a constrained request."""
-    return state.sampled < state.params.min_new_tokens and state.grammar is None
+def ends_too_soon(state: SamplingState, drafted: int = 0) -> bool:
+    """The request may not stop yet (`drafted`: draft tokens before the
+    logits row): its stop tokens are masked. A grammar's own end (only EOS
+    allowed) still ends a constrained request."""
+    return state.sampled + drafted < state.params.min_new_tokens and state.grammar is None
 
 
 def adjusts_logits(state: SamplingState) -> bool:
@@ -45,31 +49,38 @@ def _per_entry(values: list[float], which: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=which.device)[which]
 
 
-def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> None:
-    """Penalties, logit bias and masked stops of a batch's rows, in place."""
+def adjust_logits(logits: torch.Tensor, states: list[SamplingState], after: list[list[int]] | None = None) -> None:
+    """Penalties, logit bias and masked stops of a batch's rows, in place;
+    row i counts the tokens `after[i]` as output after its request's own."""
     device = logits.device
     seqs = [s.seq for s in states]
+    after = after or [[] for _ in states]
     repeat = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if repeat:
-        which, rows, ids = _entries([states[i].history().seen_ids for i in repeat], repeat, device)
+        seen = [states[i].history() for i in repeat]
+        which, rows, ids = _entries([joined(h.seen_ids, h.seen, after[i]) for i, h in zip(repeat, seen)],
+                                    repeat, device)
         penalty = _per_entry([seqs[i].params.repetition_penalty for i in repeat], which)
         values = logits[rows, ids]
         # Shrink toward "less likely" whatever the sign (CTRL / HF semantics).
         logits[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
     counted = [i for i, s in enumerate(seqs)
-               if (s.params.frequency_penalty or s.params.presence_penalty) and s.output_ids]
+               if (s.params.frequency_penalty or s.params.presence_penalty) and (s.output_ids or after[i])]
     if counted:
         histories = [states[i].history() for i in counted]
         # Once per occurrence, then once per distinct token.
-        which, rows, ids = _entries([h.outputs for h in histories], counted, device)
+        outputs = [torch.cat([h.outputs, torch.tensor(after[i], dtype=torch.long)]) if after[i] else h.outputs
+                   for i, h in zip(counted, histories)]
+        which, rows, ids = _entries(outputs, counted, device)
         logits.index_put_((rows, ids), _per_entry([-seqs[i].params.frequency_penalty for i in counted], which),
                           accumulate=True)
-        which, rows, ids = _entries([h.distinct_outputs for h in histories], counted, device)
+        which, rows, ids = _entries([joined(h.distinct_outputs, h.output_seen, after[i])
+                                     for i, h in zip(counted, histories)], counted, device)
         logits.index_put_((rows, ids), _per_entry([-seqs[i].params.presence_penalty for i in counted], which),
                           accumulate=True)
     vocab = logits.shape[-1]
     _add_at(logits, [(i, token, bias) for i, s in enumerate(seqs) for token, bias in s.params.logit_bias.items()])
-    _add_at(logits, [(i, token, float("-inf")) for i, s in enumerate(states) if ends_too_soon(s)
+    _add_at(logits, [(i, token, float("-inf")) for i, s in enumerate(states) if ends_too_soon(s, len(after[i]))
                      for token in s.stop_ids if token < vocab])
 
 

@@ -73,15 +73,15 @@ class SamplingState(ThreadOwned):
         new = seq.output_ids[len(history.outputs):]
         if new:
             history.outputs = torch.cat([history.outputs, torch.tensor(new, dtype=torch.long)])
-            history.seen_ids = _grow(history.seen_ids, history.seen, new)
-            history.distinct_outputs = _grow(history.distinct_outputs, history.output_seen, new)
+            history.seen_ids = joined(history.seen_ids, history.seen, new)
+            history.distinct_outputs = joined(history.distinct_outputs, history.output_seen, new)
+            history.seen.update(new)
+            history.output_seen.update(new)
         return history
 
 
-def _grow(ids: torch.Tensor, members: set[int], new: list[int]) -> torch.Tensor:
-    """`ids` (the tensor of `members`) with the tokens of `new` not in it yet."""
+def joined(ids: torch.Tensor, members: set[int], new: list[int]) -> torch.Tensor:
+    """`ids` (the tensor of the tokens `members`) with the tokens of `new`
+    not in it yet, `members` left as it is."""
     added = [t for t in dict.fromkeys(new) if t not in members]
-    if not added:
-        return ids
-    members.update(added)
-    return torch.cat([ids, torch.tensor(added, dtype=torch.long)])
+    return torch.cat([ids, torch.tensor(added, dtype=torch.long)]) if added else ids

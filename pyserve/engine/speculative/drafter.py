@@ -1,5 +1,8 @@
-"""What every drafter shares, on the event loop: which requests are
-drafted, how many tokens at most, and when a request stops being drafted.
+"""What every drafter shares, on the event loop: how many tokens a request
+is drafted at most, and when it stops being drafted. Every decoding request
+is drafted: verification applies a request's grammar, penalties, logit
+bias and min_tokens to each logits row as plain decoding would
+(speculative/rejection.py).
 
 A request whose drafts keep failing stops drafting: each verify step costs
 more than a plain decode step, so free chat must not pay for drafts it
@@ -8,8 +11,6 @@ never accepts.
 
 from __future__ import annotations
 
-from pyserve.engine.penalties import reads_history
-from pyserve.engine.request import SamplingParams
 from pyserve.engine.sequence import Sequence
 
 # A request's drafting is judged over this many verify steps: below
@@ -19,16 +20,6 @@ from pyserve.engine.sequence import Sequence
 # more than that share of its drafts gains from them.
 _JUDGED_AFTER = 8
 _MIN_ACCEPT_RATE = 0.15
-
-
-def drafts_exactly(p: SamplingParams) -> bool:
-    """Whether verification keeps the output what plain decoding gives:
-    token for token at temperature 0, in distribution when sampled
-    (speculative/rejection.py). Not with anything that changes the logits
-    from one token to the next (penalties, logit bias, min_tokens) nor a
-    grammar (its mask moves with every token)."""
-    return (p.constraint is None and not reads_history(p) and not p.logit_bias
-            and not p.min_new_tokens and not p.pooling)
 
 
 class Drafter:
@@ -56,7 +47,7 @@ class Drafter:
         drafted, and never past its length limit (the target's own token
         after the drafts is the last), counting every token of its steps
         still running as kept."""
-        if not seq.drafting or not drafts_exactly(seq.params):
+        if not seq.drafting:
             return 0
         in_flight = seq.pending + seq.pending_drafts
         return max(0, min(self.num_draft_tokens, seq.params.max_new_tokens - len(seq.output_ids) - in_flight - 1))

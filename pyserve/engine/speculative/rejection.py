@@ -27,9 +27,13 @@ each node, moving to the child that carries it.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
-from pyserve.engine.sampler import Sampler, probabilities
+from pyserve.engine.grammar import apply_bitmask, new_bitmask
+from pyserve.engine.penalties import adjust_logits, adjusts_logits
+from pyserve.engine.sampler import Sampler, jumps_forward, probabilities
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.speculative.tree import DraftTree
 
@@ -49,38 +53,114 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
     row as in any step."""
     firsts = first_rows(drafts)
     ids = logits.argmax(dim=-1)
-    plain = [i for i, d in enumerate(drafts) if not d]
-    forced = None
+    for state, draft in zip(states, drafts):
+        if draft and state.grammar is not None:
+            state.grammar.accept_unaccepted()
+    # A constraint that starts after a reasoning block may start inside the
+    # drafts, where its masks are not known: such a row samples its first
+    # logits row alone. That choice does not depend on the drafts, so a
+    # sampled request keeps its distribution.
+    plain = [i for i, d in enumerate(drafts) if not d or (states[i].grammar is not None and states[i].grammar.watching)]
+    forced: list[list[int]] = [[] for _ in drafts]
     if plain:
         rows = torch.tensor([firsts[i] for i in plain], device=ids.device)
         ids[rows] = sampler.sample(logits[rows], [states[i] for i in plain]).to(ids.device)
-        plain_forced = sampler.take_forced()  # per plain row: a constrained request is never drafted
-        if plain_forced is not None:
-            forced = [[] for _ in drafts]
-            for i, tokens in zip(plain, plain_forced):
-                forced[i] = tokens
+        for i, tokens in zip(plain, sampler.take_forced() or [[] for _ in plain]):
+            forced[i] = tokens
+    plain = set(plain)
+    adjusted = _adjusted_rows(logits, states, drafts, trees, firsts, plain)
     host = ids.tolist()
     counts = []
     paths: list[list[int] | None] = [None] * len(drafts)
     for i, (state, draft) in enumerate(zip(states, drafts)):
-        if not draft:
+        if i in plain:
             counts.append(1)
             continue
         first, k = firsts[i], len(draft)
+        rows, forces = adjusted.get(i, (logits[first : first + k + 1], None))
         if trees is not None and trees[i] is not None:
-            run, paths[i] = walk(logits[first : first + k + 1], trees[i], draft, state,
-                                 state.generator or sampler.generator)
-            ids[first : first + len(run)] = torch.tensor(run, device=ids.device)
+            run, paths[i] = walk(rows, trees[i], draft, state, state.generator or sampler.generator)
         elif state.params.temperature == 0:
-            run = greedy_run(host[first : first + k + 1], draft)
+            run = greedy_run(rows.argmax(dim=-1).tolist() if i in adjusted else host[first : first + k + 1], draft)
         else:
-            p = probabilities(logits[first : first + k + 1], [state.params] * (k + 1))
             q = draft_probs[i] if draft_probs is not None else None
-            run = rejection_run(p, draft, q, state.generator or sampler.generator)
+            run = rejection_run(probabilities(rows, [state.params] * (k + 1)), draft, q,
+                                state.generator or sampler.generator)
+        if forces is not None:
+            run, paths[i] = _until_forced(run, paths[i], forces)
+        if state.grammar is not None:
+            run, forced[i] = _commit_to_grammar(state, run)
+        if run != host[first : first + len(run)]:
             ids[first : first + len(run)] = torch.tensor(run, device=ids.device)
         counts.append(len(run))
-        state.sampled += len(run)
-    return ids, counts, forced, paths
+        state.sampled += len(run) + len(forced[i])
+    return ids, counts, (forced if any(forced) else None), paths
+
+
+def _adjusted_rows(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
+                   trees: list[DraftTree | None] | None, firsts: list[int], plain: set[int]
+                   ) -> dict[int, tuple[torch.Tensor, list[bool] | None]]:
+    """The logits rows of the drafted sequences whose logits the sampler
+    adjusts (a grammar's mask, penalties, logit bias, min_tokens) as plain
+    decoding would sample from them, each row as if the drafts before it
+    were output already; with, for a request that jumps forward, whether
+    its grammar forces text after each row's drafts (else None). By
+    sequence index."""
+    which = [i for i, d in enumerate(drafts)
+             if d and i not in plain and (states[i].grammar is not None or adjusts_logits(states[i]))]
+    if not which:
+        return {}
+    prefixes, row_states, index = {}, [], []
+    for i in which:
+        tree = trees[i] if trees is not None else None
+        prefixes[i] = tree.prefixes(drafts[i]) if tree is not None else [drafts[i][:j] for j in range(len(drafts[i]) + 1)]
+        row_states += [states[i]] * len(prefixes[i])
+        index += range(firsts[i], firsts[i] + len(prefixes[i]))
+    rows = logits[torch.tensor(index, device=logits.device)].float()  # a copy: logprobs read the raw logits
+    starts = dict(zip(which, accumulate([0] + [len(prefixes[i]) for i in which])))  # each sequence's first in `rows`
+    forces: dict[int, list[bool] | None] = dict.fromkeys(which)
+    constrained = [i for i in which if states[i].grammar is not None and states[i].grammar.active]
+    if constrained:
+        bitmask, masked = new_bitmask(len(index), rows.shape[-1]), []
+        for i in constrained:
+            rows_masked, forcing = states[i].grammar.along(prefixes[i], bitmask, starts[i], _jumps(states[i]))
+            masked += rows_masked
+            forces[i] = forcing if _jumps(states[i]) else None
+        if masked:
+            apply_bitmask(rows, bitmask, masked)
+    if any(adjusts_logits(states[i]) for i in which):
+        adjust_logits(rows, row_states, [p for i in which for p in prefixes[i]])
+    return {i: (rows[starts[i] : starts[i] + len(prefixes[i])], forces[i]) for i in which}
+
+
+def _jumps(state: SamplingState) -> bool:
+    """Whether the request's grammar appends the text it forces (jump-forward)."""
+    return jumps_forward(state.params) and state.grammar.jump_tokenizer is not None
+
+
+def _until_forced(run: list[int], path: list[int] | None, forces: list[bool]) -> tuple[list[int], list[int] | None]:
+    """A jump-forward request's run, cut after its first token that its
+    grammar forces text after, where decoding one token a step jumps; for
+    a tree, its accepted nodes cut with it. `forces`: per logits row."""
+    for j in range(len(run) - 1):
+        if forces[j + 1 if path is None else path[j] + 1]:
+            return run[: j + 1], (path[:j] if path is not None else None)
+    return run, path
+
+
+def _commit_to_grammar(state: SamplingState, run: list[int]) -> tuple[list[int], list[int]]:
+    """Accept a verified run into the request's grammar; a jump-forward
+    request's last token may be replaced and followed by the text the
+    grammar forces (GrammarState.jump_forward). Returns (the run, the
+    forced tokens)."""
+    grammar = state.grammar
+    for token in run[:-1]:
+        grammar.accept(token)
+    if _jumps(state):
+        tokens = grammar.jump_forward(run[-1])
+        return run[:-1] + tokens[:1], tokens[1:]
+    grammar.accept(run[-1])
+    return run, []
 
 
 def first_rows(drafts: list[list[int]]) -> list[int]:

@@ -72,6 +72,11 @@ class DraftTree:
             path.append(node)
         return path[::-1]
 
+    def prefixes(self, tokens: list[int]) -> list[list[int]]:
+        """Per logits row (the root's, then each node's), the draft tokens on
+        the way to it: `tokens` the nodes' tokens."""
+        return [[]] + [[tokens[a] for a in self.ancestors(n)] + [tokens[n]] for n in range(len(self.parents))]
+
     def children(self, node: int) -> list[int]:
         """Node `node`'s children (-1: the root's)."""
         return [c for c, p in enumerate(self.parents) if p == node]
