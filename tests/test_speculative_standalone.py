@@ -171,8 +171,9 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_llama_dir, draf
 def assert_served_like_without(model_dir, *speculative: str) -> None:
     """`pyserve --model model_dir` with the `speculative` arguments, through
     the openai client: streamed text equals the non-streamed text, n=2
-    gives two identical greedy choices, verify steps ran, the KV is whole,
-    and the answers equal a server without speculation."""
+    gives two identical greedy choices, verify steps ran (in /metrics and
+    in the native route's meta_info), the KV is whole, and the answers
+    equal a server without speculation."""
     import httpx
     import openai
 
@@ -189,6 +190,15 @@ def assert_served_like_without(model_dir, *speculative: str) -> None:
             whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, n=2)
             stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
             streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            # SGLang's native route reports each request's verify steps and kept drafts.
+            meta = httpx.post(f"{srv.base_url}/generate", timeout=120, json={
+                "text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}).json()["meta_info"]
+            assert ("spec_verify_ct" in meta) == bool(args)
+            if args:
+                steps, drafted, kept = meta["spec_verify_ct"], meta["spec_draft_token_num"], meta["spec_accept_token_num"]
+                assert 0 < steps <= 24 and 0 <= kept <= drafted
+                assert meta["spec_accept_length"] == pytest.approx((steps + kept) / steps)
+                assert meta["spec_accept_rate"] == pytest.approx(kept / drafted)
             info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
             assert info["kv_integrity"] == "ok", info["kv_integrity"]
             metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text

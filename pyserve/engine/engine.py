@@ -199,7 +199,8 @@ class Engine:
         if params.pooling:
             self._outputs[seq] = EmbeddingOutput(seq, self.pooling)
         else:
-            output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len)
+            output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len,
+                                     speculative=self.drafter is not None)
             self.runner.admit(await self._sampling_state(seq, frozenset(output.stop_ids)))
             self._outputs[seq] = output
         self.scheduler.add(seq)

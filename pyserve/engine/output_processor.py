@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pyserve._rust import DecodeStream, StopMatcher, Tokenizer
-from pyserve.engine.request import GenerateOutput, TokenLogprob, prompt_alternatives
+from pyserve.engine.request import GenerateOutput, SpeculationCounts, TokenLogprob, prompt_alternatives
 from pyserve.engine.sampler import wants_logprobs
 from pyserve.engine.sequence import Sequence
 
@@ -57,8 +57,10 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
 
 
 class OutputProcessor:
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int], context_len: int):
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int], context_len: int,
+                 speculative: bool = False):
         self.seq = seq
+        self.speculative = speculative  # outputs carry the request's SpeculationCounts
         p = seq.params
         self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
         self.stops = StopMatcher(p.stop, p.stop_regex)
@@ -88,6 +90,7 @@ class OutputProcessor:
             cached_tokens=seq.cache_hit or 0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            speculation=SpeculationCounts(seq.verify_steps, seq.drafted, seq.accepted) if self.speculative else None,
             **finish,
         )
 

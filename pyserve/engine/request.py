@@ -122,6 +122,16 @@ class TokenLogprob:
     rank: int = 1
 
 
+@dataclass(frozen=True)
+class SpeculationCounts:
+    """A request's speculative decoding so far: its verify steps, the draft
+    tokens they verified, and the drafts the target kept."""
+
+    verify_steps: int
+    drafted: int
+    accepted: int
+
+
 @dataclass
 class GenerateOutput:
     """One step's worth of progress for one request.
@@ -148,3 +158,4 @@ class GenerateOutput:
     # On the first output, when asked for: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: torch.Tensor | None = None  # an embedding request's vector (float32, CPU), on its last output
+    speculation: SpeculationCounts | None = None  # with --speculative-algorithm

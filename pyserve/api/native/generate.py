@@ -14,7 +14,7 @@ from pyserve.api.generation.sampling import sampling_params
 from pyserve.api.generation.serving import (
     ServingContext, adapter_name, collect, fan_out, merged_outputs, new_id, prompt_id_lists,
 )
-from pyserve.engine.request import GenerateOutput, GenerateRequest, TokenLogprob
+from pyserve.engine.request import GenerateOutput, GenerateRequest, SpeculationCounts, TokenLogprob
 
 
 # SGLang switches that a gateway sends at their defaults, which are what
@@ -101,7 +101,17 @@ def _meta(rid: str, out: GenerateOutput, started: float, logprobs: MetaLogprobs 
         "cached_tokens": out.cached_tokens,
         "e2e_latency": time.perf_counter() - started,
         **(logprobs.meta() if logprobs else {}),
+        **(_speculation_meta(out.speculation) if out.speculation is not None else {}),
     }
+
+
+def _speculation_meta(c: SpeculationCounts) -> dict:
+    """SGLang's per-request speculative fields. The accept length is the
+    tokens a verify step emitted on average (a request that stopped
+    drafting decodes its other tokens one a step), as /metrics reports it."""
+    return {"spec_verify_ct": c.verify_steps, "spec_draft_token_num": c.drafted, "spec_accept_token_num": c.accepted,
+            "spec_accept_rate": c.accepted / c.drafted if c.drafted else 0.0,
+            "spec_accept_length": (c.verify_steps + c.accepted) / c.verify_steps if c.verify_steps else 0.0}
 
 
 class MetaLogprobs:
