@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pyserve.engine.engine import Engine
-from pyserve.engine.request import Constraint
+from pyserve.engine.request import Constraint, SamplingParams
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
@@ -240,6 +240,25 @@ def test_abort_mid_request_gives_every_page_back(target, heads):
     from tests.test_speculative_standalone import assert_abort_gives_every_page_back
 
     assert_abort_gives_every_page_back(target, spec(heads["fitted"]), PROMPTS[0])
+
+
+def test_a_row_after_a_jump_forward_is_not_drafted_by_the_head():
+    """The head drafts from the target's hidden states of every token
+    before the drafts; the text a jump-forward appended has none yet, so
+    that row decodes plainly and the next one drafts again. A draft model
+    computes such tokens itself and drafts."""
+    import torch
+
+    from pyserve.engine.sequence import Sequence
+    from pyserve.engine.speculative.drafter import PlaceholderDrafter
+
+    seq = Sequence("r", list(range(10)), SamplingParams(max_new_tokens=50, temperature=0))
+    seq.output_ids = [11, 12, 13]  # 12 and 13 forced after 11
+    seq.slots = torch.arange(11)  # the prompt and 11 computed
+    head, draft_model = PlaceholderDrafter(4, drafts_from_computed_rows=True), PlaceholderDrafter(4)
+    assert head.budget(seq) == 0 and draft_model.budget(seq) == 4
+    seq.slots = torch.arange(12)  # one token to compute: a plain decode row
+    assert head.budget(seq) == 4
 
 
 def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_model_dir):

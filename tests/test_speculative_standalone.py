@@ -150,6 +150,49 @@ def assert_abort_gives_every_page_back(model_dir, speculative: dict, prompt: lis
     assert seen >= 6 and len(other[1]) == 10
 
 
+def test_after_a_jump_forward_the_draft_computes_the_forced_text_before_drafting(tiny_llama_dir, drafts,
+                                                                                  monkeypatch):
+    """A row after a jump-forward holds the forced tokens, not computed
+    yet; the draft model computes its own KV of them before it drafts
+    from them (DraftModel.propose): the KV the step's follow pass then
+    writes there is the same. The output is plain decoding's."""
+    import torch
+
+    from pyserve.engine.request import Constraint
+    from pyserve.engine.speculative import standalone
+
+    checked = []
+    propose, follow = standalone.DraftModel.propose, standalone.DraftModel.follow
+
+    def recording_propose(self, step, batch, states, sampler):
+        result = propose(self, step, batch, states, sampler)
+        drafted = [i for i, d in enumerate(step.drafts) if d]
+        token_at, slots, starts = standalone._drafted_rows(step.batch, step.drafts, drafted)
+        known = [slots[n][int(step.batch.positions[start]) : int(step.batch.positions[token_at[n]])]
+                 for n, start in enumerate(starts) if start < token_at[n]]
+        self.known = [(s, [k[s].clone() for k in self.model.kv_buffer.k_buffer]) for s in known]
+        return result
+
+    def checking_follow(self, *args):
+        follow(self, *args)
+        for slots, before in getattr(self, "known", []):
+            for k, b in zip(self.model.kv_buffer.k_buffer, before):
+                torch.testing.assert_close(k[slots], b, rtol=1e-5, atol=1e-5)
+            checked.append(len(slots))
+        self.known = []
+
+    monkeypatch.setattr(standalone.DraftModel, "propose", recording_propose)
+    monkeypatch.setattr(standalone.DraftModel, "follow", checking_follow)
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 3} for k in "abcd"},
+              "required": list("abcd")}
+    requests = [(repetitive(30), {"temperature": 0, "max_new_tokens": 60,
+                                  "constraint": Constraint("json_schema", json.dumps(schema))})]
+    plain, got, metrics = run_both(tiny_llama_dir, requests, drafts["same"])
+    same(plain, got)
+    json.loads(got[0][0])
+    assert checked and metrics.spec_verify_steps > 0
+
+
 def test_abort_mid_request_gives_every_page_back(tiny_llama_dir, drafts):
     assert_abort_gives_every_page_back(tiny_llama_dir, spec(drafts["noisy"]), repetitive())
 

@@ -68,5 +68,19 @@ class PlaceholderDrafter(Drafter):
     the scheduler only reserves room, placeholder tokens that the forward
     thread replaces with the draft model's tokens before the target runs."""
 
+    def __init__(self, num_draft_tokens: int, drafts_from_computed_rows: bool = False):
+        """`drafts_from_computed_rows`: the drafter reads the target's
+        states of every token before the drafts (EAGLE3's head), so a row
+        whose known tokens are not all computed yet (the text a jump-forward
+        appended) is not drafted; the next step computes them. A draft
+        model computes them itself (DraftModel.propose)."""
+        super().__init__(num_draft_tokens)
+        self.drafts_from_computed_rows = drafts_from_computed_rows
+
     def propose(self, seq: Sequence) -> list[int]:
         return self.reserve(seq)
+
+    def budget(self, seq: Sequence) -> int:
+        if self.drafts_from_computed_rows and not seq.pending and seq.num_tokens - seq.kv_len > 1:
+            return 0
+        return super().budget(seq)

@@ -79,7 +79,8 @@ class DraftModel:
         and no draft trees (a chain each)."""
         host, drafts = step.batch, step.drafts
         drafted = [i for i, d in enumerate(drafts) if d]
-        token_at, slots = _drafted_rows(host, drafts, drafted)
+        token_at, slots, row_starts = _drafted_rows(host, drafts, drafted)
+        self._compute_known(host, batch, token_at, slots, row_starts)
         # The device batch's: a row scheduled under overlap has a placeholder
         # for its first token in the host batch, resolved on the device.
         inputs = batch.input_ids[torch.tensor(token_at, device=batch.input_ids.device)].tolist()
@@ -110,6 +111,23 @@ class DraftModel:
             [token for i in drafted for token in out[i]], device=batch.input_ids.device)
         return out, [torch.stack(d) if d else None for d in dists], None
 
+    def _compute_known(self, host: ForwardBatch, batch: ForwardBatch, token_at: list[int],
+                       slots: list[torch.Tensor], row_starts: list[int]) -> None:
+        """The draft's KV of a drafted row's known tokens before its last one
+        (the text a jump-forward appended), which drafting attends; an
+        extend row each. `follow` writes them again with the whole row."""
+        rows = [(n, start) for n, start in enumerate(row_starts) if start < token_at[n]]
+        if not rows:
+            return
+        index = [t for n, start in rows for t in range(start, token_at[n])]
+        positions = [int(host.positions[t]) for t in index]
+        tables = [slots[n][: int(host.positions[token_at[n] - 1]) + 1] for n, _ in rows]
+        known = ForwardBatch.build(
+            batch.input_ids[torch.tensor(index, device=batch.input_ids.device)].tolist(), positions,
+            torch.cat([slots[n][int(host.positions[start]) : int(host.positions[token_at[n]])] for n, start in rows]),
+            [token_at[n] - start for n, start in rows], tables, [], False, self.model.device)
+        self.model.forward(known)
+
     @staticmethod
     def capture() -> None:
         """The draft model reads nothing of the target's forward pass."""
@@ -136,16 +154,18 @@ class DraftModel:
 
 
 def _drafted_rows(host: ForwardBatch, drafts: list[list[int]], drafted: list[int]
-                  ) -> tuple[list[int], list[torch.Tensor]]:
+                  ) -> tuple[list[int], list[torch.Tensor], list[int]]:
     """Per drafted sequence: the index of its last known token among the
-    step's tokens, and its batch row's KV slots (known tokens, then the drafts')."""
+    step's tokens, its batch row's KV slots (known tokens, then the
+    drafts'), and the index of its row's first token."""
     firsts = first_rows(drafts)
     starts = [0]
     for n in host.extend_lens:
         starts.append(starts[-1] + n)
     token_at = [int(host.logits_indices[firsts[i]]) for i in drafted]
-    slots = []
+    slots, row_starts = [], []
     for t in token_at:
         row = bisect.bisect_right(starts, t) - 1
         slots.append(host.kv_indices[int(host.kv_indptr[row]) : int(host.kv_indptr[row + 1])])
-    return token_at, slots
+        row_starts.append(starts[row])
+    return token_at, slots, row_starts
