@@ -57,8 +57,8 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState], after: list
     after = after or [[] for _ in states]
     repeat = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if repeat:
-        seen = [states[i].history() for i in repeat]
-        which, rows, ids = _entries([joined(h.seen_ids, h.seen, after[i]) for i, h in zip(repeat, seen)],
+        histories = [states[i].history() for i in repeat]
+        which, rows, ids = _entries([joined(h.seen_ids, h.seen, after[i]) for i, h in zip(repeat, histories)],
                                     repeat, device)
         penalty = _per_entry([seqs[i].params.repetition_penalty for i in repeat], which)
         values = logits[rows, ids]
