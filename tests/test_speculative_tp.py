@@ -8,6 +8,9 @@ speculation."""
 
 from __future__ import annotations
 
+import json
+
+from pyserve.engine.request import Constraint
 from tests.test_speculative import SPEC, repetitive, same, with_and_without
 from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, runs_with_stops, spec, target  # noqa: F401
 from tests.test_speculative_tree import TREE
@@ -16,8 +19,15 @@ TWO_RANKS = {"tp_size": 2, "device": "cpu", "torchao_config": "none"}
 
 
 def test_ngram_over_two_ranks(tiny_llama_dir):
+    """Constrained and penalized requests are drafted too: rank 0 alone
+    masks and penalizes the verify rows."""
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 4} for k in "abc"},
+              "required": list("abc")}
     requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30, "logprobs": True}),
-                (repetitive(33), {**GREEDY, "max_new_tokens": 12})]
+                (repetitive(33), {**GREEDY, "max_new_tokens": 12}),
+                (repetitive(), {"temperature": 0, "max_new_tokens": 40,
+                                "constraint": Constraint("json_schema", json.dumps(schema))}),
+                (repetitive(), {**GREEDY, "max_new_tokens": 20, "frequency_penalty": 0.2})]
     plain, got, metrics = with_and_without(tiny_llama_dir, requests, SPEC, TWO_RANKS)
     same(plain, got)
     assert metrics.spec_verify_steps > 0
