@@ -119,6 +119,25 @@ def test_ngram_with_overlap_on_the_embedded_model_with_stops_in_accepted_runs(de
     assert metrics.spec_emitted_tokens > 2 * metrics.spec_verify_steps
 
 
+def test_a_constrained_request_is_drafted_under_overlap(default_model_dir, late_steps):
+    """A constrained request that asks for logprobs does not jump forward,
+    so it is overlapped: each verify row's masks are filled on the forward
+    thread once the previous step's run is in its grammar."""
+    import json
+
+    from pyserve._rust import Tokenizer
+    from pyserve.engine.request import Constraint
+    from tests.test_jump_forward import RECORD, RECORD_TEXT
+
+    ids = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(RECORD_TEXT)
+    requests = [(ids, {"temperature": 0, "max_new_tokens": 80, "logprobs": True,
+                       "constraint": Constraint("json_schema", json.dumps(RECORD))})]
+    plain, got, metrics = with_and_without(default_model_dir, requests, SPEC, {"torchao_config": "none", **OVERLAP})
+    same(plain, got)
+    assert set(json.loads(got[0][0])) == set(RECORD["required"])
+    assert metrics.accepted_drafts() > 10 and late_steps["late"] > 0
+
+
 def test_standalone_with_overlap_is_greedy_identical(tiny_llama_dir, drafts, late_steps):
     """The draft model proposes each following row's drafts after the
     row moved back; stops and the length limit inside accepted runs hold."""
