@@ -88,6 +88,25 @@ def test_forced_text_is_encoded_with_the_sampled_token(default_model_dir):
     backend.shutdown()
 
 
+def test_the_text_forced_after_a_reasoning_block_follows_the_token_that_ends_it(default_model_dir):
+    """A constraint that starts after `</think>`: the token that ends the
+    marker is free text, never in the grammar, and the grammar's first
+    stretch (`{"name": "`) is appended after it as the tokenizer encodes it."""
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    info = tokenizer_info(tokenizer, (default_model_dir / "tokenizer.json").read_text(), tokenizer.vocab_size, [2])
+    backend = GrammarBackend(info, tokenizer)
+
+    async def state():
+        return backend.new_state(await backend.compile(json_constraint(CITY)), "</think>")
+
+    grammar = asyncio.run(state())
+    *thinking, last = tokenizer.encode("Kyoto, I think.</think>")
+    assert [grammar.jump_forward(t) for t in thinking] == [[t] for t in thinking]
+    tokens = grammar.jump_forward(last)
+    assert tokens[0] == last and tokenizer.decode(tokens[1:]) == '{"name": "' and not grammar.failed
+    backend.shutdown()
+
+
 # The 4-bit case (~27 s on 2 cores) is slow; float32 stays in the default suite.
 @pytest.mark.parametrize("mode", [pytest.param(FLOAT32, id="float32"),
                                   pytest.param({}, id="4-bit", marks=slow)])

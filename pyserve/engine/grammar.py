@@ -187,7 +187,7 @@ class GrammarState(ThreadOwned):
         seen = self._tail + self._vocab[token_id]
         at = seen.find(self._after)
         if at < 0:
-            self._tail = seen[-(len(self._after) - 1):] if len(self._after) > 1 else b""
+            self._tail = self._kept_tail(seen)
             return
         rest = seen[at + len(self._after):]
         # Whitespace that shares a token with the marker is left out of the
@@ -205,13 +205,20 @@ class GrammarState(ThreadOwned):
         two merge (`{` then `"name` may be `{"` then `name`). The sampled
         token's KV is not computed yet, so replacing it rolls nothing back
         but the matcher. Falls back to the forced text encoded on its own,
-        then to no jump, when the grammar refuses an encoding."""
+        then to no jump, when the grammar refuses an encoding. A token that
+        ends `after` is free text, never in the matcher: the forced text's
+        own encoding follows it."""
+        started_here = self.watching
         self.accept(token_id)
         if self.failed or not self.active:
             return [token_id]
         forced = self.matcher.find_jump_forward_string()
         if not forced:
             return [token_id]
+        if started_here:
+            ids = self.jump_tokenizer.encode(forced)
+            spelled = b"".join(self._vocab[t] for t in ids) == forced.encode()
+            return [token_id] + ids if ids and spelled and self._accepts_all(ids) else [token_id]
         for ids in self._encodings(token_id, forced):
             if self._accepts_instead(token_id, ids):
                 return ids
@@ -233,11 +240,17 @@ class GrammarState(ThreadOwned):
         """Replace the accepted token_id by `ids` in the matcher; if the
         grammar refuses one of them, leave token_id accepted."""
         self.matcher.rollback(1)
+        if self._accepts_all(ids):
+            return True
+        self.matcher.accept_token(token_id)
+        return False
+
+    def _accepts_all(self, ids: list[int]) -> bool:
+        """Accept `ids` in the matcher, or none of them if it refuses one."""
         for n, t in enumerate(ids):
             if not self.matcher.accept_token(t):
                 if n:
                     self.matcher.rollback(n)
-                self.matcher.accept_token(token_id)
                 return False
         return True
 
@@ -247,11 +260,26 @@ class GrammarState(ThreadOwned):
         the grammar ended: that token is never used)."""
         return self.active and not self.failed and self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def _kept_tail(self, seen: bytes) -> bytes:
+        """What of the output's bytes a later token may complete `after` with."""
+        return seen[-(len(self._after) - 1):] if len(self._after) > 1 else b""
+
     @property
     def watching(self) -> bool:
         """The constraint has not started: the output is free text until
         `after` appears in it."""
         return self._after is not None
+
+    def drafts_before_start(self, drafts: list[int]) -> int:
+        """While watching: how many leading drafts leave `after` unwritten
+        (the constraint starts after the next one, if it is kept)."""
+        tail = self._tail
+        for j, token in enumerate(drafts):
+            seen = tail + self._vocab[token]
+            if self._after in seen:
+                return j
+            tail = self._kept_tail(seen)
+        return len(drafts)
 
     def along(self, prefixes: list[list[int]], bitmask: torch.Tensor, first_row: int, jumping: bool
               ) -> tuple[list[int], list[bool]]:
