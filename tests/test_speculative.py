@@ -214,12 +214,22 @@ def test_verification_samples_each_row_as_plain_decoding_would(default_model_dir
     assert verified == plain
 
 
-def test_a_grammar_that_starts_after_reasoning_keeps_a_verify_rows_first_token(default_model_dir):
-    """Until `</think>` is out the grammar's masks past the drafts are not
-    known (it may start inside them): the row emits its first token alone."""
-    drafts, rows = ["ĠA", "ĠA"], [{"ĠA": 5.0}] * 3
+def test_a_grammar_that_starts_after_reasoning_verifies_the_drafts_before_it_starts(default_model_dir):
+    """Until `</think>` is out the output is free; the grammar's masks past
+    the draft that would complete it are not known: the row verifies the
+    drafts before that one, and the target's own token there may complete
+    it. Decoding one token a step then goes on under the grammar."""
+    from pyserve._rust import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    drafts = ["ĠA", "</", "think", ">", "{"]
+    rows = [{"ĠA": 5.0}, {"</": 5.0}, {"think": 5.0}, {">": 5.0}, {"{": 5.0}, {}]
+    reasoning = [tokenizer.token_to_id(t) for t in drafts[:4]]
+    verified, plain = verified_and_plain(default_model_dir, drafts, rows, NAME, after="</think>", logprobs=True)
+    assert verified == reasoning and plain[:5] == reasoning + [tokenizer.token_to_id("{")]
+    # Jump-forward: the grammar's first stretch follows the token that ended the reasoning.
     verified, plain = verified_and_plain(default_model_dir, drafts, rows, NAME, after="</think>")
-    assert len(plain) == 3 and verified == plain[:1]
+    assert verified == plain and verified[:4] == reasoning and tokenizer.decode(verified[4:]) == '{"name": "'
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

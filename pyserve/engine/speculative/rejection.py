@@ -56,11 +56,8 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
     for state, draft in zip(states, drafts):
         if draft and state.grammar is not None:
             state.grammar.accept_unaccepted()
-    # A constraint that starts after a reasoning block may start inside the
-    # drafts, where its masks are not known: such a row samples its first
-    # logits row alone. That choice does not depend on the drafts, so a
-    # sampled request keeps its distribution.
-    plain = [i for i, d in enumerate(drafts) if not d or (states[i].grammar is not None and states[i].grammar.watching)]
+    drafts = _before_constraints(states, drafts, draft_probs, trees)
+    plain = [i for i, d in enumerate(drafts) if not d]
     forced: list[list[int]] = [[] for _ in drafts]
     if plain:
         rows = torch.tensor([firsts[i] for i in plain], device=ids.device)
@@ -95,6 +92,27 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
         counts.append(len(run))
         state.sampled += len(run) + len(forced[i])
     return ids, counts, (forced if any(forced) else None), paths
+
+
+def _before_constraints(states: list[SamplingState], drafts: list[list[int]],
+                        draft_probs: list[torch.Tensor | None] | None, trees: list[DraftTree | None] | None
+                        ) -> list[list[int]]:
+    """The drafts each row verifies. A constraint that starts after a
+    reasoning block may start inside the drafts, where its masks are not
+    known: a chain is cut before the draft that would start it (the
+    target's token at that row is still free text). Where the drafts were
+    drawn from a distribution (or form a tree), a cut that depends on them
+    would bias sampled output, so that row keeps its first token alone, a
+    choice that does not depend on the drafts."""
+    cut = list(drafts)
+    for i, (state, draft) in enumerate(zip(states, drafts)):
+        grammar = state.grammar
+        if not draft or grammar is None or not grammar.watching:
+            continue
+        drawn = draft_probs is not None and draft_probs[i] is not None
+        tree = trees is not None and trees[i] is not None
+        cut[i] = [] if drawn or tree else draft[: grammar.drafts_before_start(draft)]
+    return cut
 
 
 def _adjusted_rows(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
