@@ -145,10 +145,11 @@ def plain_decoding(rows: torch.Tensor, drafts: list[int], state, sampler) -> lis
 
 
 def verified_and_plain(model_dir, drafts: list[str], rows: list[dict], schema: str | None, after: str | None = None,
-                       **params):
+                       drawn: bool = False, **params):
     """One sequence's verify step on the embedded model's vocabulary, its
     drafts and its rows' logits (0 but the tokens named, and `ĠB` at 4.5)
-    given as tokens; `after`: the text the grammar starts after. Returns
+    given as tokens; `after`: the text the grammar starts after; `drawn`:
+    the drafts come with the (one-hot) distributions they were drawn from. Returns
     (the tokens verify_drafts emits, the forced ones after them included;
     the tokens decoding one token a step emits)."""
     from pyserve._rust import Tokenizer
@@ -172,11 +173,13 @@ def verified_and_plain(model_dir, drafts: list[str], rows: list[dict], schema: s
     bias = {tokenizer.token_to_id(t): v for t, v in params.pop("logit_bias", {}).items()}
 
     def state():
-        seq = Sequence("r", [7, 8], SamplingParams(temperature=0, constraint=constraint, logit_bias=bias, **params))
+        seq = Sequence("r", [7, 8], SamplingParams(**{"temperature": 0, **params}, constraint=constraint,
+                                                   logit_bias=bias))
         grammar = backend.new_state(asyncio.run(backend.compile(constraint)), after) if constraint else None
         return SamplingState(seq, grammar=grammar, stop_ids=frozenset([2]))  # 2: <|im_end|>
     try:
-        ids, counts, forced, _ = verify_drafts(logits.clone(), [state()], [draft], None, Sampler(0))
+        q = [torch.nn.functional.one_hot(torch.tensor(draft), vocab).float()] if drawn else None
+        ids, counts, forced, _ = verify_drafts(logits.clone(), [state()], [draft], q, Sampler(0))
         verified = ids[: counts[0]].tolist() + (forced[0] if forced else [])
         return verified, plain_decoding(logits, draft, state(), Sampler(0))
     finally:
@@ -227,6 +230,11 @@ def test_a_grammar_that_starts_after_reasoning_verifies_the_drafts_before_it_sta
     reasoning = [tokenizer.token_to_id(t) for t in drafts[:4]]
     verified, plain = verified_and_plain(default_model_dir, drafts, rows, NAME, after="</think>", logprobs=True)
     assert verified == reasoning and plain[:5] == reasoning + [tokenizer.token_to_id("{")]
+    # Sampled, drafts drawn from a distribution: the run ends with the draft that ends the block.
+    sure = [{token: 30.0 for token in row} for row in rows]  # each favoured token's probability ~1
+    verified, _ = verified_and_plain(default_model_dir, drafts, sure, NAME, after="</think>", drawn=True,
+                                     temperature=1.0, logprobs=True)
+    assert verified == reasoning
     # Jump-forward: the grammar's first stretch follows the token that ended the reasoning.
     verified, plain = verified_and_plain(default_model_dir, drafts, rows, NAME, after="</think>")
     assert verified == plain and verified[:4] == reasoning and tokenizer.decode(verified[4:]) == '{"name": "'

@@ -56,7 +56,7 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
     for state, draft in zip(states, drafts):
         if draft and state.grammar is not None:
             state.grammar.accept_unaccepted()
-    drafts = _before_constraints(states, drafts, draft_probs, trees)
+    drafts, ends_block = _until_constraints(states, drafts, trees)
     plain = [i for i, d in enumerate(drafts) if not d]
     forced: list[list[int]] = [[] for _ in drafts]
     if plain:
@@ -80,9 +80,11 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
         elif state.params.temperature == 0:
             run = greedy_run(rows.argmax(dim=-1).tolist() if i in adjusted else host[first : first + k + 1], draft)
         else:
-            q = draft_probs[i] if draft_probs is not None else None
+            q = draft_probs[i][:k] if draft_probs is not None and draft_probs[i] is not None else None
             run = rejection_run(probabilities(rows, [state.params] * (k + 1)), draft, q,
                                 state.generator or sampler.generator)
+        if i in ends_block:
+            run = run[:k]  # the row after the block's end needs the grammar's mask
         if forces is not None:
             run, paths[i] = _until_forced(run, paths[i], forces)
         if state.grammar is not None:
@@ -94,25 +96,29 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
     return ids, counts, (forced if any(forced) else None), paths
 
 
-def _before_constraints(states: list[SamplingState], drafts: list[list[int]],
-                        draft_probs: list[torch.Tensor | None] | None, trees: list[DraftTree | None] | None
-                        ) -> list[list[int]]:
-    """The drafts each row verifies. A constraint that starts after a
-    reasoning block may start inside the drafts, where its masks are not
-    known: a chain is cut before the draft that would start it (the
-    target's token at that row is still free text). Where the drafts were
-    drawn from a distribution (or form a tree), a cut that depends on them
-    would bias sampled output, so that row keeps its first token alone, a
-    choice that does not depend on the drafts."""
-    cut = list(drafts)
+def _until_constraints(states: list[SamplingState], drafts: list[list[int]],
+                       trees: list[DraftTree | None] | None) -> tuple[list[list[int]], set[int]]:
+    """The drafts each row verifies, and the rows whose last draft would
+    end a reasoning block. A constraint that starts after the block may
+    start inside the drafts, where its masks are not known: a chain is
+    verified up to the draft that would end the block, and if that one is
+    kept the run ends with it (the next row would need the mask). Ending
+    the run at a kept token leaves every emitted token distributed as
+    plain decoding's, whatever the drafts were drawn from. A tree row keeps
+    its first token alone until the block ends."""
+    cut, ends_block = list(drafts), set()
     for i, (state, draft) in enumerate(zip(states, drafts)):
         grammar = state.grammar
         if not draft or grammar is None or not grammar.watching:
             continue
-        drawn = draft_probs is not None and draft_probs[i] is not None
-        tree = trees is not None and trees[i] is not None
-        cut[i] = [] if drawn or tree else draft[: grammar.drafts_before_start(draft)]
-    return cut
+        if trees is not None and trees[i] is not None:
+            cut[i] = []
+            continue
+        free = grammar.drafts_before_start(draft)
+        if free < len(draft):
+            cut[i] = draft[: free + 1]
+            ends_block.add(i)
+    return cut, ends_block
 
 
 def _adjusted_rows(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
