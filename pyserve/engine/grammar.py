@@ -217,8 +217,7 @@ class GrammarState(ThreadOwned):
             return [token_id]
         if started_here:
             ids = self.jump_tokenizer.encode(forced)
-            spelled = b"".join(self._vocab[t] for t in ids) == forced.encode()
-            return [token_id] + ids if ids and spelled and self._accepts_all(ids) else [token_id]
+            return [token_id] + ids if self._spells(ids, forced.encode()) and self._accepts_all(ids) else [token_id]
         for ids in self._encodings(token_id, forced):
             if self._accepts_instead(token_id, ids):
                 return ids
@@ -234,7 +233,11 @@ class GrammarState(ThreadOwned):
         except UnicodeDecodeError:  # the token ends inside a character
             pass
         candidates.append([token_id] + self.jump_tokenizer.encode(forced))
-        return [ids for ids in candidates if ids and b"".join(self._vocab[t] for t in ids) == first + text]
+        return [ids for ids in candidates if self._spells(ids, first + text)]
+
+    def _spells(self, ids: list[int], text: bytes) -> bool:
+        """Whether the tokens `ids` are exactly the bytes `text`."""
+        return bool(ids) and b"".join(self._vocab[t] for t in ids) == text
 
     def _accepts_instead(self, token_id: int, ids: list[int]) -> bool:
         """Replace the accepted token_id by `ids` in the matcher; if the

@@ -130,26 +130,30 @@ def _adjusted_rows(logits: torch.Tensor, states: list[SamplingState], drafts: li
     were output already; with, for a request that jumps forward, whether
     its grammar forces text after each row's drafts (else None). By
     sequence index."""
+    constrained = {i for i, d in enumerate(drafts)
+                   if d and i not in plain and states[i].grammar is not None and states[i].grammar.active}
     which = [i for i, d in enumerate(drafts)
-             if d and i not in plain and (states[i].grammar is not None or adjusts_logits(states[i]))]
+             if i in constrained or (d and i not in plain and adjusts_logits(states[i]))]
     if not which:
         return {}
     prefixes, row_states, index = {}, [], []
     for i in which:
-        tree = trees[i] if trees is not None else None
-        prefixes[i] = tree.prefixes(drafts[i]) if tree is not None else [drafts[i][:j] for j in range(len(drafts[i]) + 1)]
+        if trees is not None and trees[i] is not None:
+            prefixes[i] = trees[i].prefixes(drafts[i])
+        else:
+            prefixes[i] = [drafts[i][:j] for j in range(len(drafts[i]) + 1)]
         row_states += [states[i]] * len(prefixes[i])
         index += range(firsts[i], firsts[i] + len(prefixes[i]))
     rows = logits[torch.tensor(index, device=logits.device)].float()  # a copy: logprobs read the raw logits
     starts = dict(zip(which, accumulate([0] + [len(prefixes[i]) for i in which])))  # each sequence's first in `rows`
     forces: dict[int, list[bool] | None] = dict.fromkeys(which)
-    constrained = [i for i in which if states[i].grammar is not None and states[i].grammar.active]
     if constrained:
         bitmask, masked = new_bitmask(len(index), rows.shape[-1]), []
-        for i in constrained:
-            rows_masked, forcing = states[i].grammar.along(prefixes[i], bitmask, starts[i], _jumps(states[i]))
+        for i in sorted(constrained):
+            jumping = _jumps(states[i])
+            rows_masked, forcing = states[i].grammar.along(prefixes[i], bitmask, starts[i], jumping)
             masked += rows_masked
-            forces[i] = forcing if _jumps(states[i]) else None
+            forces[i] = forcing if jumping else None
         if masked:
             apply_bitmask(rows, bitmask, masked)
     if any(adjusts_logits(states[i]) for i in which):
