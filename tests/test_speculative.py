@@ -82,11 +82,17 @@ def repetitive(n=40):
     return [int(t) for t in (list(range(200, 220)) * 4)[:n]]
 
 
-def test_find_draft_takes_what_followed_the_latest_longest_match():
+def test_find_draft_takes_what_most_occurrences_of_the_longest_match_go_on_with():
     ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert find_draft(ids, 1, 4, 3) == [7, 8, 5]  # suffix [2, 3] last seen before 7
+    assert find_draft(ids, 1, 4, 3) == [7, 8, 5]  # suffix [2, 3], seen before 9 and before 7: the latest
     assert find_draft(ids, 3, 4, 3) == []  # [x, 2, 3] with x = 5 never recurs
     assert find_draft([4, 4, 4], 1, 2, 5) == [4]
+    # [1, 2, 3] went on with 5, 6 twice and with 8, 9 last: the drafts follow the two.
+    assert find_draft([1, 2, 3, 5, 6, 1, 2, 3, 5, 6, 1, 2, 3, 8, 9, 1, 2, 3], 1, 4, 3) == [5, 6, 1]
+    # One occurrence each way: the latest's.
+    assert find_draft([1, 2, 3, 5, 1, 2, 3, 8, 1, 2, 3], 1, 4, 3) == [8, 1, 2]
+    # Where the latest occurrence's text runs out (it reaches the suffix itself), the others' goes on.
+    assert find_draft([9, 1, 2, 1, 2, 7, 1, 2, 1, 2], 1, 2, 4) == [1, 2, 7, 1]
 
 
 def test_ngram_drafts_follow_the_run_the_last_verify_step_kept():

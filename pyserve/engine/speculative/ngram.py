@@ -19,26 +19,49 @@ _SEARCH_SPAN = 4096  # tokens back the suffix is looked for
 
 
 def find_draft(ids: list[int], min_window: int, max_window: int, k: int) -> list[int]:
-    """Up to `k` tokens that followed the most recent earlier occurrence of
-    the longest suffix of `ids` (between min_window and max_window tokens)
-    that occurs earlier; [] when none does."""
+    """Up to `k` tokens that followed the earlier occurrences of the longest
+    suffix of `ids` (between min_window and max_window tokens) that occurs
+    earlier; [] when none does. Where those occurrences went on differently,
+    each draft token is the one most of them that agree with the drafts so
+    far have next, the latest occurrence's on a tie: a structure the text
+    repeats (JSON keys, list items, a template's fields) drafts what it
+    usually continues with, not only what it did last time."""
     n = len(ids)
     if n < min_window + 1 or k <= 0:
         return []
     last = ids[-1]
     lo = max(0, n - _SEARCH_SPAN)
-    best_len, best_end = 0, -1
+    best_len, ends = 0, []
     for end in reversed(_positions(ids, last, lo, n - 1)):  # candidate ends, latest first
         length = 1
         while length < max_window and end - length >= 0 and ids[end - length] == ids[n - 1 - length]:
             length += 1
         if length > best_len:
-            best_len, best_end = length, end
-            if length >= max_window:
-                break
+            best_len, ends = length, [end]
+        elif length == best_len:
+            ends.append(end)
     if best_len < min_window:
         return []
-    return ids[best_end + 1 : best_end + 1 + k]
+    return _majority_continuation(ids, ends, k)
+
+
+def _majority_continuation(ids: list[int], ends: list[int], k: int) -> list[int]:
+    """Up to k tokens after the positions `ends` (latest first), each the
+    one most of the positions still agreeing with the tokens before it
+    have next (dicts keep insertion order, so a tie goes to the latest)."""
+    draft: list[int] = []
+    for offset in range(1, k + 1):
+        counts: dict[int, int] = {}
+        for end in ends:
+            if end + offset < len(ids):
+                token = ids[end + offset]
+                counts[token] = counts.get(token, 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=counts.__getitem__)
+        draft.append(token)
+        ends = [end for end in ends if end + offset < len(ids) and ids[end + offset] == token]
+    return draft
 
 
 def _positions(ids: list[int], token: int, start: int, stop: int) -> list[int]:
