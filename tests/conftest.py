@@ -52,7 +52,7 @@ def eagle3_heads(eagle3_target, tmp_path_factory) -> dict:
     return tiny_target_heads(eagle3_target, tmp_path_factory.mktemp("eagle3-heads"))
 
 
-SERVER_DEFAULT_MAX_TOKENS = 200
+SERVER_DEFAULT_MAX_TOKENS = 96
 
 
 def free_port() -> int:
