@@ -23,9 +23,10 @@ def find_draft(ids: list[int], min_window: int, max_window: int, k: int) -> list
     suffix of `ids` (between min_window and max_window tokens) that occurs
     earlier; [] when none does. Where those occurrences went on differently,
     each draft token is the one most of them that agree with the drafts so
-    far have next, the latest occurrence's on a tie: a structure the text
-    repeats (JSON keys, list items, a template's fields) drafts what it
-    usually continues with, not only what it did last time."""
+    far have next, the latest occurrence's on a tie. In a loop of repeated
+    words the latest occurrence is the one just before the suffix, whose
+    continuation runs into the suffix itself after a token or two; the
+    earlier ones draft on."""
     n = len(ids)
     if n < min_window + 1 or k <= 0:
         return []
