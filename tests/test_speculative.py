@@ -93,6 +93,8 @@ def test_find_draft_takes_what_most_occurrences_of_the_longest_match_go_on_with(
     assert find_draft([1, 2, 3, 5, 1, 2, 3, 8, 1, 2, 3], 1, 4, 3) == [8, 1, 2]
     # Where the latest occurrence's text runs out (it reaches the suffix itself), the others' goes on.
     assert find_draft([9, 1, 2, 1, 2, 7, 1, 2, 1, 2], 1, 2, 4) == [1, 2, 7, 1]
+    # A loop of one word: the latest occurrence's continuation is one token, the earlier ones' go on.
+    assert find_draft([3] + [5] * 5000, 3, 12, 6) == [5] * 6
 
 
 def test_ngram_drafts_follow_the_run_the_last_verify_step_kept():

@@ -16,6 +16,10 @@ from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.drafter import Drafter
 
 _SEARCH_SPAN = 4096  # tokens back the suffix is looked for
+# The latest occurrences of the suffix that vote on the drafts, at most: in
+# a loop of one word it recurs at every position, and counting thousands
+# of them each step would cost the event loop milliseconds a request.
+_MAX_VOTERS = 32
 
 
 def find_draft(ids: list[int], min_window: int, max_window: int, k: int) -> list[int]:
@@ -39,8 +43,10 @@ def find_draft(ids: list[int], min_window: int, max_window: int, k: int) -> list
             length += 1
         if length > best_len:
             best_len, ends = length, [end]
-        elif length == best_len:
+        elif length == best_len and len(ends) < _MAX_VOTERS:
             ends.append(end)
+        if best_len >= max_window and len(ends) >= _MAX_VOTERS:
+            break  # no later candidate is longer, and enough have voted
     if best_len < min_window:
         return []
     return _majority_continuation(ids, ends, k)
