@@ -62,7 +62,9 @@ def test_sigterm_lets_a_stream_in_flight_finish(tiny_llama_dir):
     assert not served_new  # no new connection is accepted once draining
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[-2])["usage"]["completion_tokens"] == 300  # the whole answer, not cut
-    assert "Draining: 1 requests in flight" in log and "pyserve stopped" in log
+    assert "Draining: 1 requests in flight" in log
+    # Its last words: nothing after them (a CPU server loads no Triton, whose bindings report leaks at exit).
+    assert log.rstrip().splitlines()[-1].endswith("pyserve stopped")
 
 
 def test_sigterm_ends_a_stream_with_an_error_event_after_the_drain_time(tiny_llama_dir):

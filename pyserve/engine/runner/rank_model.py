@@ -191,11 +191,14 @@ class RankModel:
         """Whether steps replay CUDA graphs: on CUDA with the Triton backend
         (the graphs read its static kv tables), unless turned off; LoRA
         adapters run eagerly (their hooks pick their tokens on the host each step)."""
+        options = self.options  # cuda_graph_max_bs resolved: at most --max-running-requests
+        if (self.device.type != "cuda" or options.disable_cuda_graph or options.cuda_graph_max_bs <= 0
+                or self.lora is not None):
+            return False
+        # Imported here: a CPU server never loads Triton (whose bindings report leaks at exit).
         from pyserve.model.attention.triton_backend import TritonAttention
 
-        options = self.options  # cuda_graph_max_bs resolved: at most --max-running-requests
-        return (self.device.type == "cuda" and not options.disable_cuda_graph and options.cuda_graph_max_bs > 0
-                and self.lora is None and isinstance(self.attention, TritonAttention))
+        return isinstance(self.attention, TritonAttention)
 
     def capture_graphs(self, verify_tokens: int = 0, aux_layers: frozenset[int] | None = None) -> None:
         """Capture the CUDA graphs (where they fit) for decode steps and, with
