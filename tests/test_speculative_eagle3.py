@@ -126,7 +126,7 @@ def test_the_head_computes_what_the_format_defines(target, heads, backend):
     assert torch.allclose(got, expected, atol=1e-4)
     assert torch.allclose(torch.cat(got_chained), chained[split:], atol=1e-4)
     hot = weights["d2t"] + torch.arange(len(weights["d2t"]))
-    assert torch.equal(head.to_target_ids(got.argmax(-1)), hot[expected.argmax(-1)])
+    assert torch.equal(head.draft_to_target[got.argmax(-1)], hot[expected.argmax(-1)])
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -120,9 +120,6 @@ class Eagle3Head(nn.Module):
         x, residual = self.norm(self.mlp(h[rows]), residual[rows])
         return self.lm_head(x).float(), residual
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.draft_to_target[draft_ids]
-
     def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft vocab] placed at their target
         ids in [n, vocab_size]; -inf at the tokens the head never proposes."""
