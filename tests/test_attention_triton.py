@@ -293,7 +293,7 @@ def test_engine_on_triton_backend_matches_torch_backend(tiny_llama_dir):
         first = await collect(engine, prompts[0], max_new_tokens=5, temperature=0, ignore_eos=True)
         rest = await asyncio.gather(*[collect(engine, p, max_new_tokens=5, temperature=0, ignore_eos=True)
                                       for p in prompts[1:]])
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         assert rest[0][2].cached_tokens == 20
         return [first[1]] + [r[1] for r in rest]

@@ -98,7 +98,7 @@ def test_equal_salts_share_and_different_salts_do_not(tiny_llama_dir):
         cache = engine.kv.cache
         pages = {salt: set(cache.allocator.pages_of(torch.cat([n.slots for n in _tree(cache.roots[salt])])).tolist())
                  for salt in ("s1", "s2", None)}
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return hits, pages
 
@@ -139,7 +139,7 @@ def test_a_mixed_workload_of_salts_keeps_every_page_accounted_for(tiny_llama_dir
         alone = []
         for p in prompts[:3]:
             alone.append([t async for out in engine.generate(GenerateRequest(p, params)) for t in out.token_ids])
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return checks, together, alone
 

@@ -190,7 +190,7 @@ def served(model_dir, requests, speculative: dict | None):
                 return tokens, logprobs
 
             got = await asyncio.gather(*[one(ids, params) for ids, params in requests])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             assert engine.kv_usage()["in_use"] == 0
             return got, replays, engine.metrics.spec_verify_steps
         finally:

@@ -92,7 +92,7 @@ def run_engine(model_dir, work, **options):
         try:
             return await work(engine)
         finally:
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             await engine.shutdown()
 
     return asyncio.run(main())

@@ -58,7 +58,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(tiny_llama_dir, layout):
         together = await asyncio.gather(
             *[collect(engine, p, max_new_tokens=10, temperature=0, ignore_eos=True) for p in PROMPTS]
         )
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return alone, together
 
@@ -127,7 +127,7 @@ def test_aborted_request_frees_its_slots(tiny_llama_dir):
             await gen.__anext__()
         assert engine.kv_usage()["in_use"] > 0
         await gen.aclose()  # the client went away
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         freed = idle(engine)
         # the engine keeps serving
         _, tokens, _ = await collect(engine, PROMPTS[0], max_new_tokens=4, ignore_eos=True)
@@ -153,7 +153,7 @@ def test_tiny_pool_with_many_requests_retracts_and_finishes_correctly(tiny_llama
         results = await asyncio.gather(
             *[collect(engine, p, max_new_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
         )
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         pool_full = idle(engine)
         await engine.shutdown()
         return expected, results, pool_full
@@ -187,7 +187,7 @@ def test_sequence_longer_than_the_whole_pool_ends_with_length(tiny_llama_dir):
     async def main():
         engine = await started_engine(tiny_llama_dir, max_total_tokens=20)
         _, tokens, last = await collect(engine, [5, 6, 7, 8], max_new_tokens=100, ignore_eos=True)
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return tokens, last
 
@@ -208,7 +208,7 @@ def test_shared_prefix_is_reused_and_output_is_identical(tiny_llama_dir, layout)
         engine = await started_engine(tiny_llama_dir, **layout)
         first = await collect(engine, system + [5, 6], max_new_tokens=8, temperature=0, ignore_eos=True)
         second = await collect(engine, system + [7, 8], max_new_tokens=8, temperature=0, ignore_eos=True)
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return expected, first, second
 
@@ -243,7 +243,7 @@ def test_chunked_prefill_gives_the_same_output_and_decodes_alongside(tiny_llama_
                                    rid="long")
         tokens = [t async for out in engine.generate(long_req) for t in out.token_ids]
         await short
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return expected, tokens, steps
 
@@ -282,7 +282,7 @@ def test_penalties_see_every_token_with_overlap(tiny_llama_dir):
         for overlap_off in (True, False):
             engine = await started_engine(tiny_llama_dir, disable_overlap_schedule=overlap_off)
             results = await asyncio.gather(*[collect(engine, p, **params) for p in PROMPTS])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             await engine.shutdown()
             outputs.append([r[1] for r in results])
         return outputs
@@ -307,7 +307,7 @@ def test_failed_forward_aborts_its_requests_and_caches_nothing(tiny_llama_dir):
         engine.runner.forward = failing_forward
         _, _, last = await collect(engine, PROMPTS[2], max_new_tokens=10, temperature=0, ignore_eos=True)
         kv = engine.kv_usage()
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         # the engine keeps serving, and serves the same text as before
         again = await collect(engine, PROMPTS[2], max_new_tokens=10, temperature=0, ignore_eos=True)
         await engine.shutdown()
@@ -387,7 +387,7 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(ti
         params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=True,
                                 top_logprobs=2)
         outs = [out async for out in engine.generate(GenerateRequest(prompt, params))]
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return outs
 
@@ -415,11 +415,11 @@ def test_concurrent_requests_share_a_prompt_while_it_is_still_running(tiny_llama
         first = engine.generate(GenerateRequest(system + [5], SamplingParams(max_new_tokens=50, ignore_eos=True)))
         await first.__anext__()  # its prompt is computed and it keeps decoding
         second = await collect(engine, system + [6, 7], max_new_tokens=4, temperature=0, ignore_eos=True)
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await first.aclose()
         fresh = await started_engine(tiny_llama_dir, page_size=4, disable_radix_cache=True)
         expected = await collect(fresh, system + [6, 7], max_new_tokens=4, temperature=0, ignore_eos=True)
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         await fresh.shutdown()
         return second, expected
@@ -439,7 +439,7 @@ def test_n_choices_compute_their_shared_prompt_once(tiny_llama_dir):
         results = await asyncio.gather(
             *[collect(engine, prompt, max_new_tokens=4, temperature=0, ignore_eos=True) for _ in range(4)]
         )
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         return results
 
@@ -477,7 +477,7 @@ def test_an_interactive_prompt_step_leaves_batch_streams_out(tiny_llama_dir, lay
                                       rid="chat")
         chat_tokens = [t async for out in engine.generate(interactive) for t in out.token_ids]
         await task
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
         fresh = await started_engine(tiny_llama_dir)
         alone = await collect(fresh, PROMPTS[2], max_new_tokens=30, temperature=0, ignore_eos=True)
@@ -530,7 +530,7 @@ def test_mixed_load_with_aborts_on_a_tiny_pool_leaks_nothing(tiny_llama_dir, lay
             return "done", n, p
 
         results = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(prompts)])
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         settled = idle(engine)
         await engine.shutdown()
         return results, settled

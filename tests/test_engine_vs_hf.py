@@ -40,7 +40,7 @@ async def engine_greedy(model_dir, prompts: list[list[int]], n: int) -> list[lis
     try:
         return await asyncio.gather(*[one(p) for p in prompts])  # all in one batch
     finally:
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
 
 

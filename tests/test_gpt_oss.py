@@ -87,7 +87,7 @@ async def _engine_greedy(model_dir, prompts: list[list[int]], new_tokens: int) -
             params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
             outs = [out async for out in engine.generate(GenerateRequest(prompt, params))]
             results.append(([t for out in outs for t in out.token_ids], outs[-1].cached_tokens))
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
     finally:
         await engine.shutdown()
     return results

@@ -245,7 +245,7 @@ def test_constrained_and_free_requests_in_one_batch(default_model_dir, overlap):
         for text, tokens, reason in results[1:]:
             assert reason == "stop" and tokens[-1] in engine.eos_token_ids
             jsonschema.validate(json.loads(text), PERSON)
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
 
     run(main())
@@ -275,7 +275,7 @@ def test_retracted_requests_keep_their_place_in_the_grammar(default_model_dir, c
         for text, _, reason in results:
             assert reason == "stop"
             jsonschema.validate(json.loads(text), PERSON)
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
 
     with caplog.at_level(logging.INFO, logger="pyserve.engine"):
@@ -302,7 +302,7 @@ def test_an_aborted_request_lets_go_of_its_matcher(default_model_dir):
         await asyncio.wrap_future(engine.runner.executor.submit(lambda: None))
         gc.collect()
         assert state() is None and not engine.scheduler.requests
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         await engine.shutdown()
 
     run(main())

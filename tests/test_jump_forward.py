@@ -58,7 +58,7 @@ def with_engine(model_dir, check, **engine_args):
         engine = await started(model_dir, **engine_args)
         try:
             result = await check(engine)
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             assert engine.kv_usage()["in_use"] == 0
             return result
         finally:

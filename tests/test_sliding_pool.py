@@ -253,9 +253,9 @@ def test_engine_matches_transformers_with_a_sliding_pool_smaller_than_a_prompt(s
             window_pages = engine.kv.windowed.window_pages
             assert window_pages.capacity_tokens == 48 and engine.kv.allocator.capacity_tokens == 512
             first = await engine_greedy(engine, long_prompt, NEW_TOKENS, "long")
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             rest = await asyncio.gather(*[engine_greedy(engine, p, NEW_TOKENS, f"o{i}") for i, p in enumerate(others)])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return [first, *rest]
         finally:
             await engine.shutdown()
@@ -288,7 +288,7 @@ def test_engine_cuts_a_hit_back_where_sliding_pages_were_freed(sliding_model_dir
             assert usage["cached"] == 60 and usage["window_cached"] < 60  # full pages all kept, sliding not
             turn2 = prompt + first[0][:20] + [11, 12, 13, 14, 15]
             second = await engine_greedy(engine, turn2, NEW_TOKENS, "turn2")
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return first, turn2, second
         finally:
             await engine.shutdown()
@@ -315,7 +315,7 @@ def test_a_standalone_draft_model_beside_a_sliding_pool(sliding_model_dir):
         try:
             assert engine.kv.windowed is not None
             got = await engine_greedy(engine, prompt, 24, "spec")
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return got
         finally:
             await engine.shutdown()
@@ -355,7 +355,7 @@ def test_triton_kernels_read_the_sliding_pool(tmp_path, default_model_dir, arch)
         await engine.start()
         try:
             got = [await engine_greedy(engine, p, 5, f"r{i}") for i, p in enumerate((first, second))]
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return got
         finally:
             await engine.shutdown()
@@ -420,7 +420,7 @@ def test_engine_retraction_and_abort_leave_both_pools_whole(sliding_model_dir):
                     break
             await stream.aclose()
             got = await asyncio.gather(*[engine_greedy(engine, p, 40, f"r{i}") for i, p in enumerate(prompts)])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             usage = engine.kv_usage()
             assert usage["in_use"] == usage["window_in_use"] == 0
             return got

@@ -48,7 +48,7 @@ def with_and_without(model_dir, requests, speculative: dict, engine_args=None, s
                 got = [await collect(engine, ids, **params) for ids, params in requests]
             else:
                 got = await asyncio.gather(*[collect(engine, ids, **params) for ids, params in requests])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             assert engine.kv_usage()["in_use"] == 0
             return got, engine.metrics
         finally:

@@ -185,7 +185,7 @@ def _draft_kv(target, head, requests, **engine_args):
                 assert slots.numel() > len(text) - 1 - 4
                 kv = engine.runner.draft.kv_buffer
                 got.append((tokens, kv.k_buffer[0][slots].clone(), kv.v_buffer[0][slots].clone()))
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return got
         finally:
             await engine.shutdown()
@@ -227,7 +227,7 @@ def test_constrained_sampled_and_retracted_requests(target, heads):
         try:
             outs = await asyncio.gather(*[collect(engine, PROMPTS[0], temperature=0.8, seed=s, max_new_tokens=25,
                                                   ignore_eos=True) for s in range(3)])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return outs, engine.metrics
         finally:
             await engine.shutdown()

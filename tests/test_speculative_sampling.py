@@ -135,7 +135,7 @@ def assert_sampled_like_the_target(model_dir, prompt: list[int], speculative: di
             got = []
             for _ in range(n // 250):
                 got += await asyncio.gather(*[collect(engine, prompt, **params) for _ in range(250)])
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return [tuple(tokens) for _, tokens, _, _ in got], engine.metrics
         finally:
             await engine.shutdown()
@@ -187,7 +187,7 @@ def test_a_seeded_sampled_request_is_drafted_and_reproducible(tiny_llama_dir, de
                       for i in range(3)]
             batched, *_ = await asyncio.gather(collect(engine, prompt, **seeded), *others)
             different = await collect(engine, prompt, **{**seeded, "seed": 12})
-            engine.check_integrity()
+            assert engine.integrity_problem() is None
             return alone[1], batched[1], different[1], steps
         finally:
             await engine.shutdown()

@@ -178,7 +178,7 @@ async def _run(model_dir, tp_size: int, **options) -> list[tuple]:
     try:
         alone = [await _generate(engine, p) for p in PROMPTS[:2]]
         together = await asyncio.gather(*[_generate(engine, p) for p in PROMPTS])
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
     finally:
         await engine.shutdown()
     return alone + list(together)

@@ -110,7 +110,7 @@ def test_the_event_loop_never_touches_forward_thread_state(tiny_llama_dir, check
         await on_forward_thread(engine, lambda: None)
         assert live_states({"greedy-grammar", "seeded-grammar", "penalised", "held", "abandoned-grammar",
                             "abandoned"}) == []
-        engine.check_integrity()
+        assert engine.integrity_problem() is None
         # Shutdown ends what still runs.
         running = engine.generate(GenerateRequest(ids, SamplingParams(max_new_tokens=200, temperature=1.0,
                                                                       constraint=answer), rid="cut"))

@@ -383,8 +383,3 @@ class Engine:
         """None when every KV page is free, cached, or held by exactly one
         running request; else what is wrong."""
         return self.kv.integrity_problem(self.scheduler.holders())
-
-    def check_integrity(self) -> None:
-        problem = self.integrity_problem()
-        if problem is not None:
-            raise AssertionError(problem)
