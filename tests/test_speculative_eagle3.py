@@ -26,8 +26,7 @@ from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
 from tests.eagle3_heads import (AUX_LAYERS, PROMPTS, first_drafts, greedy_continuations, head_config, hot_ids,
-                                random_weights, save_head, second_drafts, target_features, trained_weights,
-                                vocab_size)
+                                save_head, second_drafts, target_features, trained_weights, vocab_size)
 from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same, started,
                                    with_and_without)
 from tests.test_speculative_overlap import late_steps  # noqa: F401 (a fixture)
