@@ -118,6 +118,59 @@ def test_the_draft_sees_chunked_prompts_and_cached_prefixes(tiny_llama_dir, draf
     assert metrics.spec_emitted_tokens >= 0.9 * (K + 1) * metrics.spec_verify_steps
 
 
+def test_a_request_that_stops_drafting_stops_running_the_draft_model(tiny_llama_dir, monkeypatch):
+    """A request that stops drafting (here after its 8th verify step: the
+    bar is raised past what any draft reaches) runs no draft forward after
+    that, and the tokens it computes then have no draft KV, so they stay
+    out of the prefix cache. A second request continuing its text takes
+    from the cache only what the draft model has KV for, and with the
+    target's own weights as the draft keeps every draft: its draft KV is
+    whole. Both decode as without speculation."""
+    from collections import Counter
+
+    from pyserve.engine.runner.model_runner import ModelRunner
+    from pyserve.engine.speculative import drafter
+    from pyserve.engine.speculative.standalone import DraftModel
+
+    monkeypatch.setattr(drafter, "_MIN_ACCEPT_RATE", 1.01)
+    calls = Counter()
+    for cls, name in ((ModelRunner, "step"), (DraftModel, "follow")):
+        def counted(self, *args, _run=getattr(cls, name), _name=name):
+            calls[_name] += 1
+            return _run(self, *args)
+        monkeypatch.setattr(cls, name, counted)
+
+    first = repetitive(30)
+
+    async def main():
+        engine = await started(tiny_llama_dir, torchao_config="none", **spec(tiny_llama_dir))
+        plain = await started(tiny_llama_dir, torchao_config="none")
+        try:
+            _, out1, _, _ = await collect(engine, first, **GREEDY, max_new_tokens=80)
+            steps, follows, verify = calls["step"], calls["follow"], engine.metrics.spec_verify_steps
+            second = first + out1
+            _, out2, _, last2 = await collect(engine, second, **GREEDY, max_new_tokens=20)
+            m = engine.metrics
+            drafted = m.spec_draft_tokens - 8 * K
+            kept = (m.accepted_drafts() - 8 * K, drafted)
+            want1 = (await collect(plain, first, **GREEDY, max_new_tokens=80))[1]
+            want2 = (await collect(plain, second, **GREEDY, max_new_tokens=20))[1]
+            return out1, out2, want1, want2, steps, follows, verify, kept, last2.cached_tokens
+        finally:
+            await engine.shutdown()
+            await plain.shutdown()
+
+    out1, out2, want1, want2, steps, follows, verify, (kept2, drafted2), cached2 = asyncio.run(main())
+    assert out1 == want1 and out2 == want2
+    # The prompt's step samples a token; 8 verify steps keep every draft (K + 1
+    # tokens each), then drafting is off and each step decodes one token.
+    assert verify == 8 and steps == 1 + 8 + (80 - 1 - 8 * (K + 1))
+    assert follows == 1 + 8  # the draft model ran the prompt's step and the verify steps only
+    # From the cache: the prompt and the drafted stretch; the undrafted tokens after it were computed again.
+    assert cached2 == len(first) + 8 * (K + 1)
+    assert drafted2 > 0 and kept2 == drafted2
+
+
 def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir, drafts):
     requests = [(repetitive(40 + i), {**GREEDY, "max_new_tokens": 40}) for i in range(4)]
     plain, got, metrics = run_both(tiny_llama_dir, requests, drafts["noisy"],

@@ -148,7 +148,9 @@ class Scheduler:
         decode = self._without_less_urgent(decode, prefill)
         if not decode.seqs and not prefill.seqs:
             return None
+        draft_follows = self._draft_follows(prefill.seqs + decode.seqs)
         step = build_step(self.kv, prefill, decode, cached_tokens)
+        step.draft_follows = draft_follows
         if self.drafter is not None:
             for row in step.following:
                 seq = step.sampled[row.sampled]
@@ -170,6 +172,21 @@ class Scheduler:
             for seq in self.waiting:
                 seq.waited_steps += 1
         return step
+
+    def _draft_follows(self, seqs: list[Sequence]) -> bool:
+        """Whether the draft model must run a step of `seqs`: yes while one
+        of them drafts (drafting, once off, stays off) or has a row the
+        forward thread may move back over rejected drafts (overlap).
+        Otherwise the step costs no draft forward, and its sequences' tokens
+        from here on have no draft KV: the KV manager keeps them out of the
+        prefix cache, whose prefixes a drafting request's draft model reads."""
+        if self.drafter is None or not self.drafter.follows_steps:
+            return True
+        if any(seq.drafting or seq.pending for seq in seqs):
+            return True
+        for seq in seqs:  # this step's tokens are without (a retracted one's computed again, too)
+            seq.draft_kv_len = seq.kv_len if seq.draft_kv_len is None else min(seq.draft_kv_len, seq.kv_len)
+        return False
 
     def _decode_rows(self) -> Rows:
         """One token for every running sequence, retracting sequences while

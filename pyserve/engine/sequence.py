@@ -72,6 +72,9 @@ class Sequence:
     accepted: int = 0
     verify_steps: int = 0
     last_accepted: int | None = None  # drafts the latest verify step kept
+    # STANDALONE: the leading tokens whose KV the draft model holds too (None:
+    # all); a step with no drafting sequence leaves the draft model idle.
+    draft_kv_len: int | None = None
 
     # The engine.
     finished: bool = False

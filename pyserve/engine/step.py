@@ -84,6 +84,9 @@ class ScheduledStep:
     embed_rows: list[int] = field(default_factory=list)
     embed_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)
+    # Whether a draft model runs the step's batch after the target (its KV
+    # at every slot written): not when no sequence in it drafts.
+    draft_follows: bool = True
 
     @property
     def is_prefill(self) -> bool:

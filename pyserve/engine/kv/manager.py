@@ -250,7 +250,7 @@ class KVManager:
         sequence switches to the cache's pages and frees its own copies."""
         if self.cache is None:
             return
-        known = min(seq.kv_len, len(seq.prompt_ids))
+        known = min(seq.kv_len, len(seq.prompt_ids), _draft_kv_end(seq))
         whole = known - known % self.page_size
         if whole <= seq.shared_len:
             return
@@ -274,7 +274,7 @@ class KVManager:
         if self.cache is None or not seq.kv_valid:
             self.allocator.free_slots(own)
         else:
-            known = min(seq.kv_len, seq.num_tokens)
+            known = min(seq.kv_len, seq.num_tokens, _draft_kv_end(seq))
             whole = known - known % self.page_size
             already = self.cache.insert(seq.all_ids[:whole], seq.slots[:whole], seq.prefix_namespace)
             cached = None
@@ -391,3 +391,10 @@ class KVManager:
         problem = self.integrity_problem([])
         if problem is not None:
             logger.error("KV cache integrity check failed while idle: %s", problem)
+
+
+def _draft_kv_end(seq: Sequence) -> int:
+    """Where the draft model's KV of `seq` ends (STANDALONE, after steps it
+    skipped): the prefix cache takes nothing past it, since a drafting
+    request starting from a cached prefix drafts over the draft's KV there."""
+    return seq.num_tokens if seq.draft_kv_len is None else seq.draft_kv_len

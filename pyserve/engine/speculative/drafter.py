@@ -28,6 +28,10 @@ class Drafter:
     while its sequence's previous step runs, placeholders that the forward
     thread fills (`late_drafts` says how, or None: the draft model does)."""
 
+    # Whether the forward thread runs a draft model over every step's batch,
+    # which a step where no sequence drafts can skip (STANDALONE).
+    follows_steps = False
+
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
 
@@ -68,14 +72,17 @@ class PlaceholderDrafter(Drafter):
     the scheduler only reserves room, placeholder tokens that the forward
     thread replaces with the draft model's tokens before the target runs."""
 
-    def __init__(self, num_draft_tokens: int, drafts_from_computed_rows: bool = False):
+    def __init__(self, num_draft_tokens: int, drafts_from_computed_rows: bool = False,
+                 follows_steps: bool = False):
         """`drafts_from_computed_rows`: the drafter reads the target's
         states of every token before the drafts (EAGLE3's head), so a row
         whose known tokens are not all computed yet (the text a jump-forward
         appended) is not drafted; the next step computes them. A draft
-        model computes them itself (DraftModel.propose)."""
+        model computes them itself (DraftModel.propose).
+        `follows_steps`: see Drafter.follows_steps."""
         super().__init__(num_draft_tokens)
         self.drafts_from_computed_rows = drafts_from_computed_rows
+        self.follows_steps = follows_steps
 
     def propose(self, seq: Sequence) -> list[int]:
         return self.reserve(seq)

@@ -99,7 +99,8 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError(problem)
         runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
     _warn_eager_verify(runner, model_options)
-    return PlaceholderDrafter(steps, drafts_from_computed_rows=algorithm == "EAGLE3")
+    return PlaceholderDrafter(steps, drafts_from_computed_rows=algorithm == "EAGLE3",
+                              follows_steps=algorithm == "STANDALONE")
 
 
 def _warn_eager_verify(runner: ModelRunner, model_options: ModelOptions) -> None:

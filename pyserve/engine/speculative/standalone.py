@@ -10,7 +10,9 @@ the draft model too (`follow`), so every token the target computes (prompt
 chunks, decode and verify rows) has the draft's KV at the same slot. What
 the KV manager does to slots (prefix sharing in the radix cache, freeing,
 drop_tail of rejected drafts, retraction) then holds for both models, and
-no second allocator is needed.
+no second allocator is needed. A step in which no sequence drafts skips
+the draft model (Scheduler._draft_follows), and the tokens it computes
+stay out of the prefix cache.
 
 On the event loop, the PlaceholderDrafter only reserves room: k
 placeholder tokens per drafted row, which `DraftModel.propose` replaces
