@@ -171,6 +171,66 @@ def test_a_request_that_stops_drafting_stops_running_the_draft_model(tiny_llama_
     assert drafted2 > 0 and kept2 == drafted2
 
 
+def test_steps_mixing_drafting_and_undrafted_requests_run_the_draft_model_on_the_drafting_rows(
+        tiny_llama_dir, monkeypatch):
+    """A second request arrives once the first has stopped drafting (after
+    its 8th verify step, the bar raised past any draft): the steps they
+    share run the draft model on the second's rows only. With the target's
+    own weights as the draft, the second keeps every draft (its draft KV is
+    whole), and both decode as without speculation."""
+    from pyserve.engine.speculative import drafter
+    from pyserve.engine.speculative.standalone import DraftModel
+
+    monkeypatch.setattr(drafter, "_MIN_ACCEPT_RATE", 1.01)
+    followed = []
+    follow = DraftModel.follow
+
+    def counted(self, step, *args):
+        """Records (the step's sequences, the rows the draft model ran)."""
+        rows, forward = [], self.model.forward
+        self.model.forward = lambda batch: rows.append(len(batch.extend_lens)) or forward(batch)
+        try:
+            return follow(self, step, *args)
+        finally:
+            del self.model.forward
+            followed.append((len(step.seqs), rows[0]))
+
+    monkeypatch.setattr(DraftModel, "follow", counted)
+    first, second = repetitive(30), repetitive(41)
+
+    async def main():
+        engine = await started(tiny_llama_dir, torchao_config="none", **spec(tiny_llama_dir))
+        plain = await started(tiny_llama_dir, torchao_config="none")
+        try:
+            undrafted = asyncio.Event()
+            out1 = []
+
+            async def run_first():
+                request = GenerateRequest(first, SamplingParams(**GREEDY, max_new_tokens=80))
+                async for out in engine.generate(request):
+                    out1.extend(out.token_ids)
+                    if len(out1) > 8 * (K + 1):  # past its 8 verify steps: drafting is off
+                        undrafted.set()
+
+            task = asyncio.create_task(run_first())
+            await undrafted.wait()
+            before = (engine.metrics.spec_draft_tokens, engine.metrics.accepted_drafts())
+            _, out2, _, _ = await collect(engine, second, **GREEDY, max_new_tokens=30)
+            kept = (engine.metrics.accepted_drafts() - before[1], engine.metrics.spec_draft_tokens - before[0])
+            await task
+            want1 = (await collect(plain, first, **GREEDY, max_new_tokens=80))[1]
+            want2 = (await collect(plain, second, **GREEDY, max_new_tokens=30))[1]
+            return out1, out2, want1, want2, kept
+        finally:
+            await engine.shutdown()
+            await plain.shutdown()
+
+    out1, out2, want1, want2, (kept2, drafted2) = asyncio.run(main())
+    assert out1 == want1 and out2 == want2
+    assert drafted2 > 0 and kept2 == drafted2
+    assert (2, 1) in followed  # a step of both ran the draft model on one row
+
+
 def test_greedy_identical_when_the_kv_pool_forces_retraction(tiny_llama_dir, drafts):
     requests = [(repetitive(40 + i), {**GREEDY, "max_new_tokens": 40}) for i in range(4)]
     plain, got, metrics = run_both(tiny_llama_dir, requests, drafts["noisy"],

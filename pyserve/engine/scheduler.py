@@ -148,9 +148,9 @@ class Scheduler:
         decode = self._without_less_urgent(decode, prefill)
         if not decode.seqs and not prefill.seqs:
             return None
-        draft_follows = self._draft_follows(prefill.seqs + decode.seqs)
+        draft_rows = self._draft_rows(prefill.seqs + decode.seqs)
         step = build_step(self.kv, prefill, decode, cached_tokens)
-        step.draft_follows = draft_follows
+        step.draft_rows = draft_rows
         if self.drafter is not None:
             for row in step.following:
                 seq = step.sampled[row.sampled]
@@ -173,20 +173,22 @@ class Scheduler:
                 seq.waited_steps += 1
         return step
 
-    def _draft_follows(self, seqs: list[Sequence]) -> bool:
-        """Whether the draft model must run a step of `seqs`: yes while one
-        of them drafts (drafting, once off, stays off) or has a row the
-        forward thread may move back over rejected drafts (overlap).
-        Otherwise the step costs no draft forward, and its sequences' tokens
-        from here on have no draft KV: the KV manager keeps them out of the
-        prefix cache, whose prefixes a drafting request's draft model reads."""
-        if self.drafter is None or not self.drafter.follows_steps:
-            return True
-        if any(seq.drafting or seq.pending for seq in seqs):
-            return True
+    def _draft_rows(self, seqs: list[Sequence]) -> list[int] | None:
+        """The rows of a step of `seqs` that the draft model runs: those of
+        drafting sequences (drafting, once off, stays off); None, all of
+        them, also when a row may be moved back over rejected drafts on the
+        forward thread (overlap). The other sequences' tokens from here on
+        have no draft KV: the KV manager keeps them out of the prefix cache,
+        whose prefixes a drafting request's draft model reads."""
+        if self.drafter is None or not self.drafter.follows_steps or any(seq.pending for seq in seqs):
+            return None
+        rows = [i for i, seq in enumerate(seqs) if seq.drafting]
+        if len(rows) == len(seqs):
+            return None
         for seq in seqs:  # this step's tokens are without (a retracted one's computed again, too)
-            seq.draft_kv_len = seq.kv_len if seq.draft_kv_len is None else min(seq.draft_kv_len, seq.kv_len)
-        return False
+            if not seq.drafting:
+                seq.draft_kv_len = seq.kv_len if seq.draft_kv_len is None else min(seq.draft_kv_len, seq.kv_len)
+        return rows
 
     def _decode_rows(self) -> Rows:
         """One token for every running sequence, retracting sequences while

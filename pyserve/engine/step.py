@@ -84,9 +84,9 @@ class ScheduledStep:
     embed_rows: list[int] = field(default_factory=list)
     embed_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)
-    # Whether a draft model runs the step's batch after the target (its KV
-    # at every slot written): not when no sequence in it drafts.
-    draft_follows: bool = True
+    # The rows (indices into seqs) a draft model runs after the target, its
+    # KV at every slot they write: those of drafting sequences; None, all.
+    draft_rows: list[int] | None = None
 
     @property
     def is_prefill(self) -> bool:

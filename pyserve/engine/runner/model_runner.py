@@ -232,7 +232,7 @@ class ModelRunner:
                 else:
                     next_ids, counts = self.sampler.sample(logits, states), None
                     forced = self.sampler.take_forced()
-                if self.draft is not None and step.draft_follows:
+                if self.draft is not None and (step.draft_rows is None or step.draft_rows):
                     self.draft.follow(step, batch, capture, next_ids, counts)
                 refused = [s.seq for s in states if s.refused]
                 logprobs = prompt_logprobs = None

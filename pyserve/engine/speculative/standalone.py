@@ -10,9 +10,9 @@ the draft model too (`follow`), so every token the target computes (prompt
 chunks, decode and verify rows) has the draft's KV at the same slot. What
 the KV manager does to slots (prefix sharing in the radix cache, freeing,
 drop_tail of rejected drafts, retraction) then holds for both models, and
-no second allocator is needed. A step in which no sequence drafts skips
-the draft model (Scheduler._draft_follows), and the tokens it computes
-stay out of the prefix cache.
+no second allocator is needed. The rows of sequences that stopped
+drafting are left out (Scheduler._draft_rows), and the tokens they
+compute from then on stay out of the prefix cache.
 
 On the event loop, the PlaceholderDrafter only reserves room: k
 placeholder tokens per drafted row, which `DraftModel.propose` replaces
@@ -137,10 +137,26 @@ class DraftModel:
 
     def follow(self, step: ScheduledStep, batch: ForwardBatch, capture: None, next_ids: torch.Tensor,
                counts: list[int] | None) -> None:
-        """Run the step's batch (drafts filled in) through the draft model:
-        its KV at every slot the target just wrote. No logits are computed;
-        the step's output is not needed."""
+        """Run the step's batch (drafts filled in), or its rows of drafting
+        sequences (`step.draft_rows`), through the draft model: its KV at
+        every slot the target just wrote there. No logits are computed; the
+        step's output is not needed."""
+        if step.draft_rows is not None:
+            batch = self._rows(step.batch, batch, step.draft_rows)
         self.model.forward(replace(batch, logits_indices=batch.logits_indices[:0]))
+
+    def _rows(self, host: ForwardBatch, batch: ForwardBatch, rows: list[int]) -> ForwardBatch:
+        """The batch of `rows` of the step's batch (`host`; `batch`, its
+        device copy, holds the drafts)."""
+        starts = [0]
+        for n in host.extend_lens:
+            starts.append(starts[-1] + n)
+        index = [t for r in rows for t in range(starts[r], starts[r + 1])]
+        return ForwardBatch.build(
+            batch.input_ids[torch.tensor(index, device=batch.input_ids.device)].tolist(),
+            host.positions[index].tolist(), host.out_cache_loc[index], [host.extend_lens[r] for r in rows],
+            [host.kv_indices[int(host.kv_indptr[r]) : int(host.kv_indptr[r + 1])] for r in rows], [],
+            host.is_decode, self.model.device)
 
     def release(self, seq: Sequence) -> None:
         """Nothing is kept per request."""
