@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -148,14 +149,12 @@ class DraftModel:
     def _rows(self, host: ForwardBatch, batch: ForwardBatch, rows: list[int]) -> ForwardBatch:
         """The batch of `rows` of the step's batch (`host`; `batch`, its
         device copy, holds the drafts)."""
-        starts = [0]
-        for n in host.extend_lens:
-            starts.append(starts[-1] + n)
+        starts = _row_starts(host)
         index = [t for r in rows for t in range(starts[r], starts[r + 1])]
         return ForwardBatch.build(
             batch.input_ids[torch.tensor(index, device=batch.input_ids.device)].tolist(),
             host.positions[index].tolist(), host.out_cache_loc[index], [host.extend_lens[r] for r in rows],
-            [host.kv_indices[int(host.kv_indptr[r]) : int(host.kv_indptr[r + 1])] for r in rows], [],
+            [_row_slots(host, r) for r in rows], [],
             host.is_decode, self.model.device)
 
     def release(self, seq: Sequence) -> None:
@@ -177,13 +176,21 @@ def _drafted_rows(host: ForwardBatch, drafts: list[list[int]], drafted: list[int
     step's tokens, its batch row's KV slots (known tokens, then the
     drafts'), and the index of its row's first token."""
     firsts = first_rows(drafts)
-    starts = [0]
-    for n in host.extend_lens:
-        starts.append(starts[-1] + n)
+    starts = _row_starts(host)
     token_at = [int(host.logits_indices[firsts[i]]) for i in drafted]
     slots, row_starts = [], []
     for t in token_at:
         row = bisect.bisect_right(starts, t) - 1
-        slots.append(host.kv_indices[int(host.kv_indptr[row]) : int(host.kv_indptr[row + 1])])
+        slots.append(_row_slots(host, row))
         row_starts.append(starts[row])
     return token_at, slots, row_starts
+
+
+def _row_starts(host: ForwardBatch) -> list[int]:
+    """Each batch row's first index among the step's tokens, then their count."""
+    return list(accumulate(host.extend_lens, initial=0))
+
+
+def _row_slots(host: ForwardBatch, row: int) -> torch.Tensor:
+    """The KV slots of a batch row's sequence: its earlier tokens', then the new ones'."""
+    return host.kv_indices[int(host.kv_indptr[row]) : int(host.kv_indptr[row + 1])]
