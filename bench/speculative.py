@@ -4,9 +4,12 @@ Engines in this process on the same target model: one without
 speculation, one with --speculative-algorithm NGRAM, one with STANDALONE.
 Each row compares one of them with the plain engine on one workload:
 
-- copy-heavy (rewrite a ~300-token text with one change: most of the
-  answer is in the prompt) and free chat (nothing to copy; the drafter must
-  switch itself off), greedy, for NGRAM and STANDALONE;
+- greedy, for NGRAM and STANDALONE, two copy-heavy workloads (most of
+  the answer is in the prompt): rewrite a ~220-token text with a town's
+  name changed (copy), and give back a ~300-token text with its
+  misspelling fixed (edit); the embedded model paraphrases the first and
+  copies the second. And free chat (nothing to copy; the drafter must
+  switch itself off);
 - the copy-heavy workload as JSON under a schema, for NGRAM: both engines
   jump forward over the keys, the speculative one drafts the text too;
 - with --eagle3-head DIR (an EAGLE-3 head trained for the target, as
@@ -70,6 +73,14 @@ TEXT = (
     "sound is the bell."
 )
 COPY = f"Rewrite the following text exactly, but change the town's name from Kelmsford to Ashby.\n\n{TEXT}"
+# A copy editor's request: the text with one more paragraph (296 tokens)
+# and one misspelling to fix. The embedded model answers it by copying the
+# text, where it paraphrases the rename above.
+EDIT_TEXT = (TEXT + " On Monday the boats go out again, the baker lights her ovens before five, and the children "
+             "climb the hill to the school. In spring the council repaints the railings along the quay, and in "
+             "summer the harbour hosts a regatta, when yachts from the whole coast crowd the water and the town's "
+             "population doubles for a week.").replace("breakwater", "breakwatter")
+EDIT = f"Fix the spelling mistake in this text and give back the whole corrected text.\n\n{EDIT_TEXT}"
 # The copy as structured output: the grammar forces the keys and quotes (jump-forward on both sides).
 JSON_COPY = ("Answer in JSON with the town's new name and the rewritten text. " + COPY)
 JSON_SCHEMA = json.dumps({"type": "object", "properties": {"town": {"type": "string", "maxLength": 40},
@@ -79,12 +90,14 @@ CHAT = "Write a short story about a robot who learns to paint."
 # (row name, prompt, engine compared with "off", temperature[, JSON schema])
 ROWS = [
     ("ngram_copy", COPY, "ngram", 0.0),
+    ("ngram_edit", EDIT, "ngram", 0.0),
     ("ngram_json_copy", JSON_COPY, "ngram", 0.0, JSON_SCHEMA),
     ("ngram_chat", CHAT, "ngram", 0.0),
     ("ngram_copy_t0.7", COPY, "ngram", 0.7),
     ("ngram_chat_t0.7", CHAT, "ngram", 0.7),
     ("ngram_chat_t1.0", CHAT, "ngram", 1.0),
     ("standalone_copy", COPY, "standalone", 0.0),
+    ("standalone_edit", EDIT, "standalone", 0.0),
     ("standalone_chat", CHAT, "standalone", 0.0),
     ("standalone_self_copy", COPY, "standalone_self", 0.0),
 ]
