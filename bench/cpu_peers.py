@@ -87,7 +87,7 @@ cmake, so here only the server target is built from that source:
 (No .git in the sdist: the build reports commit "unknown", build 11434.)
 
 --speculative N runs issue 30's copy-heavy batch-1 workload instead:
-bench/speculative.py's prompt (rewrite a ~300-token text with one change),
+bench/speculative.py's copy prompt (rewrite a ~220-token text with one name changed),
 as a chat request, greedy, 200 output tokens, streamed, on four servers up
 at once: pyserve (default options) without and with --speculative-algorithm
 NGRAM (6 draft tokens, 3-token match window, as bench/speculative.py),
@@ -322,7 +322,7 @@ COPY_OUTPUT_LEN = 200
 
 
 def copy_heavy(base_url: str) -> serving.RequestResult:
-    """One greedy chat request rewriting bench/speculative.py's ~300-token text, streamed."""
+    """One greedy chat request rewriting bench/speculative.py's ~220-token text, streamed."""
     async def go():
         async with httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=httpx.Timeout(None, connect=30)) as c:
             model = await serving.first_model(c)
