@@ -35,17 +35,28 @@ Rounds alternate off, on, on, off (ABBA) and each figure is the median
 over rounds of decode tokens per second (after the first token), so the
 ratio holds on a noisy machine. Greedy engines give the plain engine's
 tokens, in float32 and in the 4-bit mode; the script reports how many
-leading tokens agree.
+leading tokens agree. With --concurrency N each round sends N copies of
+the request at once (sampled ones seeded apart), and the figure is the
+batch's output tokens per second over its wall time: where drafts that
+pay alone stop paying among many rows. The copies' prompts are then
+computed in chunks that the scheduler cuts where the token budget ends,
+so in the 4-bit mode a copy's greedy text can differ from the same
+request alone, on both sides (docs/cpu-kernels.md).
 
 `--step-costs` times single forward steps instead, on the model alone
-(no engine): a decode step (one row, one token) and verify steps of one
-row with k drafts (k + 1 tokens, logits at each), after a 278-token
-prompt, alternated; each verify step's cost as a multiple of the decode
-step's, and the plan (step_plan.py) each step gets.
+(no engine): a decode step (--rows rows, default one, one token each) and
+that step with k drafts in its first row (k + 1 tokens, logits at each),
+after a 278-token prompt, alternated; each verify step's cost as a
+multiple of the decode step's, and the plan (step_plan.py) each step
+gets. With several rows, also what a draft adds to the step as a share of
+a one-row decode step: the draft cost the CPU's drafting rule assumes
+(speculative/drafter.py).
 
     python bench/speculative.py                 # embedded model, CPU
     python bench/speculative.py --rounds 6 --max-tokens 300
+    python bench/speculative.py --concurrency 16 --only ngram_copy ngram_copy_t0.7
     python bench/speculative.py --step-costs    # one verify step against one decode step
+    python bench/speculative.py --step-costs --rows 16   # what a draft adds to a 16-row step
 """
 
 from __future__ import annotations
@@ -149,6 +160,17 @@ async def decode_speed(engine, ids: list[int], max_tokens: int, temperature: flo
     return (len(tokens) - first_count) / (time.perf_counter() - first), tokens
 
 
+async def batch_speed(engine, ids: list[int], copies: int, max_tokens: int, temperature: float, seed: int,
+                      schema: str | None = None) -> tuple[float, list[int]]:
+    """(output tokens per second of `copies` requests at once, over the
+    batch's wall time, prompts included; the first request's tokens).
+    Sampled copies are seeded apart."""
+    start = time.perf_counter()
+    runs = await asyncio.gather(*(decode_speed(engine, ids, max_tokens, temperature, seed * copies + i, schema)
+                                  for i in range(copies)))
+    return sum(len(tokens) for _, tokens in runs) / (time.perf_counter() - start), runs[0][1]
+
+
 async def run(args, model_dir: Path, draft_dir: Path) -> dict:
     from pyserve.chat_template import ChatTemplate
     from pyserve.engine.engine import Engine
@@ -198,8 +220,12 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
         steps0, emitted0 = m.spec_verify_steps, m.spec_emitted_tokens
         for r in range(args.rounds):
             for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                speed, tokens = await decode_speed(engines["off"] if which == "off" else engine, ids,
-                                                   args.max_tokens, temperature, r, schema)
+                side = engines["off"] if which == "off" else engine
+                if args.concurrency == 1:
+                    speed, tokens = await decode_speed(side, ids, args.max_tokens, temperature, r, schema)
+                else:
+                    speed, tokens = await batch_speed(side, ids, args.concurrency, args.max_tokens, temperature, r,
+                                                      schema)
                 speeds[which].append(speed)
                 outputs[which] = tokens
         on, off = statistics.median(speeds["on"]), statistics.median(speeds["off"])
@@ -220,8 +246,10 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
 
 
 def step_costs(args, model_dir: Path) -> dict:
-    """Median ms of a decode step and of verify steps with 1, 3 and 6
-    drafts, one row after a prompt, alternated over --rounds x 20 steps."""
+    """Median ms of a decode step of --rows rows, each one token after the
+    same prompt, and of that step with 1, 3 and 6 drafts in its first row,
+    alternated over --rounds x 20 steps; with more than one row, a one-row
+    decode step too, the unit a draft's cost is counted in."""
     import torch
 
     from pyserve.engine.runner.rank_model import RankModel
@@ -232,17 +260,27 @@ def step_costs(args, model_dir: Path) -> dict:
                          torchao_config=args.torchao_config).resolved().split().model
     rank = RankModel(options, model_dir, torch.device(options.device))
     rank.allocate(rank.num_pages())
-    prompt = 278
-    slots = torch.arange(1, prompt + 8)
+    prompt, room = 278, 8
+    slots = torch.arange(1, prompt + room * args.rows + 1)
     generator = torch.Generator().manual_seed(0)
 
-    def step(new: int) -> ForwardBatch:
-        """`new` tokens after the prompt's (the decode row's and its drafts)."""
-        ids = torch.randint(3, 5000, (new,), generator=generator).tolist()
-        return ForwardBatch.build(ids, list(range(prompt, prompt + new)), slots[prompt:prompt + new], [new],
-                                  [slots[:prompt + new]], list(range(new)), new == 1, options.device)
+    def step(new: list[int]) -> ForwardBatch:
+        """Rows of new[r] tokens after the prompt's (a decode row's and its drafts)."""
+        ids, positions, out, kv, logits = [], [], [], [], []
+        for r, n in enumerate(new):
+            own = slots[prompt + room * r:prompt + room * r + n]
+            logits += range(len(ids), len(ids) + n)
+            ids += torch.randint(3, 5000, (n,), generator=generator).tolist()
+            positions += range(prompt, prompt + n)
+            out.append(own)
+            kv.append(torch.cat([slots[:prompt], own]))
+        return ForwardBatch.build(ids, positions, torch.cat(out), new, kv, logits, max(new) == 1, options.device)
 
-    steps = {"decode": step(1), **{f"verify_{k}_drafts": step(k + 1) for k in (1, 3, 6)}}
+    rows = args.rows
+    steps = {"decode": step([1] * rows),
+             **{f"verify_{k}_drafts": step([k + 1] + [1] * (rows - 1)) for k in (1, 3, 6)}}
+    if rows > 1:
+        steps["one_row_decode"] = step([1])
     times: dict[str, list[float]] = {name: [] for name in steps}
     with torch.inference_mode():
         rank.forward(ForwardBatch.build(list(range(3, 3 + prompt)), list(range(prompt)), slots[:prompt], [prompt],
@@ -259,6 +297,11 @@ def step_costs(args, model_dir: Path) -> dict:
         result[name] = {"ms": round(ms * 1e3, 2), "x_decode": round(ms / decode, 2),
                         "plan": rank.plan(batch).layers.value, "torch_threads": rank.plan(batch).torch_threads}
         print(name, json.dumps(result[name]), flush=True)
+    if rows > 1:  # what one draft adds to the step, in one-row decode steps (Drafter.draft_cost)
+        one_row = statistics.median(times["one_row_decode"])
+        result["draft_x_one_row_decode"] = round((statistics.median(times["verify_6_drafts"]) - decode) / 6 / one_row,
+                                                 3)
+        print("draft_x_one_row_decode", result["draft_x_one_row_decode"], flush=True)
     return result
 
 
@@ -276,10 +319,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eagle3-head", default=None,
                    help="an EAGLE-3 head trained for --model (SGLang's format): adds EAGLE3 rows")
     p.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="copies of each row's request at once; above 1 the figure is the batch's output tok/s "
+                        "over its wall time")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="overlap scheduling in every engine (auto: the server's default, on CUDA without speculation)")
     p.add_argument("--step-costs", action="store_true",
                    help="time one decode step against verify steps of 1, 3 and 6 drafts instead")
+    p.add_argument("--rows", type=int, default=1, help="--step-costs: the decode step's rows")
     args = p.parse_args(argv)
     from pyserve.model.default_model import default_model_path
 
