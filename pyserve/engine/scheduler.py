@@ -195,7 +195,7 @@ class Scheduler:
         the pool cannot hold them all."""
         rows = Rows()
         for seq in self.running:
-            seq.draft_ids = self._drafts(seq)
+            seq.draft_ids = self._drafts(seq, len(self.running))
         while self.running:
             needed = sum(self.kv.pages_needed(s, self._decode_length(s)) for s in self.running)
             if self.kv.make_room(needed):
@@ -207,11 +207,11 @@ class Scheduler:
             rows.add(seq, n, self.kv.new_slots(seq, n))
         return rows
 
-    def _drafts(self, seq: Sequence) -> list[int]:
-        """The draft tokens of `seq`'s next decode row: the drafter's, or,
-        while its previous step runs, placeholders that the forward thread
-        fills once that step's accepted tokens are known."""
-        if self.drafter is None:
+    def _drafts(self, seq: Sequence, rows: int) -> list[int]:
+        """The draft tokens of `seq`'s next decode row, one of `rows`: the
+        drafter's, or, while its previous step runs, placeholders that the
+        forward thread fills once that step's accepted tokens are known."""
+        if self.drafter is None or not self.drafter.pays(seq, rows):
             return []
         return self.drafter.reserve(seq) if seq.pending else self.drafter.propose(seq)
 

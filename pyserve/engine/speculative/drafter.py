@@ -20,6 +20,8 @@ from pyserve.engine.sequence import Sequence
 # more than that share of its drafts gains from them.
 _JUDGED_AFTER = 8
 _MIN_ACCEPT_RATE = 0.15
+# What a draft token costs on a CPU, as a share of a one-row decode step.
+CPU_DRAFT_COST = 0.12
 
 
 class Drafter:
@@ -32,8 +34,27 @@ class Drafter:
     # which a step where no sequence drafts can skip (STANDALONE).
     follows_steps = False
 
-    def __init__(self, num_draft_tokens: int):
+    def __init__(self, num_draft_tokens: int, draft_cost: float | None = None):
+        """`draft_cost`: a draft token's cost as a share of a one-row decode
+        step, where that share holds at any batch size (a CPU's); None where
+        a draft costs next to nothing in a small batch (a GPU's)."""
         self.num_draft_tokens = num_draft_tokens
+        self.draft_cost = draft_cost
+
+    def pays(self, seq: Sequence, rows: int) -> bool:
+        """Whether drafting `seq` pays in a step of `rows` decode rows, once
+        its drafting has been judged. A CPU step of n tokens costs about
+        a + b*n: the weights read once, and each token's products. A draft
+        adds b; a kept one saves its row a token's share of a plain step,
+        (a + b*rows) / rows. So drafting pays while the share of drafts kept
+        exceeds b*rows / (a + b*rows) = rows*c / (1 - c + rows*c), with
+        c = b / (a + b) the draft's cost: for c = 0.12, 12% alone, 35%
+        among four rows, 69% among sixteen (bench/README.md SB1-SB4). A
+        request below it decodes plainly while the batch is that large."""
+        if self.draft_cost is None or seq.verify_steps < _JUDGED_AFTER:
+            return True
+        c = self.draft_cost
+        return seq.accepted * (1 - c + rows * c) >= seq.drafted * rows * c
 
     def propose(self, seq: Sequence) -> list[int]:
         raise NotImplementedError
@@ -72,15 +93,15 @@ class PlaceholderDrafter(Drafter):
     the scheduler only reserves room, placeholder tokens that the forward
     thread replaces with the draft model's tokens before the target runs."""
 
-    def __init__(self, num_draft_tokens: int, drafts_from_computed_rows: bool = False,
-                 follows_steps: bool = False):
+    def __init__(self, num_draft_tokens: int, draft_cost: float | None = None,
+                 drafts_from_computed_rows: bool = False, follows_steps: bool = False):
         """`drafts_from_computed_rows`: the drafter reads the target's
         states of every token before the drafts (EAGLE3's head), so a row
         whose known tokens are not all computed yet (the text a jump-forward
         appended) is not drafted; the next step computes them. A draft
         model computes them itself (DraftModel.propose).
         `follows_steps`: see Drafter.follows_steps."""
-        super().__init__(num_draft_tokens)
+        super().__init__(num_draft_tokens, draft_cost)
         self.drafts_from_computed_rows = drafts_from_computed_rows
         self.follows_steps = follows_steps
 

@@ -101,8 +101,8 @@ class LateNgramDraft:
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int):
-        super().__init__(num_draft_tokens)
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, draft_cost: float | None = None):
+        super().__init__(num_draft_tokens, draft_cost)
         self.min_window = min_window
         self.max_window = max_window
 

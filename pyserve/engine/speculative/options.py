@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pyserve.engine.speculative.drafter import Drafter, PlaceholderDrafter
+from pyserve.engine.speculative.drafter import CPU_DRAFT_COST, Drafter, PlaceholderDrafter
 from pyserve.engine.speculative.ngram import NgramDrafter
 from pyserve.engine.speculative.tree import TreeShape
 from pyserve.server_args import EngineOptions, ModelOptions
@@ -72,13 +72,14 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
+    draft_cost = CPU_DRAFT_COST if model_options.device == "cpu" else None
     if algorithm == "NGRAM":
         low, high = options.speculative_ngram_min_match_window_size, options.speculative_ngram_max_match_window_size
         if not 1 <= low <= high:
             raise ValueError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
         _warn_eager_verify(runner, model_options)
-        return NgramDrafter(k, low, high)
+        return NgramDrafter(k, low, high, draft_cost)
     steps = _drafts_per_row(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
     topk = options.speculative_eagle_topk
@@ -99,7 +100,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError(problem)
         runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
     _warn_eager_verify(runner, model_options)
-    return PlaceholderDrafter(steps, drafts_from_computed_rows=algorithm == "EAGLE3",
+    return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm == "EAGLE3",
                               follows_steps=algorithm == "STANDALONE")
 
 
