@@ -49,7 +49,7 @@ class Drafter:
         (a + b*rows) / rows. So drafting pays while the share of drafts kept
         exceeds b*rows / (a + b*rows) = rows*c / (1 - c + rows*c), with
         c = b / (a + b) the draft's cost: for c = 0.12, 12% alone, 35%
-        among four rows, 69% among sixteen (bench/README.md SB1-SB4). A
+        among four rows, 69% among sixteen (bench/README.md SB1-SB7). A
         request below it decodes plainly while the batch is that large."""
         if self.draft_cost is None or seq.verify_steps < _JUDGED_AFTER:
             return True
