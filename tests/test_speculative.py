@@ -129,9 +129,10 @@ def test_a_request_stops_drafting_once_its_drafts_keep_less_than_they_cost(accep
     assert (drafter.propose(seq) != []) == drafts_on
 
 
-def drafts_scheduled(shares_kept: list[float], draft_cost: float | None) -> list[bool]:
+def drafts_scheduled(shares_kept: list[float], draft_cost: float | None, drafter=None) -> list[bool]:
     """Whether each of len(shares_kept) judged requests, all decoding in one
-    step, gets drafts, each having kept that share of its 48 drafted tokens."""
+    step, gets drafts, each having kept that share of its 48 drafted tokens
+    (from `drafter`, by default NGRAM's with `draft_cost`)."""
     from pyserve.engine.kv.manager import KVManager
     from pyserve.engine.kv.page_allocator import PageAllocator
     from pyserve.engine.request import SamplingParams
@@ -140,7 +141,7 @@ def drafts_scheduled(shares_kept: list[float], draft_cost: float | None) -> list
     from pyserve.engine.speculative.ngram import NgramDrafter
 
     sched = Scheduler(KVManager(PageAllocator(4096, 1), use_radix_cache=False), len(shares_kept),
-                      max_prefill_tokens=4096, chunk_size=None, drafter=NgramDrafter(6, 3, 12, draft_cost))
+                      max_prefill_tokens=4096, chunk_size=None, drafter=drafter or NgramDrafter(6, 3, 12, draft_cost))
     seqs = [Sequence(f"r{i}", list(range(100, 140)) * 3, SamplingParams(max_new_tokens=100, temperature=0))
             for i in range(len(shares_kept))]
     for seq in seqs:
@@ -151,7 +152,9 @@ def drafts_scheduled(shares_kept: list[float], draft_cost: float | None) -> list
     for seq, share in zip(seqs, shares_kept):
         seq.output_ids.append(100)  # the text repeats on: the n-gram lookup has drafts for every row
         seq.verify_steps, seq.drafted, seq.accepted = 8, 48, round(48 * share)
-    sched.schedule()
+    step = sched.schedule()
+    # A request skipped for the step still counts as drafting: a draft model follows every row.
+    assert step.draft_rows is None and all(seq.drafting for seq in seqs)
     return [bool(seq.draft_ids) for seq in seqs]
 
 
@@ -163,11 +166,16 @@ def test_in_a_large_cpu_batch_only_requests_keeping_most_of_their_drafts_draft(d
     keep over two thirds of its drafts. One keeping 30% drafts alone and
     among 3, not among 4 or 16. Where a draft costs next to nothing in a
     small batch (None: a GPU), every judged request above 15% drafts."""
+    from pyserve.engine.speculative.drafter import PlaceholderDrafter
+
     on_cpu = draft_cost is not None
     assert drafts_scheduled([0.3], draft_cost) == [True]
     assert drafts_scheduled([0.3] * 3, draft_cost) == [True] * 3
     assert drafts_scheduled([0.3] * 4, draft_cost) == [not on_cpu] * 4
     assert drafts_scheduled([0.85] + [0.3] * 15, draft_cost) == [True] + [not on_cpu] * 15
+    # A draft model's placeholders (STANDALONE) follow the same rule.
+    standalone = PlaceholderDrafter(4, draft_cost, follows_steps=True)
+    assert drafts_scheduled([0.85] + [0.3] * 15, draft_cost, standalone) == [True] + [not on_cpu] * 15
 
 
 def test_greedy_run_stops_at_the_first_disagreement():
