@@ -48,9 +48,9 @@ request alone, on both sides (docs/cpu-kernels.md).
 that step with k drafts in its first row (k + 1 tokens, logits at each),
 after a 278-token prompt, alternated; each verify step's cost as a
 multiple of the decode step's, and the plan (step_plan.py) each step
-gets. With several rows, also what a draft adds to the step as a share of
-a one-row decode step: the draft cost the CPU's drafting rule assumes
-(speculative/drafter.py).
+gets; and what a draft adds to the step as a share of a one-row decode
+step (with several rows, one is timed too): the draft cost the CPU's
+drafting rule assumes (speculative/drafter.py).
 
     python bench/speculative.py                 # embedded model, CPU
     python bench/speculative.py --rounds 6 --max-tokens 300
@@ -249,7 +249,8 @@ def step_costs(args, model_dir: Path) -> dict:
     """Median ms of a decode step of --rows rows, each one token after the
     same prompt, and of that step with 1, 3 and 6 drafts in its first row,
     alternated over --rounds x 20 steps; with more than one row, a one-row
-    decode step too, the unit a draft's cost is counted in."""
+    decode step too, the unit a draft's cost is counted in (the decode
+    step itself with one row)."""
     import torch
 
     from pyserve.engine.runner.rank_model import RankModel
@@ -297,11 +298,10 @@ def step_costs(args, model_dir: Path) -> dict:
         result[name] = {"ms": round(ms * 1e3, 2), "x_decode": round(ms / decode, 2),
                         "plan": rank.plan(batch).layers.value, "torch_threads": rank.plan(batch).torch_threads}
         print(name, json.dumps(result[name]), flush=True)
-    if rows > 1:  # what one draft adds to the step, in one-row decode steps (Drafter.draft_cost)
-        one_row = statistics.median(times["one_row_decode"])
-        result["draft_x_one_row_decode"] = round((statistics.median(times["verify_6_drafts"]) - decode) / 6 / one_row,
-                                                 3)
-        print("draft_x_one_row_decode", result["draft_x_one_row_decode"], flush=True)
+    # What one draft adds to the step, in one-row decode steps (Drafter.draft_cost).
+    one_row = statistics.median(times["one_row_decode"]) if rows > 1 else decode
+    result["draft_x_one_row_decode"] = round((statistics.median(times["verify_6_drafts"]) - decode) / 6 / one_row, 3)
+    print("draft_x_one_row_decode", result["draft_x_one_row_decode"], flush=True)
     return result
 
 
