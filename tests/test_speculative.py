@@ -129,10 +129,12 @@ def test_a_request_stops_drafting_once_its_drafts_keep_less_than_they_cost(accep
     assert (drafter.propose(seq) != []) == drafts_on
 
 
-def drafts_scheduled(shares_kept: list[float], draft_cost: float | None, drafter=None) -> list[bool]:
-    """Whether each of len(shares_kept) judged requests, all decoding in one
-    step, gets drafts, each having kept that share of its 48 drafted tokens
-    (from `drafter`, by default NGRAM's with `draft_cost`)."""
+def drafts_scheduled(shares_kept: list[float], draft_cost: float | None, drafter=None,
+                     verify_steps: int = 8) -> list[bool]:
+    """Whether each of len(shares_kept) requests, all decoding in one step,
+    gets drafts, each having kept that share of the 6 tokens drafted in
+    each of its `verify_steps` (8: judged) verify steps (from `drafter`, by
+    default NGRAM's with `draft_cost`)."""
     from pyserve.engine.kv.manager import KVManager
     from pyserve.engine.kv.page_allocator import PageAllocator
     from pyserve.engine.request import SamplingParams
@@ -151,7 +153,8 @@ def drafts_scheduled(shares_kept: list[float], draft_cost: float | None, drafter
     sched.on_results(step)
     for seq, share in zip(seqs, shares_kept):
         seq.output_ids.append(100)  # the text repeats on: the n-gram lookup has drafts for every row
-        seq.verify_steps, seq.drafted, seq.accepted = 8, 48, round(48 * share)
+        seq.verify_steps, seq.drafted = verify_steps, 6 * verify_steps
+        seq.accepted = round(seq.drafted * share)
     step = sched.schedule()
     # A request skipped for the step still counts as drafting: a draft model follows every row.
     assert step.draft_rows is None and all(seq.drafting for seq in seqs)
@@ -176,6 +179,18 @@ def test_in_a_large_cpu_batch_only_requests_keeping_most_of_their_drafts_draft(d
     # A draft model's placeholders (STANDALONE) follow the same rule.
     standalone = PlaceholderDrafter(4, draft_cost, follows_steps=True)
     assert drafts_scheduled([0.85] + [0.3] * 15, draft_cost, standalone) == [True] + [not on_cpu] * 15
+
+
+def test_before_it_is_judged_a_request_drafts_in_a_large_cpu_batch_until_it_keeps_too_few():
+    """A new request drafts among 16 rows; after two verify steps keeping a
+    third of its drafts, it counts as having kept 12 of 20 (8 trusted), too
+    few among 16 (two thirds) and enough among 3. Alone, a request is
+    judged after 8 steps as before."""
+    assert drafts_scheduled([0.0] * 16, 0.12, verify_steps=0) == [True] * 16
+    assert drafts_scheduled([1 / 3] * 16, 0.12, verify_steps=2) == [False] * 16
+    assert drafts_scheduled([1 / 3] * 3, 0.12, verify_steps=2) == [True] * 3
+    assert drafts_scheduled([1.0] + [1 / 3] * 15, 0.12, verify_steps=2) == [True] + [False] * 15
+    assert drafts_scheduled([0.2], 0.12, verify_steps=7) == [True]
 
 
 def test_greedy_run_stops_at_the_first_disagreement():

@@ -20,6 +20,10 @@ from pyserve.engine.sequence import Sequence
 # more than that share of its drafts gains from them.
 _JUDGED_AFTER = 8
 _MIN_ACCEPT_RATE = 0.15
+# Until then, the CPU batch rule (Drafter.pays) counts a request as if it had
+# kept this many more drafts: a new request drafts, and one keeping too few
+# for a large batch stops after two or three verify steps rather than eight.
+_TRUSTED_DRAFTS = 8
 # What a draft token costs on a CPU, as a share of a one-row decode step.
 CPU_DRAFT_COST = 0.12
 
@@ -50,11 +54,15 @@ class Drafter:
         exceeds b*rows / (a + b*rows) = rows*c / (1 - c + rows*c), with
         c = b / (a + b) the draft's cost: for c = 0.12, 12% alone, 35%
         among four rows, 69% among sixteen (bench/README.md SB1-SB7). A
-        request below it decodes plainly while the batch is that large."""
-        if self.draft_cost is None or seq.verify_steps < _JUDGED_AFTER:
+        request below it decodes plainly while the batch is that large.
+        Before it is judged, its counts start at _TRUSTED_DRAFTS kept."""
+        if self.draft_cost is None:
             return True
+        kept, drafted = seq.accepted, seq.drafted
+        if seq.verify_steps < _JUDGED_AFTER:
+            kept, drafted = kept + _TRUSTED_DRAFTS, drafted + _TRUSTED_DRAFTS
         c = self.draft_cost
-        return seq.accepted * (1 - c + rows * c) >= seq.drafted * rows * c
+        return kept * (1 - c + rows * c) >= drafted * rows * c
 
     def propose(self, seq: Sequence) -> list[int]:
         raise NotImplementedError
