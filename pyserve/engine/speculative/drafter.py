@@ -55,7 +55,8 @@ class Drafter:
         c = b / (a + b) the draft's cost: for c = 0.12, 12% alone, 35%
         among four rows, 69% among sixteen (bench/README.md SB1-SB7). A
         request below it decodes plainly while the batch is that large.
-        Before it is judged, its counts start at _TRUSTED_DRAFTS kept."""
+        Before it is judged, its counts start at _TRUSTED_DRAFTS kept
+        (SB12-SB15)."""
         if self.draft_cost is None:
             return True
         kept, drafted = seq.accepted, seq.drafted
