@@ -46,8 +46,8 @@ class Drafter:
         self.draft_cost = draft_cost
 
     def pays(self, seq: Sequence, rows: int) -> bool:
-        """Whether drafting `seq` pays in a step of `rows` decode rows, once
-        its drafting has been judged. A CPU step of n tokens costs about
+        """Whether drafting `seq` pays in a step of `rows` decode rows, by
+        the drafts it kept so far. A CPU step of n tokens costs about
         a + b*n: the weights read once, and each token's products. A draft
         adds b; a kept one saves its row a token's share of a plain step,
         (a + b*rows) / rows. So drafting pays while the share of drafts kept
