@@ -182,6 +182,47 @@ def test_prefix_cache_never_shared_across_adapters(setup):
     assert beta2 > 0
 
 
+@pytest.fixture(scope="module")
+def speculative_setup(tmp_path_factory, eagle3_target, eagle3_heads):
+    """Two adapters over the EAGLE3 tests' target, and its random head."""
+    root = tmp_path_factory.mktemp("lora-speculative")
+    adapters = {"alpha": make_adapter(eagle3_target, root / "alpha", 1),
+                "beta": make_adapter(eagle3_target, root / "beta", 2, r=8, alpha=8,
+                                     targets=["q_proj", "v_proj", "down_proj"])}
+    return eagle3_target, adapters, eagle3_heads["random"]
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE3-tree"])
+def test_speculative_decoding_verifies_under_each_requests_adapter(speculative_setup, algorithm):
+    """Adapters and the base model in one batch, drafted: greedy tokens and
+    logprobs as without speculation. The drafts come from the base model
+    (STANDALONE's draft model, here the target itself) or a head over the
+    adapted hidden states (EAGLE3, a tree); the verify rows run under each
+    request's adapter."""
+    from tests.test_speculative import repetitive, same, with_and_without
+
+    model_dir, adapters, head = speculative_setup
+    options = {
+        "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1},
+        "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(model_dir),
+                       "speculative_num_draft_tokens": 3},
+        "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head),
+                        "speculative_num_draft_tokens": 6, "speculative_eagle_topk": 2,
+                        "speculative_num_steps": 3},
+    }[algorithm]
+    greedy = {"temperature": 0, "ignore_eos": True}
+    requests = [(prompt, {**greedy, **params, "lora": name}) for name in (None, "alpha", "beta")
+                for prompt, params in ((repetitive(), {"max_new_tokens": 24}),
+                                       ([5, 17, 99] * 3, {"max_new_tokens": 12, "logprobs": True, "top_logprobs": 2}))]
+    paths = ",".join(f"{name}={path}" for name, path in adapters.items())
+    plain, drafted, metrics = with_and_without(model_dir, requests, options,
+                                               {"enable_lora": True, "lora_paths": paths, "max_lora_rank": 8})
+    same(plain, drafted)
+    assert metrics.spec_verify_steps > 0
+    by_adapter = [[tokens for _, tokens, _, _ in plain[i::2]] for i in range(2)]
+    assert all(len({tuple(t) for t in outputs}) == 3 for outputs in by_adapter)  # each adapter changes the output
+
+
 def test_a_quantized_base_stays_quantized_and_adds_the_float_adapter(setup):
     """8da4w on a CPU: the torch layers run (the native ones have no
     adapter hooks), each projection still 4-bit, and its output under an

@@ -26,9 +26,9 @@ async def started(model_dir, **kwargs) -> Engine:
     return engine
 
 
-async def collect(engine: Engine, ids, **params):
+async def collect(engine: Engine, ids, lora: str | None = None, **params):
     text, tokens, logprobs, last = "", [], [], None
-    async for out in engine.generate(GenerateRequest(list(ids), SamplingParams(**params))):
+    async for out in engine.generate(GenerateRequest(list(ids), SamplingParams(**params), lora=lora)):
         text += out.text
         tokens += out.token_ids
         logprobs += out.logprobs or []
