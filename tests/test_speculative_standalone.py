@@ -92,6 +92,17 @@ def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, 
         assert metrics.spec_emitted_tokens > 1.5 * metrics.spec_verify_steps  # runs of several tokens happened
 
 
+@pytest.mark.parametrize("mode", ["int8wo", "int4wo-32", "8da4w"])
+def test_greedy_identical_in_each_cpu_quantization_mode(tiny_llama_dir, drafts, mode):
+    """The draft model loads in the target's --torchao-config mode; its KV
+    pass over the step's rows computes no logits (a projection of no rows)."""
+    requests = [(repetitive(), {**GREEDY, "max_new_tokens": 24}),
+                (repetitive(33), {**GREEDY, "max_new_tokens": 9, "logprobs": True, "top_logprobs": 2})]
+    plain, got, metrics = with_and_without(tiny_llama_dir, requests, spec(drafts["noisy"]), {"torchao_config": mode})
+    same(plain, got)
+    assert metrics.spec_emitted_tokens > metrics.spec_verify_steps > 0
+
+
 async def _plain_tokens(model_dir, ids, n):
     engine = await started(model_dir, torchao_config="none")
     try:

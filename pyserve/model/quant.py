@@ -158,7 +158,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(_ACT_DTYPE), self.weight, self.scales)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])  # shaped for 0 rows too
         return y if self.bias is None else y + self.bias
 
 
