@@ -74,16 +74,17 @@ class StopMatcher:
     or at `flush`.
     """
 
-    def __init__(self, stops: list[str], regexes: list[str] | None = None) -> None:
+    def __init__(self, stops: list[str], regexes: list[str] | None = None, keep_stops: bool = False) -> None:
         """A regex that does not parse or that matches the empty string is a
-        ValueError naming it (`stop_regex[i]`)."""
+        ValueError naming it (`stop_regex[i]`). `keep_stops`: the matched
+        stop's own text is returned too (and still nothing after it)."""
     def feed(self, text: str) -> tuple[str, int | None]:
         """Returns (text safe to emit now, index of the matched stop or None):
         an index into `stops`, or `len(stops) + i` for `regexes[i]`.
 
         Text that could still be part of a stop is held back. Once a stop
-        matched, the text before it is returned, the stop itself never is,
-        and every later call returns ("", index)."""
+        matched, the text before it is returned (with the stop itself only
+        when kept), and every later call returns ("", index)."""
     def flush(self) -> tuple[str, int | None]:
         """End of stream: the held-back tail, up to a regex that matches at
         the end of the text, which is then the stop."""

@@ -95,6 +95,8 @@ def shared(after: str | None) -> dict:
         "rid": probe(RESPONSE, "my-request"),
         "min_tokens": engine(1, {"min_new_tokens": 1}),
         "stop_regex": engine(["x+"], {"stop_regex": ["x+"]}),
+        "no_stop_trim": engine(True, {"keep_stop": True}),
+        "include_stop_str_in_output": engine(True, {"keep_stop": True}),
         "return_token_ids": probe(RESPONSE, True),
         "prompt_logprobs": engine(1, {"prompt_logprobs": True, "prompt_top_logprobs": 1}),
         "response_format": engine({"type": "json_object"},

@@ -57,6 +57,34 @@ def test_stop_regex_ends_the_text_before_its_match(client, model_name):
         assert [c["matched_stop"] for c in choices if c["finish_reason"]] == [pattern]
 
 
+@pytest.mark.parametrize("name", ["include_stop_str_in_output", "no_stop_trim"])
+def test_a_kept_stop_ends_the_text_with_the_stop_itself(client, model_name, name):
+    """vLLM's include_stop_str_in_output and SGLang's no_stop_trim: the
+    matched stop string, regex match or stop token's text stays in the
+    text, and nothing after it; usage counts the same tokens as a trimmed stop."""
+    text, choices, _, _ = completion(client, model_name, max_tokens=24, return_token_ids=True)
+    ids = choices[0]["token_ids"]
+    word = re.findall(r"[A-Za-z]{3,}", text[4:])[0]
+    at = text.index(word, 4) + len(word)
+    pattern = word[:2] + "[a-z]+"
+    for stream in (False, True):
+        trimmed, _, _, bodies = completion(client, model_name, stream, max_tokens=24, stop=[word],
+                                           stream_options={"include_usage": True} if stream else None)
+        kept, choices, finish, kept_bodies = completion(client, model_name, stream, max_tokens=24, stop=[word],
+                                                        stream_options={"include_usage": True} if stream else None,
+                                                        **{name: True})
+        assert trimmed == text[: at - len(word)] and kept == text[:at] and finish == "stop"
+        assert [c["matched_stop"] for c in choices if c["finish_reason"]] == [word]
+        assert kept_bodies[-1]["usage"] == bodies[-1]["usage"]
+        by_regex, _, _, _ = completion(client, model_name, stream, max_tokens=24, stop_regex=[pattern], **{name: True})
+        start = re.search(pattern, text).start()  # the text up to the match, then the match itself
+        assert text.startswith(by_regex) and re.fullmatch(pattern, by_regex[start:])
+    token_text, _, finish, _ = completion(client, model_name, max_tokens=24, stop_token_ids=[ids[2]],
+                                          skip_special_tokens=False, **{name: True})
+    plain_text, _, _, _ = completion(client, model_name, max_tokens=24, stop_token_ids=[ids[2]])
+    assert finish == "stop" and token_text.startswith(plain_text) and len(token_text) > len(plain_text)
+
+
 def test_a_stop_regex_that_does_not_parse_is_a_400(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         completion(client, model_name, stop_regex="(unclosed")
@@ -163,5 +191,7 @@ def test_generate_honours_sglang_min_new_tokens_and_stop_regex(server, client, m
         assert held["meta_info"]["completion_tokens"] >= 4
         cut = generate(max_new_tokens=24, stop_regex=pattern)
         assert cut["text"] == text[: re.search(pattern, text).start()]
+        kept = generate(max_new_tokens=24, stop_regex=pattern, no_stop_trim=True)
+        assert kept["text"].startswith(cut["text"]) and re.fullmatch(pattern, kept["text"][len(cut["text"]):])
         r = c.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens"

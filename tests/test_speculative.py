@@ -353,10 +353,12 @@ def assert_identical_on_the_embedded_model(default_model_dir, speculative: dict,
         (ids, {**greedy, "max_new_tokens": 60, "stop_token_ids": tok.encode(" jumps")[:1]}),
         (ids, {**greedy, "max_new_tokens": 30, "constraint": Constraint("json_schema", SCHEMA)}),
         (ids, {**greedy, "max_new_tokens": 30, "frequency_penalty": 0.3, "logit_bias": {tok.encode(" fox")[0]: -2.0}}),
+        (ids, {**greedy, "max_new_tokens": 40, "stop": ["lazy"], "keep_stop": True}),
     ]
     plain, spec, metrics = with_and_without(default_model_dir, requests, speculative, mode)
     same(plain, spec, tol)
     assert plain[2][3].finish_reason == "stop"
+    assert spec[7][0] == spec[2][0] + "lazy"  # a kept stop, and nothing after it
     assert len(spec[1][1]) == 9  # max_tokens never exceeded
     assert spec[4][3].finish_reason == "stop" and len(spec[4][1]) < 60
     return metrics

@@ -63,7 +63,7 @@ class OutputProcessor:
         self.speculative = speculative  # outputs carry the request's SpeculationCounts
         p = seq.params
         self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
-        self.stops = StopMatcher(p.stop, p.stop_regex)
+        self.stops = StopMatcher(p.stop, p.stop_regex, p.keep_stop)
         self.stop_ids = set(p.stop_token_ids)
         # A grammar allows EOS only at its end: there the request stops.
         if not p.ignore_eos or p.constraint is not None:
@@ -121,9 +121,12 @@ class OutputProcessor:
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         if token_id in self.stop_ids:
-            # The stop token's own text is never emitted.
-            text, matched = self._flush()
-            return text, (matched, token_id)
+            # The stop token's own text is emitted only when the request keeps its stop.
+            text, matched = self.stops.feed(self.detok.step([token_id])) if seq.params.keep_stop else ("", None)
+            if matched is not None:
+                return text, (matched, token_id)
+            rest, matched = self._flush()
+            return text + rest, (matched, token_id)
         text, matched = self.stops.feed(self.detok.step([token_id]))
         if matched is None and (
             len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.context_len

@@ -52,6 +52,9 @@ class SamplingParams:
     # masked until min_new_tokens tokens are out.
     stop_token_ids: list[int] = field(default_factory=list)
     min_new_tokens: int = 0
+    # The stop string, or the stop token's text, that ended it stays in the
+    # output (SGLang's no_stop_trim, vLLM's include_stop_str_in_output).
+    keep_stop: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)

@@ -115,9 +115,11 @@ struct PyStopMatcher {
 #[pymethods]
 impl PyStopMatcher {
     #[new]
-    #[pyo3(signature = (stops, regexes = None))]
-    fn new(stops: Vec<String>, regexes: Option<Vec<String>>) -> PyResult<Self> {
-        Ok(PyStopMatcher { matcher: Matcher::new(&stops, &regexes.unwrap_or_default()).map_err(value_error)? })
+    /// `keep_stops`: the matched stop's own text is released too.
+    #[pyo3(signature = (stops, regexes = None, keep_stops = false))]
+    fn new(stops: Vec<String>, regexes: Option<Vec<String>>, keep_stops: bool) -> PyResult<Self> {
+        let matcher = Matcher::new(&stops, &regexes.unwrap_or_default()).map_err(value_error)?;
+        Ok(PyStopMatcher { matcher: if keep_stops { matcher.keeping_stops() } else { matcher } })
     }
 
     fn feed(&mut self, text: &str) -> (String, Option<usize>) {

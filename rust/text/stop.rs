@@ -10,6 +10,10 @@
 //! that wins is the one that ends first (as if fed one character at a time),
 //! and of those ending at the same place the longest, then the first listed
 //! (stop strings are listed before regexes).
+//!
+//! A matcher built `keeping_stops` releases the stop itself too, and
+//! nothing after it (SGLang's no_stop_trim, vLLM's
+//! include_stop_str_in_output).
 
 use aho_corasick::AhoCorasick;
 
@@ -30,6 +34,8 @@ pub struct StopMatcher {
     /// Offset of `held` in the stream (bytes released before it).
     held_at: usize,
     matched: Option<usize>,
+    /// Whether the text of the stop that matched is released.
+    keep: bool,
 }
 
 /// A stop found in `held`: (end, start, caller's index), ordered so that the
@@ -62,7 +68,14 @@ impl StopMatcher {
             held: String::new(),
             held_at: 0,
             matched: None,
+            keep: false,
         })
+    }
+
+    /// The same matcher, releasing each stop's own text when it matches.
+    pub fn keeping_stops(mut self) -> Self {
+        self.keep = true;
+        self
     }
 
     pub fn matched(&self) -> Option<usize> {
@@ -119,8 +132,8 @@ impl StopMatcher {
         (m.end - self.held_at, m.start - self.held_at, self.regex_base + m.pattern)
     }
 
-    fn stop_at(&mut self, (_, start, index): Found) -> (String, Option<usize>) {
-        let before = self.held[..start].to_string();
+    fn stop_at(&mut self, (end, start, index): Found) -> (String, Option<usize>) {
+        let before = self.held[..if self.keep { end } else { start }].to_string();
         self.held.clear();
         self.matched = Some(index);
         (before, self.matched)
@@ -256,6 +269,18 @@ mod tests {
     fn a_regex_that_needs_the_end_of_text_matches_at_flush() {
         assert_eq!(run_regex(&[], &[r"\.$"], &["a.b", "."]), ("a.b".into(), Some(0)));
         assert_eq!(run_regex(&[], &[r"\.$"], &["a.", "b"]), ("a.b".into(), None));
+    }
+
+    #[test]
+    fn a_matcher_keeping_stops_releases_the_stop_and_nothing_after() {
+        let keeping = |stops: &[&str], regexes: &[&str]| {
+            StopMatcher::new(&strings(stops), &strings(regexes)).unwrap().keeping_stops()
+        };
+        assert_eq!(run_with(keeping(&["fox"], &[]), &["the f", "ox jumps"]), ("the fox".into(), Some(0)));
+        assert_eq!(run_with(keeping(&["bc"], &[r"\d+\."]), &["a 12", ". bc"]), ("a 12.".into(), Some(1)));
+        assert_eq!(run_with(keeping(&[], &[r"\.$"]), &["a.b", "."]), ("a.b.".into(), Some(0)));
+        assert_eq!(run_with(keeping(&["。"], &[]), &["你好", "。再见"]), ("你好。".into(), Some(0)));
+        assert_eq!(run_with(keeping(&["z"], &[]), &["abc"]), ("abc".into(), None));
     }
 
     #[test]

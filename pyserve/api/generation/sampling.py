@@ -120,6 +120,7 @@ def sampling_params(
         stop_regex=_stop_regexes(f.stop_regex),
         stop_token_ids=stop_ids,
         min_new_tokens=min_tokens,
+        keep_stop=f.no_stop_trim or getattr(f, "include_stop_str_in_output", False),
         ignore_eos=f.ignore_eos,
         skip_special_tokens=f.skip_special_tokens,
         logit_bias=bias,

@@ -2,8 +2,8 @@
 
 Stricter than the OpenAI routes' bodies: an unknown field, at the top or
 in sampling_params, is a 400 naming it (msgspec's forbid_unknown_fields).
-SGLang's own fields that pyserve cannot honour (no_stop_trim,
-image_data, lora_path...) are unknown here, so they are refused rather
+SGLang's own fields that pyserve cannot honour (image_data,
+custom_logit_processor...) are unknown here, so they are refused rather
 than dropped. Types are strict too: no bool or int read from a string.
 """
 
@@ -33,6 +33,7 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
     min_new_tokens: int = 0  # EOS and stop token ids masked until this many tokens
+    no_stop_trim: bool = False  # the matched stop string or stop token's text stays in the text
     stop_regex: str | list[str] | None = None  # stops that are regular expressions
     # Structured outputs, as SGLang takes them: a JSON schema (JSON text, or
     # the schema itself, which stays a free object), a regex, a GBNF

@@ -155,6 +155,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rid: str | None = None
     min_tokens: int = 0  # vLLM / SGLang: EOS and stop token ids masked until this many tokens
     stop_regex: str | list[str] | None = None  # SGLang: stops that are regular expressions
+    # The matched stop string or stop token's text stays in the output: SGLang's and vLLM's names.
+    no_stop_trim: bool = False
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:N"
