@@ -200,3 +200,20 @@ def test_forced_4bit_modes_hold_the_checkpoints_codes(tmp_path, default_model_di
         assert isinstance(proj, Q4_1Linear if mode == "8da4w" else Int4Linear)
         want = reference.layers[1].get_submodule(name).weight
         assert torch.allclose(proj.dense_weight(), want, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor"])
+@pytest.mark.parametrize("mode", ["int4wo-32", "8da4w"])
+def test_forced_4bit_modes_quantize_an_fp8_checkpoints_values(tmp_path, default_model_dir, fmt, mode):
+    """FP8 values are no 4-bit codes: a 4-bit mode (asked for, or inherited
+    by a STANDALONE draft from its target) quantizes the checkpoint's dense
+    weight, as it would the same weight in float."""
+    from pyserve.model.quant import parse_quant
+
+    quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt)
+    model, _ = load_model(quant_dir, torch.float32, "cpu", parse_quant(mode))
+    reference, _ = load_model(dense_dir, torch.float32, "cpu", parse_quant(mode))
+    for name in ("self_attn.qkv_proj", "mlp.down_proj"):
+        proj, want = model.layers[1].get_submodule(name), reference.layers[1].get_submodule(name)
+        assert isinstance(proj, Q4_1Linear if mode == "8da4w" else Int4Linear)
+        assert torch.equal(proj.dense_weight(), want.dense_weight()), name

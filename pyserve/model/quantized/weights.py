@@ -90,6 +90,10 @@ class FloatWeight:
             scale = scale[:, None]
         return w * scale
 
+    def int4_groups(self, group_size: int) -> None:
+        """FP8 values are no 4-bit codes: a 4-bit mode quantizes the dense weight."""
+        return None
+
 
 QuantizedWeight = IntWeight | FloatWeight
 
