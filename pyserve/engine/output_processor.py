@@ -123,10 +123,10 @@ class OutputProcessor:
         if token_id in self.stop_ids:
             # The stop token's own text is emitted only when the request keeps its stop.
             text, matched = self.stops.feed(self.detok.step([token_id])) if seq.params.keep_stop else ("", None)
-            if matched is not None:
-                return text, (matched, token_id)
-            rest, matched = self._flush()
-            return text + rest, (matched, token_id)
+            if matched is None:
+                rest, matched = self._flush()
+                text += rest
+            return text, (matched, token_id)
         text, matched = self.stops.feed(self.detok.step([token_id]))
         if matched is None and (
             len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.context_len
