@@ -143,10 +143,10 @@ def test_two_nodes_on_one_machine_serve_from_node_0(tiny_llama_dir, tmp_path):
         try:
             assert answer(srv)
             srv.proc.send_signal(signal.SIGTERM)
-            assert srv.proc.wait(timeout=120) == 0
+            assert srv.proc.wait(timeout=120) == 0, srv.log()[-4000:]
         finally:
             srv.stop()
-        assert node1.wait(timeout=120) == 0
+        assert node1.wait(timeout=120) == 0, (tmp_path / "node1.log").read_text()[-4000:]
     finally:
         if node1.poll() is None:
             node1.kill()
