@@ -158,8 +158,6 @@ def test_fused_checkpoint_layers_and_replicated_kv_heads(tmp_path, monkeypatch, 
     assert_same_generation(*_one_and_two_ranks(quant_dir, torchao_config="none"))
 
 
-@pytest.mark.parametrize("fmt", ["gptq-int4-sym", "gptq-int4-act-order", "awq-int4-g64", "fp8-row", "fp8-block-128",
-                                 "compressed-w4a16-g32"])
 def _parts_of_two_ranks(tmp_path, default_model_dir, fmt):
     """(config, [(module, whole weight, dim, part, the part read, whether it was cut)])
     for every quantized layer of a `fmt` checkpoint and each of two ranks' parts."""
