@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import resource
 import signal
 import socket
 import sys
+from typing import NoReturn
 
 from pyserve.server_args import ServerArgs
 
@@ -111,7 +113,7 @@ def check_port_free(host: str, port: int) -> None:
             raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> NoReturn:
     args = ServerArgs.from_cli(argv)
     setup_logging(args.log_level)
     try:
@@ -119,11 +121,28 @@ def main(argv: list[str] | None = None) -> None:
             # Another node of a tensor-parallel group: its ranks only, no HTTP.
             from pyserve.engine.tp.workers import run_worker_node
 
-            sys.exit(run_worker_node(args.resolved().split().model))
-        asyncio.run(serve(args))
+            status = run_worker_node(args.resolved().split().model)
+        else:
+            asyncio.run(serve(args))
+            status = 0
     except (ValueError, RuntimeError, OSError) as e:  # bad model, options or port, a failed rank: one clear line
         logging.getLogger("pyserve").error("%s", e)
-        sys.exit(1)
+        status = 1
+    end_process(status)
+
+
+def end_process(status: int) -> NoReturn:
+    """Exit with `status` once everything pyserve wrote is flushed, without
+    the interpreter's finalization: a thread still running Rust or C++ code
+    (Granian's runtime, torch's) that reaches for the GIL while the
+    interpreter finalizes is unwound through frames that cannot unwind,
+    and a server that had stopped cleanly dies of SIGABRT ("panic in a
+    function that cannot unwind", "terminate called without an active
+    exception")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
