@@ -71,6 +71,12 @@ def free_port() -> int:
             return port
 
 
+def crash_stacks_env() -> dict[str, str]:
+    """This environment, in which a server killed by a fatal signal
+    (SIGSEGV, SIGABRT) first writes every thread's Python stack to its log."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
 class ServerProcess:
     """`python -m pyserve` in a subprocess, as a user would start it."""
 
@@ -81,7 +87,7 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pyserve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            stdout=self._log, stderr=subprocess.STDOUT, env=crash_stacks_env(),
         )
         self._wait_ready(timeout)
 

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import SERVER_DEFAULT_MAX_TOKENS, ServerProcess, free_port
+from tests.conftest import SERVER_DEFAULT_MAX_TOKENS, ServerProcess, crash_stacks_env, free_port
 from tests.slow import slow
 from tests.test_batches import wait_for
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
@@ -137,7 +137,7 @@ def test_two_nodes_on_one_machine_serve_from_node_0(tiny_llama_dir, tmp_path):
               "--dist-init-addr", addr]
     node1_log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen([sys.executable, "-m", "pyserve", *common, "--node-rank", "1"], stdout=node1_log,
-                             stderr=subprocess.STDOUT)
+                             stderr=subprocess.STDOUT, env=crash_stacks_env())
     try:
         srv = ServerProcess(*common, "--node-rank", "0", timeout=300)
         try:
