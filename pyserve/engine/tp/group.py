@@ -12,11 +12,6 @@ Two process groups: the default one carries the model's collectives
 step headers, which the other ranks wait on for as long as the server is
 idle, so it has no practical timeout. A rank that dies closes its
 connections, and the others' next collective fails at once.
-
-The ranks meet through a TCP store that rank 0 serves and that outlives
-the groups. At a stop, each other rank leaves the groups and then says so
-in the store, and rank 0 leaves last: gloo tearing down both ends of a
-connection at once can abort a process.
 """
 
 from __future__ import annotations
@@ -33,8 +28,6 @@ from pyserve.server_args import ModelOptions
 
 # Ranks wait on rank 0's next step header for as long as the server idles.
 _IDLE_TIMEOUT = timedelta(days=3650)
-# How long ranks wait for each other at start-up (torch's default for gloo).
-_JOIN_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -83,7 +76,6 @@ class Membership:
     tp: TensorParallel
     control: object  # the gloo process group of step headers
     device: torch.device
-    store: dist.Store  # where the ranks met; rank 0 serves it
 
 
 def join(layout: RankLayout, rank: int) -> Membership:
@@ -93,34 +85,15 @@ def join(layout: RankLayout, rank: int) -> Membership:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         options["device_id"] = device  # NCCL's communicator is made now, before any graph capture
-    host, port = layout.init_addr.rsplit(":", 1)
-    store = dist.TCPStore(host.strip("[]"), int(port), layout.size, is_master=rank == 0, timeout=_JOIN_TIMEOUT)
-    dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.size, **options)
+    dist.init_process_group(layout.backend, init_method=f"tcp://{layout.init_addr}", rank=rank,
+                            world_size=layout.size, **options)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return Membership(TensorParallel(rank, layout.size, dist.group.WORLD), control, device, store)
+    return Membership(TensorParallel(rank, layout.size, dist.group.WORLD), control, device)
 
 
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _left_key(rank: int) -> str:
-    return f"pyserve/left/{rank}"
-
-
-def say_left(member: Membership) -> None:
-    """A rank other than 0, once it has left the groups, tells rank 0."""
-    member.store.set(_left_key(member.tp.rank), "1")
-
-
-def wait_for_others_to_leave(member: Membership, timeout: timedelta) -> bool:
-    """Rank 0, after telling the others to stop: whether they all left within `timeout`."""
-    try:
-        member.store.wait([_left_key(rank) for rank in range(1, member.tp.size)], timeout)
-    except dist.DistStoreError:
-        return False
-    return True
 
 
 def abort() -> None:

@@ -54,7 +54,6 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
                 else:
                     model.forward(message)
         tp_group.leave()
-        tp_group.say_left(member)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)

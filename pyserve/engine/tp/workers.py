@@ -23,7 +23,6 @@ import multiprocessing.connection
 import signal
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch.multiprocessing
@@ -166,16 +165,12 @@ class TensorParallelRanks:
         tp_group.leave()
 
     def stop(self) -> None:
-        """Tell the other ranks to stop, wait for them to leave the group,
-        then for this node's processes to end, and leave last."""
+        """Tell the other ranks to stop, wait for this node's, leave the group."""
         if self.failure is None:
             try:
                 self.channel.send_stop()
             except RuntimeError as e:  # a rank died just now
                 self.fail(f"stopping the tensor-parallel ranks failed: {e}")
-        grace = timedelta(seconds=_STOP_GRACE_S)
-        if self.failure is None and not tp_group.wait_for_others_to_leave(self.member, grace):
-            logger.warning("tensor-parallel ranks did not leave the group within %d s of the stop", _STOP_GRACE_S)
         self.workers.stop(grace=_STOP_GRACE_S if self.failure is None else 0)
         tp_group.leave()
 
