@@ -46,6 +46,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, arch):
         torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
 
 
+@slow_test  # the first compile in a process warms inductor up: 20 to 35 s on 2 cores
 @pytest.mark.parametrize("quant, arch", [("none", "llama"), ("8da4w", "qwen3")])
 def test_engine_with_compiled_decode_gives_the_eager_tokens(tmp_path, default_model_dir, quant, arch):
     """--enable-torch-compile through the engine: requests alone and batched

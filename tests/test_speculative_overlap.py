@@ -19,6 +19,7 @@ from tests.test_sliding_pool import assert_as_transformers, engine_greedy, slidi
 from tests.test_speculative import (SPEC, assert_identical_on_the_embedded_model, outputs, repetitive, same,
                                     with_and_without)
 from tests.test_speculative_standalone import GREEDY, assert_abort_gives_every_page_back, drafts  # noqa: F401
+from tests.slow import slow_test
 from tests.tiny_models import build_tiny_model
 from tests.test_speculative_standalone import run_both as standalone_both
 
@@ -183,6 +184,7 @@ def test_ngram_with_overlap_beside_a_sliding_pool_is_transformers_greedy(tmp_pat
     assert metrics.spec_verify_steps > 0 and late_steps["moved"] > 0
 
 
+@slow_test  # two ranks: tests/test_speculative_tp.py has the default suite's
 def test_ngram_with_overlap_over_two_ranks(tiny_llama_dir, late_steps):
     """Rank 0 moves the rows and finds the drafts before it sends the batch."""
     requests = [(repetitive(), {**GREEDY, "max_new_tokens": 30, "logprobs": True}),

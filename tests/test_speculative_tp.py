@@ -4,13 +4,15 @@ draft model whole on rank 0, an EAGLE-3 head reading rank 0's copy of the
 target's hidden states and the whole embedding from the checkpoint), the
 verify pass runs on both ranks (and a draft tree's accepted K/V moves in
 both ranks' caches), and greedy output is what two ranks give without
-speculation."""
+speculation. NGRAM's in the default suite; the draft models' (a whole
+draft model beside a sharded target, the head's states and trees), slow."""
 
 from __future__ import annotations
 
 import json
 
 from pyserve.engine.request import Constraint
+from tests.slow import slow_test
 from tests.test_speculative import SPEC, repetitive, same, with_and_without
 from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, runs_with_stops, spec, target  # noqa: F401
 from tests.test_speculative_tree import TREE
@@ -33,6 +35,7 @@ def test_ngram_over_two_ranks(tiny_llama_dir):
     assert metrics.spec_verify_steps > 0
 
 
+@slow_test
 def test_standalone_over_two_ranks(tiny_llama_dir):
     """The target as its own draft: every draft kept."""
     requests = [(repetitive(), {**GREEDY, "max_new_tokens": 20, "logprobs": True}),
@@ -44,6 +47,7 @@ def test_standalone_over_two_ranks(tiny_llama_dir):
     assert metrics.spec_emitted_tokens >= 3.5 * metrics.spec_verify_steps
 
 
+@slow_test
 def test_eagle3_over_two_ranks_keeps_the_fitted_heads_drafts(target, heads):
     """The fitted head drafts from the hidden states rank 0 keeps of a
     target split over two ranks: its first two drafts a step are kept, as
@@ -55,6 +59,7 @@ def test_eagle3_over_two_ranks_keeps_the_fitted_heads_drafts(target, heads):
     assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
 
 
+@slow_test
 def test_eagle3_trees_over_two_ranks(target, heads):
     """The fitted head's trees: each step's accepted nodes below the first
     level sit in other slots than a chain's, and their K/V is moved on
