@@ -25,6 +25,7 @@ from tests import test_quantized_formats
 from tests.test_quantized_formats import (
     dense_copy, fp8_block_dequantized, fp8_block_tensors, write_quantized,
 )
+from tests.slow import slow
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
 from tests.tiny_models import build_tiny_model
 
@@ -110,6 +111,9 @@ def assert_ranks_hold_the_whole_cut_in_two(model_dir, ranks) -> None:
             assert torch.equal(mine.mlp.down_proj.weight, full.mlp.down_proj.weight[:, inter])
 
 
+_SIX_HEADS = {"num_attention_heads": 6, "hidden_size": 96}
+
+
 @pytest.mark.parametrize("fmt, overrides, whole, shared", [
     ("gptq-int4-sym", {}, (), ("g_idx",)),
     # act-order: o_proj's and down_proj's inputs name groups spread over all of them: their codes cut,
@@ -119,7 +123,7 @@ def assert_ranks_hold_the_whole_cut_in_two(model_dir, ranks) -> None:
     # groups of 64: down_proj's 64 inputs a rank are one group, o_proj's 32 lie in its only group
     ("awq-int4-g64", {}, (), ("o_proj.qzeros", "o_proj.scales")),
     # 6 heads: o_proj's 48 inputs a rank do not end on its groups of 32
-    ("awq-int4-g32", {"num_attention_heads": 6, "hidden_size": 96}, ("o_proj",), ()),
+    ("awq-int4-g32", _SIX_HEADS, ("o_proj",), ()),
     # one scale per row: cut with the rows, whole for a part of the inputs
     ("fp8-row", {}, (), ("o_proj.weight_scale", "down_proj.weight_scale")),
     # blocks of 128: k/v's 64 rows a rank lie in their one block row of scales
@@ -131,6 +135,22 @@ def test_each_rank_reads_only_its_slice_of_dense_quantized_layers(tmp_path, monk
     quant_dir, _ = quantized_dir(tmp_path, default_model_dir, fmt, **overrides)
     ranks = assert_reads(monkeypatch, caplog, quant_dir, whole, shared)
     assert_ranks_hold_the_whole_cut_in_two(quant_dir, ranks)
+
+
+# What the ranks hold is the whole cut in two (above), so generation adds
+# the layers' use of their parts: act-order's part of the inputs and a
+# layer read whole in the default suite, the other formats slow.
+@pytest.mark.parametrize("fmt, overrides", [
+    pytest.param("gptq-int4-sym", {}, marks=slow),
+    ("gptq-int4-act-order", {}),
+    pytest.param("awq-int4-g64", {}, marks=slow),
+    ("awq-int4-g32", _SIX_HEADS),
+    pytest.param("fp8-row", {}, marks=slow),
+    pytest.param("fp8-block-128", {}, marks=slow),
+    pytest.param("compressed-w4a16-g32", {}, marks=slow),
+])
+def test_two_ranks_generate_what_one_does_from_the_parts_they_read(tmp_path, default_model_dir, fmt, overrides):
+    quant_dir, _ = quantized_dir(tmp_path, default_model_dir, fmt, **overrides)
     assert_same_generation(*_one_and_two_ranks(quant_dir, torchao_config="none"))
 
 
