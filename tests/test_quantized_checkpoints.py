@@ -13,7 +13,7 @@ import torch
 from pyserve.model.cpu import blocks
 from pyserve.model.cpu.blocks import Q4_1Linear
 from pyserve.model.loader import load_model
-from pyserve.model.quant import Int4Linear, Int8Linear, resolve_quant
+from pyserve.model.quant import Int4Linear, Int8Linear, parse_quant, resolve_quant
 from tests.test_quant import greedy
 from tests.test_quantized_formats import (
     awq_dequantized, awq_tensors, dense_copy, fp8_block_dequantized, fp8_block_tensors, fp8_tensor_dequantized,
@@ -190,8 +190,6 @@ def test_every_family_serves_a_gptq_checkpoint(tmp_path, default_model_dir, arch
 @pytest.mark.parametrize("mode", ["int4wo-64", "int4wo-32", "8da4w"])
 def test_forced_4bit_modes_hold_the_checkpoints_codes(tmp_path, default_model_dir, mode):
     """AWQ groups of 64 in int4wo-64 as they are, in int4wo-32 and 8da4w as two groups each."""
-    from pyserve.model.quant import parse_quant
-
     quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "awq-int4-g64")
     model, _ = load_model(quant_dir, torch.float32, "cpu", parse_quant(mode))
     reference, _ = load_model(dense_dir, torch.float32, "cpu")
@@ -208,8 +206,6 @@ def test_forced_4bit_modes_quantize_an_fp8_checkpoints_values(tmp_path, default_
     """FP8 values are no 4-bit codes: a 4-bit mode (asked for, or inherited
     by a STANDALONE draft from its target) quantizes the checkpoint's dense
     weight, as it would the same weight in float."""
-    from pyserve.model.quant import parse_quant
-
     quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, fmt)
     model, _ = load_model(quant_dir, torch.float32, "cpu", parse_quant(mode))
     reference, _ = load_model(dense_dir, torch.float32, "cpu", parse_quant(mode))
