@@ -92,6 +92,38 @@ class StopMatcher:
     def matched(self) -> int | None:
         """Index of the stop that matched, if one did."""
 
+class NgramTrie:
+    """NGRAM speculation's trie: from each position of every request's
+    tokens, the next `branch_length` tokens as a path, counted; at most
+    `capacity` nodes, the least recently touched dropped first with the
+    nodes below them. `draft` reads the continuations of the suffixes of
+    a request's tokens `min_window` to `max_window` long, the longest
+    first: breadth first (the most recently seen first, `max_breadth`
+    branches below the shortest match down to `min_breadth` below the
+    longest, half as many at each level below) or, `by_probability`, the
+    likeliest by count."""
+
+    def __init__(self, branch_length: int, capacity: int, min_window: int, max_window: int, min_breadth: int,
+                 max_breadth: int, by_probability: bool) -> None:
+        """ValueError for a shape that cannot draft (windows or breadths out
+        of order, a branch no longer than max_window, capacity below one branch)."""
+    def extend(self, cursor: NgramCursor, tokens: list[int]) -> None:
+        """Add a request's tokens after those its cursor has in."""
+    def draft(self, ids: list[int], k: int) -> tuple[list[int], list[int]]:
+        """Up to k drafts after `ids`: their tokens and each one's parent
+        (-1: the newest of `ids`), parents before children."""
+    @property
+    def size(self) -> int:
+        """Nodes held."""
+
+class NgramCursor:
+    """One request's place in an NgramTrie."""
+
+    def __init__(self) -> None: ...
+    @property
+    def indexed(self) -> int:
+        """The request's tokens in the trie."""
+
 class ReasoningSplitter:
     """Splits `<think>...</think>` reasoning from content in a text stream.
 

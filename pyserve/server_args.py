@@ -169,6 +169,21 @@ class EngineOptions:
         3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(
         12, help="NGRAM: longest suffix matched against the request's earlier tokens")
+    speculative_ngram_min_bfs_breadth: int = option(
+        1, help="NGRAM trees: branches below the longest match (--speculative-ngram-max-match-window-size tokens)")
+    speculative_ngram_max_bfs_breadth: int = option(
+        1, help="NGRAM: 1 drafts a chain from the request's own tokens; above 1, a tree from every request's tokens "
+                "(docs/speculative-decoding.md) with this many branches below the shortest match")
+    speculative_ngram_match_type: str = option(
+        "BFS", choices=["BFS", "PROB"],
+        help="NGRAM trees: BFS takes the most recent continuations, level by level; PROB, the likeliest "
+             "(PROB drafts a tree whatever the breadths)")
+    speculative_ngram_branch_length: int | None = option(
+        None, help="NGRAM trees: tokens the trie keeps after each position (default 18; above "
+                   "--speculative-ngram-max-match-window-size)")
+    speculative_ngram_capacity: int | None = option(
+        None, help="NGRAM trees: most trie nodes kept, the least recently used dropped first (default "
+                   "10000000, up to about 0.8 GB)")
     speculative_draft_model_path: str | None = option(
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
                    "EAGLE3: the draft head's directory (SGLang's EAGLE-3 checkpoint format)")

@@ -58,8 +58,8 @@ def test_placeholders_read_the_last_token_each_sequence_emitted():
 
 def test_a_late_ngram_draft_reads_the_accepted_tokens():
     late = LateNgramDraft(known=[1, 2, 3, 4, 9, 1], min_window=2, max_window=3, k=3)
-    assert late.find([2]) == [3, 4, 9]  # "1 2" matched only once the accepted 2 is known
-    assert late.find([7]) == []  # no match: the row is cut to its first token
+    assert late.find([2]) == ([3, 4, 9], None)  # "1 2" matched only once the accepted 2 is known
+    assert late.find([7]) == ([], None)  # no match: the row is cut to its first token
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.penalties import reads_history
@@ -64,6 +65,9 @@ from pyserve.engine.sampler import jumps_forward
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import Rows, ScheduledStep, build_step
+
+if TYPE_CHECKING:
+    from pyserve.engine.speculative.tree import DraftTree
 
 logger = logging.getLogger("pyserve.engine")
 _SHARED_HEAD = 32  # prompt tokens two prompts must share before one waits for the other's KV
@@ -195,7 +199,7 @@ class Scheduler:
         the pool cannot hold them all."""
         rows = Rows()
         for seq in self.running:
-            seq.draft_ids = self._drafts(seq, len(self.running))
+            seq.draft_ids, seq.draft_tree = self._drafts(seq, len(self.running))
         while self.running:
             needed = sum(self.kv.pages_needed(s, self._decode_length(s)) for s in self.running)
             if self.kv.make_room(needed):
@@ -207,13 +211,17 @@ class Scheduler:
             rows.add(seq, n, self.kv.new_slots(seq, n))
         return rows
 
-    def _drafts(self, seq: Sequence, rows: int) -> list[int]:
-        """The draft tokens of `seq`'s next decode row, one of `rows`: the
-        drafter's, or, while its previous step runs, placeholders that the
-        forward thread fills once that step's accepted tokens are known."""
-        if self.drafter is None or not self.drafter.pays(seq, rows):
-            return []
-        return self.drafter.reserve(seq) if seq.pending else self.drafter.propose(seq)
+    def _drafts(self, seq: Sequence, rows: int) -> tuple[list[int], DraftTree | None]:
+        """The draft tokens of `seq`'s next decode row, one of `rows`, and
+        their tree (None: a chain): the drafter's, or, while its previous
+        step runs, placeholders that the forward thread fills once that
+        step's accepted tokens are known."""
+        if self.drafter is None:
+            return [], None
+        self.drafter.observe(seq)
+        if not self.drafter.pays(seq, rows):
+            return [], None
+        return (self.drafter.reserve(seq), None) if seq.pending else self.drafter.draft(seq)
 
     @staticmethod
     def _decode_length(seq: Sequence) -> int:

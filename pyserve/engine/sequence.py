@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pyserve.engine.kv.radix_cache import RadixNode
 from pyserve.engine.request import GenerateOutput, SamplingParams
 from pyserve.lora.registry import LoraRef
+
+if TYPE_CHECKING:
+    from pyserve._rust import NgramCursor
+    from pyserve.engine.speculative.tree import DraftTree
 
 
 @dataclass(eq=False)
@@ -67,6 +72,7 @@ class Sequence:
     # drafts its next step verifies; the engine counts what was accepted and
     # turns drafting off for a request whose drafts keep failing.
     draft_ids: list[int] = field(default_factory=list)
+    draft_tree: DraftTree | None = None  # the drafts' tree; None: a chain
     drafting: bool = True
     drafted: int = 0
     accepted: int = 0
@@ -75,6 +81,8 @@ class Sequence:
     # STANDALONE: the leading tokens whose KV the draft model holds too (None:
     # all); a step with no drafting sequence leaves the draft model idle.
     draft_kv_len: int | None = None
+    # NGRAM trees: where the request's tokens stand in the shared trie.
+    ngram_cursor: NgramCursor | None = None
 
     # The engine.
     finished: bool = False

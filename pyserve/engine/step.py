@@ -20,7 +20,7 @@ every one of them; the runner keeps the longest run the target agrees with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -30,6 +30,9 @@ from pyserve.engine.sequence import Sequence
 from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.pooling import pooled_positions
+
+if TYPE_CHECKING:
+    from pyserve.engine.speculative.tree import DraftTree
 
 
 @dataclass
@@ -65,6 +68,9 @@ class ScheduledStep:
     # Per sampled sequence, the draft tokens its row verifies ([] for none);
     # it has len(drafts) + 1 logits rows, in order. Empty when nothing is drafted.
     drafts: list[list[int]] = field(default_factory=list)
+    # Per sampled sequence, its drafts' tree (speculative/tree.py; None: a
+    # chain). Empty when no row verifies a tree.
+    trees: list[DraftTree | None] = field(default_factory=list)
     num_prefill_seqs: int = 0
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens newly admitted requests took from the radix cache
@@ -106,6 +112,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     logits_indices: list[int] = []
     sampled: list[Sequence] = []
     drafts: list[list[int]] = []
+    trees: list[DraftTree | None] = []
     following: list[Following] = []
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
@@ -145,6 +152,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
             logits_indices.extend(range(len(input_ids) - 1 - drafted, len(input_ids)))
             sampled.append(seq)
             drafts.append(new[len(new) - drafted :] if drafted else [])
+            trees.append(seq.draft_tree if drafted else None)
     batch = ForwardBatch.build(
         input_ids, positions, torch.cat(new_slots), lengths, [s.slots for s in seqs],
         logits_indices + prompt_rows, is_decode=not prefill.seqs and len(input_ids) == len(seqs), device="cpu",
@@ -155,6 +163,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         kv.share_prompt(seq)
     return ScheduledStep(
         seqs=seqs, batch=batch, sampled=sampled, drafts=drafts if any(drafts) else [],
+        trees=trees if any(t is not None for t in trees) else [],
         num_prefill_seqs=len(prefill.seqs),
         num_prefill_tokens=sum(prefill.lengths), num_cached_tokens=cached_tokens,
         following=following, prompt_targets=prompt_targets, prompt_spans=prompt_spans,

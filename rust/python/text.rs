@@ -15,6 +15,7 @@ use crate::text::chat::harmony::HarmonyParser as Harmony;
 use crate::text::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::text::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
 use crate::text::detokenizer::DecodeStream as Stream;
+use crate::text::ngram_trie::{Cursor, NgramTrie as Trie, TrieShape};
 use crate::text::stop::StopMatcher as Matcher;
 use crate::text::tokenizer::Tokenizer as Tok;
 
@@ -133,6 +134,68 @@ impl PyStopMatcher {
     #[getter]
     fn matched(&self) -> Option<usize> {
         self.matcher.matched()
+    }
+}
+
+/// NGRAM speculation's trie of every request's token stretches (see ngram_trie.rs).
+#[pyclass(name = "NgramTrie", module = "pyserve._rust")]
+struct PyNgramTrie {
+    trie: Trie,
+}
+
+/// One request's place in an NgramTrie.
+#[pyclass(name = "NgramCursor", module = "pyserve._rust")]
+struct PyNgramCursor {
+    cursor: Cursor,
+}
+
+#[pymethods]
+impl PyNgramTrie {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        branch_length: u32,
+        capacity: usize,
+        min_window: usize,
+        max_window: usize,
+        min_breadth: usize,
+        max_breadth: usize,
+        by_probability: bool,
+    ) -> PyResult<Self> {
+        let shape =
+            TrieShape { branch_length, capacity, min_window, max_window, min_breadth, max_breadth, by_probability };
+        Ok(PyNgramTrie { trie: Trie::new(shape).map_err(value_error)? })
+    }
+
+    /// Add a request's tokens after those its cursor has in.
+    fn extend(&mut self, mut cursor: PyRefMut<'_, PyNgramCursor>, tokens: Vec<i64>) -> PyResult<()> {
+        self.trie.extend(&mut cursor.cursor, &token_ids(tokens)?);
+        Ok(())
+    }
+
+    /// Up to `k` drafts after `ids`: their tokens and each one's parent
+    /// (-1: the newest of `ids`), parents first.
+    fn draft(&self, ids: Vec<i64>, k: usize) -> PyResult<(Vec<u32>, Vec<i32>)> {
+        Ok(self.trie.draft(&token_ids(ids)?, k))
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.trie.size()
+    }
+}
+
+#[pymethods]
+impl PyNgramCursor {
+    #[new]
+    fn new() -> Self {
+        PyNgramCursor { cursor: Cursor::default() }
+    }
+
+    /// The request's tokens in the trie.
+    #[getter]
+    fn indexed(&self) -> usize {
+        self.cursor.indexed
     }
 }
 
@@ -275,6 +338,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReasoningSplitter>()?;
     m.add_class::<PyToolCallParser>()?;
     m.add_class::<PyHarmonyParser>()?;
+    m.add_class::<PyNgramTrie>()?;
+    m.add_class::<PyNgramCursor>()?;
     m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     Ok(())

@@ -212,7 +212,7 @@ class ModelRunner:
                 batch = step.batch.to(self.device)
                 if step.following:
                     batch.input_ids = resolve_placeholders(batch.input_ids, self._last_runs)
-                drafts, draft_probs, trees, capture = step.drafts, None, None, None
+                drafts, draft_probs, trees, capture = step.drafts, None, step.trees or None, None
                 if self.draft is not None:
                     if drafts:
                         drafts, draft_probs, trees = self.draft.propose(step, batch, states, self.sampler)

@@ -11,7 +11,12 @@ never accepts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pyserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pyserve.engine.speculative.tree import DraftTree
 
 # A request's drafting is judged over this many verify steps: below
 # MIN_ACCEPT_RATE accepted tokens per drafted one, it decodes plainly. A
@@ -30,7 +35,8 @@ CPU_DRAFT_COST = 0.12
 
 class Drafter:
     """The scheduler's side of a drafter: `propose` gives each decode row
-    its draft tokens ([] for a plain row); `reserve`, for a row scheduled
+    its draft tokens ([] for a plain row), `draft` with their tree where
+    they are one; `reserve`, for a row scheduled
     while its sequence's previous step runs, placeholders that the forward
     thread fills (`late_drafts` says how, or None: the draft model does)."""
 
@@ -67,6 +73,16 @@ class Drafter:
 
     def propose(self, seq: Sequence) -> list[int]:
         raise NotImplementedError
+
+    def draft(self, seq: Sequence) -> tuple[list[int], DraftTree | None]:
+        """propose's drafts and, for drafts verified as a tree, the tree
+        (speculative/tree.py); None for a chain."""
+        return self.propose(seq), None
+
+    def observe(self, seq: Sequence) -> None:
+        """Called at every step that decodes `seq`, drafted or not, before
+        its drafts are asked for: a drafter that learns from every
+        request's tokens reads its new ones."""
 
     def reserve(self, seq: Sequence) -> list[int]:
         return [0] * self.budget(seq)

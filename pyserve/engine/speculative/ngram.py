@@ -6,14 +6,22 @@ of its prompt, so where the request's newest tokens appeared before, what
 came after them then is a good guess of what comes next. The drafter runs
 on the event loop, at scheduling; verification is the target's
 (speculative/rejection.py).
+
+NgramTreeDrafter drafts trees instead, from a trie of every request's
+tokens (rust/text/ngram_trie.rs says how it matches and branches). A request with a cache_salt neither reads nor
+feeds that trie: it drafts a chain from its own tokens, since drafts from
+other requests' text would make its speed tell what they wrote, as a
+shared prefix cache would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pyserve._rust import NgramCursor, NgramTrie
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.drafter import Drafter
+from pyserve.engine.speculative.tree import DraftTree
 
 _SEARCH_SPAN = 4096  # tokens back the suffix is looked for
 # The latest occurrences of the suffix that vote on the drafts, at most: in
@@ -95,9 +103,31 @@ class LateNgramDraft:
     max_window: int
     k: int
 
-    def find(self, accepted: list[int]) -> list[int]:
-        """Up to k drafts (the room the row was scheduled with)."""
-        return find_draft(self.known + accepted, self.min_window, self.max_window, self.k)
+    def find(self, accepted: list[int]) -> tuple[list[int], DraftTree | None]:
+        """Up to k drafts (the room the row was scheduled with), a chain."""
+        return find_draft(self.known + accepted, self.min_window, self.max_window, self.k), None
+
+
+@dataclass
+class LateNgramTree:
+    """LateNgramDraft's tree drafter's counterpart: `known` holds the last
+    tokens a match can read."""
+
+    trie: NgramTrie
+    known: list[int]
+    k: int
+
+    def find(self, accepted: list[int]) -> tuple[list[int], DraftTree | None]:
+        return tree_draft(self.trie, self.known + accepted, self.k)
+
+
+def tree_draft(trie: NgramTrie, ids: list[int], k: int) -> tuple[list[int], DraftTree | None]:
+    """Up to k drafts after `ids` from `trie`, and their tree (None when
+    they form a chain, each the child of the one before)."""
+    tokens, parents = trie.draft(ids, k)
+    if all(p == i - 1 for i, p in enumerate(parents)):
+        return tokens, None
+    return tokens, DraftTree(parents)
 
 
 class NgramDrafter(Drafter):
@@ -129,3 +159,40 @@ class NgramDrafter(Drafter):
         out = seq.output_ids
         known = out[-span:] if len(out) >= span else seq.prompt_ids[len(out) - span :] + out
         return LateNgramDraft(known, self.min_window, self.max_window, k)
+
+
+class NgramTreeDrafter(NgramDrafter):
+    """NGRAM drafts as trees, from every request's tokens in `trie`; a
+    request with a cache_salt drafts a chain from its own."""
+
+    def __init__(self, num_draft_tokens: int, trie: NgramTrie, min_window: int, max_window: int,
+                 draft_cost: float | None = None):
+        super().__init__(num_draft_tokens, min_window, max_window, draft_cost)
+        self.trie = trie
+
+    def observe(self, seq: Sequence) -> None:
+        """Add the request's tokens that came back since the last call to the trie."""
+        if seq.cache_salt is not None:
+            return
+        if seq.ngram_cursor is None:
+            seq.ngram_cursor = NgramCursor()
+        cursor = seq.ngram_cursor
+        prompt = len(seq.prompt_ids)
+        new = (seq.prompt_ids[cursor.indexed :] + seq.output_ids if cursor.indexed < prompt
+               else seq.output_ids[cursor.indexed - prompt :])
+        if new:
+            self.trie.extend(cursor, new)
+
+    def draft(self, seq: Sequence) -> tuple[list[int], DraftTree | None]:
+        if seq.cache_salt is not None:
+            return super().propose(seq), None
+        k = self.budget(seq)
+        return tree_draft(self.trie, seq.all_ids[-self.max_window :], k) if k else ([], None)
+
+    def propose(self, seq: Sequence) -> list[int]:
+        return self.draft(seq)[0]
+
+    def late_drafts(self, seq: Sequence, k: int) -> LateNgramDraft | LateNgramTree:
+        if seq.cache_salt is not None:
+            return super().late_drafts(seq, k)
+        return LateNgramTree(self.trie, seq.all_ids[-self.max_window :], k)

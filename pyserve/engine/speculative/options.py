@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyserve.engine.speculative.drafter import CPU_DRAFT_COST, Drafter, PlaceholderDrafter
-from pyserve.engine.speculative.ngram import NgramDrafter
+from pyserve.engine.speculative.ngram import NgramDrafter, NgramTreeDrafter
+from pyserve._rust import NgramTrie
 from pyserve.engine.speculative.tree import TreeShape
 from pyserve.server_args import EngineOptions, ModelOptions
 
@@ -16,6 +17,9 @@ if TYPE_CHECKING:
     from pyserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("pyserve.engine")
+# SGLang's defaults for NGRAM trees' trie (a node takes about 80 bytes).
+_NGRAM_BRANCH_LENGTH = 18
+_NGRAM_CAPACITY = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,14 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         if not 1 <= low <= high:
             raise ValueError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
+        if options.speculative_eagle_topk != 1:
+            raise ValueError("--speculative-eagle-topk is EAGLE3's: NGRAM drafts trees with "
+                             "--speculative-ngram-max-bfs-breadth above 1")
+        trie = _ngram_trie(options)
         _warn_eager_verify(runner, model_options)
-        return NgramDrafter(k, low, high, draft_cost)
+        if trie is None:
+            return NgramDrafter(k, low, high, draft_cost)
+        return NgramTreeDrafter(k, trie, low, high, draft_cost)
     steps = _drafts_per_row(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
     topk = options.speculative_eagle_topk
@@ -102,6 +112,34 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     _warn_eager_verify(runner, model_options)
     return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm == "EAGLE3",
                               follows_steps=algorithm == "STANDALONE")
+
+
+def _ngram_trie(options: EngineOptions) -> NgramTrie | None:
+    """The trie NGRAM draft trees are read from; None for chains (a
+    breadth of 1 and BFS), which refuse the trie's own options."""
+    low, high = options.speculative_ngram_min_bfs_breadth, options.speculative_ngram_max_bfs_breadth
+    if not 1 <= low <= high:
+        raise ValueError("the NGRAM tree breadths need 1 <= --speculative-ngram-min-bfs-breadth "
+                         "<= --speculative-ngram-max-bfs-breadth")
+    by_probability = options.speculative_ngram_match_type == "PROB"
+    branch_length, capacity = options.speculative_ngram_branch_length, options.speculative_ngram_capacity
+    if high == 1 and not by_probability:
+        for value, flag in ((branch_length, "branch-length"), (capacity, "capacity")):
+            if value is not None:
+                raise ValueError(f"--speculative-ngram-{flag} is for NGRAM trees (--speculative-ngram-max-bfs-"
+                                 f"breadth above 1, or --speculative-ngram-match-type PROB); chains are drafted "
+                                 f"from the request's own tokens")
+        return None
+    branch_length = _NGRAM_BRANCH_LENGTH if branch_length is None else branch_length
+    capacity = _NGRAM_CAPACITY if capacity is None else capacity
+    max_window = options.speculative_ngram_max_match_window_size
+    if branch_length <= max_window:
+        raise ValueError(f"--speculative-ngram-branch-length {branch_length} leaves no draft after a match of "
+                         f"--speculative-ngram-max-match-window-size {max_window} tokens: it must be longer")
+    if capacity < branch_length:
+        raise ValueError(f"--speculative-ngram-capacity {capacity} cannot hold one branch of {branch_length} tokens")
+    return NgramTrie(branch_length, capacity, options.speculative_ngram_min_match_window_size, max_window,
+                     low, high, by_probability)
 
 
 def _warn_eager_verify(runner: ModelRunner, model_options: ModelOptions) -> None:

@@ -12,9 +12,10 @@ when it takes this step the previous one's results are known to it:
 - its first token is the last token the previous step emitted for the
   sequence (resolve_placeholders);
 - drafts the scheduler could not find (NGRAM's, which read the accepted
-  tokens) are found here (Drafter.late_drafts), and the row is cut to the
-  drafts found (its unused slots are dropped with the rejected ones); a
-  draft model's are proposed by the model as for any row.
+  tokens) are found here (Drafter.late_drafts), with their tree where they
+  are one, and the row is cut to the drafts found (its unused slots are
+  dropped with the rejected ones); a draft model's are proposed by the
+  model as for any row.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ def follow_previous(step: ScheduledStep, runs: StepRuns | None) -> ScheduledStep
     if runs is None:
         return step
     moves = {f.row: [runs.dropped[f.previous], 0] for f in step.following}
-    drafts = step.drafts
+    drafts, trees = step.drafts, step.trees
     if step.late_drafts:
         emitted = runs.ids.tolist()
         drafts = [list(d) for d in drafts]
+        trees = list(trees) or [None] * len(drafts)
         input_ids = step.batch.input_ids.clone()
         firsts = first_rows(step.drafts)
         for f in step.following:
@@ -93,20 +95,22 @@ def follow_previous(step: ScheduledStep, runs: StepRuns | None) -> ScheduledStep
             if late is None:
                 continue
             first_row, p = firsts[f.sampled], f.previous
-            found = late.find(emitted[runs.first_rows[p] : runs.first_rows[p] + runs.counts[p]])
+            found, trees[f.sampled] = late.find(emitted[runs.first_rows[p] : runs.first_rows[p] + runs.counts[p]])
             at = step.batch.logits_indices[first_row + 1 : first_row + 1 + len(found)]
             input_ids[at] = torch.tensor(found, dtype=input_ids.dtype)
             moves[f.row][1] = late.k - len(found)
             drafts[f.sampled] = found
+        if not any(t is not None for t in trees):
+            trees = []
         step = replace(step, batch=replace(step.batch, input_ids=input_ids))
     moves = {row: (shift, cut) for row, (shift, cut) in moves.items() if shift or cut}
     if not moves:
-        return replace(step, drafts=drafts)
+        return replace(step, drafts=drafts, trees=trees)
     batch = relaid(step.batch, moves)
     batch.is_decode = not step.num_prefill_seqs and len(batch.extend_lens) == batch.input_ids.numel()
     if batch.lora is not None:
         batch.lora = LoraBatch.of_rows([s.lora.slot if s.lora else -1 for s in step.seqs], batch.extend_lens)
-    return replace(step, batch=batch, drafts=drafts)
+    return replace(step, batch=batch, drafts=drafts, trees=trees)
 
 
 def relaid(batch: ForwardBatch, moves: dict[int, tuple[int, int]]) -> ForwardBatch:

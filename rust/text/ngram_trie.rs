@@ -1,0 +1,487 @@
+//! NGRAM draft trees: a trie of every request's token stretches, shared by
+//! the requests, and the draft trees read from it.
+//!
+//! From each position of each request's tokens, the trie holds the next
+//! `branch_length` tokens as a path from its root; a node counts the times
+//! its path occurred. A request's matches are the suffixes of its tokens,
+//! `min_window` to `max_window` long, that are paths with continuations;
+//! the nodes below a match are its candidate drafts. A longer match is more
+//! specific, so it drafts first, and the trees of the matches merge where
+//! they draft the same tokens:
+//!
+//! - breadth first: level by level below each match, children most
+//!   recently seen first; a match of the shortest length takes
+//!   `max_breadth` children at its first level, one of the longest
+//!   `min_breadth`, the lengths between in proportion; each level below
+//!   takes half the breadth of the one above (at least 1).
+//! - by probability: the candidates of highest estimated probability (a
+//!   node's is its parent's times its share of the parent's count), over
+//!   every match.
+//!
+//! The trie keeps at most `capacity` nodes: past it, the least recently
+//! touched node goes, with the nodes below it. Nodes live in one arena;
+//! a request's cursor names the ends of its growing paths by index and
+//! generation, so a path whose end was evicted (and its slot reused) stops.
+
+use std::collections::{BinaryHeap, HashMap};
+
+const NONE: u32 = u32::MAX;
+const ROOT: u32 = 0;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrieShape {
+    pub branch_length: u32,
+    pub capacity: usize,
+    pub min_window: usize,
+    pub max_window: usize,
+    pub min_breadth: usize,
+    pub max_breadth: usize,
+    pub by_probability: bool,
+}
+
+impl TrieShape {
+    pub fn check(&self) -> Result<(), String> {
+        if !(1 <= self.min_window && self.min_window <= self.max_window) {
+            return Err("the match windows need 1 <= min_window <= max_window".into());
+        }
+        if !(1 <= self.min_breadth && self.min_breadth <= self.max_breadth) {
+            return Err("the breadths need 1 <= min_breadth <= max_breadth".into());
+        }
+        if (self.branch_length as usize) <= self.max_window {
+            return Err("branch_length must exceed max_window, or no draft follows a match".into());
+        }
+        if self.capacity < self.branch_length as usize {
+            return Err("capacity must hold one branch".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Node {
+    token: u32,
+    parent: u32,
+    depth: u32,
+    count: u32,
+    generation: u32,
+    // Children, a list from the least to the most recently seen.
+    first_child: u32,
+    last_child: u32,
+    prev_sibling: u32,
+    next_sibling: u32,
+    // The recency list of every node but the root.
+    older: u32,
+    newer: u32,
+}
+
+impl Node {
+    fn new(token: u32, parent: u32, depth: u32, generation: u32) -> Self {
+        Node {
+            token,
+            parent,
+            depth,
+            count: 0,
+            generation,
+            first_child: NONE,
+            last_child: NONE,
+            prev_sibling: NONE,
+            next_sibling: NONE,
+            older: NONE,
+            newer: NONE,
+        }
+    }
+}
+
+/// One request's place in the trie: how many of its tokens are in, and
+/// the ends (index, generation) of its paths still growing.
+#[derive(Debug, Default)]
+pub struct Cursor {
+    pub indexed: usize,
+    open: Vec<(u32, u32)>,
+}
+
+pub struct NgramTrie {
+    shape: TrieShape,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    child_of: HashMap<(u32, u32), u32>, // (parent, token) -> child
+    oldest: u32,
+    newest: u32,
+    size: usize, // nodes below the root
+}
+
+/// A draft tree: per node its token and its parent's index (-1: the
+/// root, the request's newest token), parents before children.
+pub type Draft = (Vec<u32>, Vec<i32>);
+
+impl NgramTrie {
+    pub fn new(shape: TrieShape) -> Result<Self, String> {
+        shape.check()?;
+        Ok(NgramTrie {
+            shape,
+            nodes: vec![Node::new(NONE, NONE, 0, 0)],
+            free: Vec::new(),
+            child_of: HashMap::new(),
+            oldest: NONE,
+            newest: NONE,
+            size: 0,
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Add a request's next `tokens` (after the cursor's) to the trie.
+    pub fn extend(&mut self, cursor: &mut Cursor, tokens: &[u32]) {
+        for &token in tokens {
+            cursor.open.push((ROOT, self.nodes[ROOT as usize].generation));
+            let mut growing = Vec::with_capacity(cursor.open.len());
+            for &(node, generation) in &cursor.open {
+                if self.nodes[node as usize].generation != generation {
+                    continue; // evicted: the path ends there
+                }
+                let child = self.touch_child(node, token);
+                let c = &mut self.nodes[child as usize];
+                c.count = c.count.saturating_add(1);
+                if c.depth < self.shape.branch_length {
+                    growing.push((child, c.generation));
+                }
+            }
+            cursor.open = growing;
+        }
+        cursor.indexed += tokens.len();
+        while self.size > self.shape.capacity {
+            self.evict(self.oldest);
+        }
+    }
+
+    /// `node`'s child for `token`, made the most recently seen child and node.
+    fn touch_child(&mut self, node: u32, token: u32) -> u32 {
+        let child = match self.child_of.get(&(node, token)) {
+            Some(&child) => {
+                self.unlink_sibling(child);
+                self.unlink_recent(child);
+                child
+            }
+            None => {
+                let depth = self.nodes[node as usize].depth + 1;
+                let child = self.alloc(token, node, depth);
+                self.child_of.insert((node, token), child);
+                self.size += 1;
+                child
+            }
+        };
+        self.append_child(node, child);
+        self.push_newest(child);
+        child
+    }
+
+    fn alloc(&mut self, token: u32, parent: u32, depth: u32) -> u32 {
+        match self.free.pop() {
+            Some(id) => {
+                let generation = self.nodes[id as usize].generation;
+                self.nodes[id as usize] = Node::new(token, parent, depth, generation);
+                id
+            }
+            None => {
+                self.nodes.push(Node::new(token, parent, depth, 0));
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    fn append_child(&mut self, parent: u32, child: u32) {
+        let last = self.nodes[parent as usize].last_child;
+        self.nodes[child as usize].prev_sibling = last;
+        self.nodes[child as usize].next_sibling = NONE;
+        if last == NONE {
+            self.nodes[parent as usize].first_child = child;
+        } else {
+            self.nodes[last as usize].next_sibling = child;
+        }
+        self.nodes[parent as usize].last_child = child;
+    }
+
+    fn unlink_sibling(&mut self, child: u32) {
+        let Node { parent, prev_sibling: prev, next_sibling: next, .. } = self.nodes[child as usize];
+        if prev == NONE {
+            self.nodes[parent as usize].first_child = next;
+        } else {
+            self.nodes[prev as usize].next_sibling = next;
+        }
+        if next == NONE {
+            self.nodes[parent as usize].last_child = prev;
+        } else {
+            self.nodes[next as usize].prev_sibling = prev;
+        }
+    }
+
+    fn push_newest(&mut self, node: u32) {
+        self.nodes[node as usize].older = self.newest;
+        self.nodes[node as usize].newer = NONE;
+        if self.newest == NONE {
+            self.oldest = node;
+        } else {
+            self.nodes[self.newest as usize].newer = node;
+        }
+        self.newest = node;
+    }
+
+    fn unlink_recent(&mut self, node: u32) {
+        let Node { older, newer, .. } = self.nodes[node as usize];
+        if older == NONE {
+            self.oldest = newer;
+        } else {
+            self.nodes[older as usize].newer = newer;
+        }
+        if newer == NONE {
+            self.newest = older;
+        } else {
+            self.nodes[newer as usize].older = older;
+        }
+    }
+
+    /// Drop `node` and every node below it.
+    fn evict(&mut self, node: u32) {
+        self.unlink_sibling(node);
+        let mut stack = vec![node];
+        while let Some(n) = stack.pop() {
+            let mut child = self.nodes[n as usize].first_child;
+            while child != NONE {
+                stack.push(child);
+                child = self.nodes[child as usize].next_sibling;
+            }
+            let Node { parent, token, .. } = self.nodes[n as usize];
+            self.child_of.remove(&(parent, token));
+            self.unlink_recent(n);
+            let entry = &mut self.nodes[n as usize];
+            entry.generation = entry.generation.wrapping_add(1);
+            entry.first_child = NONE;
+            entry.last_child = NONE;
+            self.free.push(n);
+            self.size -= 1;
+        }
+    }
+
+    /// Children of `node`, the most recently seen first.
+    fn children(&self, node: u32) -> impl Iterator<Item = u32> + '_ {
+        let mut child = self.nodes[node as usize].last_child;
+        std::iter::from_fn(move || {
+            (child != NONE).then(|| {
+                let this = child;
+                child = self.nodes[this as usize].prev_sibling;
+                this
+            })
+        })
+    }
+
+    /// Up to `k` draft tokens after `ids`, as a tree.
+    pub fn draft(&self, ids: &[u32], k: usize) -> Draft {
+        let matches = self.matches(ids);
+        let mut tree = TreeBuilder { tokens: Vec::new(), parents: Vec::new(), index: HashMap::new(), k };
+        if k > 0 && !matches.is_empty() {
+            if self.shape.by_probability {
+                self.by_probability(&matches, &mut tree);
+            } else {
+                self.breadth_first(&matches, &mut tree);
+            }
+        }
+        (tree.tokens, tree.parents)
+    }
+
+    /// (length, node) of each suffix of `ids` that is a path with
+    /// continuations, the longest first.
+    fn matches(&self, ids: &[u32]) -> Vec<(usize, u32)> {
+        let mut found = Vec::new();
+        for length in (self.shape.min_window..=self.shape.max_window.min(ids.len())).rev() {
+            let mut node = Some(ROOT);
+            for &token in &ids[ids.len() - length..] {
+                node = node.and_then(|n| self.child_of.get(&(n, token)).copied());
+            }
+            if let Some(n) = node {
+                if self.nodes[n as usize].first_child != NONE {
+                    found.push((length, n));
+                }
+            }
+        }
+        found
+    }
+
+    /// First-level breadth below a match `length` tokens long.
+    fn breadth(&self, length: usize) -> usize {
+        let TrieShape { min_window, max_window, min_breadth, max_breadth, .. } = self.shape;
+        if max_window == min_window {
+            return min_breadth;
+        }
+        let share = (max_window - length) as f64 / (max_window - min_window) as f64;
+        min_breadth + (share * (max_breadth - min_breadth) as f64).round() as usize
+    }
+
+    fn breadth_first(&self, matches: &[(usize, u32)], tree: &mut TreeBuilder) {
+        for &(length, node) in matches {
+            let mut level = vec![(node, -1)];
+            let mut breadth = self.breadth(length);
+            while !level.is_empty() && !tree.full() {
+                let mut below = Vec::new();
+                'level: for &(node, parent) in &level {
+                    for child in self.children(node).take(breadth) {
+                        match tree.add(parent, self.nodes[child as usize].token) {
+                            Some(at) => below.push((child, at)),
+                            None => break 'level,
+                        }
+                    }
+                }
+                level = below;
+                breadth = (breadth / 2).max(1);
+            }
+            if tree.full() {
+                return;
+            }
+        }
+    }
+
+    fn by_probability(&self, matches: &[(usize, u32)], tree: &mut TreeBuilder) {
+        // (probability's bits, earlier first, node, its parent's index); a
+        // positive f64's bits order as the number does.
+        let mut heap: BinaryHeap<(u64, std::cmp::Reverse<usize>, u32, i32)> = BinaryHeap::new();
+        let mut order = 0;
+        let mut push_children = |heap: &mut BinaryHeap<_>, node: u32, probability: f64, parent: i32, room: usize| {
+            let total = self.nodes[node as usize].count.max(1) as f64;
+            let mut children: Vec<u32> = self.children(node).collect();
+            if children.len() > room {
+                children.select_nth_unstable_by_key(room, |&c| std::cmp::Reverse(self.nodes[c as usize].count));
+                children.truncate(room);
+            }
+            for child in children {
+                let p = probability * self.nodes[child as usize].count as f64 / total;
+                heap.push((p.to_bits(), std::cmp::Reverse(order), child, parent));
+                order += 1;
+            }
+        };
+        for &(_, node) in matches {
+            push_children(&mut heap, node, 1.0, -1, tree.k);
+        }
+        while let Some((bits, _, node, parent)) = heap.pop() {
+            let Some(at) = tree.add(parent, self.nodes[node as usize].token) else { break };
+            if self.nodes[node as usize].first_child != NONE {
+                push_children(&mut heap, node, f64::from_bits(bits), at, tree.k - tree.tokens.len());
+            }
+        }
+    }
+}
+
+struct TreeBuilder {
+    tokens: Vec<u32>,
+    parents: Vec<i32>,
+    index: HashMap<(i32, u32), i32>, // (parent's index, token) -> node index
+    k: usize,
+}
+
+impl TreeBuilder {
+    fn full(&self) -> bool {
+        self.tokens.len() >= self.k
+    }
+
+    /// The index of `parent`'s node for `token`, added if new; None when
+    /// it is new and the tree is full.
+    fn add(&mut self, parent: i32, token: u32) -> Option<i32> {
+        if let Some(&at) = self.index.get(&(parent, token)) {
+            return Some(at);
+        }
+        if self.full() {
+            return None;
+        }
+        let at = self.tokens.len() as i32;
+        self.index.insert((parent, token), at);
+        self.tokens.push(token);
+        self.parents.push(parent);
+        Some(at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(by_probability: bool) -> TrieShape {
+        TrieShape {
+            branch_length: 18,
+            capacity: 1_000_000,
+            min_window: 1,
+            max_window: 12,
+            min_breadth: 1,
+            max_breadth: 10,
+            by_probability,
+        }
+    }
+
+    fn trie_of(shape: TrieShape, texts: &[&[u32]]) -> NgramTrie {
+        let mut trie = NgramTrie::new(shape).unwrap();
+        for text in texts {
+            trie.extend(&mut Cursor::default(), text);
+        }
+        trie
+    }
+
+    #[test]
+    fn the_longest_match_drafts_first_and_shorter_ones_add_branches() {
+        let trie = trie_of(shape(false), &[&[1, 2, 3, 4, 5, 3, 8]]);
+        // "1 2 3" went on with 4 5 3 8; "3" alone also with 8, seen last.
+        assert_eq!(trie.draft(&[1, 2, 3], 6), (vec![4, 5, 3, 8, 8], vec![-1, 0, 1, 2, -1]));
+        assert_eq!(trie.draft(&[1, 2, 3], 2), (vec![4, 5], vec![-1, 0]));
+        // One match: the children most recently seen first, up to its breadth.
+        let trie = trie_of(shape(false), &[&[7, 1, 7, 2, 7, 3, 7]]);
+        assert_eq!(trie.draft(&[7], 3), (vec![3, 2, 1], vec![-1, -1, -1]));
+    }
+
+    #[test]
+    fn a_request_reads_what_another_wrote() {
+        let mut trie = NgramTrie::new(shape(false)).unwrap();
+        trie.extend(&mut Cursor::default(), &[10, 11, 12, 13, 14, 15]);
+        let mut other = Cursor::default();
+        trie.extend(&mut other, &[10, 11]);
+        assert_eq!(other.indexed, 2);
+        assert_eq!(trie.draft(&[10, 11], 4), (vec![12, 13, 14, 15], vec![-1, 0, 1, 2]));
+        assert_eq!(trie.draft(&[99], 4), (vec![], vec![]));
+    }
+
+    #[test]
+    fn by_probability_takes_the_likeliest_continuations() {
+        let trie = trie_of(shape(true), &[&[1, 2, 5, 6], &[1, 2, 5, 6], &[1, 2, 7, 8]]);
+        let (tokens, parents) = trie.draft(&[1, 2], 3);
+        assert_eq!((tokens, parents), (vec![5, 6, 7], vec![-1, 0, -1]));
+    }
+
+    #[test]
+    fn past_capacity_the_least_recent_paths_go_and_cursors_stop_there() {
+        let mut s = shape(false);
+        s.capacity = 40;
+        s.branch_length = 4;
+        s.max_window = 3;
+        let mut trie = NgramTrie::new(s).unwrap();
+        let mut cursor = Cursor::default();
+        let text: Vec<u32> = (100..160).collect();
+        trie.extend(&mut cursor, &text);
+        assert!(trie.size() <= 40);
+        assert_eq!(trie.draft(&[101, 102], 2), (vec![], vec![])); // the oldest text went
+        assert_eq!(trie.draft(&[157, 158], 1), (vec![159], vec![-1]));
+        // Slots are reused: the cursor's growing paths stay consistent.
+        trie.extend(&mut cursor, &[1, 2, 3]);
+        trie.extend(&mut Cursor::default(), &[1, 2]);
+        assert_eq!(trie.draft(&[1, 2], 1), (vec![3], vec![-1]));
+        assert!(trie.size() <= 40);
+        assert_eq!(trie.nodes.len() - 1 - trie.free.len(), trie.size());
+        assert_eq!(trie.child_of.len(), trie.size());
+    }
+
+    #[test]
+    fn shapes_that_cannot_draft_are_refused() {
+        let mut s = shape(false);
+        s.branch_length = 12;
+        assert!(NgramTrie::new(s).is_err());
+        let mut s = shape(false);
+        s.min_breadth = 0;
+        assert!(NgramTrie::new(s).is_err());
+    }
+}
