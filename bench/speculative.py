@@ -20,6 +20,13 @@ Each row compares one of them with the plain engine on one workload:
   sampled drafts go through rejection sampling, so the text differs from
   the plain engine's but follows the same distribution.
 
+- NGRAM trees (--speculative-ngram-max-bfs-breadth --bfs-breadth, 4),
+  drafted from every request's tokens: the copy workload and free chat,
+  each round the same prompt again, as a client retrying or regenerating
+  sends it. The trie holds what the warm-up and the earlier rounds
+  answered: greedy, the whole answer; sampled (free chat at 1.0), earlier
+  draws of it.
+
 No draft model smaller than the embedded SmolLM2-135M with its tokenizer
 is on this machine, so the STANDALONE draft is built by the script from
 the target's own checkpoint: its first --draft-layers decoder layers, its
@@ -111,6 +118,9 @@ ROWS = [
     ("standalone_edit", EDIT, "standalone", 0.0),
     ("standalone_chat", CHAT, "standalone", 0.0),
     ("standalone_self_copy", COPY, "standalone_self", 0.0),
+    ("ngram_trees_copy", COPY, "ngram_trees", 0.0),
+    ("ngram_trees_chat", CHAT, "ngram_trees", 0.0),
+    ("ngram_trees_chat_t1.0", CHAT, "ngram_trees", 1.0),
 ]
 # With --eagle3-head: an EAGLE-3 head trained for the target (none is on this machine).
 EAGLE3_ROWS = [("eagle3_copy", COPY, "eagle3", 0.0), ("eagle3_chat", CHAT, "eagle3", 0.0)]
@@ -186,6 +196,12 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
                "standalone": Engine.from_args(ServerArgs(**common, speculative_algorithm="STANDALONE",
                                                          speculative_draft_model_path=str(draft_dir),
                                                          speculative_num_steps=args.draft_steps)),
+               # Trees from every request's tokens: each round's request is the
+               # same prompt again, so the trie holds the earlier rounds' answers.
+               "ngram_trees": Engine.from_args(ServerArgs(**common, speculative_algorithm="NGRAM",
+                                                          speculative_num_draft_tokens=args.draft_tokens,
+                                                          speculative_ngram_min_match_window_size=args.min_window,
+                                                          speculative_ngram_max_bfs_breadth=args.bfs_breadth)),
                # The target's own checkpoint as its draft: every draft kept, at
                # a draft cost of a whole target step; bounds what acceptance buys.
                "standalone_self": Engine.from_args(ServerArgs(**common, speculative_algorithm="STANDALONE",
@@ -314,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--draft-tokens", type=int, default=6, help="NGRAM: --speculative-num-draft-tokens")
     p.add_argument("--min-window", type=int, default=3, help="--speculative-ngram-min-match-window-size")
+    p.add_argument("--bfs-breadth", type=int, default=4,
+                   help="ngram_trees: --speculative-ngram-max-bfs-breadth")
     p.add_argument("--draft-layers", type=int, default=10, help="STANDALONE: the target's layers the draft keeps")
     p.add_argument("--draft-steps", type=int, default=4, help="STANDALONE, EAGLE3: --speculative-num-steps")
     p.add_argument("--eagle3-head", default=None,
