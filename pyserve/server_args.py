@@ -179,7 +179,7 @@ class EngineOptions:
         help="NGRAM trees: BFS takes the most recent continuations, level by level; PROB, the likeliest "
              "(PROB drafts a tree whatever the breadths)")
     speculative_ngram_branch_length: int | None = option(
-        None, help="NGRAM trees: tokens the trie keeps after each position (default 18; above "
+        None, "--speculative-ngram-branch-length", "--speculative-ngram-max-trie-depth", help="NGRAM trees: tokens the trie keeps after each position (default 18; above "
                    "--speculative-ngram-max-match-window-size)")
     speculative_ngram_capacity: int | None = option(
         None, help="NGRAM trees: most trie nodes kept, the least recently used dropped first (default "

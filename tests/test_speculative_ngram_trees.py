@@ -122,6 +122,17 @@ def test_what_cannot_run_is_refused_at_start(tiny_llama_dir, options, message):
         drafter_of(args.engine, args.model, tiny_llama_dir, runner=None)
 
 
+def test_a_real_server_with_ngram_trees_answers_the_openai_client(tiny_llama_dir):
+    """`pyserve --model M --speculative-algorithm NGRAM
+    --speculative-ngram-max-bfs-breadth 4` (assert_served_like_without):
+    the requests after the first draft from its answer."""
+    from tests.test_speculative_standalone import assert_served_like_without
+
+    assert_served_like_without(tiny_llama_dir, "--speculative-algorithm", "NGRAM",
+                               "--speculative-ngram-max-bfs-breadth", "4",
+                               "--speculative-ngram-min-match-window-size", "1")
+
+
 def test_the_cli_takes_sglangs_ngram_tree_flags():
     args = ServerArgs.from_cli(["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "10",
                                 "--speculative-ngram-min-bfs-breadth", "2", "--speculative-ngram-match-type", "PROB",
@@ -130,3 +141,41 @@ def test_the_cli_takes_sglangs_ngram_tree_flags():
     assert (engine.speculative_ngram_max_bfs_breadth, engine.speculative_ngram_min_bfs_breadth,
             engine.speculative_ngram_match_type, engine.speculative_ngram_branch_length,
             engine.speculative_ngram_capacity) == (10, 2, "PROB", 24, 500000)
+    # SGLang's later name for the branch length.
+    assert ServerArgs.from_cli(["--speculative-ngram-max-trie-depth", "30"]).speculative_ngram_branch_length == 30
+
+
+def forked_runs(model_dir, engine_args: dict) -> tuple[list, list]:
+    """A greedy request, a second whose prompt copies the first's answer up
+    to a point and goes on otherwise there, and the first asked again: at
+    that point its drafts fork, the first answer's way and the second
+    prompt's. The first and third requests' (text, tokens, logprobs, last),
+    without speculation and with trees."""
+    prompt = [7, 301, 45, 999, 12, 640, 88, 3]
+    greedy = SamplingParams(max_new_tokens=24, logprobs=True, top_logprobs=2, **GREEDY)
+
+    async def collect(engine, ids):
+        text, tokens, logprobs, last = "", [], [], None
+        async for out in engine.generate(GenerateRequest(list(ids), greedy)):
+            text, tokens, logprobs, last = text + out.text, tokens + out.token_ids, logprobs + out.logprobs, out
+        return text, tokens, logprobs, last
+
+    async def main(extra):
+        engine = await started(model_dir, **engine_args, **extra)
+        try:
+            first = await collect(engine, prompt)
+            answer = first[1]
+            await collect(engine, prompt + answer[:10] + [answer[10] + 1] + answer[:5])
+            again = await collect(engine, prompt)
+            assert engine.kv_usage()["in_use"] == 0
+            return [first, again]
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main({})), asyncio.run(main(TREES))
+
+
+def test_drafts_fork_where_two_requests_went_different_ways(tiny_llama_dir, tree_rows):
+    plain, spec = forked_runs(tiny_llama_dir, {})
+    same(plain, spec)
+    assert tree_rows["trees"] > 0

@@ -4,8 +4,9 @@ draft model whole on rank 0, an EAGLE-3 head reading rank 0's copy of the
 target's hidden states and the whole embedding from the checkpoint), the
 verify pass runs on both ranks (and a draft tree's accepted K/V moves in
 both ranks' caches), and greedy output is what two ranks give without
-speculation. NGRAM's in the default suite; the draft models' (a whole
-draft model beside a sharded target, the head's states and trees), slow."""
+speculation. NGRAM's chains in the default suite; its trees and the draft
+models' (a whole draft model beside a sharded target, the head's states
+and trees), slow."""
 
 from __future__ import annotations
 
@@ -70,3 +71,18 @@ def test_eagle3_trees_over_two_ranks(target, heads):
     same(plain, got)
     assert got[2][3].finish_reason == "stop" and stop_text not in got[2][0]
     assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
+
+
+@slow_test
+def test_ngram_trees_over_two_ranks(tiny_llama_dir, monkeypatch):
+    """NGRAM's trees from rank 0's trie: the kept branch's K/V moves in
+    both ranks' caches, and greedy output is two ranks' without speculation."""
+    import pyserve.engine.speculative.tree as tree
+    from tests.test_speculative_ngram_trees import forked_runs
+
+    verified = []
+    real = tree.expand
+    monkeypatch.setattr(tree, "expand", lambda step, batch, trees: verified.append(trees) or real(step, batch, trees))
+    plain, got = forked_runs(tiny_llama_dir, TWO_RANKS)
+    same(plain, got)
+    assert verified

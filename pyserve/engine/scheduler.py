@@ -101,7 +101,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Forget `seq` (finished or aborted) and give back what it holds."""
+        """Forget `seq` (finished or aborted) and give back what it holds;
+        a drafter learning from every request reads its last tokens."""
+        if self.drafter is not None:
+            self.drafter.observe(seq)
         self.kv.release(seq)
         del self.requests[seq.rid]
         for queue in (self.running, self.prefilling, self.waiting):

@@ -81,8 +81,8 @@ class Drafter:
 
     def observe(self, seq: Sequence) -> None:
         """Called at every step that decodes `seq`, drafted or not, before
-        its drafts are asked for: a drafter that learns from every
-        request's tokens reads its new ones."""
+        its drafts are asked for, and once it ends: a drafter that learns
+        from every request's tokens reads its new ones."""
 
     def reserve(self, seq: Sequence) -> list[int]:
         return [0] * self.budget(seq)
