@@ -14,6 +14,7 @@ import pyserve.engine.speculative.tree as tree
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.server_args import ServerArgs
+from tests.slow import slow_test
 from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, repetitive, same, started,
                                     with_and_without)
 
@@ -122,6 +123,7 @@ def test_what_cannot_run_is_refused_at_start(tiny_llama_dir, options, message):
         drafter_of(args.engine, args.model, tiny_llama_dir, runner=None)
 
 
+@slow_test
 def test_a_real_server_with_ngram_trees_answers_the_openai_client(tiny_llama_dir):
     """`pyserve --model M --speculative-algorithm NGRAM
     --speculative-ngram-max-bfs-breadth 4` (assert_served_like_without):
