@@ -115,6 +115,7 @@ def test_a_request_drafts_what_an_earlier_request_wrote_unless_salted(tiny_llama
     ({**TREES, "speculative_ngram_branch_length": 12}, "leaves no draft after a match of"),
     ({**TREES, "speculative_ngram_min_bfs_breadth": 5}, "1 <= --speculative-ngram-min-bfs-breadth"),
     ({**TREES, "speculative_ngram_capacity": 5}, "cannot hold one branch of 18 tokens"),
+    ({**TREES, "speculative_ngram_capacity": 2**40}, "the trie holds at most 2147483647 nodes"),
     ({"speculative_eagle_topk": 4}, "NGRAM drafts trees with --speculative-ngram-max-bfs-breadth"),
 ])
 def test_what_cannot_run_is_refused_at_start(tiny_llama_dir, options, message):

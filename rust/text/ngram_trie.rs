@@ -53,6 +53,10 @@ impl TrieShape {
         if self.capacity < self.branch_length as usize {
             return Err("capacity must hold one branch".into());
         }
+        // Nodes are u32 indices; a call may add up to branch_length nodes a token past capacity.
+        if self.capacity > (u32::MAX / 2) as usize {
+            return Err(format!("capacity must be at most {}", u32::MAX / 2));
+        }
         Ok(())
     }
 }
@@ -476,12 +480,57 @@ mod tests {
     }
 
     #[test]
+    fn many_requests_under_a_small_capacity_keep_the_trie_whole() {
+        // A small vocabulary and capacity: paths recur, branch and are evicted
+        // while cursors still hold their ends.
+        let mut seed: u64 = 7;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for by_probability in [false, true] {
+            let mut s = shape(by_probability);
+            s.capacity = 200;
+            s.branch_length = 6;
+            s.max_window = 4;
+            let mut trie = NgramTrie::new(s).unwrap();
+            let mut cursors: Vec<Cursor> = (0..8).map(|_| Cursor::default()).collect();
+            let mut texts: Vec<Vec<u32>> = vec![Vec::new(); 8];
+            for _ in 0..3000 {
+                let r = next(8) as usize;
+                let tokens: Vec<u32> = (0..1 + next(5)).map(|_| next(12) as u32).collect();
+                trie.extend(&mut cursors[r], &tokens);
+                texts[r].extend(&tokens);
+                assert!(trie.size() <= 200);
+                let (drafted, parents) = trie.draft(&texts[r], 1 + next(8) as usize);
+                assert_eq!(drafted.len(), parents.len());
+                for (i, &p) in parents.iter().enumerate() {
+                    assert!(-1 <= p && p < i as i32);
+                }
+                assert_eq!(cursors[r].indexed, texts[r].len());
+            }
+            assert_eq!(trie.nodes.len() - 1 - trie.free.len(), trie.size());
+            assert_eq!(trie.child_of.len(), trie.size());
+            // Every live node is on the recency list once.
+            let (mut n, mut at) = (0, trie.oldest);
+            while at != NONE {
+                n += 1;
+                at = trie.nodes[at as usize].newer;
+            }
+            assert_eq!(n, trie.size());
+        }
+    }
+
+    #[test]
     fn shapes_that_cannot_draft_are_refused() {
         let mut s = shape(false);
         s.branch_length = 12;
         assert!(NgramTrie::new(s).is_err());
         let mut s = shape(false);
         s.min_breadth = 0;
+        assert!(NgramTrie::new(s).is_err());
+        let mut s = shape(false);
+        s.capacity = 1 << 40;
         assert!(NgramTrie::new(s).is_err());
     }
 }
