@@ -192,7 +192,7 @@ def speculative_setup(tmp_path_factory, eagle3_target, eagle3_heads):
     return eagle3_target, adapters, eagle3_heads["random"]
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE3-tree"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NGRAM-tree", "STANDALONE", "EAGLE3-tree"])
 def test_speculative_decoding_verifies_under_each_requests_adapter(speculative_setup, algorithm):
     """Adapters and the base model in one batch, drafted: greedy tokens and
     logprobs as without speculation. The drafts come from the base model
@@ -204,6 +204,8 @@ def test_speculative_decoding_verifies_under_each_requests_adapter(speculative_s
     model_dir, adapters, head = speculative_setup
     options = {
         "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1},
+        "NGRAM-tree": {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1,
+                       "speculative_ngram_max_bfs_breadth": 4, "speculative_num_draft_tokens": 6},
         "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(model_dir),
                        "speculative_num_draft_tokens": 3},
         "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head),
