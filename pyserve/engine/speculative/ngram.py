@@ -110,8 +110,9 @@ class LateNgramDraft:
 
 @dataclass
 class LateNgramTree:
-    """LateNgramDraft's tree drafter's counterpart: `known` holds the last
-    tokens a match can read."""
+    """LateNgramDraft for NgramTreeDrafter: the drafts and their tree, read
+    from the trie after `known` (the last tokens a match can read) and the
+    accepted tokens."""
 
     trie: NgramTrie
     known: list[int]
