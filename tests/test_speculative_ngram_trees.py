@@ -182,3 +182,9 @@ def test_drafts_fork_where_two_requests_went_different_ways(tiny_llama_dir, tree
     plain, spec = forked_runs(tiny_llama_dir, {})
     same(plain, spec)
     assert tree_rows["trees"] > 0
+
+
+def test_an_aborted_request_under_overlap_gives_every_page_back(tiny_llama_dir):
+    from tests.test_speculative_standalone import assert_abort_gives_every_page_back
+
+    assert_abort_gives_every_page_back(tiny_llama_dir, {**TREES, "disable_overlap_schedule": False}, repetitive())
