@@ -142,8 +142,8 @@ impl NgramTrie {
             cursor.open.push((ROOT, self.nodes[ROOT as usize].generation));
             let mut growing = Vec::with_capacity(cursor.open.len());
             for &(node, generation) in &cursor.open {
-                if self.nodes[node as usize].generation != generation {
-                    continue; // evicted: the path ends there
+                if self.nodes.get(node as usize).map(|n| n.generation) != Some(generation) {
+                    continue; // evicted (or another trie's): the path ends there
                 }
                 let child = self.touch_child(node, token);
                 let c = &mut self.nodes[child as usize];
@@ -519,6 +519,16 @@ mod tests {
             }
             assert_eq!(n, trie.size());
         }
+    }
+
+    #[test]
+    fn another_tries_cursor_starts_its_paths_afresh() {
+        let mut big = NgramTrie::new(shape(false)).unwrap();
+        let mut cursor = Cursor::default();
+        big.extend(&mut cursor, &(0..100).collect::<Vec<u32>>());
+        let mut small = NgramTrie::new(shape(false)).unwrap();
+        small.extend(&mut cursor, &[5, 6]);
+        assert_eq!(small.draft(&[5], 1), (vec![6], vec![-1]));
     }
 
     #[test]
