@@ -8,10 +8,10 @@ on the event loop, at scheduling; verification is the target's
 (speculative/rejection.py).
 
 NgramTreeDrafter drafts trees instead, from a trie of every request's
-tokens (rust/text/ngram_trie.rs says how it matches and branches). A request with a cache_salt neither reads nor
-feeds that trie: it drafts a chain from its own tokens, since drafts from
-other requests' text would make its speed tell what they wrote, as a
-shared prefix cache would.
+tokens (rust/text/ngram_trie.rs says how it matches and branches). A
+request with a cache_salt neither reads nor feeds that trie: it drafts a
+chain from its own tokens, since drafts from other requests' text would
+make its speed tell what they wrote, as a shared prefix cache would.
 """
 
 from __future__ import annotations
@@ -77,6 +77,13 @@ def _majority_continuation(ids: list[int], ends: list[int], k: int) -> list[int]
         draft.append(token)
         ends = [end for end in ends if end + offset < len(ids) and ids[end + offset] == token]
     return draft
+
+
+def _last_tokens(seq: Sequence, n: int) -> list[int]:
+    """The last `n` of the sequence's known tokens, prompt and output,
+    without copying the rest of a long prompt."""
+    out = seq.output_ids
+    return out[-n:] if len(out) >= n else seq.prompt_ids[len(out) - n :] + out
 
 
 def _positions(ids: list[int], token: int, start: int, stop: int) -> list[int]:
@@ -156,9 +163,7 @@ class NgramDrafter(Drafter):
         return find_draft(seq.all_ids, self.min_window, self.max_window, k) if k else []
 
     def late_drafts(self, seq: Sequence, k: int) -> LateNgramDraft:
-        span = _SEARCH_SPAN + self.max_window
-        out = seq.output_ids
-        known = out[-span:] if len(out) >= span else seq.prompt_ids[len(out) - span :] + out
+        known = _last_tokens(seq, _SEARCH_SPAN + self.max_window)
         return LateNgramDraft(known, self.min_window, self.max_window, k)
 
 
@@ -188,7 +193,7 @@ class NgramTreeDrafter(NgramDrafter):
         if seq.cache_salt is not None:
             return super().propose(seq), None
         k = self.budget(seq)
-        return tree_draft(self.trie, seq.all_ids[-self.max_window :], k) if k else ([], None)
+        return tree_draft(self.trie, _last_tokens(seq, self.max_window), k) if k else ([], None)
 
     def propose(self, seq: Sequence) -> list[int]:
         return self.draft(seq)[0]
@@ -196,4 +201,4 @@ class NgramTreeDrafter(NgramDrafter):
     def late_drafts(self, seq: Sequence, k: int) -> LateNgramDraft | LateNgramTree:
         if seq.cache_salt is not None:
             return super().late_drafts(seq, k)
-        return LateNgramTree(self.trie, seq.all_ids[-self.max_window :], k)
+        return LateNgramTree(self.trie, _last_tokens(seq, self.max_window), k)
