@@ -103,10 +103,14 @@ class NgramTrie:
     longest, half as many at each level below) or, `by_probability`, the
     likeliest by count."""
 
+    MAX_CAPACITY: int
+    """Most nodes a trie may be asked to keep (its nodes are numbered in 32 bits)."""
+
     def __init__(self, branch_length: int, capacity: int, min_window: int, max_window: int, min_breadth: int,
                  max_breadth: int, by_probability: bool) -> None:
         """ValueError for a shape that cannot draft (windows or breadths out
-        of order, a branch no longer than max_window, capacity below one branch)."""
+        of order, a branch no longer than max_window, capacity below one
+        branch or above MAX_CAPACITY)."""
     def extend(self, cursor: NgramCursor, tokens: list[int]) -> None:
         """Add a request's tokens after those its cursor has in."""
     def draft(self, ids: list[int], k: int) -> tuple[list[int], list[int]]:

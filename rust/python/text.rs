@@ -15,7 +15,7 @@ use crate::text::chat::harmony::HarmonyParser as Harmony;
 use crate::text::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::text::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
 use crate::text::detokenizer::DecodeStream as Stream;
-use crate::text::ngram_trie::{Cursor, NgramTrie as Trie, TrieShape};
+use crate::text::ngram_trie::{Cursor, NgramTrie as Trie, TrieShape, MAX_CAPACITY};
 use crate::text::stop::StopMatcher as Matcher;
 use crate::text::tokenizer::Tokenizer as Tok;
 
@@ -166,6 +166,10 @@ impl PyNgramTrie {
             TrieShape { branch_length, capacity, min_window, max_window, min_breadth, max_breadth, by_probability };
         Ok(PyNgramTrie { trie: Trie::new(shape).map_err(value_error)? })
     }
+
+    /// Most nodes a trie may be asked to keep.
+    #[classattr]
+    const MAX_CAPACITY: usize = MAX_CAPACITY;
 
     /// Add a request's tokens after those its cursor has in.
     fn extend(&mut self, mut cursor: PyRefMut<'_, PyNgramCursor>, tokens: Vec<i64>) -> PyResult<()> {

@@ -27,6 +27,9 @@ use std::collections::{BinaryHeap, HashMap};
 
 const NONE: u32 = u32::MAX;
 const ROOT: u32 = 0;
+/// Most nodes a trie may be asked to keep: nodes are u32 indices, and a
+/// call may add up to branch_length nodes a token past the capacity.
+pub const MAX_CAPACITY: usize = (u32::MAX / 2) as usize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TrieShape {
@@ -53,9 +56,8 @@ impl TrieShape {
         if self.capacity < self.branch_length as usize {
             return Err("capacity must hold one branch".into());
         }
-        // Nodes are u32 indices; a call may add up to branch_length nodes a token past capacity.
-        if self.capacity > (u32::MAX / 2) as usize {
-            return Err(format!("capacity must be at most {}", u32::MAX / 2));
+        if self.capacity > MAX_CAPACITY {
+            return Err(format!("capacity must be at most {MAX_CAPACITY}"));
         }
         Ok(())
     }

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pyserve._rust import NgramTrie
 from pyserve.engine.speculative.drafter import CPU_DRAFT_COST, Drafter, PlaceholderDrafter
 from pyserve.engine.speculative.ngram import NgramDrafter, NgramTreeDrafter
-from pyserve._rust import NgramTrie
 from pyserve.engine.speculative.tree import TreeShape
 from pyserve.server_args import EngineOptions, ModelOptions
 
@@ -20,7 +20,6 @@ logger = logging.getLogger("pyserve.engine")
 # SGLang's defaults for NGRAM trees' trie (a node takes about 80 bytes).
 _NGRAM_BRANCH_LENGTH = 18
 _NGRAM_CAPACITY = 10_000_000
-_NGRAM_MAX_CAPACITY = 2**31 - 1  # its nodes are numbered in 32 bits (rust/text/ngram_trie.rs)
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,9 @@ def _ngram_trie(options: EngineOptions) -> NgramTrie | None:
                          f"--speculative-ngram-max-match-window-size {max_window} tokens: it must be longer")
     if capacity < branch_length:
         raise ValueError(f"--speculative-ngram-capacity {capacity} cannot hold one branch of {branch_length} tokens")
-    if capacity > _NGRAM_MAX_CAPACITY:
-        raise ValueError(f"--speculative-ngram-capacity {capacity}: the trie holds at most {_NGRAM_MAX_CAPACITY} nodes")
+    if capacity > NgramTrie.MAX_CAPACITY:
+        raise ValueError(f"--speculative-ngram-capacity {capacity}: the trie holds at most {NgramTrie.MAX_CAPACITY} "
+                         f"nodes")
     return NgramTrie(branch_length, capacity, options.speculative_ngram_min_match_window_size, max_window,
                      low, high, by_probability)
 
