@@ -15,8 +15,8 @@ from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
-from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, repetitive, same, started,
-                                    with_and_without)
+from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same,
+                                    started, with_and_without)
 
 TREES = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
          "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_bfs_breadth": 4}
@@ -155,21 +155,15 @@ def forked_runs(model_dir, engine_args: dict) -> tuple[list, list]:
     prompt's. The first and third requests' (text, tokens, logprobs, last),
     without speculation and with trees."""
     prompt = [7, 301, 45, 999, 12, 640, 88, 3]
-    greedy = SamplingParams(max_new_tokens=24, logprobs=True, top_logprobs=2, **GREEDY)
-
-    async def collect(engine, ids):
-        text, tokens, logprobs, last = "", [], [], None
-        async for out in engine.generate(GenerateRequest(list(ids), greedy)):
-            text, tokens, logprobs, last = text + out.text, tokens + out.token_ids, logprobs + out.logprobs, out
-        return text, tokens, logprobs, last
+    greedy = {"max_new_tokens": 24, "logprobs": True, "top_logprobs": 2, **GREEDY}
 
     async def main(extra):
         engine = await started(model_dir, **engine_args, **extra)
         try:
-            first = await collect(engine, prompt)
+            first = await collect(engine, prompt, **greedy)
             answer = first[1]
-            await collect(engine, prompt + answer[:10] + [answer[10] + 1] + answer[:5])
-            again = await collect(engine, prompt)
+            await collect(engine, prompt + answer[:10] + [answer[10] + 1] + answer[:5], **greedy)
+            again = await collect(engine, prompt, **greedy)
             assert engine.kv_usage()["in_use"] == 0
             return [first, again]
         finally:
