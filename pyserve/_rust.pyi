@@ -13,6 +13,8 @@ for the call and releases the GIL while it computes; `threads` share the
 work, the caller's thread among them.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -113,12 +115,29 @@ class NgramTrie:
         branch or above MAX_CAPACITY)."""
     def extend(self, cursor: NgramCursor, tokens: list[int]) -> None:
         """Add a request's tokens after those its cursor has in."""
-    def draft(self, ids: list[int], k: int) -> tuple[list[int], list[int]]:
+    def draft(self, ids: list[int], k: int, corpora: Sequence[NgramCorpus] = (),
+              reserved: int = 0) -> tuple[list[int], list[int]]:
         """Up to k drafts after `ids`: their tokens and each one's parent
-        (-1: the newest of `ids`), parents before children."""
+        (-1: the newest of `ids`), parents before children; `reserved` of
+        them for the `corpora`' drafts, shared evenly in their order, any
+        room one source leaves going to the others."""
     @property
     def size(self) -> int:
         """Nodes held."""
+
+class NgramCorpus:
+    """An operator's corpus for NGRAM draft trees: a suffix automaton of
+    `documents` (token ids; no match runs from one into the next), built
+    without the GIL, read-only. Its continuations rank by recency (a later
+    document is more recent) or by count, as the trie's do."""
+
+    def __init__(self, documents: list[list[int]]) -> None: ...
+    @property
+    def tokens(self) -> int:
+        """The documents' tokens."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds."""
 
 class NgramCursor:
     """One request's place in an NgramTrie."""

@@ -15,6 +15,8 @@ use crate::text::chat::harmony::HarmonyParser as Harmony;
 use crate::text::chat::reasoning::ReasoningSplitter as Splitter;
 use crate::text::chat::tool_calls::{deltas, CallEvent, Format, ToolCallParser as CallParser, Tools};
 use crate::text::detokenizer::DecodeStream as Stream;
+use crate::text::ngram_corpus::{draft_with_corpora, Corpus};
+use crate::text::ngram_draft::DraftShape;
 use crate::text::ngram_trie::{Cursor, NgramTrie as Trie, TrieShape, MAX_CAPACITY};
 use crate::text::stop::StopMatcher as Matcher;
 use crate::text::tokenizer::Tokenizer as Tok;
@@ -162,8 +164,8 @@ impl PyNgramTrie {
         max_breadth: usize,
         by_probability: bool,
     ) -> PyResult<Self> {
-        let shape =
-            TrieShape { branch_length, capacity, min_window, max_window, min_breadth, max_breadth, by_probability };
+        let draft = DraftShape { min_window, max_window, min_breadth, max_breadth, by_probability };
+        let shape = TrieShape { branch_length, capacity, draft };
         Ok(PyNgramTrie { trie: Trie::new(shape).map_err(value_error)? })
     }
 
@@ -178,14 +180,50 @@ impl PyNgramTrie {
     }
 
     /// Up to `k` drafts after `ids`: their tokens and each one's parent
-    /// (-1: the newest of `ids`), parents first.
-    fn draft(&self, ids: Vec<i64>, k: usize) -> PyResult<(Vec<u32>, Vec<i32>)> {
-        Ok(self.trie.draft(&token_ids(ids)?, k))
+    /// (-1: the newest of `ids`), parents first; `reserved` of the nodes
+    /// for the `corpora`' drafts (see ngram_corpus.rs).
+    #[pyo3(signature = (ids, k, corpora = Vec::new(), reserved = 0))]
+    fn draft(
+        &self,
+        ids: Vec<i64>,
+        k: usize,
+        corpora: Vec<PyRef<'_, PyNgramCorpus>>,
+        reserved: usize,
+    ) -> PyResult<(Vec<u32>, Vec<i32>)> {
+        let corpora: Vec<&Corpus> = corpora.iter().map(|c| &c.corpus).collect();
+        Ok(draft_with_corpora(&self.trie, &corpora, &token_ids(ids)?, k, reserved))
     }
 
     #[getter]
     fn size(&self) -> usize {
         self.trie.size()
+    }
+}
+
+/// An operator's corpus for NGRAM draft trees (see ngram_corpus.rs).
+#[pyclass(name = "NgramCorpus", module = "pyserve._rust", frozen)]
+struct PyNgramCorpus {
+    corpus: Corpus,
+}
+
+#[pymethods]
+impl PyNgramCorpus {
+    /// The corpus of `documents` (token ids), built without the GIL.
+    #[new]
+    fn new(py: Python<'_>, documents: Vec<Vec<i64>>) -> PyResult<Self> {
+        let documents = documents.into_iter().map(token_ids).collect::<PyResult<Vec<_>>>()?;
+        Ok(PyNgramCorpus { corpus: py.allow_threads(|| Corpus::build(&documents)) })
+    }
+
+    #[getter]
+    fn tokens(&self) -> usize {
+        self.corpus.tokens()
+    }
+
+    /// Bytes it holds.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.corpus.nbytes()
     }
 }
 
@@ -344,6 +382,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHarmonyParser>()?;
     m.add_class::<PyNgramTrie>()?;
     m.add_class::<PyNgramCursor>()?;
+    m.add_class::<PyNgramCorpus>()?;
     m.add_function(wrap_pyfunction!(tool_call_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(content_text, m)?)?;
     Ok(())

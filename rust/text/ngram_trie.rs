@@ -1,29 +1,19 @@
-//! NGRAM draft trees: a trie of every request's token stretches, shared by
-//! the requests, and the draft trees read from it.
+//! NGRAM draft trees' trie of every request's token stretches, shared by
+//! the requests (ngram_draft.rs reads draft trees from it).
 //!
 //! From each position of each request's tokens, the trie holds the next
 //! `branch_length` tokens as a path from its root; a node counts the times
-//! its path occurred. A request's matches are the suffixes of its tokens,
-//! `min_window` to `max_window` long, that are paths with continuations;
-//! the nodes below a match are its candidate drafts. A longer match is more
-//! specific, so it drafts first, and the trees of the matches merge where
-//! they draft the same tokens:
-//!
-//! - breadth first: level by level below each match, children most
-//!   recently seen first; a match of the shortest length takes
-//!   `max_breadth` children at its first level, one of the longest
-//!   `min_breadth`, the lengths between in proportion; each level below
-//!   takes half the breadth of the one above (at least 1).
-//! - by probability: the candidates of highest estimated probability (a
-//!   node's is its parent's times its share of the parent's count), over
-//!   every match.
+//! its path occurred. A request's matches are its suffixes that are paths
+//! with continuations.
 //!
 //! The trie keeps at most `capacity` nodes: past it, the least recently
 //! touched node goes, with the nodes below it. Nodes live in one arena;
 //! a request's cursor names the ends of its growing paths by index and
 //! generation, so a path whose end was evicted (and its slot reused) stops.
 
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
+
+use crate::text::ngram_draft::{draft_into, Continuations, Draft, DraftShape, TreeBuilder};
 
 const NONE: u32 = u32::MAX;
 const ROOT: u32 = 0;
@@ -35,22 +25,13 @@ pub const MAX_CAPACITY: usize = (u32::MAX / 2) as usize;
 pub struct TrieShape {
     pub branch_length: u32,
     pub capacity: usize,
-    pub min_window: usize,
-    pub max_window: usize,
-    pub min_breadth: usize,
-    pub max_breadth: usize,
-    pub by_probability: bool,
+    pub draft: DraftShape,
 }
 
 impl TrieShape {
     pub fn check(&self) -> Result<(), String> {
-        if !(1 <= self.min_window && self.min_window <= self.max_window) {
-            return Err("the match windows need 1 <= min_window <= max_window".into());
-        }
-        if !(1 <= self.min_breadth && self.min_breadth <= self.max_breadth) {
-            return Err("the breadths need 1 <= min_breadth <= max_breadth".into());
-        }
-        if (self.branch_length as usize) <= self.max_window {
+        self.draft.check()?;
+        if (self.branch_length as usize) <= self.draft.max_window {
             return Err("branch_length must exceed max_window, or no draft follows a match".into());
         }
         if self.capacity < self.branch_length as usize {
@@ -115,10 +96,6 @@ pub struct NgramTrie {
     newest: u32,
     size: usize, // nodes below the root
 }
-
-/// A draft tree: per node its token and its parent's index (-1: the
-/// root, the request's newest token), parents before children.
-pub type Draft = (Vec<u32>, Vec<i32>);
 
 impl NgramTrie {
     pub fn new(shape: TrieShape) -> Result<Self, String> {
@@ -270,37 +247,22 @@ impl NgramTrie {
         }
     }
 
-    /// Children of `node`, the most recently seen first.
-    fn children(&self, node: u32) -> impl Iterator<Item = u32> + '_ {
-        let mut child = self.nodes[node as usize].last_child;
-        std::iter::from_fn(move || {
-            (child != NONE).then(|| {
-                let this = child;
-                child = self.nodes[this as usize].prev_sibling;
-                this
-            })
-        })
-    }
-
     /// Up to `k` draft tokens after `ids`, as a tree.
     pub fn draft(&self, ids: &[u32], k: usize) -> Draft {
-        let matches = self.matches(ids);
-        let mut tree = TreeBuilder { tokens: Vec::new(), parents: Vec::new(), index: HashMap::new(), k };
-        if k > 0 && !matches.is_empty() {
-            if self.shape.by_probability {
-                self.by_probability(&matches, &mut tree);
-            } else {
-                self.breadth_first(&matches, &mut tree);
-            }
-        }
-        (tree.tokens, tree.parents)
+        let mut tree = TreeBuilder::new(k);
+        draft_into(self, &self.shape.draft, ids, &mut tree);
+        tree.into_draft()
     }
 
-    /// (length, node) of each suffix of `ids` that is a path with
-    /// continuations, the longest first.
-    fn matches(&self, ids: &[u32]) -> Vec<(usize, u32)> {
+    pub fn shape(&self) -> &TrieShape {
+        &self.shape
+    }
+}
+
+impl Continuations for NgramTrie {
+    fn matches(&self, ids: &[u32], shape: &DraftShape) -> Vec<(usize, u32)> {
         let mut found = Vec::new();
-        for length in (self.shape.min_window..=self.shape.max_window.min(ids.len())).rev() {
+        for length in (shape.min_window..=shape.max_window.min(ids.len())).rev() {
             let mut node = Some(ROOT);
             for &token in &ids[ids.len() - length..] {
                 node = node.and_then(|n| self.child_of.get(&(n, token)).copied());
@@ -314,95 +276,23 @@ impl NgramTrie {
         found
     }
 
-    /// First-level breadth below a match `length` tokens long.
-    fn breadth(&self, length: usize) -> usize {
-        let TrieShape { min_window, max_window, min_breadth, max_breadth, .. } = self.shape;
-        if max_window == min_window {
-            return min_breadth;
-        }
-        let share = (max_window - length) as f64 / (max_window - min_window) as f64;
-        min_breadth + (share * (max_breadth - min_breadth) as f64).round() as usize
+    fn children(&self, node: u32) -> impl Iterator<Item = u32> + '_ {
+        let mut child = self.nodes[node as usize].last_child;
+        std::iter::from_fn(move || {
+            (child != NONE).then(|| {
+                let this = child;
+                child = self.nodes[this as usize].prev_sibling;
+                this
+            })
+        })
     }
 
-    fn breadth_first(&self, matches: &[(usize, u32)], tree: &mut TreeBuilder) {
-        for &(length, node) in matches {
-            let mut level = vec![(node, -1)];
-            let mut breadth = self.breadth(length);
-            while !level.is_empty() && !tree.full() {
-                let mut below = Vec::new();
-                'level: for &(node, parent) in &level {
-                    for child in self.children(node).take(breadth) {
-                        match tree.add(parent, self.nodes[child as usize].token) {
-                            Some(at) => below.push((child, at)),
-                            None => break 'level,
-                        }
-                    }
-                }
-                level = below;
-                breadth = (breadth / 2).max(1);
-            }
-            if tree.full() {
-                return;
-            }
-        }
+    fn token(&self, node: u32) -> u32 {
+        self.nodes[node as usize].token
     }
 
-    fn by_probability(&self, matches: &[(usize, u32)], tree: &mut TreeBuilder) {
-        // (probability's bits, earlier first, node, its parent's index); a
-        // positive f64's bits order as the number does.
-        let mut heap: BinaryHeap<(u64, std::cmp::Reverse<usize>, u32, i32)> = BinaryHeap::new();
-        let mut order = 0;
-        let mut push_children = |heap: &mut BinaryHeap<_>, node: u32, probability: f64, parent: i32, room: usize| {
-            let total = self.nodes[node as usize].count.max(1) as f64;
-            let mut children: Vec<u32> = self.children(node).collect();
-            if children.len() > room {
-                children.select_nth_unstable_by_key(room, |&c| std::cmp::Reverse(self.nodes[c as usize].count));
-                children.truncate(room);
-            }
-            for child in children {
-                let p = probability * self.nodes[child as usize].count as f64 / total;
-                heap.push((p.to_bits(), std::cmp::Reverse(order), child, parent));
-                order += 1;
-            }
-        };
-        for &(_, node) in matches {
-            push_children(&mut heap, node, 1.0, -1, tree.k);
-        }
-        while let Some((bits, _, node, parent)) = heap.pop() {
-            let Some(at) = tree.add(parent, self.nodes[node as usize].token) else { break };
-            if self.nodes[node as usize].first_child != NONE {
-                push_children(&mut heap, node, f64::from_bits(bits), at, tree.k - tree.tokens.len());
-            }
-        }
-    }
-}
-
-struct TreeBuilder {
-    tokens: Vec<u32>,
-    parents: Vec<i32>,
-    index: HashMap<(i32, u32), i32>, // (parent's index, token) -> node index
-    k: usize,
-}
-
-impl TreeBuilder {
-    fn full(&self) -> bool {
-        self.tokens.len() >= self.k
-    }
-
-    /// The index of `parent`'s node for `token`, added if new; None when
-    /// it is new and the tree is full.
-    fn add(&mut self, parent: i32, token: u32) -> Option<i32> {
-        if let Some(&at) = self.index.get(&(parent, token)) {
-            return Some(at);
-        }
-        if self.full() {
-            return None;
-        }
-        let at = self.tokens.len() as i32;
-        self.index.insert((parent, token), at);
-        self.tokens.push(token);
-        self.parents.push(parent);
-        Some(at)
+    fn count(&self, node: u32) -> u32 {
+        self.nodes[node as usize].count
     }
 }
 
@@ -414,11 +304,7 @@ mod tests {
         TrieShape {
             branch_length: 18,
             capacity: 1_000_000,
-            min_window: 1,
-            max_window: 12,
-            min_breadth: 1,
-            max_breadth: 10,
-            by_probability,
+            draft: DraftShape { min_window: 1, max_window: 12, min_breadth: 1, max_breadth: 10, by_probability },
         }
     }
 
@@ -464,7 +350,7 @@ mod tests {
         let mut s = shape(false);
         s.capacity = 40;
         s.branch_length = 4;
-        s.max_window = 3;
+        s.draft.max_window = 3;
         let mut trie = NgramTrie::new(s).unwrap();
         let mut cursor = Cursor::default();
         let text: Vec<u32> = (100..160).collect();
@@ -485,16 +371,12 @@ mod tests {
     fn many_requests_under_a_small_capacity_keep_the_trie_whole() {
         // A small vocabulary and capacity: paths recur, branch and are evicted
         // while cursors still hold their ends.
-        let mut seed: u64 = 7;
-        let mut next = |n: u64| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 33) % n
-        };
+        let mut next = crate::text::ngram_draft::test_numbers(7);
         for by_probability in [false, true] {
             let mut s = shape(by_probability);
             s.capacity = 200;
             s.branch_length = 6;
-            s.max_window = 4;
+            s.draft.max_window = 4;
             let mut trie = NgramTrie::new(s).unwrap();
             let mut cursors: Vec<Cursor> = (0..8).map(|_| Cursor::default()).collect();
             let mut texts: Vec<Vec<u32>> = vec![Vec::new(); 8];
@@ -539,7 +421,7 @@ mod tests {
         s.branch_length = 12;
         assert!(NgramTrie::new(s).is_err());
         let mut s = shape(false);
-        s.min_breadth = 0;
+        s.draft.min_breadth = 0;
         assert!(NgramTrie::new(s).is_err());
         let mut s = shape(false);
         s.capacity = 1 << 40;
