@@ -184,6 +184,14 @@ class EngineOptions:
     speculative_ngram_capacity: int | None = option(
         None, help="NGRAM trees: most trie nodes kept, the least recently used dropped first (default "
                    "10000000, up to about 0.8 GB)")
+    speculative_ngram_external_corpus_path: str | None = option(
+        None, help="NGRAM trees: a corpus loaded at start, JSON Lines of one document a line as a JSON string, that "
+                   "drafts as the other requests' tokens do (more through /add_external_corpus)")
+    speculative_ngram_external_sam_budget: int | None = option(
+        None, help="NGRAM trees: draft nodes kept for the corpora's drafts (default 0: only the room the request "
+                   "trie leaves)")
+    speculative_ngram_external_corpus_max_tokens: int | None = option(
+        None, help="NGRAM trees: most tokens all corpora hold together (default 10000000, about 0.55 GB)")
     speculative_draft_model_path: str | None = option(
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
                    "EAGLE3: the draft head's directory (SGLang's EAGLE-3 checkpoint format)")

@@ -121,7 +121,7 @@ def test_a_request_drafts_what_an_earlier_request_wrote_unless_salted(tiny_llama
 def test_what_cannot_run_is_refused_at_start(tiny_llama_dir, options, message):
     args = ServerArgs(model_path=str(tiny_llama_dir), **{"speculative_algorithm": "NGRAM", **options}).split()
     with pytest.raises(ValueError, match=message):
-        drafter_of(args.engine, args.model, tiny_llama_dir, runner=None)
+        drafter_of(args.engine, args.model, tiny_llama_dir, None, None)
 
 
 @slow_test

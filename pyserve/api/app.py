@@ -26,7 +26,8 @@ import msgspec
 
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
-from pyserve.api.native import adapters, generate, operations, rerank, score, tokenize
+from pyserve.api.native import adapters, corpora, generate, operations, rerank, score, tokenize
+from pyserve.api.native.corpora import CORPUS_ROUTES
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
 from pyserve.files import routes as files
@@ -35,7 +36,10 @@ from pyserve.batches.runner import BatchManager
 from pyserve.http.drain import Drain
 from pyserve.http.errors import APIError
 from pyserve.api.protocol.anthropic import CountTokensRequest, MessagesRequest
-from pyserve.api.protocol.native import LoadLoraAdapterRequest, NativeGenerateRequest, UnloadLoraAdapterRequest
+from pyserve.api.protocol.native import (
+    AddExternalCorpusRequest, LoadLoraAdapterRequest, NativeGenerateRequest, RemoveExternalCorpusRequest,
+    UnloadLoraAdapterRequest,
+)
 from pyserve.http.io import (
     MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
 )
@@ -92,6 +96,9 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
     ("POST", "/v1/load_lora_adapter"): Route(adapters.load, LoadLoraAdapterRequest),
     ("POST", "/v1/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
+    ("POST", "/add_external_corpus"): Route(corpora.add, AddExternalCorpusRequest, dialect=CORPUS_ROUTES),
+    ("POST", "/remove_external_corpus"): Route(corpora.remove, RemoveExternalCorpusRequest, dialect=CORPUS_ROUTES),
+    ("GET", "/list_external_corpora"): Route(corpora.list_corpora, dialect=CORPUS_ROUTES),
     ("POST", "/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/v1/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/detokenize"): Route(tokenize.detokenize, dict),

@@ -43,6 +43,8 @@ from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.commit import row_sequences
+from pyserve.engine.speculative.corpora import ExternalCorpora
+from pyserve.engine.speculative.ngram import NgramTreeDrafter
 from pyserve.engine.speculative.options import drafter_of, target_graphs
 from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
@@ -81,7 +83,7 @@ class Engine:
         chunk = self.kv.fit_chunk(options.chunked_prefill_size if options.chunked_prefill_size > 0 else None)
         self.prompt_capacity = self.kv.prompt_capacity(chunk)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
-        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner)
+        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner, self.tokenizer)
         self.scheduler = Scheduler(
             self.kv, options.max_running_requests, options.max_prefill_tokens,
             chunk,
@@ -369,6 +371,11 @@ class Engine:
     def token_usage(self) -> float:
         """Share of the KV cache that running requests need (0 when idle)."""
         return self.kv.token_usage()
+
+    @property
+    def external_corpora(self) -> ExternalCorpora | None:
+        """NGRAM trees' corpora; None where no NGRAM trees are drafted."""
+        return self.drafter.corpora if isinstance(self.drafter, NgramTreeDrafter) else None
 
     def internal_state(self) -> dict[str, float]:
         """What SGLang's /get_server_info reports of a scheduler

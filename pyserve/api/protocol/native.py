@@ -86,3 +86,17 @@ class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
 class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_name: str
     lora_int_id: int | None = None  # vLLM's; the name alone says which
+
+
+class AddExternalCorpusRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /add_external_corpus body: a corpus file on the server (JSON
+    Lines of one document a line as a JSON string) or the documents
+    themselves; the id is made up when none is given."""
+
+    corpus_id: str | None = None
+    file_path: str | None = None
+    documents: list[str] | None = None
+
+
+class RemoveExternalCorpusRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    corpus_id: str

@@ -8,18 +8,20 @@ on the event loop, at scheduling; verification is the target's
 (speculative/rejection.py).
 
 NgramTreeDrafter drafts trees instead, from a trie of every request's
-tokens (rust/text/ngram_trie.rs says how it matches and branches). A
-request with a cache_salt neither reads nor feeds that trie: it drafts a
-chain from its own tokens, since drafts from other requests' text would
-make its speed tell what they wrote, as a shared prefix cache would.
+tokens and the operators' corpora (speculative/corpora.py;
+rust/text/ngram_draft.rs says how they match and branch). A request with
+a cache_salt neither reads nor feeds that trie: it drafts a chain from its
+own tokens, since drafts from other requests' text would make its speed
+tell what they wrote, as a shared prefix cache would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyserve._rust import NgramCursor, NgramTrie
+from pyserve._rust import NgramCorpus, NgramCursor, NgramTrie
 from pyserve.engine.sequence import Sequence
+from pyserve.engine.speculative.corpora import ExternalCorpora
 from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.speculative.tree import DraftTree
 
@@ -118,21 +120,25 @@ class LateNgramDraft:
 @dataclass
 class LateNgramTree:
     """LateNgramDraft for NgramTreeDrafter: the drafts and their tree, read
-    from the trie after `known` (the last tokens a match can read) and the
-    accepted tokens."""
+    from the trie and the corpora loaded at scheduling after `known` (the
+    last tokens a match can read) and the accepted tokens."""
 
     trie: NgramTrie
+    corpora: tuple[NgramCorpus, ...]
+    reserved: int
     known: list[int]
     k: int
 
     def find(self, accepted: list[int]) -> tuple[list[int], DraftTree | None]:
-        return tree_draft(self.trie, self.known + accepted, self.k)
+        return tree_draft(self.trie, self.corpora, self.reserved, self.known + accepted, self.k)
 
 
-def tree_draft(trie: NgramTrie, ids: list[int], k: int) -> tuple[list[int], DraftTree | None]:
-    """Up to k drafts after `ids` from `trie`, and their tree (None when
-    they form a chain, each the child of the one before)."""
-    tokens, parents = trie.draft(ids, k)
+def tree_draft(trie: NgramTrie, corpora: tuple[NgramCorpus, ...], reserved: int, ids: list[int],
+               k: int) -> tuple[list[int], DraftTree | None]:
+    """Up to k drafts after `ids` from `trie` and `corpora` (`reserved` of
+    the nodes theirs), and their tree (None when they form a chain, each
+    the child of the one before)."""
+    tokens, parents = trie.draft(ids, k, corpora, reserved)
     if all(p == i - 1 for i, p in enumerate(parents)):
         return tokens, None
     return tokens, DraftTree(parents)
@@ -168,13 +174,14 @@ class NgramDrafter(Drafter):
 
 
 class NgramTreeDrafter(NgramDrafter):
-    """NGRAM drafts as trees, from every request's tokens in `trie`; a
-    request with a cache_salt drafts a chain from its own."""
+    """NGRAM drafts as trees, from every request's tokens in `trie` and the
+    `corpora`; a request with a cache_salt drafts a chain from its own."""
 
-    def __init__(self, num_draft_tokens: int, trie: NgramTrie, min_window: int, max_window: int,
-                 draft_cost: float | None = None):
+    def __init__(self, num_draft_tokens: int, trie: NgramTrie, corpora: ExternalCorpora, min_window: int,
+                 max_window: int, draft_cost: float | None = None):
         super().__init__(num_draft_tokens, min_window, max_window, draft_cost)
         self.trie = trie
+        self.corpora = corpora
 
     def observe(self, seq: Sequence) -> None:
         """Add the request's tokens that came back since the last call to the trie."""
@@ -193,7 +200,10 @@ class NgramTreeDrafter(NgramDrafter):
         if seq.cache_salt is not None:
             return super().propose(seq), None
         k = self.budget(seq)
-        return tree_draft(self.trie, _last_tokens(seq, self.max_window), k) if k else ([], None)
+        if not k:
+            return [], None
+        corpora = self.corpora
+        return tree_draft(self.trie, corpora.in_order, corpora.reserved, _last_tokens(seq, self.max_window), k)
 
     def propose(self, seq: Sequence) -> list[int]:
         return self.draft(seq)[0]
@@ -201,4 +211,5 @@ class NgramTreeDrafter(NgramDrafter):
     def late_drafts(self, seq: Sequence, k: int) -> LateNgramDraft | LateNgramTree:
         if seq.cache_salt is not None:
             return super().late_drafts(seq, k)
-        return LateNgramTree(self.trie, _last_tokens(seq, self.max_window), k)
+        corpora = self.corpora
+        return LateNgramTree(self.trie, corpora.in_order, corpora.reserved, _last_tokens(seq, self.max_window), k)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pyserve._rust import NgramTrie
+from pyserve._rust import NgramTrie, Tokenizer
+from pyserve.engine.speculative.corpora import ExternalCorpora
 from pyserve.engine.speculative.drafter import CPU_DRAFT_COST, Drafter, PlaceholderDrafter
 from pyserve.engine.speculative.ngram import NgramDrafter, NgramTreeDrafter
 from pyserve.engine.speculative.tree import TreeShape
@@ -17,9 +18,11 @@ if TYPE_CHECKING:
     from pyserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("pyserve.engine")
-# SGLang's defaults for NGRAM trees' trie (a node takes about 80 bytes).
+# SGLang's defaults for NGRAM trees' trie (a node takes about 80 bytes)
+# and their corpora (about 55 bytes a token of text).
 _NGRAM_BRANCH_LENGTH = 18
 _NGRAM_CAPACITY = 10_000_000
+_NGRAM_CORPUS_MAX_TOKENS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,12 @@ def _drafts_per_row(options: EngineOptions, model_options: ModelOptions) -> int:
 
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
-               runner: ModelRunner) -> Drafter | None:
+               runner: ModelRunner, tokenizer: Tokenizer) -> Drafter | None:
     """None with speculation off; ValueError for what cannot run. For
     STANDALONE, loads the draft model (checked against the target's
     tokenizer in `model_dir`) and gives it to the runner; for EAGLE3, the
-    draft head (checked against the target's shapes)."""
+    draft head (checked against the target's shapes); for NGRAM trees, the
+    corpus file (with `tokenizer`)."""
     algorithm = options.speculative_algorithm
     if algorithm is None:
         return None
@@ -86,10 +90,11 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError("--speculative-eagle-topk is EAGLE3's: NGRAM drafts trees with "
                              "--speculative-ngram-max-bfs-breadth above 1")
         trie = _ngram_trie(options)
+        corpora = None if trie is None else _external_corpora(options, tokenizer)
         _warn_eager_verify(runner, model_options)
         if trie is None:
             return NgramDrafter(k, low, high, draft_cost)
-        return NgramTreeDrafter(k, trie, low, high, draft_cost)
+        return NgramTreeDrafter(k, trie, corpora, low, high, draft_cost)
     steps = _drafts_per_row(options, model_options)
     draft_dir = Path(options.speculative_draft_model_path)
     topk = options.speculative_eagle_topk
@@ -124,7 +129,10 @@ def _ngram_trie(options: EngineOptions) -> NgramTrie | None:
     by_probability = options.speculative_ngram_match_type == "PROB"
     branch_length, capacity = options.speculative_ngram_branch_length, options.speculative_ngram_capacity
     if high == 1 and not by_probability:
-        for value, flag in ((branch_length, "branch-length"), (capacity, "capacity")):
+        for value, flag in ((branch_length, "branch-length"), (capacity, "capacity"),
+                            (options.speculative_ngram_external_corpus_path, "external-corpus-path"),
+                            (options.speculative_ngram_external_sam_budget, "external-sam-budget"),
+                            (options.speculative_ngram_external_corpus_max_tokens, "external-corpus-max-tokens")):
             if value is not None:
                 raise ValueError(f"--speculative-ngram-{flag} is for NGRAM trees (--speculative-ngram-max-bfs-"
                                  f"breadth above 1, or --speculative-ngram-match-type PROB); chains are drafted "
@@ -143,6 +151,24 @@ def _ngram_trie(options: EngineOptions) -> NgramTrie | None:
                          f"nodes")
     return NgramTrie(branch_length, capacity, options.speculative_ngram_min_match_window_size, max_window,
                      low, high, by_probability)
+
+
+def _external_corpora(options: EngineOptions, tokenizer: Tokenizer) -> ExternalCorpora:
+    """NGRAM trees' corpora, with --speculative-ngram-external-corpus-path's
+    loaded under its path as its id (as SGLang names it)."""
+    reserved = options.speculative_ngram_external_sam_budget or 0
+    max_tokens = options.speculative_ngram_external_corpus_max_tokens
+    max_tokens = _NGRAM_CORPUS_MAX_TOKENS if max_tokens is None else max_tokens
+    if reserved < 0:
+        raise ValueError(f"--speculative-ngram-external-sam-budget {reserved}: a count of draft nodes, 0 or more")
+    if max_tokens < 1:
+        raise ValueError(f"--speculative-ngram-external-corpus-max-tokens {max_tokens}: must be at least 1")
+    corpora = ExternalCorpora(tokenizer, reserved, max_tokens)
+    path = options.speculative_ngram_external_corpus_path
+    if path is not None:
+        tokens = corpora.load_file_now(path, path)
+        logger.info("NGRAM corpus %s: %d tokens", path, tokens)
+    return corpora
 
 
 def _warn_eager_verify(runner: ModelRunner, model_options: ModelOptions) -> None:

@@ -1,0 +1,137 @@
+"""Operators' corpora for NGRAM draft trees (SGLang's external corpora):
+documents the requests will echo (a code base, a product's manuals, the
+answers given last week), loaded at start from
+--speculative-ngram-external-corpus-path or at run time through
+/add_external_corpus, and dropped through /remove_external_corpus.
+
+A corpus file is JSON Lines, one document a line as a JSON string; a
+document is tokenized alone, without special tokens, and no match runs
+from one into the next (rust/text/ngram_corpus.rs). Of each draft tree,
+--speculative-ngram-external-sam-budget nodes go to the corpora's drafts
+before the request trie's, shared evenly among them in the order of their
+ids, and any room one source leaves goes to the others. All corpora
+together hold at most --speculative-ngram-external-corpus-max-tokens
+tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+
+from pyserve._rust import NgramCorpus, Tokenizer
+
+_LINES_PER_BATCH = 512  # documents tokenized at a time, so that an oversized file stops early
+
+
+class ExternalCorpora:
+    """The corpora by id, and the order drafts read them in."""
+
+    def __init__(self, tokenizer: Tokenizer, reserved: int, max_tokens: int):
+        self.tokenizer = tokenizer
+        self.reserved = reserved  # draft tree nodes kept for the corpora's drafts
+        self.max_tokens = max_tokens
+        self._corpora: dict[str, NgramCorpus] = {}
+        self._building: dict[str, int] = {}  # ids being built, and their tokens
+        # What a draft reads: the corpora by id; a new tuple at each change,
+        # so a draft the forward thread finds later keeps the one it was given.
+        self.in_order: tuple[NgramCorpus, ...] = ()
+
+    def token_counts(self) -> dict[str, int]:
+        return {corpus_id: corpus.tokens for corpus_id, corpus in sorted(self._corpora.items())}
+
+    def tokens_left(self) -> int:
+        held = sum(c.tokens for c in self._corpora.values()) + sum(self._building.values())
+        return self.max_tokens - held
+
+    def load_file_now(self, corpus_id: str, path: str) -> int:
+        """Add the corpus file at `path`, blocking (at start); its tokens."""
+        documents = self.read_file(corpus_id, path, self.tokens_left())
+        self._claim(corpus_id, documents)
+        try:
+            corpus = NgramCorpus(documents)
+        finally:
+            del self._building[corpus_id]
+        return self._publish(corpus_id, corpus)
+
+    async def add_file(self, corpus_id: str, path: str) -> int:
+        """Add the corpus file at `path` (read and tokenized off the event loop); its tokens."""
+        self._check_id(corpus_id)
+        documents = await asyncio.to_thread(self.read_file, corpus_id, path, self.tokens_left())
+        return await self._build(corpus_id, documents)
+
+    async def add_documents(self, corpus_id: str, texts: list[str]) -> int:
+        """Add a corpus of `texts`; its tokens."""
+        self._check_id(corpus_id)
+        documents = await asyncio.to_thread(self._tokenize, texts, self.tokens_left(), "the documents")
+        return await self._build(corpus_id, documents)
+
+    def remove(self, corpus_id: str) -> None:
+        """KeyError for an id no corpus has."""
+        del self._corpora[corpus_id]
+        self._reorder()
+
+    def read_file(self, corpus_id: str, path: str, limit: int) -> list[list[int]]:
+        """The documents of the JSON Lines file at `path`, tokenized;
+        ValueError for a file that is missing, malformed or over `limit` tokens."""
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"corpus {corpus_id!r}: no file at {path}")
+        texts = []
+        with file.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    texts.append(msgspec.json.decode(line, type=str))
+                except msgspec.DecodeError as e:
+                    raise ValueError(f"{path}, line {number}: a corpus line is a JSON string ({e})") from None
+        return self._tokenize(texts, limit, path)
+
+    def _tokenize(self, texts: list[str], limit: int, where: str) -> list[list[int]]:
+        documents, tokens = [], 0
+        for start in range(0, len(texts), _LINES_PER_BATCH):
+            for ids in self.tokenizer.encode_batch(texts[start : start + _LINES_PER_BATCH], False):
+                if ids:
+                    documents.append(ids)
+                    tokens += len(ids)
+            if tokens > limit:
+                raise ValueError(f"{where} hold more tokens than the corpora have room for ({limit} of "
+                                 f"--speculative-ngram-external-corpus-max-tokens {self.max_tokens} left)")
+        if not documents:
+            raise ValueError(f"{where} hold no tokens")
+        return documents
+
+    def _check_id(self, corpus_id: str) -> None:
+        if not corpus_id:
+            raise ValueError("corpus_id must not be empty")
+        if corpus_id in self._corpora or corpus_id in self._building:
+            raise ValueError(f"a corpus {corpus_id!r} is loaded: remove it first to load another under its id")
+
+    def _claim(self, corpus_id: str, documents: list[list[int]]) -> None:
+        """Hold the documents' share of the token budget while they are built."""
+        self._check_id(corpus_id)  # again: another load may have taken the id meanwhile
+        tokens = sum(map(len, documents))
+        if tokens > self.tokens_left():
+            raise ValueError(f"corpus {corpus_id!r} has {tokens} tokens; the corpora have room for "
+                             f"{self.tokens_left()} more (--speculative-ngram-external-corpus-max-tokens "
+                             f"{self.max_tokens})")
+        self._building[corpus_id] = tokens
+
+    async def _build(self, corpus_id: str, documents: list[list[int]]) -> int:
+        self._claim(corpus_id, documents)
+        try:
+            corpus = await asyncio.to_thread(NgramCorpus, documents)
+        finally:
+            del self._building[corpus_id]
+        return self._publish(corpus_id, corpus)
+
+    def _publish(self, corpus_id: str, corpus: NgramCorpus) -> int:
+        self._corpora[corpus_id] = corpus
+        self._reorder()
+        return corpus.tokens
+
+    def _reorder(self) -> None:
+        self.in_order = tuple(corpus for _, corpus in sorted(self._corpora.items()))
