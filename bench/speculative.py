@@ -27,6 +27,16 @@ Each row compares one of them with the plain engine on one workload:
   answered: greedy, the whole answer; sampled (free chat at 1.0), earlier
   draws of it.
 
+`--corpus` runs NGRAM trees with a corpus (--speculative-ngram-external-
+corpus-path, --sam-budget nodes reserved, 3) instead: the corpus holds the
+plain engine's greedy answers to five chat questions, as an operator
+would load last week's answers, and each round asks one of them for the
+first time (the first question warms up), so the drafts come from the
+corpus and not from the trie; beside it, the same trees without the
+corpus on the same questions. And what a corpus costs: one of this
+repository's sources and docs, built (its build rate, the bytes it holds
+per token, the peak memory its build adds per token).
+
 No draft model smaller than the embedded SmolLM2-135M with its tokenizer
 is on this machine, so the STANDALONE draft is built by the script from
 the target's own checkpoint: its first --draft-layers decoder layers, its
@@ -122,6 +132,10 @@ ROWS = [
     ("ngram_trees_chat", CHAT, "ngram_trees", 0.0),
     ("ngram_trees_chat_t1.0", CHAT, "ngram_trees", 1.0),
 ]
+# --corpus: questions whose answers the corpus holds; each round asks one for the first time.
+CORPUS_QUESTIONS = [CHAT, "Describe a day in the life of a lighthouse keeper.", "Explain how bees make honey.",
+                    "Write a letter to a friend about a trip to the mountains.",
+                    "Tell me the history of the bicycle in a few paragraphs."]
 # With --eagle3-head: an EAGLE-3 head trained for the target (none is on this machine).
 EAGLE3_ROWS = [("eagle3_copy", COPY, "eagle3", 0.0), ("eagle3_chat", CHAT, "eagle3", 0.0)]
 
@@ -261,6 +275,86 @@ async def run(args, model_dir: Path, draft_dir: Path) -> dict:
     return result
 
 
+def corpus_cost(model_dir: Path) -> dict:
+    """--corpus, first (before any engine raises the peak memory): a corpus
+    of this repository's sources and docs built, its build rate, the bytes
+    it holds per token and the peak memory its build added per token."""
+    import resource
+
+    from pyserve._rust import NgramCorpus, Tokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(f for pattern in ("docs/*.md", "pyserve/**/*.py", "rust/**/*.rs", "tests/*.py")
+                   for f in root.glob(pattern))
+    documents = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode_batch(
+        [f.read_text() for f in files], False)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    corpus = NgramCorpus(documents)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row = {"documents": len(documents), "tokens": corpus.tokens,
+           "build_m_tokens_s": round(corpus.tokens / seconds / 1e6, 2),
+           "held_bytes_per_token": round(corpus.nbytes / corpus.tokens, 1),
+           "build_peak_bytes_per_token": round((peak - before) / corpus.tokens)}
+    print("corpus_cost", json.dumps(row), flush=True)
+    return row
+
+
+async def corpus_run(args, model_dir: Path, tmp: Path) -> dict:
+    """--corpus: see the module's docstring."""
+    from pyserve.chat_template import ChatTemplate
+    from pyserve.engine.engine import Engine
+    from pyserve.server_args import ServerArgs
+
+    common = dict(model_path=str(model_dir), device=args.device, max_total_tokens=16384, disable_radix_cache=True,
+                  torchao_config=args.torchao_config)
+    off = Engine.from_args(ServerArgs(**common))
+    await off.start()
+    template = ChatTemplate.for_model(off.model_dir)
+    prompts = [off.tokenizer.encode(template.render([{"role": "user", "content": q}], add_generation_prompt=True))
+               for q in CORPUS_QUESTIONS]
+    answers = [(await decode_speed(off, ids, args.max_tokens, 0.0, 0))[1] for ids in prompts]
+    corpus = tmp / "answers.jsonl"
+    corpus.write_text("".join(json.dumps(off.tokenizer.decode(a)) + "\n" for a in answers))
+    trees = dict(common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.draft_tokens,
+                 speculative_ngram_min_match_window_size=args.min_window,
+                 speculative_ngram_max_bfs_breadth=args.bfs_breadth)
+    # The same trees without the corpus: what the questions' first asking gets from the trie alone.
+    engines = {"off": off, "ngram_corpus_chat": Engine.from_args(ServerArgs(
+                   **trees, speculative_ngram_external_corpus_path=str(corpus),
+                   speculative_ngram_external_sam_budget=args.sam_budget)),
+               "ngram_trees_fresh_chat": Engine.from_args(ServerArgs(**trees))}
+    speeds = {name: [] for name in engines}
+    identical = {name: 0 for name in engines}
+    counters = {}
+    for name, engine in engines.items():
+        if engine is not off:
+            await engine.start()
+            await decode_speed(engine, prompts[0], 8, 0.0, 0)  # warm-up
+            counters[name] = (engine.metrics.spec_verify_steps, engine.metrics.spec_emitted_tokens)
+    for r, ids in enumerate(prompts[1:]):
+        outputs = {}
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            speed, outputs[name] = await decode_speed(engines[name], ids, args.max_tokens, 0.0, 0)
+            speeds[name].append(speed)
+        for name in engines:
+            identical[name] += outputs[name] == outputs["off"]
+    result = {}
+    off_s = statistics.median(speeds["off"])
+    for name, (steps0, emitted0) in counters.items():
+        m, on_s = engines[name].metrics, statistics.median(speeds[name])
+        result[name] = {"corpus_tokens": sum(map(len, answers)), "off_tok_s": round(off_s, 1),
+                        "on_tok_s": round(on_s, 1), "ratio": round(on_s / off_s, 2),
+                        "accept_len": round((m.spec_emitted_tokens - emitted0) / max(m.spec_verify_steps - steps0, 1),
+                                            2),
+                        "identical_outputs": f"{identical[name]}/{len(prompts) - 1}"}
+        print(name, json.dumps(result[name]), flush=True)
+    for engine in engines.values():
+        await engine.shutdown()
+    return result
+
+
 def step_costs(args, model_dir: Path) -> dict:
     """Median ms of a decode step of --rows rows, each one token after the
     same prompt, and of that step with 1, 3 and 6 drafts in its first row,
@@ -332,6 +426,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--min-window", type=int, default=3, help="--speculative-ngram-min-match-window-size")
     p.add_argument("--bfs-breadth", type=int, default=4,
                    help="ngram_trees: --speculative-ngram-max-bfs-breadth")
+    p.add_argument("--corpus", action="store_true",
+                   help="NGRAM trees drafting from a corpus of earlier answers instead (see above)")
+    p.add_argument("--sam-budget", type=int, default=3, help="--corpus: --speculative-ngram-external-sam-budget")
     p.add_argument("--draft-layers", type=int, default=10, help="STANDALONE: the target's layers the draft keeps")
     p.add_argument("--draft-steps", type=int, default=4, help="STANDALONE, EAGLE3: --speculative-num-steps")
     p.add_argument("--eagle3-head", default=None,
@@ -351,6 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = Path(args.model) if args.model else default_model_path()
     if args.step_costs:
         result = step_costs(args, model_dir)
+        result["machine"] = platform.machine()
+        return result
+    if args.corpus:
+        cost = corpus_cost(model_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            result = asyncio.run(corpus_run(args, model_dir, Path(tmp)))
+        result["corpus_cost"] = cost
         result["machine"] = platform.machine()
         return result
     with tempfile.TemporaryDirectory() as tmp:
