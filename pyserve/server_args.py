@@ -175,21 +175,17 @@ class EngineOptions:
         1, help="NGRAM: 1 drafts a chain from the request's own tokens; above 1, a tree from every request's tokens "
                 "(docs/speculative-decoding.md) with this many branches below the shortest match")
     speculative_ngram_match_type: str = option(
-        "BFS", choices=["BFS", "PROB"],
-        help="NGRAM trees: BFS takes the most recent continuations, level by level; PROB, the likeliest "
-             "(PROB drafts a tree whatever the breadths)")
+        "BFS", choices=["BFS", "PROB"], help="NGRAM trees: BFS takes the most recent continuations, level by "
+                                             "level; PROB, the likeliest (and drafts a tree whatever the breadths)")
     speculative_ngram_branch_length: int | None = option(
         None, "--speculative-ngram-branch-length", "--speculative-ngram-max-trie-depth", help="NGRAM trees: tokens the trie keeps after each position (default 18; above "
                    "--speculative-ngram-max-match-window-size)")
     speculative_ngram_capacity: int | None = option(
-        None, help="NGRAM trees: most trie nodes kept, the least recently used dropped first (default "
-                   "10000000, up to about 0.8 GB)")
+        None, help="NGRAM trees: most trie nodes kept, the least recently used out first (default 10000000, 0.8 GB)")
     speculative_ngram_external_corpus_path: str | None = option(
-        None, help="NGRAM trees: a corpus loaded at start, JSON Lines of one document a line as a JSON string, that "
-                   "drafts as the other requests' tokens do (more through /add_external_corpus)")
+        None, help="NGRAM trees: a corpus to draft from, loaded at start (JSON Lines, a document a line as a string)")
     speculative_ngram_external_sam_budget: int | None = option(
-        None, help="NGRAM trees: draft nodes kept for the corpora's drafts (default 0: only the room the request "
-                   "trie leaves)")
+        None, help="NGRAM trees: draft nodes kept for the corpora (default 0: the room the request trie leaves)")
     speculative_ngram_external_corpus_max_tokens: int | None = option(
         None, help="NGRAM trees: most tokens all corpora hold together (default 10000000, about 0.55 GB)")
     speculative_draft_model_path: str | None = option(
