@@ -121,6 +121,8 @@ class NgramTrie:
         (-1: the newest of `ids`), parents before children; `reserved` of
         them for the `corpora`' drafts, shared evenly in their order, any
         room one source leaves going to the others."""
+    def clear(self) -> None:
+        """Drop every node (the cursors' paths end)."""
     @property
     def size(self) -> int:
         """Nodes held."""

@@ -109,6 +109,29 @@ def test_a_request_drafts_what_an_earlier_request_wrote_unless_salted(tiny_llama
     assert kept3 < kept2
 
 
+def test_flush_cache_empties_the_trie_and_keeps_the_corpora(tiny_llama_dir):
+    """SGLang's /flush_cache between benchmark phases: the prompt asked
+    again after it drafts no more than its first asking did."""
+    prompt = [7, 301, 45, 999, 12, 640, 88, 3]
+
+    async def main():
+        engine = await started(tiny_llama_dir, **TREES)
+        try:
+            await engine.external_corpora.add_documents("manual", ["Turn the valve left to open it."])
+            kept = []
+            for _ in range(2):
+                before = engine.metrics.accepted_drafts()
+                await collect(engine, prompt, **GREEDY, max_new_tokens=40)
+                kept.append(engine.metrics.accepted_drafts() - before)
+                assert engine.flush_cache()
+            return kept, list(engine.external_corpora.token_counts())
+        finally:
+            await engine.shutdown()
+
+    (first, again), corpora = asyncio.run(main())
+    assert again <= first + 2 and corpora == ["manual"]
+
+
 @pytest.mark.parametrize("options, message", [
     ({"speculative_ngram_capacity": 1000}, "--speculative-ngram-capacity is for NGRAM trees"),
     ({"speculative_ngram_branch_length": 20}, "--speculative-ngram-branch-length is for NGRAM trees"),

@@ -357,10 +357,13 @@ class Engine:
     # -- figures -------------------------------------------------------------
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests run."""
+        """Drop every cached prefix, and what the drafter learned from
+        requests; refused (False) while requests run."""
         if self.scheduler.requests:
             return False
         self.kv.evict_all()
+        if self.drafter is not None:
+            self.drafter.forget()
         return True
 
     def kv_usage(self) -> dict[str, int]:

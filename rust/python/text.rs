@@ -194,6 +194,11 @@ impl PyNgramTrie {
         Ok(draft_with_corpora(&self.trie, &corpora, &token_ids(ids)?, k, reserved))
     }
 
+    /// Drop every node.
+    fn clear(&mut self) {
+        self.trie.clear();
+    }
+
     #[getter]
     fn size(&self) -> usize {
         self.trie.size()

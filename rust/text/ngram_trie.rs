@@ -115,6 +115,13 @@ impl NgramTrie {
         self.size
     }
 
+    /// Drop every node; the cursors' paths end.
+    pub fn clear(&mut self) {
+        while self.oldest != NONE {
+            self.evict(self.oldest);
+        }
+    }
+
     /// Add a request's next `tokens` (after the cursor's) to the trie.
     pub fn extend(&mut self, cursor: &mut Cursor, tokens: &[u32]) {
         for &token in tokens {
@@ -403,6 +410,19 @@ mod tests {
             }
             assert_eq!(n, trie.size());
         }
+    }
+
+    #[test]
+    fn a_cleared_trie_drafts_nothing_and_fills_again() {
+        let mut trie = trie_of(shape(false), &[&[1, 2, 3, 4], &[5, 6, 7]]);
+        let mut cursor = Cursor::default();
+        trie.extend(&mut cursor, &[1, 2]);
+        trie.clear();
+        assert_eq!((trie.size(), trie.draft(&[1, 2], 4)), (0, (vec![], vec![])));
+        trie.extend(&mut cursor, &[8, 9]); // its paths ended with the nodes
+        assert_eq!(trie.draft(&[2], 4), (vec![], vec![]));
+        assert_eq!(trie.draft(&[8], 4), (vec![9], vec![-1]));
+        assert_eq!(trie.child_of.len(), trie.size());
     }
 
     #[test]

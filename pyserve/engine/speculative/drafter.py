@@ -84,6 +84,10 @@ class Drafter:
         its drafts are asked for, and once it ends: a drafter that learns
         from every request's tokens reads its new ones."""
 
+    def forget(self) -> None:
+        """Drop what observe learned (SGLang's /flush_cache does, between
+        benchmark phases); called only while no request runs."""
+
     def reserve(self, seq: Sequence) -> list[int]:
         return [0] * self.budget(seq)
 

@@ -196,6 +196,10 @@ class NgramTreeDrafter(NgramDrafter):
         if new:
             self.trie.extend(cursor, new)
 
+    def forget(self) -> None:
+        """Empty the trie; the corpora, an operator's, stay."""
+        self.trie.clear()
+
     def draft(self, seq: Sequence) -> tuple[list[int], DraftTree | None]:
         if seq.cache_salt is not None:
             return super().propose(seq), None
