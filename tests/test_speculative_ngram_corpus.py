@@ -16,7 +16,7 @@ import pytest
 from pyserve._rust import Tokenizer
 from pyserve.api.app import App
 from pyserve.api.generation.serving import ServingContext
-from pyserve.engine.speculative.corpora import ExternalCorpora
+from pyserve.engine.speculative.corpora import DOCUMENT_SEPARATOR, ExternalCorpora
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
@@ -104,10 +104,14 @@ def test_corpora_load_list_and_go_through_the_routes(default_model_dir, answers,
                 replies["list"] = await client.get("/list_external_corpora")
                 replies["add_documents"] = await client.post("/add_external_corpus", json={
                     "documents": [OTHER_DOCUMENT, "", "Another one."]})
+                # SGLang's token_chunks: a token stream cut anywhere, documents separated.
+                replies["add_chunks"] = await client.post("/add_external_corpus", json={
+                    "corpus_id": "chunks", "token_chunks": [[5, 6], [7, DOCUMENT_SEPARATOR, 8], [9]]})
                 for name, body in {
                         "again": {"corpus_id": "answers", "documents": ["x"]},
                         "neither": {"corpus_id": "x"},
                         "both": {"file_path": str(corpus), "documents": ["x"]},
+                        "bad_token": {"token_chunks": [[5, -7]]},
                         "missing": {"file_path": str(tmp_path / "none.jsonl")},
                         "bad_line": {"file_path": str(bad)},
                         "too_big": {"documents": [answer * 20]},
@@ -130,15 +134,17 @@ def test_corpora_load_list_and_go_through_the_routes(default_model_dir, answers,
     assert replies["list"].json()["corpus_token_counts"] == {"answers": add["loaded_token_count"]}
     made_up = replies["add_documents"].json()
     assert replies["add_documents"].status_code == 200 and len(made_up["corpus_id"]) == 32
-    for name, words in {"again": "remove it first", "neither": "file_path or as documents",
-                        "both": "file_path or as documents", "missing": "no file at",
+    assert replies["add_chunks"].json()["loaded_token_count"] == 5
+    for name, words in {"again": "remove it first", "neither": "one of file_path, documents or token_chunks",
+                        "both": "not file_path and documents", "bad_token": "-7 is neither a token id",
+                        "missing": "no file at",
                         "bad_line": "line 2: a corpus line is a JSON string", "too_big": "more tokens than",
                         "empty": "hold no tokens", "unknown_field": "'text'"}.items():
         r = replies[name]
         assert r.status_code == 400 and r.json()["success"] is False and words in r.json()["message"], (name, r.text)
     assert replies["remove"].status_code == 200 and replies["remove"].json()["success"]
     assert replies["remove_again"].status_code == 404 and replies["remove_again"].json()["success"] is False
-    assert replies["list_after"].json()["corpus_ids"] == [made_up["corpus_id"]]
+    assert replies["list_after"].json()["corpus_ids"] == sorted([made_up["corpus_id"], "chunks"])
     assert kept_with >= 20 and kept_without < kept_with / 2
 
 

@@ -38,14 +38,18 @@ def _corpora(ctx: ServingContext) -> ExternalCorpora:
 
 async def add(ctx: ServingContext, req: AddExternalCorpusRequest) -> dict:
     corpora = _corpora(ctx)
-    if (req.file_path is None) == (req.documents is None):
-        raise bad_request("give the corpus as file_path or as documents, one of the two")
+    given = [form for form in ("file_path", "documents", "token_chunks") if getattr(req, form) is not None]
+    if len(given) != 1:
+        raise bad_request("give the corpus as one of file_path, documents or token_chunks"
+                          + (f", not {' and '.join(given)}" if given else ""))
     corpus_id = uuid.uuid4().hex if req.corpus_id is None else req.corpus_id
     try:
         if req.file_path is not None:
             tokens = await corpora.add_file(corpus_id, req.file_path)
-        else:
+        elif req.documents is not None:
             tokens = await corpora.add_documents(corpus_id, req.documents)
+        else:
+            tokens = await corpora.add_token_chunks(corpus_id, req.token_chunks)
     except ValueError as e:
         raise bad_request(str(e)) from None
     return {"success": True, "corpus_id": corpus_id, "loaded_token_count": tokens,

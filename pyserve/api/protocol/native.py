@@ -90,12 +90,14 @@ class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fiel
 
 class AddExternalCorpusRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """SGLang's /add_external_corpus body: a corpus file on the server (JSON
-    Lines of one document a line as a JSON string) or the documents
-    themselves; the id is made up when none is given."""
+    Lines of one document a line as a JSON string), the documents
+    themselves, or their token ids as SGLang's token_chunks; the id is
+    made up when none is given."""
 
     corpus_id: str | None = None
     file_path: str | None = None
     documents: list[str] | None = None
+    token_chunks: list[list[int]] | None = None
 
 
 class RemoveExternalCorpusRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -24,6 +24,8 @@ import msgspec
 from pyserve._rust import NgramCorpus, Tokenizer
 
 _LINES_PER_BATCH = 512  # documents tokenized at a time, so that an oversized file stops early
+# SGLang's mark between documents in /add_external_corpus's token_chunks.
+DOCUMENT_SEPARATOR = -(2**31)
 
 
 class ExternalCorpora:
@@ -68,6 +70,13 @@ class ExternalCorpora:
         documents = await asyncio.to_thread(self._tokenize, texts, self.tokens_left(), "the documents")
         return await self._build(corpus_id, documents)
 
+    async def add_token_chunks(self, corpus_id: str, chunks: list[list[int]]) -> int:
+        """Add a corpus given as SGLang's token_chunks (a client's own
+        tokenization); its tokens."""
+        self._check_id(corpus_id)
+        documents = await asyncio.to_thread(self._split_chunks, chunks, self.tokens_left())
+        return await self._build(corpus_id, documents)
+
     def remove(self, corpus_id: str) -> None:
         """KeyError for an id no corpus has."""
         del self._corpora[corpus_id]
@@ -98,8 +107,35 @@ class ExternalCorpora:
                     documents.append(ids)
                     tokens += len(ids)
             if tokens > limit:
-                raise ValueError(f"{where} hold more tokens than the corpora have room for ({limit} of "
-                                 f"--speculative-ngram-external-corpus-max-tokens {self.max_tokens} left)")
+                break  # refused below, without tokenizing the rest
+        return self._check_size(where, tokens, limit, documents)
+
+    def _split_chunks(self, chunks: list[list[int]], limit: int) -> list[list[int]]:
+        """The documents of token_chunks: one stream of token ids, cut
+        anywhere into chunks, its documents separated by DOCUMENT_SEPARATOR."""
+        vocab = self.tokenizer.vocab_size
+        documents, document, tokens = [], [], 0
+        for chunk in chunks:
+            for token in chunk:
+                if token == DOCUMENT_SEPARATOR:
+                    if document:
+                        documents.append(document)
+                    document = []
+                elif 0 <= token < vocab:
+                    document.append(token)
+                    tokens += 1
+                else:
+                    raise ValueError(f"token_chunks: {token} is neither a token id of this model (0 to {vocab - 1}) "
+                                     f"nor the document separator {DOCUMENT_SEPARATOR}")
+        if document:
+            documents.append(document)
+        return self._check_size("token_chunks", tokens, limit, documents)
+
+    def _check_size(self, where: str, tokens: int, limit: int, documents: list[list[int]]) -> list[list[int]]:
+        """`documents` (of `tokens` tokens) if they fit in `limit` and hold any token."""
+        if tokens > limit:
+            raise ValueError(f"{where} hold more tokens than the corpora have room for ({limit} of "
+                             f"--speculative-ngram-external-corpus-max-tokens {self.max_tokens} left)")
         if not documents:
             raise ValueError(f"{where} hold no tokens")
         return documents
