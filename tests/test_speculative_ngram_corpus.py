@@ -87,6 +87,8 @@ def test_corpora_load_list_and_go_through_the_routes(default_model_dir, answers,
     corpus = _corpus_file(tmp_path, [answer, other_answer])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"fine"\n{"text": "not a string"}\n')
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'"caf\xe9"\n')
 
     async def main():
         engine = await started(default_model_dir, **TREES, speculative_ngram_external_corpus_max_tokens=400)
@@ -114,6 +116,8 @@ def test_corpora_load_list_and_go_through_the_routes(default_model_dir, answers,
                         "bad_token": {"token_chunks": [[5, -7]]},
                         "missing": {"file_path": str(tmp_path / "none.jsonl")},
                         "bad_line": {"file_path": str(bad)},
+                        "not_utf8": {"file_path": str(binary)},
+                        "directory": {"file_path": str(tmp_path)},
                         "too_big": {"documents": [answer * 20]},
                         "empty": {"documents": [""]},
                         "unknown_field": {"documents": ["x"], "text": "y"}}.items():
@@ -139,6 +143,7 @@ def test_corpora_load_list_and_go_through_the_routes(default_model_dir, answers,
                         "both": "not file_path and documents", "bad_token": "-7 is neither a token id",
                         "missing": "no file at",
                         "bad_line": "line 2: a corpus line is a JSON string", "too_big": "more tokens than",
+                        "not_utf8": "as UTF-8 text", "directory": "no file at",
                         "empty": "hold no tokens", "unknown_field": "'text'"}.items():
         r = replies[name]
         assert r.status_code == 400 and r.json()["success"] is False and words in r.json()["message"], (name, r.text)

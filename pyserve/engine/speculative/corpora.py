@@ -89,14 +89,17 @@ class ExternalCorpora:
         if not file.is_file():
             raise ValueError(f"corpus {corpus_id!r}: no file at {path}")
         texts = []
-        with file.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    texts.append(msgspec.json.decode(line, type=str))
-                except msgspec.DecodeError as e:
-                    raise ValueError(f"{path}, line {number}: a corpus line is a JSON string ({e})") from None
+        try:
+            with file.open(encoding="utf-8") as lines:
+                for number, line in enumerate(lines, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        texts.append(msgspec.json.decode(line, type=str))
+                    except msgspec.DecodeError as e:
+                        raise ValueError(f"{path}, line {number}: a corpus line is a JSON string ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"corpus {corpus_id!r}: cannot read {path} as UTF-8 text ({e})") from None
         return self._tokenize(texts, limit, path)
 
     def _tokenize(self, texts: list[str], limit: int, where: str) -> list[list[int]]:
