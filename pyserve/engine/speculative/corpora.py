@@ -7,11 +7,11 @@ answers given last week), loaded at start from
 A corpus file is JSON Lines, one document a line as a JSON string; a
 document is tokenized alone, without special tokens, and no match runs
 from one into the next (rust/text/ngram_corpus.rs). Of each draft tree,
---speculative-ngram-external-sam-budget nodes go to the corpora's drafts
-before the request trie's, shared evenly among them in the order of their
-ids, and any room one source leaves goes to the others. All corpora
-together hold at most --speculative-ngram-external-corpus-max-tokens
-tokens.
+--speculative-ngram-external-sam-budget nodes are kept for the corpora's
+drafts, shared evenly among them in the order of their ids; the request
+trie drafts the rest, and any room one source leaves goes to the others.
+All corpora together hold at most
+--speculative-ngram-external-corpus-max-tokens tokens.
 """
 
 from __future__ import annotations
