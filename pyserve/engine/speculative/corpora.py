@@ -147,7 +147,8 @@ class ExternalCorpora:
         if not corpus_id:
             raise ValueError("corpus_id must not be empty")
         if corpus_id in self._corpora or corpus_id in self._building:
-            raise ValueError(f"a corpus {corpus_id!r} is loaded: remove it first to load another under its id")
+            raise ValueError(f"a corpus {corpus_id!r} is loaded or loading: remove it first to load another under "
+                             "its id")
 
     def _claim(self, corpus_id: str, documents: list[list[int]]) -> None:
         """Hold the documents' share of the token budget while they are built."""
