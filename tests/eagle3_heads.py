@@ -104,20 +104,43 @@ def reference_head(w: dict, cfg: dict, embeds: torch.Tensor, h: torch.Tensor, po
     [n, hidden] of their tokens, `h` [n, hidden] their hidden states (the
     target's through `fc_of`, or the head's own output), at `positions`;
     pair r attends to the pairs where sees[r] is True."""
-    eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    n = embeds.shape[0]
+    eps = cfg["rms_norm_eps"]
     x = torch.cat([_rms(embeds, w["midlayer.input_layernorm.weight"], eps),
                    _rms(h, w["midlayer.hidden_norm.weight"], eps)], dim=-1)
-    q = _rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, nh, d), positions, cfg["rope_theta"], d)
-    k = _rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, nkv, d), positions, cfg["rope_theta"], d)
-    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, nkv, d)
+    out = reference_layer(w, "midlayer.", cfg, x, h, positions, sees)
+    return _rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T, out
+
+
+def reference_layer(w: dict, prefix: str, cfg: dict, x: torch.Tensor, residual: torch.Tensor,
+                    positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    """A draft head's decoder layer (weights under `prefix`), from its
+    definition: attention over `x` (its rows at `positions`, row r seeing
+    the rows where sees[r] is True) added to `residual`, then the MLP of
+    that stream, normed, added to it; the layer's output stream."""
+    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    n = x.shape[0]
+    q = _rotate((x @ w[prefix + "self_attn.q_proj.weight"].T).view(n, nh, d), positions, cfg["rope_theta"], d)
+    k = _rotate((x @ w[prefix + "self_attn.k_proj.weight"].T).view(n, nkv, d), positions, cfg["rope_theta"], d)
+    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(n, nkv, d)
     k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=sees)
-    residual = h + att.transpose(0, 1).reshape(n, nh * d) @ w["midlayer.self_attn.o_proj.weight"].T
-    m = _rms(residual, w["midlayer.post_attention_layernorm.weight"], eps)
-    m = (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
-        @ w["midlayer.mlp.down_proj.weight"].T
-    return _rms(m + residual, w["norm.weight"], eps) @ w["lm_head.weight"].T, m + residual
+    residual = residual + att.transpose(0, 1).reshape(n, nh * d) @ w[prefix + "self_attn.o_proj.weight"].T
+    m = _rms(residual, w[prefix + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+    m = (F.silu(m @ w[prefix + "mlp.gate_proj.weight"].T) * (m @ w[prefix + "mlp.up_proj.weight"].T)) \
+        @ w[prefix + "mlp.down_proj.weight"].T
+    return m + residual
+
+
+def head_step(head, attn, slots: torch.Tensor, tokens: list[int], first: int, hidden: torch.Tensor):
+    """pyserve's `head` over `tokens` at positions first.. (one sequence
+    whose slots are `slots`), reading `hidden`: its logits and output
+    hidden state at every one of them."""
+    from pyserve.model.forward_batch import ForwardBatch
+
+    m = len(tokens)
+    batch = ForwardBatch.build(tokens, list(range(first, first + m)), slots[first: first + m], [m],
+                               [slots[: first + m]], list(range(m)), m == 1, "cpu")
+    return head(batch.input_ids, hidden, batch, attn)
 
 
 def fc_of(w: dict, hidden: torch.Tensor) -> torch.Tensor:

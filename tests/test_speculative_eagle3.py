@@ -25,8 +25,8 @@ from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
-from tests.eagle3_heads import (AUX_LAYERS, PROMPTS, first_drafts, greedy_continuations, head_config, hot_ids,
-                                save_head, second_drafts, target_features, trained_weights, vocab_size)
+from tests.eagle3_heads import (AUX_LAYERS, PROMPTS, first_drafts, greedy_continuations, head_config, head_step,
+                                hot_ids, save_head, second_drafts, target_features, trained_weights, vocab_size)
 from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same, started,
                                    with_and_without)
 from tests.test_speculative_overlap import late_steps  # noqa: F401 (a fixture)
@@ -108,10 +108,7 @@ def test_the_head_computes_what_the_format_defines(target, heads, backend):
     split = 10  # pairs 0..9 as one extend, then one at a time
 
     def run(tokens, first, h):
-        m = len(tokens)
-        batch = ForwardBatch.build(tokens, list(range(first, first + m)), slots[first : first + m], [m],
-                                   [slots[: first + m]], list(range(m)), m == 1, "cpu")
-        return head(batch.input_ids, h, batch, attn)
+        return head_step(head, attn, slots, tokens, first, h)
 
     with torch.inference_mode():
         logits, out = run(ids[1 : split + 1], 0, hidden[:split])

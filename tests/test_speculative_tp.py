@@ -1,7 +1,8 @@
 """Speculative decoding over two tensor-parallel ranks (gloo, on the CPU):
 the drafts are made on rank 0 (NGRAM's on the event loop, a STANDALONE
-draft model whole on rank 0, an EAGLE-3 head reading rank 0's copy of the
-target's hidden states and the whole embedding from the checkpoint), the
+draft model whole on rank 0, an EAGLE-3 or EAGLE head reading rank 0's
+copy of the target's hidden states and the whole embedding (and
+vocabulary projection) from the checkpoint), the
 verify pass runs on both ranks (and a draft tree's accepted K/V moves in
 both ranks' caches), and greedy output is what two ranks give without
 speculation. NGRAM's chains in the default suite; its trees and the draft
@@ -15,6 +16,7 @@ import json
 from pyserve.engine.request import Constraint
 from tests.slow import slow_test
 from tests.test_speculative import SPEC, repetitive, same, with_and_without
+from tests.test_speculative_eagle import eagle_heads, spec as eagle_spec  # noqa: F401
 from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, runs_with_stops, spec, target  # noqa: F401
 from tests.test_speculative_ngram_trees import forked_runs, tree_rows  # noqa: F401
 from tests.test_speculative_tree import TREE
@@ -72,6 +74,21 @@ def test_eagle3_trees_over_two_ranks(target, heads):
     same(plain, got)
     assert got[2][3].finish_reason == "stop" and stop_text not in got[2][0]
     assert metrics.spec_emitted_tokens >= 2.9 * metrics.spec_verify_steps
+
+
+@slow_test
+def test_eagle_over_two_ranks_keeps_the_fitted_heads_drafts(target, eagle_heads):
+    """An EAGLE head reads the stream rank 0 keeps after the target's last
+    layer, and the whole vocabulary projection from the checkpoint (each
+    rank holds a share of it): it keeps about the drafts it keeps on one
+    rank, and greedy output is two ranks' without speculation."""
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 40, "logprobs": True}),
+                (PROMPTS[1], {**GREEDY, "max_new_tokens": 40})]
+    speculative = eagle_spec(eagle_heads["fitted"])
+    _, _, one_rank = with_and_without(target, requests, speculative, {"torchao_config": "none"})
+    plain, got, two_ranks = with_and_without(target, requests, speculative, TWO_RANKS)
+    same(plain, got)
+    assert two_ranks.accepted_drafts() >= max(20, 0.8 * one_rank.accepted_drafts())
 
 
 @slow_test

@@ -120,6 +120,11 @@ class Eagle3Head(nn.Module):
         x, residual = self.norm(self.mlp(h[rows]), residual[rows])
         return self.lm_head(x).float(), residual
 
+    def target_features(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The hidden states the head reads from what the target kept: the
+        three concatenated, which `fc` projects."""
+        return torch.cat(states, dim=-1)
+
     def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft vocab] placed at their target
         ids in [n, vocab_size]; -inf at the tokens the head never proposes."""
@@ -131,19 +136,24 @@ class Eagle3Head(nn.Module):
 def whole_target_embedding(target_dir: Path) -> torch.Tensor:
     """The target checkpoint's embedding matrix, every row of it (a
     tensor-parallel rank holds a share)."""
+    return whole_target_matrix(target_dir, ("model.embed_tokens.weight",))
+
+
+def whole_target_matrix(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of the target checkpoint's tensors `names` that it has, whole."""
     from safetensors import safe_open
 
     from pyserve.model.loader import checkpoint_files
 
-    name = "model.embed_tokens.weight"
-    for path in checkpoint_files(target_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            if name in f.keys():
-                return f.get_tensor(name)
-    raise ValueError(f"the target checkpoint {target_dir} has no {name} for the EAGLE-3 head to read")
+    for name in names:
+        for path in checkpoint_files(target_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise ValueError(f"the target checkpoint {target_dir} has none of {list(names)} for the draft head to read")
 
 
-def _checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the head's checkpoint, names without a leading `model.`."""
     from safetensors.torch import load_file
 
@@ -153,13 +163,36 @@ def _checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
     elif (head_dir / "pytorch_model.bin").is_file():
         tensors = torch.load(head_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
-        raise ValueError(f"the EAGLE-3 head directory {head_dir} has no *.safetensors nor pytorch_model.bin")
+        raise ValueError(f"the draft head directory {head_dir} has no *.safetensors nor pytorch_model.bin")
     return {k.removeprefix("model."): v for k, v in tensors.items()}
 
 
-# The head's fused projections and the checkpoint's parts of each, in order.
-_FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+# A head's fused projections and the checkpoint's parts of each, in order.
+_FUSED_PROJECTIONS = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
           "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
+
+
+def fill_head(head: nn.Module, tensors: dict[str, torch.Tensor], layer_prefix: str, outside: tuple[str, ...],
+              what: str) -> None:
+    """Copy a checkpoint's `tensors` into the head's parameters: those
+    whose names start with `outside` by their own names, the decoder
+    layer's under `layer_prefix`, its q/k/v and gate/up fused as the head
+    holds them. ValueError, naming `what`, for a missing or misshapen one."""
+    wanted = {(n if n.startswith(outside) else layer_prefix + n): p for n, p in head.named_parameters()}
+    for fused, parts in _FUSED_PROJECTIONS.items():
+        names = [f"{layer_prefix}{fused.replace(fused.split('.')[1], p)}" for p in parts]
+        if all(n in tensors for n in names):
+            tensors[layer_prefix + fused] = torch.cat([tensors.pop(n) for n in names])
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        raise ValueError(f"{what} lacks {missing}")
+    with torch.no_grad():
+        for name, param in wanted.items():
+            t = tensors[name]
+            if t.shape != param.shape:
+                raise ValueError(f"{what}: its {name} is {list(t.shape)}, expected {list(param.shape)} from its "
+                                 "config.json")
+            param.copy_(t)
 
 
 def load_eagle3_head(head_dir: Path, config: Eagle3Config, target_embed: torch.Tensor,
@@ -169,30 +202,16 @@ def load_eagle3_head(head_dir: Path, config: Eagle3Config, target_embed: torch.T
     target's vocabulary) it projects with the target's dense
     `target_lm_head` (None: the target's is quantized); without `d2t` its
     vocabulary is the target's."""
-    tensors = _checkpoint_tensors(head_dir)
+    tensors = checkpoint_tensors(head_dir)
     embed = tensors.pop("embed_tokens.weight", None)
     embed = target_embed if embed is None else embed.to(device, dtype)
     head = Eagle3Head(config, embed).to(dtype)
-    # The checkpoint's names: the decoder layer's parts under `midlayer.`.
-    wanted = {(n if n.startswith(("fc.", "lm_head.", "norm.")) else "midlayer." + n): p
-              for n, p in head.named_parameters()}
-    for fused, parts in _FUSED.items():
-        names = [f"midlayer.{fused.replace(fused.split('.')[1], p)}" for p in parts]
-        if all(n in tensors for n in names):
-            tensors["midlayer." + fused] = torch.cat([tensors.pop(n) for n in names])
     if "lm_head.weight" not in tensors and target_lm_head is not None \
             and target_lm_head.shape == (config.draft_vocab_size, config.model.hidden_size):
         tensors["lm_head.weight"] = target_lm_head
-    missing = [n for n in wanted if n not in tensors]
-    if missing:
-        raise ValueError(f"the EAGLE-3 head in {head_dir} lacks {missing}")
+    # The checkpoint's names: the decoder layer's parts under `midlayer.`.
+    fill_head(head, tensors, "midlayer.", ("fc.", "lm_head.", "norm."), f"the EAGLE-3 head in {head_dir}")
     with torch.no_grad():
-        for name, param in wanted.items():
-            t = tensors[name]
-            if t.shape != param.shape:
-                raise ValueError(f"the EAGLE-3 head's {name} is {list(t.shape)}, expected {list(param.shape)} "
-                                 "from its config.json")
-            param.copy_(t)
         d2t = tensors.get("d2t")
         if d2t is not None:
             if d2t.shape != (config.draft_vocab_size,):

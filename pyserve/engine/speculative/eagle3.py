@@ -1,5 +1,8 @@
-"""EAGLE3 drafting: an EAGLE-3 head (model/eagle3_head.py) proposes each
-drafted request's next tokens from the target's own hidden states.
+"""EAGLE3 and EAGLE drafting: an EAGLE-3 head (model/eagle3_head.py) or an
+EAGLE-1/2 head (model/eagle_head.py) proposes each drafted request's next
+tokens from the target's own hidden states. What follows says EAGLE-3's
+three hidden states; an EAGLE head reads one, the target's last, through
+its final norm.
 
 The head's one decoder layer has a KV buffer of its own, with as many
 pages as the target's and addressed by the same slots (as STANDALONE's
@@ -45,7 +48,8 @@ from pyserve.engine.speculative.rejection import draw, first_rows
 from pyserve.engine.speculative.tree import DraftTree, TreeShape
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.attention.torch_backend import TorchAttention
-from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head, whole_target_embedding
+from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head, whole_target_embedding, whole_target_matrix
+from pyserve.model.eagle_head import EagleConfig, load_eagle_head
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
@@ -76,11 +80,12 @@ class _Pairs:
 class Eagle3Draft:
     """The head and its KV buffer, owned by the forward thread."""
 
-    def __init__(self, head_dir: Path, config: Eagle3Config, target: RankModel, target_dir: Path,
+    def __init__(self, head_dir: Path, config: Eagle3Config | EagleConfig, target: RankModel, target_dir: Path,
                  tree: TreeShape | None = None):
         """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains.
-        `target_dir`: the target's checkpoint, whose whole embedding the head
-        reads where tensor parallelism left rank 0 a share of it."""
+        `target_dir`: the target's checkpoint, whose whole embedding (and
+        vocabulary projection, for an EAGLE head) the head reads where
+        tensor parallelism left rank 0 a share of it."""
         model = target.model
         self.aux_layers = config.aux_layers(model.config.num_hidden_layers)
         embed, lm_head = model.embed_tokens.weight, None
@@ -88,7 +93,15 @@ class Eagle3Draft:
             lm_head = getattr(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", None)
         else:
             embed = whole_target_embedding(target_dir).to(target.device, target.dtype)
-        self.head = load_eagle3_head(head_dir, config, embed, lm_head, target.dtype, target.device)
+        if isinstance(config, EagleConfig):
+            shape = (model.config.vocab_size, model.config.hidden_size)
+            if not (isinstance(lm_head, torch.Tensor) and lm_head.is_floating_point() and lm_head.shape == shape):
+                # A share of it, or quantized: the checkpoint's, whole.
+                lm_head = whole_target_matrix(target_dir, ("lm_head.weight", "model.embed_tokens.weight")
+                                              ).to(target.device, target.dtype)
+            self.head = load_eagle_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device)
+        else:
+            self.head = load_eagle3_head(head_dir, config, embed, lm_head, target.dtype, target.device)
         c = config.model
         self.tree = tree
         page_size = target.kv_buffer.page_size
@@ -256,7 +269,7 @@ class Eagle3Draft:
         verify_drafts or the sampler give it; `capture`: the target's
         hidden states of every token of the step's `batch`), and keep each
         sampled sequence's state for its next drafts."""
-        aux = torch.cat(capture.states, dim=-1)
+        aux = self.head.target_features(capture.states)
         carried: list[torch.Tensor] = []
         pairs = self._pairs(step, aux, next_ids.tolist(), counts, carried)
         if not pairs:

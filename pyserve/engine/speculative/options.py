@@ -23,26 +23,38 @@ logger = logging.getLogger("pyserve.engine")
 _NGRAM_BRANCH_LENGTH = 18
 _NGRAM_CAPACITY = 10_000_000
 _NGRAM_CORPUS_MAX_TOKENS = 10_000_000
+# Draft heads over the target's hidden states: EAGLE-3's, and EAGLE-1/2's.
+EAGLE_ALGORITHMS = ("EAGLE3", "EAGLE")
 
 
 @dataclass(frozen=True)
 class TargetGraphs:
     """The CUDA graphs the target captures at start for speculation (where
     it captures any): verify rows of `verify_tokens` tokens (0: none) and,
-    for EAGLE3, graphs keeping the hidden states the head in `eagle3_head`
-    reads. Known from the options alone, so that every graph is captured
-    once, and over several ranks while the others capture theirs (a
-    capture runs the ranks' collectives)."""
+    for EAGLE3 and EAGLE, graphs keeping the hidden states the head in
+    `eagle_head` reads. Known from the options alone, so that every graph
+    is captured once, and over several ranks while the others capture
+    theirs (a capture runs the ranks' collectives)."""
 
     verify_tokens: int = 0
-    eagle3_head: Path | None = None
+    eagle_head: Path | None = None
+    eagle_algorithm: str | None = None  # EAGLE3 or EAGLE, with eagle_head
 
     def aux_layers(self, target_layers: int) -> frozenset[int] | None:
-        if self.eagle3_head is None:
+        if self.eagle_head is None:
             return None
+        return eagle_config(self.eagle_algorithm, self.eagle_head).aux_layers(target_layers)
+
+
+def eagle_config(algorithm: str, head_dir: Path):
+    """The head's config: an Eagle3Config for EAGLE3, an EagleConfig for EAGLE."""
+    if algorithm == "EAGLE3":
         from pyserve.model.eagle3_head import Eagle3Config
 
-        return Eagle3Config(self.eagle3_head).aux_layers(target_layers)
+        return Eagle3Config(head_dir)
+    from pyserve.model.eagle_head import EagleConfig
+
+    return EagleConfig(head_dir)
 
 
 def target_graphs(options: EngineOptions, model_options: ModelOptions) -> TargetGraphs:
@@ -54,8 +66,8 @@ def target_graphs(options: EngineOptions, model_options: ModelOptions) -> Target
     if algorithm is None:
         return TargetGraphs()
     drafts = _drafts_per_row(options, model_options)  # first: it asks for a missing draft path
-    head = _head_dir(options) if algorithm == "EAGLE3" else None
-    return TargetGraphs(drafts + 1 if model_options.tp_size == 1 else 0, head)
+    head = _head_dir(options) if algorithm in EAGLE_ALGORITHMS else None
+    return TargetGraphs(drafts + 1 if model_options.tp_size == 1 else 0, head, algorithm if head else None)
 
 
 def _drafts_per_row(options: EngineOptions, model_options: ModelOptions) -> int:
@@ -71,8 +83,8 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
                runner: ModelRunner, tokenizer: Tokenizer) -> Drafter | None:
     """None with speculation off; ValueError for what cannot run. For
     STANDALONE, loads the draft model (checked against the target's
-    tokenizer in `model_dir`) and gives it to the runner; for EAGLE3, the
-    draft head (checked against the target's shapes); for NGRAM trees, the
+    tokenizer in `model_dir`) and gives it to the runner; for EAGLE3 and
+    EAGLE, the draft head (checked against the target's shapes); for NGRAM trees, the
     corpus file (with `tokenizer`)."""
     algorithm = options.speculative_algorithm
     if algorithm is None:
@@ -87,7 +99,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
         if options.speculative_eagle_topk != 1:
-            raise ValueError("--speculative-eagle-topk is EAGLE3's: NGRAM drafts trees with "
+            raise ValueError("--speculative-eagle-topk is EAGLE3's and EAGLE's: NGRAM drafts trees with "
                              "--speculative-ngram-max-bfs-breadth above 1")
         trie = _ngram_trie(options)
         corpora = None if trie is None else _external_corpora(options, tokenizer)
@@ -100,13 +112,14 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     topk = options.speculative_eagle_topk
     if topk < 1:
         raise ValueError("--speculative-eagle-topk must be at least 1")
-    if topk > 1 and algorithm != "EAGLE3":
-        raise ValueError(f"--speculative-eagle-topk {topk}: draft trees are EAGLE3's; {algorithm} drafts a chain")
+    if topk > 1 and algorithm not in EAGLE_ALGORITHMS:
+        raise ValueError(f"--speculative-eagle-topk {topk}: draft trees are EAGLE3's and EAGLE's; {algorithm} "
+                         "drafts a chain")
     tree = None
-    if algorithm == "EAGLE3":
+    if algorithm in EAGLE_ALGORITHMS:
         if topk > 1:
             tree = _tree_shape(options, topk)
-        runner.draft = _eagle3(_head_dir(options), runner, tree, model_dir)
+        runner.draft = _eagle(algorithm, _head_dir(options), runner, tree, model_dir)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
@@ -115,7 +128,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError(problem)
         runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
     _warn_eager_verify(runner, model_options)
-    return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm == "EAGLE3",
+    return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm in EAGLE_ALGORITHMS,
                               follows_steps=algorithm == "STANDALONE")
 
 
@@ -214,17 +227,18 @@ def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
     return TreeShape(topk, depth, options.max_running_requests * (depth - 1) * topk)
 
 
-def _eagle3(head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path):
+def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path):
     from pyserve.engine.speculative.eagle3 import Eagle3Draft
     from pyserve.model.eagle3_head import Eagle3Config
 
-    config = Eagle3Config(head_dir)
+    config = eagle_config(algorithm, head_dir)
     target = runner.rank_model.config
-    if config.target_hidden_size != target.hidden_size or config.model.hidden_size != target.hidden_size:
-        raise ValueError(f"the EAGLE-3 head in {head_dir} is for a target of hidden size "
-                         f"{config.target_hidden_size} (its own: {config.model.hidden_size}); this model's is "
-                         f"{target.hidden_size}")
+    name = "EAGLE-3 head" if isinstance(config, Eagle3Config) else "EAGLE head"
+    target_hidden = config.target_hidden_size if isinstance(config, Eagle3Config) else config.model.hidden_size
+    if target_hidden != target.hidden_size or config.model.hidden_size != target.hidden_size:
+        raise ValueError(f"the {name} in {head_dir} is for a target of hidden size {target_hidden} (its own: "
+                         f"{config.model.hidden_size}); this model's is {target.hidden_size}")
     if config.model.vocab_size != target.vocab_size:
-        raise ValueError(f"the EAGLE-3 head in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
+        raise ValueError(f"the {name} in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
                          f"this model's has {target.vocab_size}")
     return Eagle3Draft(head_dir, config, runner.rank_model, model_dir, tree)

@@ -126,6 +126,8 @@ class NativeDecode:
                 capture.states.append(x + residual)
             _rust.decode_layer_q4_1(x_view, residual_view, self.dims, layer, step, decode, extends, cache,
                                     self.threads)
+        if capture is not None:
+            capture.keep_last(len(self.layers), x, residual)
         return x, residual
 
 

@@ -51,13 +51,19 @@ if TYPE_CHECKING:
 class AuxCapture:
     """What a forward pass keeps besides its logits, when asked: the hidden
     states entering `layers` (the residual stream before each of those
-    layers; layer 0's is the embeddings) of every token row, one
-    [tokens, hidden] tensor per layer in layer order, which an EAGLE-3
-    draft head reads (engine/speculative/eagle3.py). The torch layers and
-    the native ones fill it, not the compiled decode layer."""
+    layers; layer 0's is the embeddings; the layer count, the stream after
+    the last layer) of every token row, one [tokens, hidden] tensor per
+    layer in layer order, which an EAGLE or EAGLE-3 draft head reads
+    (engine/speculative/eagle3.py). The torch layers and the native ones
+    fill it, not the compiled decode layer."""
 
     layers: frozenset[int]
     states: list[torch.Tensor] = field(default_factory=list)
+
+    def keep_last(self, layer_count: int, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """After the last of `layer_count` layers: their output stream, if asked for."""
+        if layer_count in self.layers:
+            self.states.append(x + residual)
 
 
 class CausalLM(nn.Module):
@@ -165,6 +171,8 @@ class CausalLM(nn.Module):
                 capture.states.append(x if residual is None else x + residual)
             q, k, v, residual = layer.before_attention(x, residual, cos, sin)
             x, residual = layer.after_attention(layer.self_attn.attend(q, k, v, batch, attn), residual)
+        if capture is not None:
+            capture.keep_last(len(self.layers), x, residual)
         return x, residual
 
     def _compiled_decode_layers(self, x, cos, sin, attn: AttentionBackend):

@@ -1,0 +1,130 @@
+"""An EAGLE draft head (EAGLE-1 and EAGLE-2; SGLang's `--speculative-algorithm
+EAGLE`), as SGLang's `LlamaForCausalLMEagle` runs the checkpoints of
+SafeAILab's EAGLE and lmsys' sglang-EAGLE-*: one Llama decoder layer over
+the target model's last hidden state.
+
+The head reads, per token, the target's embedding of the token and a
+hidden state: for the first draft after target tokens, the target's
+hidden state after its final norm (what its vocabulary projection reads);
+for the following drafts, the head's own output. `fc` projects the two
+concatenated, embedding first, to the residual stream of the layer, whose
+attention has no input norm. The layer's output (its residual stream, no
+final norm) goes through the target's vocabulary projection.
+
+Checkpoint: config.json (a LlamaConfig of one hidden layer; architectures
+LlamaForCausalLM or LlamaForCausalLMEagle) and model.safetensors or
+pytorch_model.bin with `fc.weight` (`fc.bias` where it has one) and the
+layer's `layers.0.self_attn.{q,k,v,o}_proj`, `layers.0.mlp.{gate,up,down}_proj`
+and `layers.0.post_attention_layernorm`, names optionally under `model.`.
+An `embed_tokens` or `lm_head` there is not read: the head uses the
+target's, as SGLang gives it them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.config import ModelConfig, base_fields
+from pyserve.model.eagle3_head import checkpoint_tensors, fill_head
+from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.layers.attention import Attention
+from pyserve.model.layers.mlp import MLP
+from pyserve.model.layers.norms import RMSNorm
+from pyserve.model.layers.rotary import RotaryEmbedding
+from pyserve.model.parallel import ModelShard
+from pyserve.model.step_plan import TORCH_STEP
+
+ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle")
+
+
+class EagleConfig:
+    """What the head's config.json says."""
+
+    def __init__(self, head_dir: Path):
+        path = head_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(f"the EAGLE head directory {head_dir} has no config.json")
+        cfg = json.loads(path.read_text())
+        architectures = cfg.get("architectures") or []
+        if not set(architectures) & set(ARCHITECTURES):
+            raise ValueError(f"{path} is not an EAGLE head: its architectures are {architectures}, not one of "
+                             f"{list(ARCHITECTURES)} (an EAGLE-3 head is --speculative-algorithm EAGLE3's)")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{path}: EAGLE heads of {cfg['num_hidden_layers']} decoder layers are not supported; "
+                             "pyserve runs heads of one layer")
+        self.model = ModelConfig(architecture=ARCHITECTURES[-1], **base_fields(cfg, {}, str(path)))
+
+    def aux_layers(self, target_layers: int) -> frozenset[int]:
+        """What the target keeps for the head: its residual stream after its
+        last layer (layers/causal_lm.AuxCapture), which the head normalizes
+        as the target's final norm does."""
+        return frozenset({target_layers})
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
+                 target_norm: nn.Module, fused_kernels: bool = True):
+        """`embed_tokens`, `lm_head`: the target's whole matrices; `target_norm`: its final norm."""
+        super().__init__()
+        c = config.model
+        self.config = c
+        hidden = c.hidden_size
+        shard = ModelShard.of(c)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.self_attn = Attention(c, 0, shard, fused_kernels)
+        self.post_attention_layernorm = RMSNorm(hidden, c.rms_norm_eps, fused_kernels)
+        self.mlp = MLP(c, shard, fused_kernels)
+        self.rotary = RotaryEmbedding(c)
+        # Plain tensors and the target's own module: not among the head's parameters.
+        self.embed_tokens = embed_tokens.detach()
+        self.lm_head = lm_head.detach()
+        self.target_norm = [target_norm]  # in a list, so that it is not one of the head's modules
+        self.register_buffer("draft_to_target", torch.arange(lm_head.shape[0]), persistent=False)
+
+    def target_features(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The hidden state the head reads from what the target kept (its
+        residual stream after the last layer): that stream through the
+        target's final norm."""
+        (stream,) = states
+        return self.target_norm[0](stream)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the rows in batch.logits_indices: float32 logits over the
+        target's vocabulary, and the output hidden state the next draft step
+        reads. `hidden` [tokens, hidden]: the target's (target_features) or
+        the head's own; the layer's KV goes to batch.out_cache_loc."""
+        embeds = nn.functional.embedding(input_ids, self.embed_tokens).to(hidden.dtype)
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        attn.prepare(batch, TORCH_STEP)
+        cos, sin = self.rotary.of_batch(batch, x.dtype)
+        q, k, v = self.self_attn.project(x, cos, sin)
+        out = self.self_attn.output(self.self_attn.attend(q, k, v, batch, attn))
+        h, residual = self.post_attention_layernorm(out, x)
+        rows = batch.logits_indices  # the MLP is per token: only these rows go on
+        output = self.mlp(h[rows]) + residual[rows]
+        return (output @ self.lm_head.T).float(), output
+
+    def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The head's logits are over the target's vocabulary already."""
+        return logits
+
+
+def load_eagle_head(head_dir: Path, config: EagleConfig, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
+                    target_norm: nn.Module, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    """The head with its checkpoint's weights, over the target's embedding,
+    vocabulary projection and final norm."""
+    c = config.model
+    if target_embed.shape[1] != c.hidden_size or target_lm_head.shape[1] != c.hidden_size:
+        raise ValueError(f"the EAGLE head in {head_dir} is of hidden size {c.hidden_size}; the target's is "
+                         f"{target_embed.shape[1]}")
+    tensors = checkpoint_tensors(head_dir)
+    head = EagleHead(config, target_embed, target_lm_head, target_norm).to(dtype)
+    tensors.setdefault("fc.bias", torch.zeros(c.hidden_size))  # heads trained without one
+    fill_head(head, tensors, "layers.0.", ("fc.",), f"the EAGLE head in {head_dir}")
+    return head.to(device)
