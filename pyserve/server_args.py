@@ -160,11 +160,11 @@ class EngineOptions:
         help="propose draft tokens and verify them in one forward pass: NGRAM (prompt lookup), STANDALONE "
              "(a smaller draft model), EAGLE3 or EAGLE (an EAGLE-3 or EAGLE-1/2 head over the target's hidden states)")
     speculative_num_steps: int | None = option(
-        None, help="STANDALONE, EAGLE3: tokens the draft model decodes per verify (default: "
-                   "--speculative-num-draft-tokens); an EAGLE3 tree's depth; NGRAM: unused")
+        None, help="STANDALONE, EAGLE3, EAGLE: tokens the draft model decodes per verify (default: "
+                   "--speculative-num-draft-tokens); an EAGLE3 or EAGLE tree's depth; NGRAM: unused")
     speculative_num_draft_tokens: int = option(
-        4, help="draft tokens verified per step and request (STANDALONE, EAGLE3: unless --speculative-num-steps "
-                "says); with --speculative-eagle-topk above 1, the tree's tokens, its root included")
+        4, help="draft tokens verified per step and request (STANDALONE, EAGLE3, EAGLE: unless "
+                "--speculative-num-steps says); with --speculative-eagle-topk above 1, the tree's, root included")
     speculative_ngram_min_match_window_size: int = option(
         3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(

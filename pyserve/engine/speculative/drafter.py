@@ -125,7 +125,7 @@ class PlaceholderDrafter(Drafter):
     def __init__(self, num_draft_tokens: int, draft_cost: float | None = None,
                  drafts_from_computed_rows: bool = False, follows_steps: bool = False):
         """`drafts_from_computed_rows`: the drafter reads the target's
-        states of every token before the drafts (EAGLE3's head), so a row
+        states of every token before the drafts (EAGLE3's and EAGLE's heads), so a row
         whose known tokens are not all computed yet (the text a jump-forward
         appended) is not drafted; the next step computes them. A draft
         model computes them itself (DraftModel.propose).

@@ -212,7 +212,7 @@ def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> i
 
 
 def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
-    """EAGLE3's draft trees: --speculative-num-draft-tokens tokens verified
+    """EAGLE3's and EAGLE's draft trees: --speculative-num-draft-tokens tokens verified
     per row (the root, the newest known token, included, as SGLang counts
     them), nodes down to --speculative-num-steps deep."""
     nodes = options.speculative_num_draft_tokens - 1
