@@ -1,7 +1,7 @@
 """Speculative verify steps replayed as CUDA graphs: rows of several new
 tokens (a token and its drafts), padded into graphs of a fixed row length,
 give the eager forward's logits and hidden states, and engines speculating
-through them (NGRAM, STANDALONE, EAGLE3) give the tokens of an engine that
+through them (NGRAM, STANDALONE, EAGLE3, EAGLE) give the tokens of an engine that
 does not speculate.
 
 Without CUDA a "graph" is the runner's captured call rerun over the same
@@ -205,12 +205,22 @@ def eagle3_head(model_dir, out):
     return save_head(out, cfg, random_weights(cfg, seed=1), torch.arange(256) * 2, vocab)
 
 
+def eagle_head(model_dir, out):
+    """An EAGLE-1/2 head: it reads the stream after the target's last layer."""
+    from tests.test_speculative_eagle import head_config as eagle_config, random_weights as eagle_weights
+    from tests.test_speculative_eagle import save_head as save_eagle_head
+
+    cfg = eagle_config(model_dir)
+    return save_eagle_head(out, cfg, eagle_weights(cfg, seed=1))
+
+
 # NGRAM in the default suite; with overlap scheduling (rows moved back over
 # rejected drafts on the host before the replay) and the draft models' cases
 # (their own graphs, the kept hidden states, trees on the decode graphs), slow.
 @pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("NGRAM-overlap", marks=slow),
                                        pytest.param("STANDALONE", marks=slow),
-                                       pytest.param("EAGLE3", marks=slow), pytest.param("EAGLE3-tree", marks=slow)])
+                                       pytest.param("EAGLE3", marks=slow), pytest.param("EAGLE3-tree", marks=slow),
+                                       pytest.param("EAGLE", marks=slow)])
 def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tiny_llama_dir, tmp_path, algorithm,
                                                                    expanded):
     """Greedy requests, run together so that verify rows of different
@@ -225,6 +235,8 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
         model_dir = tiny_llama_dir
     elif algorithm == "STANDALONE":
         speculative["speculative_draft_model_path"] = str(model_dir)  # the target drafts for itself: all kept
+    elif algorithm == "EAGLE":
+        speculative["speculative_draft_model_path"] = str(eagle_head(model_dir, tmp_path / "head"))
     else:
         speculative["speculative_draft_model_path"] = str(eagle3_head(model_dir, tmp_path / "head"))
     if algorithm == "EAGLE3-tree":  # trees of 3 nodes: one-token rows, replayed by the decode graphs
@@ -247,12 +259,12 @@ def test_speculating_through_verify_graphs_gives_the_plain_tokens(model_dir, tin
         assert replays["draft", 1] > 0 and replays["draft", ROW] >= replays["drafted"]
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3", "EAGLE"])
 def test_the_target_captures_its_graphs_once_with_what_speculation_reads(model_dir, tmp_path, monkeypatch,
                                                                           algorithm):
     """At start, before any draft is loaded, the target captures its graphs
-    once: verify rows of a token and the drafts, and for EAGLE3 every graph
-    keeping the hidden states the head reads (a second capture would cost
+    once: verify rows of a token and the drafts, and for EAGLE3 and EAGLE
+    every graph keeping the hidden states the head reads (a second capture would cost
     start-up time, and over several ranks one rank capturing alone would
     wait forever on the others' collectives)."""
     from pyserve.engine.runner import cuda_graph_runner
@@ -266,8 +278,11 @@ def test_the_target_captures_its_graphs_once_with_what_speculation_reads(model_d
     monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", Recorded)
     monkeypatch.setattr(RankModel, "_graphs_fit", lambda self: True)
     speculative = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": ROW - 1}
-    if algorithm == "EAGLE3":
-        speculative["speculative_draft_model_path"] = str(eagle3_head(model_dir, tmp_path / "head"))
+    head = {"EAGLE3": eagle3_head, "EAGLE": eagle_head}.get(algorithm)
+    if head is not None:
+        speculative["speculative_draft_model_path"] = str(head(model_dir, tmp_path / "head"))
     engine = Engine.from_args(options(model_dir, **speculative))
     engine.runner.shutdown()
-    assert captures == [(ROW, frozenset({0, 1, 2}) if algorithm == "EAGLE3" else None)]
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    kept = {"EAGLE3": frozenset({0, 1, 2}), "EAGLE": frozenset({layers})}.get(algorithm)  # EAGLE: after the last
+    assert captures == [(ROW, kept)]
