@@ -17,6 +17,8 @@ All corpora together hold at most
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -51,11 +53,8 @@ class ExternalCorpora:
     def load_file_now(self, corpus_id: str, path: str) -> int:
         """Add the corpus file at `path`, blocking (at start); its tokens."""
         documents = self.read_file(corpus_id, path, self.tokens_left())
-        self._claim(corpus_id, documents)
-        try:
+        with self._claim(corpus_id, documents):
             corpus = NgramCorpus(documents)
-        finally:
-            del self._building[corpus_id]
         return self._publish(corpus_id, corpus)
 
     async def add_file(self, corpus_id: str, path: str) -> int:
@@ -150,7 +149,8 @@ class ExternalCorpora:
             raise ValueError(f"a corpus {corpus_id!r} is loaded or loading: remove it first to load another under "
                              "its id")
 
-    def _claim(self, corpus_id: str, documents: list[list[int]]) -> None:
+    @contextmanager
+    def _claim(self, corpus_id: str, documents: list[list[int]]) -> Iterator[None]:
         """Hold the documents' share of the token budget while they are built."""
         self._check_id(corpus_id)  # again: another load may have taken the id meanwhile
         tokens = sum(map(len, documents))
@@ -159,13 +159,14 @@ class ExternalCorpora:
                              f"{self.tokens_left()} more (--speculative-ngram-external-corpus-max-tokens "
                              f"{self.max_tokens})")
         self._building[corpus_id] = tokens
-
-    async def _build(self, corpus_id: str, documents: list[list[int]]) -> int:
-        self._claim(corpus_id, documents)
         try:
-            corpus = await asyncio.to_thread(NgramCorpus, documents)
+            yield
         finally:
             del self._building[corpus_id]
+
+    async def _build(self, corpus_id: str, documents: list[list[int]]) -> int:
+        with self._claim(corpus_id, documents):
+            corpus = await asyncio.to_thread(NgramCorpus, documents)
         return self._publish(corpus_id, corpus)
 
     def _publish(self, corpus_id: str, corpus: NgramCorpus) -> int:
