@@ -21,7 +21,8 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
-from pyserve.server_args import ServerArgs, comma_list
+from pyserve.option_fields import comma_list
+from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve")
 

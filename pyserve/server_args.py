@@ -3,11 +3,11 @@
 Each option is declared once, as a field of the one group of options that
 reads it: ModelOptions (every tensor-parallel rank), EngineOptions (the
 scheduler) or ServerOptions (HTTP and the API). Its default is the field's,
-and its flags, help and choices are in the field's metadata. ServerArgs is
-the three groups side by side: the command line, whose argparse parser is
-built from the fields, so a new option is one line here. At start-up
-`resolved()` turns "auto" into what this machine runs, once, and `split()`
-hands each layer its own group.
+and its flags, help and choices are in the field's metadata
+(option_fields.py). ServerArgs is the three groups side by side: the
+command line, whose argparse parser is built from the fields, so a new
+option is one line here. At start-up `resolved()` turns "auto" into what
+this machine runs, once, and `split()` hands each layer its own group.
 """
 
 from __future__ import annotations
@@ -15,56 +15,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
-import types
 import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
-
-def option(default: Any, *flags: str, help: str, choices: list[str] | None = None,
-           inverse: tuple[str, str] | None = None, alias: tuple[str, dict[str, Any], str] | None = None,
-           secret: bool = False, items: bool = False) -> Any:
-    """An option's field with its command line. `flags` default to the
-    field's name (`--max-total-tokens`). A bool field is a switch that sets
-    True; `inverse` is (flag, help) of a second switch that sets False.
-    `alias` is (flag, {word: value}, help): another server's flag for the
-    same option, whose words name its values. A `secret` is left out of
-    the options' repr (the start-up log) and of what /get_server_info
-    reports. An `items` option takes one or more words (`--lora-paths a=/p
-    b=/q`, SGLang's form) and holds them comma-joined, as if given `a=/p,b=/q`."""
-    return field(default=default, repr=not secret,
-                 metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse, "alias": alias,
-                           "secret": secret, "items": items})
-
-
-class _NamedValue(argparse.Action):
-    """An alias's flag: stores the value its word names."""
-
-    def __init__(self, *args, values_by_word: dict[str, Any], **kwargs):
-        super().__init__(*args, choices=list(values_by_word), **kwargs)
-        self.values_by_word = values_by_word
-
-    def __call__(self, parser, namespace, word, option_string=None):
-        setattr(namespace, self.dest, self.values_by_word[word])
-
-
-class _CommaJoined(argparse.Action):
-    """An `items` option's flag: its words, comma-joined."""
-
-    def __call__(self, parser, namespace, words, option_string=None):
-        setattr(namespace, self.dest, ",".join(words))
-
-
-def _value_type(hint: Any) -> type:
-    """int for `int` and `int | None`: what argparse converts a value to."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (hint,) = (t for t in typing.get_args(hint) if t is not type(None))
-    return hint
-
-
-def comma_list(value: str) -> list[str]:
-    """The items of a comma-separated option, blanks dropped."""
-    return [item.strip() for item in value.split(",") if item.strip()]
+from pyserve.option_fields import add_arguments, comma_list, option
 
 
 @dataclass(frozen=True)
@@ -269,25 +224,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         hints = typing.get_type_hints(cls)
         for group in cls.GROUPS:
             section = p.add_argument_group(group.__name__.removesuffix("Options").lower() + " options")
-            for f in fields(group):
-                meta = f.metadata
-                flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
-                if _value_type(hints[f.name]) is bool:
-                    section.add_argument(*flags, dest=f.name, action="store_const", const=True, default=f.default,
-                                         help=meta["help"])
-                    if meta["inverse"] is not None:
-                        flag, help = meta["inverse"]
-                        section.add_argument(flag, dest=f.name, action="store_const", const=False, help=help)
-                elif meta["items"]:
-                    section.add_argument(*flags, dest=f.name, nargs="+", action=_CommaJoined, default=f.default,
-                                         help=meta["help"])
-                else:
-                    section.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
-                                         choices=meta["choices"], help=meta["help"])
-                if meta["alias"] is not None:
-                    flag, values_by_word, help = meta["alias"]
-                    section.add_argument(flag, dest=f.name, action=_NamedValue, values_by_word=values_by_word,
-                                         default=argparse.SUPPRESS, help=help)
+            add_arguments(section, fields(group), hints)
         return p
 
     @classmethod
