@@ -148,6 +148,9 @@ class EngineOptions:
                    "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats)")
     speculative_eagle_topk: int = option(
         1, help="EAGLE3, EAGLE: draft branches per step; 1, a chain; more, a draft tree")
+    speculative_token_map: str | None = option(
+        None, help="EAGLE: a torch.save'd list of the token ids the head may draft (FR-Spec's reduced vocabulary), "
+                   "which its vocabulary projection is cut to")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ projection), over the tiny Llama target the EAGLE3 tests share. The target
 keeps its last hidden state, the head computes what the format defines
 (against a forward written here from that definition), greedy output is
 identical to decoding without speculation in chains and trees, a head
-fitted to the target's text gets its drafts kept, and what cannot run is
-refused at start."""
+fitted to the target's text gets its drafts kept, a token map (SGLang's
+`--speculative-token-map`) cuts what the head may draft to its tokens, and
+what cannot run is refused at start."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
-from tests.eagle3_heads import HEAD_INTERMEDIATE, PROMPTS, greedy_continuations, head_step, reference_layer
+from tests.eagle3_heads import (HEAD_INTERMEDIATE, PROMPTS, greedy_continuations, head_step, hot_ids,
+                                reference_layer)
 from tests.test_speculative import assert_identical_on_the_embedded_model, repetitive, same, with_and_without
 
 K = 4
@@ -204,6 +206,60 @@ def test_greedy_identical_on_the_embedded_model(default_model_dir, tmp_path, mod
     assert metrics.spec_verify_steps > 0
 
 
+def token_map(path: Path, ids) -> Path:
+    torch.save(ids, path)  # SGLang's format: a torch.save'd list of token ids
+    return path
+
+
+def test_a_token_map_cuts_the_heads_vocabulary_projection_to_its_tokens(eagle3_target, eagle_heads, tmp_path):
+    """The head with a map gives, in the target's vocabulary, the logits
+    the head without one gives at the map's tokens and -inf at the others."""
+    ids = repetitive(12)
+    model, config = load_model(eagle3_target, torch.float32, "cpu")
+    head_dir = eagle_heads["random"]
+    hot = hot_ids(eagle3_target, [], size=64)[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+
+    def logits(hot_tokens):
+        head = load_eagle_head(head_dir, EagleConfig(head_dir), model.embed_tokens.weight, model.lm_head.weight,
+                               model.norm, torch.float32, torch.device("cpu"), hot_tokens)
+        attn = TorchAttention(KVBuffer(1, 32, 2, 16, torch.float32, "cpu"))
+        hidden = torch.randn(len(ids), config.hidden_size, generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            out = head_step(head, attn, torch.arange(1, len(ids) + 1), ids, 0, hidden)[0]
+            return out, head.target_logits(out, config.vocab_size)
+
+    whole, _ = logits(None)
+    draft, placed = logits(hot)
+    assert draft.shape == (len(ids), 64)
+    assert torch.allclose(placed[:, hot], whole[:, hot], atol=1e-5)
+    outside = torch.ones(config.vocab_size, dtype=torch.bool)
+    outside[hot] = False
+    assert bool((placed[:, outside] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("holds_the_text", [True, False])
+def test_greedy_identical_with_a_token_map_whose_tokens_alone_are_drafted(eagle3_target, eagle_heads, tmp_path,
+                                                                          holds_the_text):
+    """With the fitted head, a map holding the tokens of its text keeps
+    most drafts; one without any of them keeps none (the head drafts only
+    the map's tokens). The output is plain decoding's either way, a
+    sampled request's too in distribution (not checked here)."""
+    text = eagle_heads["texts"][0]
+    others = [t for t in hot_ids(eagle3_target, [], size=600).tolist() if t not in set(text)][:300]
+    ids = sorted(set(text)) + others if holds_the_text else others
+    requests = [(text[:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),
+                (text[:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 12, "logprobs": True, "top_logprobs": 2})]
+    extra = {"speculative_token_map": str(token_map(tmp_path / "map.pt", ids))}
+    plain, got, metrics = with_and_without(eagle3_target, requests, spec(eagle_heads["fitted"], **extra),
+                                           {"torchao_config": "none"})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+    if holds_the_text:
+        assert metrics.accepted_drafts() >= 0.6 * 30
+    else:
+        assert metrics.accepted_drafts() == 0
+
+
 def test_what_cannot_run_is_refused_at_start(eagle3_target, eagle3_heads, tmp_path):
     def refused(head: Path, message: str):
         args = ServerArgs(model_path=str(eagle3_target), **spec(head)).split()
@@ -223,8 +279,38 @@ def test_what_cannot_run_is_refused_at_start(eagle3_target, eagle3_heads, tmp_pa
                                     **spec(save_head(tmp_path / "no-fc", cfg, weights))))
 
 
+def test_a_token_map_that_cannot_be_used_is_refused_at_start(eagle3_target, eagle3_heads, eagle_heads, tmp_path):
+    from pyserve.engine.engine import Engine
+
+    vocab = json.loads((eagle3_target / "config.json").read_text())["vocab_size"]
+    good = str(token_map(tmp_path / "good.pt", [1, 2, 3]))
+
+    def refused(message: str, **options):
+        args = ServerArgs(model_path=str(eagle3_target), torchao_config="none", **options)
+        with pytest.raises(ValueError, match=message):
+            Engine.from_args(args)
+
+    refused("an EAGLE-3 head has a reduced one of its own", speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=str(eagle3_heads["random"]), speculative_token_map=good)
+    refused("NGRAM drafts with no such head", speculative_algorithm="NGRAM", speculative_token_map=good)
+    head = eagle_heads["random"]
+    refused("is not a file", **spec(head, speculative_token_map=str(tmp_path / "missing.pt")))
+    (tmp_path / "junk.pt").write_text("not a pickle")
+    refused("is not a torch.save'd list of token ids", **spec(head, speculative_token_map=str(tmp_path / "junk.pt")))
+    for name, ids, message in [("outside", [0, vocab], "outside the model's vocabulary of"),
+                               ("negative", [-1, 4], "outside the model's vocabulary of"),
+                               ("twice", [7, 8, 7], "names a token more than once"),
+                               ("floats", torch.tensor([1.0, 2.0]), "it must be a non-empty list of token ids"),
+                               ("empty", [], "it must be a non-empty list of token ids"),
+                               ("nested", [[1, 2], [3, 4]], "it must be a non-empty list of token ids")]:
+        refused(message, **spec(head, speculative_token_map=str(token_map(tmp_path / f"{name}.pt", ids))))
+
+
 def test_the_cli_takes_sglangs_eagle_algorithm():
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/h",
                                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
                                 "--speculative-num-draft-tokens", "16"])
     assert (args.speculative_algorithm, args.speculative_eagle_topk) == ("EAGLE", 4)
+    args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/h",
+                                "--speculative-token-map", "/maps/freq_32768.pt"])
+    assert args.speculative_token_map == "/maps/freq_32768.pt"

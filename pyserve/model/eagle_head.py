@@ -18,6 +18,11 @@ layer's `layers.0.self_attn.{q,k,v,o}_proj`, `layers.0.mlp.{gate,up,down}_proj`
 and `layers.0.post_attention_layernorm`, names optionally under `model.`.
 An `embed_tokens` or `lm_head` there is not read: the head uses the
 target's, as SGLang gives it them.
+
+A token map (SGLang's `--speculative-token-map`, FR-Spec's reduced
+vocabulary: a `torch.save`d list of token ids, the most frequent ones)
+keeps those rows of the vocabulary projection only, so each draft step
+projects onto them alone and the head proposes only them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig, base_fields
-from pyserve.model.eagle3_head import checkpoint_tensors, fill_head
+from pyserve.model.draft_heads import checkpoint_tensors, fill_head, in_target_vocabulary
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.layers.attention import Attention
 from pyserve.model.layers.mlp import MLP
@@ -45,6 +50,8 @@ ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle")
 class EagleConfig:
     """What the head's config.json says."""
 
+    name = "EAGLE head"
+
     def __init__(self, head_dir: Path):
         path = head_dir / "config.json"
         if not path.is_file():
@@ -58,6 +65,7 @@ class EagleConfig:
             raise ValueError(f"{path}: EAGLE heads of {cfg['num_hidden_layers']} decoder layers are not supported; "
                              "pyserve runs heads of one layer")
         self.model = ModelConfig(architecture=ARCHITECTURES[-1], **base_fields(cfg, {}, str(path)))
+        self.target_hidden_size = self.model.hidden_size  # the head's stream is the target's
 
     def aux_layers(self, target_layers: int) -> frozenset[int]:
         """What the target keeps for the head: its residual stream after its
@@ -68,8 +76,9 @@ class EagleConfig:
 
 class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
-                 target_norm: nn.Module, fused_kernels: bool = True):
-        """`embed_tokens`, `lm_head`: the target's whole matrices; `target_norm`: its final norm."""
+                 target_norm: nn.Module, hot_tokens: torch.Tensor | None = None, fused_kernels: bool = True):
+        """`embed_tokens`, `lm_head`: the target's whole matrices; `target_norm`:
+        its final norm; `hot_tokens`: the token map's ids (None: every token)."""
         super().__init__()
         c = config.model
         self.config = c
@@ -82,9 +91,11 @@ class EagleHead(nn.Module):
         self.rotary = RotaryEmbedding(c)
         # Plain tensors and the target's own module: not among the head's parameters.
         self.embed_tokens = embed_tokens.detach()
-        self.lm_head = lm_head.detach()
+        self.lm_head = lm_head.detach() if hot_tokens is None else lm_head.detach()[hot_tokens]
         self.target_norm = [target_norm]  # in a list, so that it is not one of the head's modules
-        self.register_buffer("draft_to_target", torch.arange(lm_head.shape[0]), persistent=False)
+        self.reduced = hot_tokens is not None
+        self.register_buffer("draft_to_target", torch.arange(lm_head.shape[0]) if hot_tokens is None
+                             else hot_tokens.clone(), persistent=False)
 
     def target_features(self, states: list[torch.Tensor]) -> torch.Tensor:
         """The hidden state the head reads from what the target kept (its
@@ -96,7 +107,7 @@ class EagleHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """For the rows in batch.logits_indices: float32 logits over the
-        target's vocabulary, and the output hidden state the next draft step
+        draft vocabulary, and the output hidden state the next draft step
         reads. `hidden` [tokens, hidden]: the target's (target_features) or
         the head's own; the layer's KV goes to batch.out_cache_loc."""
         embeds = nn.functional.embedding(input_ids, self.embed_tokens).to(hidden.dtype)
@@ -111,20 +122,43 @@ class EagleHead(nn.Module):
         return (output @ self.lm_head.T).float(), output
 
     def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """The head's logits are over the target's vocabulary already."""
-        return logits
+        """Without a token map the head's logits are over the target's vocabulary already."""
+        return in_target_vocabulary(logits, self.draft_to_target, vocab_size) if self.reduced else logits
+
+
+def load_token_map(path: Path, vocab_size: int) -> torch.Tensor:
+    """The token ids a token map file holds (a `torch.save`d list or 1-D
+    tensor of ints), checked against the target's vocabulary."""
+    if not path.is_file():
+        raise ValueError(f"--speculative-token-map {path} is not a file (pyserve reads local files only)")
+    try:
+        ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:  # torch.load raises many kinds for a file it cannot read
+        raise ValueError(f"--speculative-token-map {path} is not a torch.save'd list of token ids: {e}") from None
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"--speculative-token-map {path} holds a {ids.dtype} tensor of shape {list(ids.shape)}; "
+                         "it must be a non-empty list of token ids")
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"--speculative-token-map {path} names token ids outside the model's vocabulary of "
+                         f"{vocab_size}")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"--speculative-token-map {path} names a token more than once")
+    return ids
 
 
 def load_eagle_head(head_dir: Path, config: EagleConfig, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
-                    target_norm: nn.Module, dtype: torch.dtype, device: torch.device) -> EagleHead:
+                    target_norm: nn.Module, dtype: torch.dtype, device: torch.device,
+                    hot_tokens: torch.Tensor | None = None) -> EagleHead:
     """The head with its checkpoint's weights, over the target's embedding,
-    vocabulary projection and final norm."""
+    vocabulary projection (its `hot_tokens` rows only, where a token map
+    gives them) and final norm."""
     c = config.model
     if target_embed.shape[1] != c.hidden_size or target_lm_head.shape[1] != c.hidden_size:
         raise ValueError(f"the EAGLE head in {head_dir} is of hidden size {c.hidden_size}; the target's is "
                          f"{target_embed.shape[1]}")
     tensors = checkpoint_tensors(head_dir)
-    head = EagleHead(config, target_embed, target_lm_head, target_norm).to(dtype)
+    head = EagleHead(config, target_embed, target_lm_head, target_norm, hot_tokens).to(dtype)
     tensors.setdefault("fc.bias", torch.zeros(c.hidden_size))  # heads trained without one
     fill_head(head, tensors, "layers.0.", ("fc.",), f"the EAGLE head in {head_dir}")
     return head.to(device)

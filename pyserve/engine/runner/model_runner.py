@@ -109,7 +109,7 @@ class ModelRunner:
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
-        # --speculative-algorithm STANDALONE or EAGLE3: its DraftModel or Eagle3Draft (speculative/options.py sets it).
+        # --speculative-algorithm STANDALONE, EAGLE3 or EAGLE: its DraftModel or EagleDraft (speculative/options.py sets it).
         self.draft = None
         kv_buffer = self.rank_model.kv_buffer
         capacity = (kv_buffer.num_pages - 1) * kv_buffer.page_size  # page 0 is never handed out

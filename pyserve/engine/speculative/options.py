@@ -92,6 +92,10 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
+    if options.speculative_token_map is not None and algorithm != "EAGLE":
+        raise ValueError("--speculative-token-map is for EAGLE heads, which project onto the target's whole "
+                         "vocabulary; " + ("an EAGLE-3 head has a reduced one of its own (its d2t)"
+                                           if algorithm == "EAGLE3" else f"{algorithm} drafts with no such head"))
     draft_cost = CPU_DRAFT_COST if model_options.device == "cpu" else None
     if algorithm == "NGRAM":
         low, high = options.speculative_ngram_min_match_window_size, options.speculative_ngram_max_match_window_size
@@ -119,7 +123,8 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     if algorithm in EAGLE_ALGORITHMS:
         if topk > 1:
             tree = _tree_shape(options, topk)
-        runner.draft = _eagle(algorithm, _head_dir(options), runner, tree, model_dir)
+        runner.draft = _eagle(algorithm, _head_dir(options), runner, tree, model_dir,
+                              options.speculative_token_map)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
@@ -227,18 +232,19 @@ def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
     return TreeShape(topk, depth, options.max_running_requests * (depth - 1) * topk)
 
 
-def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path):
-    from pyserve.engine.speculative.eagle3 import Eagle3Draft
-    from pyserve.model.eagle3_head import Eagle3Config
+def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path,
+           token_map: str | None):
+    from pyserve.engine.speculative.eagle import EagleDraft
+    from pyserve.model.eagle_head import load_token_map
 
     config = eagle_config(algorithm, head_dir)
     target = runner.rank_model.config
-    name = "EAGLE-3 head" if isinstance(config, Eagle3Config) else "EAGLE head"
-    target_hidden = config.target_hidden_size if isinstance(config, Eagle3Config) else config.model.hidden_size
-    if target_hidden != target.hidden_size or config.model.hidden_size != target.hidden_size:
-        raise ValueError(f"the {name} in {head_dir} is for a target of hidden size {target_hidden} (its own: "
-                         f"{config.model.hidden_size}); this model's is {target.hidden_size}")
+    if config.target_hidden_size != target.hidden_size or config.model.hidden_size != target.hidden_size:
+        raise ValueError(f"the {config.name} in {head_dir} is for a target of hidden size "
+                         f"{config.target_hidden_size} (its own: {config.model.hidden_size}); this model's is "
+                         f"{target.hidden_size}")
     if config.model.vocab_size != target.vocab_size:
-        raise ValueError(f"the {name} in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
+        raise ValueError(f"the {config.name} in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
                          f"this model's has {target.vocab_size}")
-    return Eagle3Draft(head_dir, config, runner.rank_model, model_dir, tree)
+    hot_tokens = None if token_map is None else load_token_map(Path(token_map), target.vocab_size)
+    return EagleDraft(head_dir, config, runner.rank_model, model_dir, tree, hot_tokens)

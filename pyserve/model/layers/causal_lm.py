@@ -54,7 +54,7 @@ class AuxCapture:
     layers; layer 0's is the embeddings; the layer count, the stream after
     the last layer) of every token row, one [tokens, hidden] tensor per
     layer in layer order, which an EAGLE or EAGLE-3 draft head reads
-    (engine/speculative/eagle3.py). The torch layers and the native ones
+    (engine/speculative/eagle.py). The torch layers and the native ones
     fill it, not the compiled decode layer."""
 
     layers: frozenset[int]

@@ -48,7 +48,8 @@ from pyserve.engine.speculative.rejection import draw, first_rows
 from pyserve.engine.speculative.tree import DraftTree, TreeShape
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.attention.torch_backend import TorchAttention
-from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head, whole_target_embedding, whole_target_matrix
+from pyserve.model.draft_heads import whole_target_embedding, whole_target_matrix
+from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
 from pyserve.model.eagle_head import EagleConfig, load_eagle_head
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
@@ -77,12 +78,13 @@ class _Pairs:
     sampled: bool
 
 
-class Eagle3Draft:
+class EagleDraft:
     """The head and its KV buffer, owned by the forward thread."""
 
     def __init__(self, head_dir: Path, config: Eagle3Config | EagleConfig, target: RankModel, target_dir: Path,
-                 tree: TreeShape | None = None):
+                 tree: TreeShape | None = None, hot_tokens: torch.Tensor | None = None):
         """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains.
+        `hot_tokens`: an EAGLE head's token map (None: the whole vocabulary).
         `target_dir`: the target's checkpoint, whose whole embedding (and
         vocabulary projection, for an EAGLE head) the head reads where
         tensor parallelism left rank 0 a share of it."""
@@ -99,7 +101,8 @@ class Eagle3Draft:
                 # A share of it, or quantized: the checkpoint's, whole.
                 lm_head = whole_target_matrix(target_dir, ("lm_head.weight", "model.embed_tokens.weight")
                                               ).to(target.device, target.dtype)
-            self.head = load_eagle_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device)
+            self.head = load_eagle_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device,
+                                        hot_tokens)
         else:
             self.head = load_eagle3_head(head_dir, config, embed, lm_head, target.dtype, target.device)
         c = config.model
