@@ -148,6 +148,11 @@ class EngineOptions:
                    "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats)")
     speculative_eagle_topk: int = option(
         1, help="EAGLE3, EAGLE: draft branches per step; 1, a chain; more, a draft tree")
+    speculative_accept_threshold_single: float = option(
+        1.0, help="sampled requests: keep a draft the target gives at least this probability (below 1, output "
+                  "leaves the target's distribution for more kept drafts; greedy ones verify exactly)")
+    speculative_accept_threshold_acc: float = option(
+        1.0, help="sampled requests: divide the other drafts' chance of being kept by this (below 1, more kept)")
     speculative_token_map: str | None = option(
         None, help="EAGLE: a torch.save'd list of the token ids the head may draft (FR-Spec's reduced vocabulary), "
                    "which its vocabulary projection is cut to")

@@ -1,17 +1,22 @@
 """Sampled requests under speculation: rejection sampling gives exactly the
 target's sampling distribution, for point-mass drafts (NGRAM) and drafts
 drawn from a draft model's distribution (STANDALONE), and a seed still
-gives the same text."""
+gives the same text. SGLang's relaxed acceptance thresholds keep drafts
+as often as they say, and leave greedy requests exact."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pyserve.engine.speculative.rejection import rejection_run
+from pyserve.engine.request import SamplingParams
+from pyserve.engine.speculative.rejection import Acceptance, rejection_run, walk
+from pyserve.engine.speculative.tree import DraftTree
+from pyserve.server_args import ServerArgs
 from tests.slow import slow_test
 from tests.test_speculative import COPY, collect, repetitive, started
 from tests.test_speculative_standalone import noisy_copy
@@ -195,3 +200,111 @@ def test_a_seeded_sampled_request_is_drafted_and_reproducible(tiny_llama_dir, de
     assert steps > 0
     assert alone == batched
     assert different != alone
+
+
+def kept_first(draft: int, q: torch.Tensor | None, acceptance: Acceptance, n: int = 20000) -> float:
+    """How often a verify step of one draft at position 0 keeps it."""
+    g = torch.Generator().manual_seed(1)
+    kept = 0
+    for _ in range(n):
+        run = rejection_run(P[:2], [draft], None if q is None else Q[:1], g, acceptance)
+        kept += len(run) == 2
+    return kept / n
+
+
+@pytest.mark.parametrize("acceptance, draft, point, expected", [
+    (Acceptance(), 2, True, 0.30),  # exact: p(d)
+    (Acceptance(acc=0.5), 2, True, 0.60),  # p(d) / acc
+    (Acceptance(acc=0.25), 1, True, 1.0),  # capped at 1
+    (Acceptance(single=0.35), 1, True, 1.0),  # p(d) = 0.40 reaches single
+    (Acceptance(single=0.35), 2, True, 0.30),  # p(d) = 0.30 does not
+    (Acceptance(acc=0.5), 3, False, 0.15 / (0.20 * 0.5)),  # min(1, p / (q acc)) = 1.0 with a draft model's q
+    (Acceptance(acc=0.5), 4, False, 0.10 / (0.20 * 0.5)),
+    (Acceptance(), 3, False, 0.15 / 0.20),
+])
+def test_a_chains_drafts_are_kept_as_often_as_the_thresholds_say(acceptance, draft, point, expected):
+    """P[0] = (0.05, 0.40, 0.30, 0.15, 0.10), Q[0] = (.5, .05, .05, .2, .2):
+    within 4.5 standard deviations of 20000 steps."""
+    got = kept_first(draft, None if point else Q[:1], acceptance)
+    expected = min(1.0, expected)
+    assert abs(got - expected) <= 4.5 * math.sqrt(max(expected * (1 - expected), 1e-4) / 20000) + 1e-9, got
+
+
+def test_a_trees_children_are_kept_as_often_as_the_thresholds_say():
+    """The root's children tokens 0 and 1 (p = 0.1 and 0.2 of a 4-token
+    distribution): with acc 0.5, child 0 is kept with probability 0.2 and
+    child 1 with 0.6 - 0.2; the rest of the time a token outside the
+    children is drawn, as the target weighs them. With single 0.15 child 1
+    is kept whenever child 0 is not."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.cat([p.log()[None], torch.zeros(2, 4)])
+    tree, tokens = DraftTree([-1, -1]), [0, 1]
+    state = SimpleNamespace(params=SamplingParams(temperature=1.0))
+    n = 20000
+
+    def firsts(acceptance):
+        g = torch.Generator().manual_seed(2)
+        counts = torch.zeros(4)
+        for _ in range(n):
+            emitted, path = walk(logits, tree, tokens, state, g, acceptance)
+            counts[emitted[0]] += 1
+            assert (path[:1] == [emitted[0]]) == (emitted[0] in tokens)  # a child's token: that child was kept
+        return counts / n
+
+    for acceptance, expected in [(Acceptance(), [0.1, 0.2, 0.3, 0.4]),
+                                 (Acceptance(acc=0.5), [0.2, 0.4, 0.4 * 0.3 / 0.7, 0.4 * 0.4 / 0.7]),
+                                 (Acceptance(single=0.15), [0.1, 0.9, 0.0, 0.0])]:
+        torch.testing.assert_close(firsts(acceptance), torch.tensor(expected), atol=0.016, rtol=0)
+
+
+@pytest.mark.parametrize("threshold", [{"speculative_accept_threshold_single": 1e-9},
+                                       {"speculative_accept_threshold_acc": 1e-6}], ids=["single", "acc"])
+def test_relaxed_thresholds_keep_drafts_the_target_would_not_and_leave_greedy_exact(default_model_dir, threshold):
+    """The embedded model asked to copy a text, sampled at temperature 1:
+    it strays from the text and exact rejection sampling rejects most of
+    NGRAM's drafts (the text's next tokens); thresholds that low keep
+    nearly all of them. Greedy requests on the same engine decode exactly
+    as without speculation."""
+    from pyserve._rust import Tokenizer
+
+    prompt = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(COPY)
+    sampled = dict(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    greedy = dict(temperature=0, max_new_tokens=16, ignore_eos=True)
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+            "speculative_ngram_min_match_window_size": 1}
+
+    async def run(**options):
+        engine = await started(default_model_dir, torchao_config="none", **options)
+        try:
+            plain = await collect(engine, prompt, **greedy)
+            m = engine.metrics
+            accepted, drafted = m.accepted_drafts(), m.spec_draft_tokens  # the sampled requests' alone below
+            await asyncio.gather(*[collect(engine, prompt, **sampled, seed=i) for i in range(4)])
+            assert engine.integrity_problem() is None
+            return plain[1], (m.accepted_drafts() - accepted) / max(m.spec_draft_tokens - drafted, 1)
+        finally:
+            await engine.shutdown()
+
+    greedy_plain, _ = asyncio.run(run())
+    greedy_exact, exact_rate = asyncio.run(run(**spec))
+    greedy_relaxed, relaxed_rate = asyncio.run(run(**spec, **threshold))
+    assert greedy_relaxed == greedy_exact == greedy_plain
+    assert exact_rate < 0.7 and relaxed_rate > 0.95
+
+
+def test_thresholds_out_of_range_or_without_speculation_are_refused():
+    from pyserve.engine.speculative.options import drafter_of
+
+    for options, message in [({"speculative_accept_threshold_single": 0.0}, "single 0.0: must be in \\(0, 1\\]"),
+                             ({"speculative_accept_threshold_acc": 1.5}, "acc 1.5: must be in \\(0, 1\\]"),
+                             ({"speculative_accept_threshold_acc": -0.1}, "must be in")]:
+        args = ServerArgs(speculative_algorithm="NGRAM", **options).split()
+        with pytest.raises(ValueError, match=message):
+            drafter_of(args.engine, args.model, None, None, None)
+    args = ServerArgs(speculative_accept_threshold_single=0.5).split()
+    with pytest.raises(ValueError, match="are for speculative decoding"):
+        drafter_of(args.engine, args.model, None, None, None)
+    args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/h",
+                                "--speculative-accept-threshold-single", "0.6",
+                                "--speculative-accept-threshold-acc", "0.4"])
+    assert (args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc) == (0.6, 0.4)

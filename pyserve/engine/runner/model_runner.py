@@ -36,7 +36,7 @@ from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative import tree
 from pyserve.engine.speculative.options import TargetGraphs
 from pyserve.engine.speculative.overlap import StepRuns, follow_previous, resolve_placeholders
-from pyserve.engine.speculative.rejection import verify_drafts
+from pyserve.engine.speculative.rejection import EXACT, verify_drafts
 from pyserve.engine.step import ScheduledStep
 from pyserve.lora.adapter import Adapter
 from pyserve.model.forward_batch import ForwardBatch
@@ -111,6 +111,8 @@ class ModelRunner:
         self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
         # --speculative-algorithm STANDALONE, EAGLE3 or EAGLE: its DraftModel or EagleDraft (speculative/options.py sets it).
         self.draft = None
+        # How sampled requests keep drafts (--speculative-accept-threshold-*; speculative/options.py sets it).
+        self.acceptance = EXACT
         kv_buffer = self.rank_model.kv_buffer
         capacity = (kv_buffer.num_pages - 1) * kv_buffer.page_size  # page 0 is never handed out
         logger.info(
@@ -224,7 +226,7 @@ class ModelRunner:
                 logits = all_logits[:num_rows]
                 if drafts:
                     next_ids, counts, forced, paths = verify_drafts(
-                        logits, states, drafts, draft_probs, self.sampler, trees)
+                        logits, states, drafts, draft_probs, self.sampler, trees, self.acceptance)
                     if trees:
                         logits, copies = tree.to_chain(step.batch, batch, logits, capture, drafts, paths)
                         if copies is not None:

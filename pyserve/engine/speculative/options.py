@@ -11,6 +11,7 @@ from pyserve._rust import NgramTrie, Tokenizer
 from pyserve.engine.speculative.corpora import ExternalCorpora
 from pyserve.engine.speculative.drafter import CPU_DRAFT_COST, Drafter, PlaceholderDrafter
 from pyserve.engine.speculative.ngram import NgramDrafter, NgramTreeDrafter
+from pyserve.engine.speculative.rejection import Acceptance
 from pyserve.engine.speculative.tree import TreeShape
 from pyserve.server_args import EngineOptions, ModelOptions
 
@@ -87,6 +88,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     EAGLE, the draft head (checked against the target's shapes); for NGRAM trees, the
     corpus file (with `tokenizer`)."""
     algorithm = options.speculative_algorithm
+    acceptance = _acceptance(options)
     if algorithm is None:
         return None
     k = options.speculative_num_draft_tokens
@@ -108,6 +110,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         trie = _ngram_trie(options)
         corpora = None if trie is None else _external_corpora(options, tokenizer)
         _warn_eager_verify(runner, model_options)
+        runner.acceptance = acceptance
         if trie is None:
             return NgramDrafter(k, low, high, draft_cost)
         return NgramTreeDrafter(k, trie, corpora, low, high, draft_cost)
@@ -133,8 +136,21 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             raise ValueError(problem)
         runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
     _warn_eager_verify(runner, model_options)
+    runner.acceptance = acceptance
     return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm in EAGLE_ALGORITHMS,
                               follows_steps=algorithm == "STANDALONE")
+
+
+def _acceptance(options: EngineOptions) -> Acceptance:
+    """SGLang's relaxed acceptance thresholds, checked."""
+    acceptance = Acceptance(options.speculative_accept_threshold_single, options.speculative_accept_threshold_acc)
+    for value, flag in ((acceptance.single, "single"), (acceptance.acc, "acc")):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"--speculative-accept-threshold-{flag} {value}: must be in (0, 1]")
+    if options.speculative_algorithm is None and not acceptance.exact:
+        raise ValueError("--speculative-accept-threshold-single and -acc are for speculative decoding "
+                         "(--speculative-algorithm)")
+    return acceptance
 
 
 def _ngram_trie(options: EngineOptions) -> NgramTrie | None:

@@ -21,12 +21,22 @@ keep d with probability p_j(d), else draw from p_j without d. Each step
 takes k + 1 uniform numbers from the request's own generator (the seeded
 ones) whatever is accepted, so a seed gives the same text again.
 
-Draft trees (tree.py) are verified by `walk`: the target's own token at
-each node, moving to the child that carries it.
+Draft trees (tree.py) are verified by `walk`: at each node its children
+in turn are kept with probability p(child) each, summed (one uniform u
+a level: the first child whose running sum passes u), else a token is
+drawn from p without the children; the walk moves to the kept child.
+
+SGLang's relaxed acceptance (`Acceptance`, --speculative-accept-threshold-*)
+keeps sampled drafts more often than the target's distribution allows:
+a draft whose target probability reaches `single` is kept, and the others'
+probabilities are divided by `acc` (min(1, p / (q * acc)) for a chain; a
+tree's running sum over acc). At 1.0 and 1.0, the defaults, sampling is
+exact; greedy requests verify exactly whatever the thresholds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -38,9 +48,25 @@ from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.speculative.tree import DraftTree
 
 
+@dataclass(frozen=True)
+class Acceptance:
+    """How sampled requests keep drafts: SGLang's
+    --speculative-accept-threshold-single and -acc, both in (0, 1]."""
+
+    single: float = 1.0  # a draft the target gives at least this probability is kept
+    acc: float = 1.0  # the others' probabilities of being kept are divided by this
+
+    @property
+    def exact(self) -> bool:
+        return self.single == 1.0 and self.acc == 1.0
+
+
+EXACT = Acceptance()
+
+
 def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
                   draft_probs: list[torch.Tensor | None] | None, sampler: Sampler,
-                  trees: list[DraftTree | None] | None = None
+                  trees: list[DraftTree | None] | None = None, acceptance: Acceptance = EXACT
                   ) -> tuple[torch.Tensor, list[int], list[list[int]] | None, list[list[int] | None]]:
     """The token each logits row emits (rows past a sequence's run hold
     the argmax), how many tokens each sequence emits, per sequence the
@@ -76,13 +102,13 @@ def verify_drafts(logits: torch.Tensor, states: list[SamplingState], drafts: lis
         first, k = firsts[i], len(draft)
         rows, forces = adjusted.get(i, (logits[first : first + k + 1], None))
         if trees is not None and trees[i] is not None:
-            run, paths[i] = walk(rows, trees[i], draft, state, state.generator or sampler.generator)
+            run, paths[i] = walk(rows, trees[i], draft, state, state.generator or sampler.generator, acceptance)
         elif state.params.temperature == 0:
             run = greedy_run(rows.argmax(dim=-1).tolist() if i in adjusted else host[first : first + k + 1], draft)
         else:
             q = draft_probs[i][:k] if draft_probs is not None and draft_probs[i] is not None else None
             run = rejection_run(probabilities(rows, [state.params] * (k + 1)), draft, q,
-                                state.generator or sampler.generator)
+                                state.generator or sampler.generator, acceptance)
         if i in ends_block:
             run = run[:k]  # the row after the block's end needs the grammar's mask
         if forces is not None:
@@ -209,7 +235,7 @@ def greedy_run(targets: list[int], draft: list[int]) -> list[int]:
 
 
 def rejection_run(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
-                  generator: torch.Generator) -> list[int]:
+                  generator: torch.Generator, acceptance: Acceptance = EXACT) -> list[int]:
     """The tokens one verify step emits for a sampled sequence: `p` the
     target's [k + 1, vocab] distributions (unnormalised is fine), `q` the
     drafts' [k, vocab] ones or None for point masses. Only the drafts'
@@ -228,7 +254,10 @@ def rejection_run(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         q_total = q.sum(dim=-1, dtype=torch.float64)
         q_d = q[rows, d].double() / q_total
     # u < p(d) / q(d), without dividing by a q(d) that may be tiny.
-    kept = (u[:k].to(p.device) * q_d < p_d).tolist()
+    kept = u[:k].to(p.device) * q_d * acceptance.acc < p_d
+    if acceptance.single < 1.0:
+        kept |= p_d >= acceptance.single
+    kept = kept.tolist()
     n = kept.index(False) if False in kept else k
     p_n = p[n].double() / p_total[n]
     if n == k:
@@ -245,7 +274,7 @@ def rejection_run(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
 
 
 def walk(logits: torch.Tensor, tree: DraftTree, tokens: list[int], state: SamplingState,
-         generator: torch.Generator) -> tuple[list[int], list[int]]:
+         generator: torch.Generator, acceptance: Acceptance = EXACT) -> tuple[list[int], list[int]]:
     """(the tokens a tree row emits, the accepted nodes): `logits` its
     [nodes + 1, vocab] rows, the root's first; `tokens` the nodes' tokens."""
     greedy = state.params.temperature == 0
@@ -254,17 +283,45 @@ def walk(logits: torch.Tensor, tree: DraftTree, tokens: list[int], state: Sampli
     else:
         p = probabilities(logits, [state.params] * logits.shape[0])
         u = torch.rand(max(map(tree.depth, range(len(tokens))), default=0) + 1, generator=generator,
-                       dtype=torch.float64).to(p.device)
+                       dtype=torch.float64).tolist()
     emitted, path, node = [], [], -1
     while True:
-        row = node + 1
-        token = targets[row] if greedy else int(inverse_cdf(p[row][None], u[len(path)][None])[0])
+        row, children = node + 1, tree.children(node)
+        if greedy:
+            token = targets[row]
+            child = next((c for c in children if tokens[c] == token), None)
+        else:
+            child, token = _sampled_child(p[row], children, [tokens[c] for c in children], u[len(path)], acceptance)
         emitted.append(token)
-        child = next((c for c in tree.children(node) if tokens[c] == token), None)
         if child is None:
             return emitted, path
         path.append(child)
         node = child
+
+
+def _sampled_child(p: torch.Tensor, children: list[int], child_tokens: list[int], u: float,
+                   acceptance: Acceptance) -> tuple[int | None, int]:
+    """(the child kept, None for none; the token emitted) at a node whose
+    target distribution is `p` (unnormalised), with the level's uniform `u`:
+    the first child whose running sum of probabilities (over acc) passes
+    u, or whose own reaches `single`; else a draw from p without the
+    children, with u rescaled past the children's share."""
+    total = float(p.sum(dtype=torch.float64))
+    share = 0.0
+    if children:
+        probs = (p[torch.tensor(child_tokens, device=p.device)].double() / total).tolist()
+        for child, token, prob in zip(children, child_tokens, probs):
+            share += prob
+            if u < share / acceptance.acc or prob >= acceptance.single:
+                return child, token
+    rest = p.clone()
+    if children:
+        rest[torch.tensor(child_tokens, device=p.device)] = 0
+    bound = min(share / acceptance.acc, 1.0)
+    if float(rest.sum()) <= 0.0 or bound >= 1.0:  # the children hold all the mass: rounding rejected them
+        rest, bound = p, 0.0
+    rescaled = torch.tensor([(u - bound) / (1.0 - bound)], dtype=torch.float64, device=p.device)
+    return None, int(inverse_cdf(rest[None], rescaled)[0])
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
