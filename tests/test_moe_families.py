@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) on tiny
+"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) on tiny
 random checkpoints that transformers' own classes write, with the embedded
 model's tokenizer: greedy tokens and logprobs against transformers'
 generate through the KV-cached harness (chunked prefill over a cached
@@ -29,6 +29,11 @@ VARIANTS = {
     # weights renormalized over the top 2; layer 0 dense by decoder_sparse_step
     "qwen3_moe-norm-topk-sparse-step": ("qwen3_moe", {"decoder_sparse_step": 2}),
     "qwen3_moe-raw-topk": ("qwen3_moe", {"norm_topk_prob": False}),
+    # GLM-4.5: layer 0 dense, grouped sigmoid routing with its correction bias, a shared expert, q/k norms
+    "glm4_moe-grouped-qk-norm": ("glm4_moe", {}),
+    # GLM-4.5-Air's kind: one group, no q/k norms, two dense layers, scores not renormalised
+    "glm4_moe-one-group": ("glm4_moe", {"n_group": 1, "use_qk_norm": False, "first_k_dense_replace": 2,
+                                        "norm_topk_prob": False}),
 }
 
 
@@ -43,7 +48,7 @@ def test_moe_family_matches_transformers(tmp_path, default_model_dir, variant):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"])
 def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, arch):
     """Each rank holds half of every expert's intermediate dimension (and of
     the shared expert's, and of the dense layers')."""
@@ -64,6 +69,49 @@ def test_dense_layers_and_expert_count_spellings():
     # transformers 5 writes Qwen3-MoE's count as num_local_experts
     config = parse_config(_config(num_local_experts=4, norm_topk_prob=True))
     assert (config.moe.num_experts, config.moe.norm_topk_prob, config.dense_layers) == (4, True, frozenset())
+
+
+def test_glm4_moe_config_reads_a_glm45_shaped_config():
+    config = parse_config({
+        "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552, "hidden_size": 5120,
+        "intermediate_size": 12288, "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True,
+        "n_routed_experts": 160, "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "n_shared_experts": 1,
+        "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1,
+        "topk_group": 1, "num_nextn_predict_layers": 1, "rope_theta": 1000000})
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate, moe.shared_intermediate) == (160, 8, 1536, 1536)
+    assert (moe.routing, moe.score_correction_bias, moe.routed_scaling_factor, moe.norm_topk_prob) == (
+        "grouped_sigmoid", True, 2.5, True)
+    assert config.dense_layers == {0, 1, 2} and config.mtp_layers == 1
+    assert (config.qk_norm, config.attention_bias, config.o_proj_bias) == ("head", True, False)
+    assert (config.rotary_dim, config.rotary_interleaved) == (64, False)
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_skipped(tmp_path, default_model_dir):
+    """A GLM-4.5 checkpoint with its MTP layer (layer 3 of a 3-layer model,
+    with its eh_proj, norms and shared head) loads to the same tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_tiny_model(tmp_path / "plain", "glm4_moe", tokenizer_dir=default_model_dir)
+    mtp_dir = tmp_path / "mtp"
+    shutil.copytree(model_dir, mtp_dir)
+    tensors = load_file(mtp_dir / "model.safetensors")
+    tensors.update({k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k})
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight":
+                    torch.ones(64), "model.layers.3.hnorm.weight": torch.ones(64),
+                    "model.layers.3.shared_head.norm.weight": torch.ones(64)})
+    save_file(tensors, mtp_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mtp_dir / "config.json").read_text())
+    (mtp_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    prompts = random_prompts(512, [7, 19])
+    assert pyserve_greedy(mtp_dir, prompts, 6)[1] == hf_greedy(model_dir, prompts, 6)[1]
+    (mtp_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"unexpected .*layers\.3\."):
+        load_model(mtp_dir, torch.float32, "cpu")
 
 
 def test_a_checkpoint_without_an_experts_tensor_is_refused(tmp_path):

@@ -32,6 +32,7 @@ _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
@@ -50,6 +51,11 @@ _ARCH_DEFAULTS = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=64, mlp_only_layers=[1]),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    # GLM-4.5's layout: layer 0 dense, then experts in 2 groups (the best 1 taken) beside a shared one,
+    # q/k norms, q/k/v bias, half of each head rotated.
+    "glm4_moe": dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                     num_nextn_predict_layers=0),
     # A window shorter than the test prompts; scales and caps that bite.
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
                    final_logit_softcapping=10.0),
@@ -148,6 +154,9 @@ def build_tiny_model(
             else:
                 # transformers' init is small; larger weights keep logits from tying.
                 p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: drawn, so that routing reads it
+                b.normal_(0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     if tokenizer_dir is not None:

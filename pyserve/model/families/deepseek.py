@@ -34,7 +34,7 @@ from pyserve.model.kv_buffer import LatentDim
 from pyserve.model.layers.mla import MLASpec, MultiHeadLatentAttention
 from pyserve.model.layers.moe import MoESpec
 from pyserve.model.layers.rotary import RotaryEmbedding
-from pyserve.model.layers.sparse_lm import MoECausalLM, MoEConfig
+from pyserve.model.layers.sparse_lm import MoECausalLM, MoEConfig, mtp_layers
 from pyserve.model.parallel import ModelShard
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ _MLA_DEFAULTS = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64
 @dataclass
 class DeepseekConfig(MoEConfig):
     mla: MLASpec | None = None
-    mtp_layers: int = 0  # V3's multi-token-prediction layers in the checkpoint, after the model's own
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -126,7 +125,7 @@ CHECKPOINT = CheckpointNames(
         "mlp.down_proj": Row("mlp.down_proj", "intermediate"),
     },
     head_split=_head_split,
-    skipped_layers=lambda config: range(config.num_hidden_layers, config.num_hidden_layers + config.mtp_layers),
+    skipped_layers=mtp_layers,
 )
 
 FAMILY = Family(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), _config_fields, CHECKPOINT, model=Deepseek,

@@ -26,6 +26,15 @@ from pyserve.model.parallel import ModelShard
 class MoEConfig(ModelConfig):
     moe: MoESpec | None = None  # the sparse layers' block
     dense_layers: frozenset[int] = frozenset()  # layers whose feed-forward block is the gated MLP
+    # Multi-token-prediction layers a checkpoint holds after the model's own
+    # (DeepSeek V3's and GLM-4.5's num_nextn_predict_layers): not part of
+    # the model, their tensors skipped at load.
+    mtp_layers: int = 0
+
+
+def mtp_layers(config: MoEConfig) -> range:
+    """The indices the checkpoint's multi-token-prediction layers have."""
+    return range(config.num_hidden_layers, config.num_hidden_layers + config.mtp_layers)
 
 
 def moe_fields(cfg: dict, model_type: str, **defaults) -> dict:
