@@ -47,11 +47,12 @@ from tqdm import tqdm
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
 from pyserve.model.config import ModelConfig
 from pyserve.model.families import family_of, read_config
+from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.layers.moe import MoEBlock, placement
 from pyserve.model.layers.moe_weights import ExpertGroups
 from pyserve.model.parallel import SINGLE, ModelShard, TensorParallel
-from pyserve.model.quant import Int4Groups, Int4Linear, WeightQuant, prequantized_file, quantize_model, unpack_nibbles
+from pyserve.model.quant import Int4Groups, Int4Linear, WeightQuant, prequantized_file, quantize_model
 from pyserve.model.quantized.gpu_layers import sliced, stacked, use_gpu_layers
 from pyserve.model.quantized.modules import QuantizedModules, dense_weights
 from pyserve.model.quantized.weights import QuantizedWeight
@@ -74,72 +75,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-
-
-def _read(handle, key: str, dim: int | None, part: range | None, full: int | None) -> torch.Tensor:
-    """The tensor `key`, or its `part` along `dim` (clipped to the tensor:
-    the last vocabulary shard may run past it). ValueError when the
-    checkpoint's length along `dim` is not `full`."""
-    if dim is None:
-        return handle.get_tensor(key)
-    view = handle.get_slice(key)
-    shape = view.get_shape()
-    if len(shape) <= dim or shape[dim] != full:
-        raise ValueError(f"{key} has shape {tuple(shape)}, the config expects {full} along dimension {dim}")
-    return view[(slice(None),) * dim + (slice(part.start, min(part.stop, full)),)]
-
-
-def _shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, names: CheckpointNames,
-                  group_size: int) -> dict[str, Int4Groups]:
-    """Module name -> its 4-bit groups from a file of `<projection>.codes/.scales/.zeros`
-    (codes two to a byte), this rank's part of each, the parts of a fused
-    projection concatenated in row order."""
-    parts: dict[str, list[tuple[int, Int4Groups]]] = {}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        for key in f.keys():
-            if not key.endswith(".codes"):
-                continue
-            projection = key.removesuffix(".codes")
-            for piece in pieces(projection + ".weight", config, shard, names):
-                dim, part, full = piece.dim, piece.part, piece.full
-                if dim == 1 and (part.start % group_size or len(part) % group_size):
-                    raise ValueError(
-                        f"{path.name}: tensor-parallel rank {shard.tp.rank} holds columns {part.start}-{part.stop} "
-                        f"of {projection}, which do not begin and end on its groups of {group_size}; serve this "
-                        "model with --torchao-config none or int8wo at this --tp-size")
-                # Along the input dimension codes come two to a byte and scales one per group.
-                per_code, per_group = (1, 1) if dim == 0 else (2, group_size)
-                codes = _read(f, key, dim, range(part.start // per_code, part.stop // per_code), full // per_code)
-                scales, zeros = (
-                    _read(f, projection + suffix, dim, range(part.start // per_group, part.stop // per_group),
-                          full // per_group) for suffix in (".scales", ".zeros"))
-                parts.setdefault(piece.param.removesuffix(".weight"), []).append(
-                    (piece.row or 0, (unpack_nibbles(codes), scales, zeros)))
-    return _stacked(parts)
-
-
-def _sliced_groups(groups: Int4Groups, piece, group_size: int, module: str) -> Int4Groups:
-    """This rank's part of a layer's int4 groups (codes [out, in], scales and zeros per group)."""
-    if piece.dim is None:
-        return groups
-    part = piece.part
-    if piece.dim == 0:
-        return tuple(t[part.start:part.stop] for t in groups)
-    if part.start % group_size or len(part) % group_size:
-        raise ValueError(f"tensor-parallel rank holds columns {part.start}-{part.stop} of {module}, which do not "
-                         f"begin and end on its groups of {group_size}")
-    codes, scales, zeros = groups
-    g = slice(part.start // group_size, part.stop // group_size)
-    return codes[:, part.start:part.stop], scales[:, g], zeros[:, g]
-
-
-def _stacked(parts: dict[str, list[tuple[int, Int4Groups]]]) -> dict[str, Int4Groups]:
-    """The parts of each fused module's groups concatenated in row order."""
-    groups = {}
-    for module, stacked in parts.items():
-        stacked.sort(key=lambda piece: piece[0])
-        groups[module] = tuple(torch.cat([p[1][i] for p in stacked]) for i in range(3))
-    return groups
 
 
 class _Tensors:
@@ -228,7 +163,7 @@ def _copy_piece(target: torch.Tensor, piece, handle, hf_name: str, path: Path) -
     if piece.row is not None:
         target = target.narrow(0, piece.row, len(piece.part))
     try:
-        tensor = _read(handle, hf_name, piece.dim, piece.part, piece.full)
+        tensor = read_part(handle, hf_name, piece.dim, piece.part, piece.full)
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
     if piece.dim == 0 and piece.row is None and tensor.shape[0] < target.shape[0]:  # vocabulary padding rows
@@ -331,7 +266,7 @@ def load_model(
             if group_size is not None:
                 groups = (weight if whole is None else whole).int4_groups(group_size)
                 if groups is not None and whole is not None:
-                    groups = _sliced_groups(groups, piece, group_size, hf_name)
+                    groups = sliced_groups(groups, piece, group_size, hf_name)
                 if groups is not None:
                     group_parts.setdefault(module, []).append((piece.row or 0, groups))
             if device.type == "cuda":
@@ -373,10 +308,10 @@ def load_model(
     if quant is not None:
         shipped = prequantized_file(model_dir, quant)
         if shipped.is_file():
-            own = _shipped_int4(shipped, config, shard, names, quant.group_size)
+            own = shipped_int4(shipped, config, shard, names, quant.group_size)
         else:  # a module whose fused parts are not all int4 groups, or that the kernel cannot hold,
             # is quantized from its dense weight
-            own = {module: groups for module, groups in _stacked(group_parts).items()
+            own = {module: groups for module, groups in stacked_groups(group_parts).items()
                    if groups[0].shape == params[module + ".weight"].shape
                    and (quant.int8_activations or Int4Linear.fits(groups[0], quant.group_size))}
         own.update(expert_groups.stacked())
