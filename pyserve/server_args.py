@@ -111,9 +111,10 @@ class EngineOptions:
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
     # Speculative decoding (engine/speculative/): SGLang's flags.
     speculative_algorithm: str | None = option(
-        None, choices=["NGRAM", "STANDALONE", "EAGLE3", "EAGLE"],
+        None, choices=["NGRAM", "STANDALONE", "EAGLE3", "EAGLE", "NEXTN"],
         help="propose draft tokens and verify them in one forward pass: NGRAM (prompt lookup), STANDALONE "
-             "(a smaller draft model), EAGLE3 or EAGLE (an EAGLE-3 or EAGLE-1/2 head over the target's hidden states)")
+             "(a smaller draft model), EAGLE3 or EAGLE (an EAGLE-3 or EAGLE-1/2 head over the target's hidden "
+             "states), NEXTN (the checkpoint's own multi-token-prediction layer, as EAGLE finds without a draft path)")
     speculative_num_steps: int | None = option(
         None, help="STANDALONE, EAGLE3, EAGLE: tokens the draft model decodes per verify (default: "
                    "--speculative-num-draft-tokens); an EAGLE3 or EAGLE tree's depth; NGRAM: unused")
@@ -145,7 +146,8 @@ class EngineOptions:
         None, help="NGRAM trees: most tokens all corpora hold together (default 10000000, about 0.55 GB)")
     speculative_draft_model_path: str | None = option(
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
-                   "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats)")
+                   "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats); EAGLE, NEXTN: "
+                   "by default the model's own multi-token-prediction layer, where its checkpoint has one")
     speculative_eagle_topk: int = option(
         1, help="EAGLE3, EAGLE: draft branches per step; 1, a chain; more, a draft tree")
     speculative_accept_threshold_single: float = option(

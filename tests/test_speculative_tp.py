@@ -1,8 +1,8 @@
 """Speculative decoding over two tensor-parallel ranks (gloo, on the CPU):
 the drafts are made on rank 0 (NGRAM's on the event loop, a STANDALONE
-draft model whole on rank 0, an EAGLE-3 or EAGLE head reading rank 0's
-copy of the target's hidden states and the whole embedding (and
-vocabulary projection) from the checkpoint), the
+draft model whole on rank 0, an EAGLE-3 or EAGLE head or a checkpoint's
+MTP layer (NEXTN) reading rank 0's copy of the target's hidden states and
+the whole embedding (and vocabulary projection) from the checkpoint), the
 verify pass runs on both ranks (and a draft tree's accepted K/V moves in
 both ranks' caches), and greedy output is what two ranks give without
 speculation. NGRAM's chains in the default suite; its trees and the draft
@@ -18,6 +18,7 @@ from tests.slow import slow_test
 from tests.test_speculative import SPEC, repetitive, same, with_and_without
 from tests.test_speculative_eagle import eagle_heads, spec as eagle_spec  # noqa: F401
 from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, runs_with_stops, spec, target  # noqa: F401
+from tests.test_speculative_mtp import glm, nextn  # noqa: F401
 from tests.test_speculative_ngram_trees import forked_runs, tree_rows  # noqa: F401
 from tests.test_speculative_tree import TREE
 
@@ -89,6 +90,17 @@ def test_eagle_over_two_ranks_keeps_the_fitted_heads_drafts(target, eagle_heads)
     plain, got, two_ranks = with_and_without(target, requests, speculative, TWO_RANKS)
     same(plain, got)
     assert two_ranks.accepted_drafts() >= max(20, 0.8 * one_rank.accepted_drafts())
+
+
+@slow_test
+def test_nextn_over_two_ranks_keeps_the_fitted_layers_drafts(glm):
+    """A GLM-4.5 whose MTP layer loads whole on rank 0 beside the sharded
+    target (its experts split over the ranks)."""
+    texts = glm["texts"]
+    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30})]
+    plain, got, two_ranks = with_and_without(glm["fitted"], requests, nextn(), TWO_RANKS)
+    same(plain, got)
+    assert two_ranks.accepted_drafts() >= 0.4 * 30
 
 
 @slow_test

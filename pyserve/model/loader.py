@@ -39,6 +39,7 @@ import logging
 import re
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -47,6 +48,7 @@ from tqdm import tqdm
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
 from pyserve.model.config import ModelConfig
 from pyserve.model.families import family_of, read_config
+from pyserve.model.families.family import Family
 from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.layers.moe import MoEBlock, placement
@@ -190,9 +192,35 @@ def _block_claiming(blocks: dict[int, MoEBlock], hf_name: str) -> MoEBlock | Non
     return block if block is not None and placement(block.spec, hf_name) is not None else None
 
 
+class ModelPart(Protocol):
+    """Part of a checkpoint loaded as a model of its own (model/mtp_head.py)."""
+
+    config: ModelConfig  # the part's
+    what: str  # what errors call it
+
+    def model(self, family: Family, shard: ModelShard) -> CausalLM:
+        """The part's model, built on the current (meta) device."""
+
+    def name_of(self, hf_name: str) -> str | None:
+        """The name the part's model gives a checkpoint tensor; None: not the part's."""
+
+
+class _Renamed:
+    """A safetensors handle whose tensor `original` is read as `name`."""
+
+    def __init__(self, handle, name: str, original: str):
+        self.handle, self.name, self.original = handle, name, original
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.original if key == self.name else key)
+
+    def get_slice(self, key: str):
+        return self.handle.get_slice(self.original if key == self.name else key)
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
-    tp: TensorParallel = SINGLE, lm_head: bool = True, quantization: str = "auto",
+    tp: TensorParallel = SINGLE, lm_head: bool = True, quantization: str = "auto", part: ModelPart | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """The model in eval mode with every weight loaded, and its config;
     its linear layers quantized as `quant` when given (CPU only). Under
@@ -201,16 +229,20 @@ def load_model(
     read hidden states and never logits): no vocabulary projection is
     held or read, since untied embedding checkpoints (Qwen3-Embedding-4B,
     -8B) ship none. `quantization` (`--quantization`): the checkpoint's
-    own quantization, auto (as config.json says), a method insisted on, or none."""
+    own quantization, auto (as config.json says), a method insisted on, or none.
+    `part`: a model made of part of the checkpoint instead (ModelPart),
+    from unquantized checkpoints."""
     model_dir = Path(model_dir)
     device = torch.device(device)
-    config = read_config(model_dir)
+    config = read_config(model_dir) if part is None else part.config
     scheme = detect(json.loads((model_dir / "config.json").read_text()), quantization)
+    if part is not None and scheme is not None:
+        raise ValueError(f"{model_dir}: {part.what} of a {scheme.name} checkpoint cannot be loaded yet")
     family = family_of(config.architecture)
     names = family.checkpoint
     shard = ModelShard.of(config, tp)
     with torch.device("meta"):
-        model = family.model(config, shard)
+        model = family.model(config, shard) if part is None else part.model(family, shard)
     if not lm_head:
         model.lm_head = None
     blocks = _expert_blocks(model)
@@ -282,7 +314,10 @@ def load_model(
         for path, handle in zip(files, handles):
             for hf_name in handle.keys():
                 progress.update()
-                if quantized is None or not quantized.claims(hf_name):
+                name = hf_name if part is None else part.name_of(hf_name)
+                if name != hf_name and name is not None:
+                    place(name, _Renamed(handle, name, hf_name), path.name)
+                elif name is not None and (quantized is None or not quantized.claims(hf_name)):
                     place(hf_name, handle, path.name)
         if quantized is not None:
             def split(module: str) -> list[tuple[int, range]]:

@@ -1,8 +1,9 @@
-"""EAGLE3 and EAGLE drafting: an EAGLE-3 head (model/eagle3_head.py) or an
-EAGLE-1/2 head (model/eagle_head.py) proposes each drafted request's next
-tokens from the target's own hidden states. What follows says EAGLE-3's
-three hidden states; an EAGLE head reads one, the target's last, through
-its final norm.
+"""EAGLE3, EAGLE and NEXTN drafting: an EAGLE-3 head (model/eagle3_head.py),
+an EAGLE-1/2 head (model/eagle_head.py) or the checkpoint's own
+multi-token-prediction layer (model/mtp_head.py) proposes each drafted
+request's next tokens from the target's own hidden states. What follows
+says EAGLE-3's three hidden states; an EAGLE head and an MTP layer read
+one, the target's last, through its final norm.
 
 The head's one decoder layer has a KV buffer of its own, with as many
 pages as the target's and addressed by the same slots (as STANDALONE's
@@ -51,6 +52,7 @@ from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.draft_heads import whole_target_embedding, whole_target_matrix
 from pyserve.model.eagle3_head import Eagle3Config, load_eagle3_head
 from pyserve.model.eagle_head import EagleConfig, load_eagle_head
+from pyserve.model.mtp_head import MtpConfig, load_mtp_head
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
@@ -81,13 +83,13 @@ class _Pairs:
 class EagleDraft:
     """The head and its KV buffer, owned by the forward thread."""
 
-    def __init__(self, head_dir: Path, config: Eagle3Config | EagleConfig, target: RankModel, target_dir: Path,
-                 tree: TreeShape | None = None, hot_tokens: torch.Tensor | None = None):
+    def __init__(self, head_dir: Path, config: Eagle3Config | EagleConfig | MtpConfig, target: RankModel,
+                 target_dir: Path, tree: TreeShape | None = None, hot_tokens: torch.Tensor | None = None):
         """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains.
         `hot_tokens`: an EAGLE head's token map (None: the whole vocabulary).
         `target_dir`: the target's checkpoint, whose whole embedding (and
-        vocabulary projection, for an EAGLE head) the head reads where
-        tensor parallelism left rank 0 a share of it."""
+        vocabulary projection, for an EAGLE head or an MTP layer) the head
+        reads where tensor parallelism left rank 0 a share of it."""
         model = target.model
         self.aux_layers = config.aux_layers(model.config.num_hidden_layers)
         embed, lm_head = model.embed_tokens.weight, None
@@ -95,12 +97,15 @@ class EagleDraft:
             lm_head = getattr(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", None)
         else:
             embed = whole_target_embedding(target_dir).to(target.device, target.dtype)
-        if isinstance(config, EagleConfig):
+        if isinstance(config, (EagleConfig, MtpConfig)):  # heads projecting with the target's whole lm_head
             shape = (model.config.vocab_size, model.config.hidden_size)
             if not (isinstance(lm_head, torch.Tensor) and lm_head.is_floating_point() and lm_head.shape == shape):
                 # A share of it, or quantized: the checkpoint's, whole.
                 lm_head = whole_target_matrix(target_dir, ("lm_head.weight", "model.embed_tokens.weight")
                                               ).to(target.device, target.dtype)
+        if isinstance(config, MtpConfig):
+            self.head = load_mtp_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device)
+        elif isinstance(config, EagleConfig):
             self.head = load_eagle_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device,
                                         hot_tokens)
         else:

@@ -24,8 +24,9 @@ logger = logging.getLogger("pyserve.engine")
 _NGRAM_BRANCH_LENGTH = 18
 _NGRAM_CAPACITY = 10_000_000
 _NGRAM_CORPUS_MAX_TOKENS = 10_000_000
-# Draft heads over the target's hidden states: EAGLE-3's, and EAGLE-1/2's.
-EAGLE_ALGORITHMS = ("EAGLE3", "EAGLE")
+# Draft heads over the target's hidden states: EAGLE-3's, EAGLE-1/2's, and a
+# checkpoint's own multi-token-prediction layer (NEXTN; EAGLE finds one too).
+EAGLE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class TargetGraphs:
 
     verify_tokens: int = 0
     eagle_head: Path | None = None
-    eagle_algorithm: str | None = None  # EAGLE3 or EAGLE, with eagle_head
+    eagle_algorithm: str | None = None  # one of EAGLE_ALGORITHMS, with eagle_head
 
     def aux_layers(self, target_layers: int) -> frozenset[int] | None:
         if self.eagle_head is None:
@@ -48,11 +49,17 @@ class TargetGraphs:
 
 
 def eagle_config(algorithm: str, head_dir: Path):
-    """The head's config: an Eagle3Config for EAGLE3, an EagleConfig for EAGLE."""
+    """The head's config: an Eagle3Config for EAGLE3; for NEXTN, and for
+    EAGLE given a checkpoint that carries multi-token-prediction layers,
+    an MtpConfig; else an EagleConfig."""
     if algorithm == "EAGLE3":
         from pyserve.model.eagle3_head import Eagle3Config
 
         return Eagle3Config(head_dir)
+    from pyserve.model.mtp_head import MtpConfig, has_mtp_layers
+
+    if algorithm == "NEXTN" or has_mtp_layers(head_dir):
+        return MtpConfig(head_dir)
     from pyserve.model.eagle_head import EagleConfig
 
     return EagleConfig(head_dir)
@@ -67,7 +74,7 @@ def target_graphs(options: EngineOptions, model_options: ModelOptions) -> Target
     if algorithm is None:
         return TargetGraphs()
     drafts = _drafts_per_row(options, model_options)  # first: it asks for a missing draft path
-    head = _head_dir(options) if algorithm in EAGLE_ALGORITHMS else None
+    head = _draft_dir(options, model_options) if algorithm in EAGLE_ALGORITHMS else None
     return TargetGraphs(drafts + 1 if model_options.tp_size == 1 else 0, head, algorithm if head else None)
 
 
@@ -94,7 +101,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
-    if options.speculative_token_map is not None and algorithm != "EAGLE":
+    if options.speculative_token_map is not None and algorithm not in ("EAGLE", "NEXTN"):
         raise ValueError("--speculative-token-map is for EAGLE heads, which project onto the target's whole "
                          "vocabulary; " + ("an EAGLE-3 head has a reduced one of its own (its d2t)"
                                            if algorithm == "EAGLE3" else f"{algorithm} drafts with no such head"))
@@ -115,7 +122,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
             return NgramDrafter(k, low, high, draft_cost)
         return NgramTreeDrafter(k, trie, corpora, low, high, draft_cost)
     steps = _drafts_per_row(options, model_options)
-    draft_dir = Path(options.speculative_draft_model_path)
+    draft_dir = _draft_dir(options, model_options)
     topk = options.speculative_eagle_topk
     if topk < 1:
         raise ValueError("--speculative-eagle-topk must be at least 1")
@@ -126,7 +133,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     if algorithm in EAGLE_ALGORITHMS:
         if topk > 1:
             tree = _tree_shape(options, topk)
-        runner.draft = _eagle(algorithm, _head_dir(options), runner, tree, model_dir,
+        runner.draft = _eagle(algorithm, draft_dir, runner, tree, model_dir,
                               options.speculative_token_map)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
@@ -212,18 +219,28 @@ def _warn_eager_verify(runner: ModelRunner, model_options: ModelOptions) -> None
                        "decode steps replay them, so speculation can be slower than none", model_options.tp_size)
 
 
-def _head_dir(options: EngineOptions) -> Path:
-    head_dir = Path(options.speculative_draft_model_path)
-    if not head_dir.is_dir():
-        raise ValueError(f"--speculative-draft-model-path {head_dir} is not a directory")
-    return head_dir
+def _draft_dir(options: EngineOptions, model_options: ModelOptions) -> Path:
+    """--speculative-draft-model-path; for EAGLE and NEXTN without it, as
+    SGLang does, the target's own checkpoint where it carries
+    multi-token-prediction layers."""
+    algorithm, path = options.speculative_algorithm, options.speculative_draft_model_path
+    if path is None and algorithm in ("EAGLE", "NEXTN") and model_options.model_path is not None:
+        from pyserve.model.mtp_head import has_mtp_layers
+
+        if has_mtp_layers(Path(model_options.model_path)):
+            path = model_options.model_path
+    if path is None:
+        own = " (or a model whose checkpoint carries multi-token-prediction layers)" if algorithm in (
+            "EAGLE", "NEXTN") else ""
+        raise ValueError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path{own}")
+    if not Path(path).is_dir():
+        raise ValueError(f"--speculative-draft-model-path {path} is not a directory")
+    return Path(path)
 
 
 def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> int:
     """Tokens a draft model (STANDALONE, EAGLE3) drafts per verify, once its options are checked."""
-    algorithm = options.speculative_algorithm
-    if not options.speculative_draft_model_path:
-        raise ValueError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
+    _draft_dir(options, model_options)
     steps = options.speculative_num_steps or options.speculative_num_draft_tokens
     if steps < 1:
         raise ValueError("--speculative-num-steps must be at least 1")
@@ -251,7 +268,7 @@ def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
 def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path,
            token_map: str | None):
     from pyserve.engine.speculative.eagle import EagleDraft
-    from pyserve.model.eagle_head import load_token_map
+    from pyserve.model.eagle_head import EagleConfig, load_token_map
 
     config = eagle_config(algorithm, head_dir)
     target = runner.rank_model.config
@@ -262,5 +279,8 @@ def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape 
     if config.model.vocab_size != target.vocab_size:
         raise ValueError(f"the {config.name} in {head_dir} is for a vocabulary of {config.model.vocab_size} tokens; "
                          f"this model's has {target.vocab_size}")
+    if token_map is not None and not isinstance(config, EagleConfig):
+        raise ValueError(f"--speculative-token-map is for EAGLE heads; the {config.name} in {head_dir} projects "
+                         "onto the whole vocabulary")
     hot_tokens = None if token_map is None else load_token_map(Path(token_map), target.vocab_size)
     return EagleDraft(head_dir, config, runner.rank_model, model_dir, tree, hot_tokens)

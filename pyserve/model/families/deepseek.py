@@ -17,8 +17,9 @@ rotates by YaRN's frequencies and cos/sin carry mscale / mscale_all_dim
 mscale(factor, mscale_all_dim) ** 2, as DeepSeek's code does.
 
 V3 checkpoints carry `num_nextn_predict_layers` multi-token-prediction
-layers after the model's own; serving never runs them, so their tensors
-are skipped at load.
+layers after the model's own; they are no part of the model, so their
+tensors are skipped at load (NEXTN speculative decoding loads the first
+as its draft, model/mtp_head.py).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class Deepseek(MoECausalLM):
         rope_dim = config.mla.qk_rope_head_dim
         self.rotary = RotaryEmbedding(replace(config, head_dim=rope_dim, partial_rotary_factor=1.0))
         if config.mtp_layers:
-            logger.info("%s: num_nextn_predict_layers %d: its multi-token-prediction layers are not run; "
-                        "their tensors are skipped at load", config.architecture, config.mtp_layers)
+            logger.info("%s: num_nextn_predict_layers %d: its multi-token-prediction layers are skipped at load "
+                        "(--speculative-algorithm NEXTN drafts with the first)", config.architecture,
+                        config.mtp_layers)
 
 
 def _head_split(config: DeepseekConfig) -> dict[str, int]:

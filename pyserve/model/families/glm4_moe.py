@@ -8,8 +8,9 @@ the best groups, the routed scaling factor, shared experts) on every
 layer from `first_k_dense_replace` on, the gated MLP below it.
 
 The checkpoints carry `num_nextn_predict_layers` multi-token-prediction
-layers after the model's own; serving does not run them, so their
-tensors are skipped at load.
+layers after the model's own; they are no part of the model, so their
+tensors are skipped at load (NEXTN speculative decoding loads the first
+as its draft, model/mtp_head.py).
 """
 
 from __future__ import annotations

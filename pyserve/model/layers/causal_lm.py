@@ -162,6 +162,17 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x[rows], residual[rows])
         return x
 
+    def hidden_states_from(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                           rows: torch.Tensor) -> torch.Tensor:
+        """As `hidden_states`, from `x` [tokens, hidden] given as the first
+        layer's input instead of the tokens' embeddings (a multi-token-
+        prediction layer's projection, model/mtp_head.py), by the torch layers."""
+        attn.prepare(batch, TORCH_STEP)
+        cos, sin = self.rotary.of_batch(batch, x.dtype)
+        x, residual = self._torch_layers(x, cos, sin, batch, attn)
+        x, _ = self.norm(x[rows], residual[rows])
+        return x
+
     def _torch_layers(self, x, cos, sin, batch: ForwardBatch, attn: AttentionBackend,
                       capture: AuxCapture | None = None):
         """(the last layer's MLP output, the residual stream before it), op by op."""

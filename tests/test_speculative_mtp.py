@@ -1,0 +1,239 @@
+"""NEXTN speculative decoding: the checkpoint's own multi-token-prediction
+layer (GLM-4.5's and DeepSeek V3's `num_nextn_predict_layers`) drafting,
+as SGLang runs `--speculative-algorithm NEXTN` (or EAGLE with no draft
+path). A tiny GLM-4.5 that transformers writes, with an MTP layer the
+test writes in the checkpoint's layout from transformers' own MtpModel:
+pyserve's layer gives transformers' MtpModel's logits, greedy output is
+identical to decoding without speculation, a layer fitted to the target's
+text gets its drafts kept, and what cannot run is refused at start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyserve.engine.speculative.options import drafter_of
+from pyserve.model.attention.torch_backend import TorchAttention
+from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.layers.causal_lm import AuxCapture
+from pyserve.model.loader import load_model
+from pyserve.model.mtp_head import MtpConfig, load_mtp_head
+from pyserve.server_args import ServerArgs
+from tests.eagle3_heads import PROMPTS, greedy_continuations, head_step
+from tests.test_speculative import repetitive, same, with_and_without
+from tests.tiny_models import build_tiny_model
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+LAYERS = 3  # the tiny target's; its MTP layer is layer 3 in the checkpoint
+
+
+def transformers_models(model_dir: Path):
+    """transformers' target and its MtpModel, which reads the MTP layer
+    from the checkpoint (its patterns name the real checkpoints' layer
+    numbers; the tiny one's is LAYERS)."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    main = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS}\..*"]
+    return main, MtpModel.from_pretrained(main).eval()
+
+
+def checkpoint_tensors(mtp) -> dict[str, torch.Tensor]:
+    """An MtpModel's layer 0 under the names GLM-4.5's checkpoints give
+    their MTP layer: model.layers.L.{enorm,hnorm,eh_proj,shared_head.norm}
+    and the decoder layer's, one tensor per expert projection."""
+    out = {}
+    layer = mtp.layers[0]
+    prefix = f"model.layers.{LAYERS}."
+    for name, t in layer.state_dict().items():
+        if name.startswith("post_norm."):
+            out[prefix + "shared_head.norm." + name.removeprefix("post_norm.")] = t
+        elif name == "mtp_block.mlp.experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, inter:]
+        elif name == "mtp_block.mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e]
+        elif name.startswith("mtp_block."):
+            out[prefix + name.removeprefix("mtp_block.")] = t
+        else:
+            out[prefix + name] = t
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def with_mtp_layer(target: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A copy of `target` whose checkpoint carries the MTP layer `tensors`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target, out)
+    weights = load_file(out / "model.safetensors")
+    weights.update(tensors)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return out
+
+
+def random_mtp_layer(target: Path, seed: int) -> dict[str, torch.Tensor]:
+    """An MTP layer of random weights of the target's scale, as checkpoint tensors."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    main = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    main.config.num_mtp_layers = 1
+    torch.manual_seed(seed)
+    mtp = MtpModel(main, 1)
+    with torch.no_grad():
+        for name, p in mtp.layers.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.2)
+        for name, b in mtp.layers.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2)
+    return checkpoint_tensors(mtp)
+
+
+def first_drafts(main, mtp, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' MTP logits of pair i (token i + 1, the target's last
+    hidden state at i), which predicts token i + 2, for every pair of `ids`
+    (the last one's token is past `ids`); and the target's last hidden states."""
+    x = torch.tensor([ids])
+    hidden = main(x, output_hidden_states=True).hidden_states[-1]
+    out = mtp.forward_layer(0, hidden[:, :-1], torch.arange(len(ids) - 1)[None], None, input_ids=x[:, 1:])
+    return mtp._project_to_logits(out)[0], hidden[0]
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory, default_model_dir) -> dict:
+    """A tiny GLM-4.5 without MTP layers; the same with a random one; and
+    the same with one fitted to the target's greedy continuations of
+    PROMPTS (checked to draft them right > 90% of the time), and those texts."""
+    root = tmp_path_factory.mktemp("glm-mtp")
+    target = build_tiny_model(root / "target", "glm4_moe", tokenizer_dir=default_model_dir, num_hidden_layers=LAYERS)
+    random_dir = with_mtp_layer(target, root / "random", random_mtp_layer(target, seed=1))
+    texts = [p + out for p, out in zip(PROMPTS, greedy_continuations(target, PROMPTS, 40))]
+    main, mtp = transformers_models(random_dir)
+    mtp.train()
+    opt = torch.optim.Adam(mtp.layers.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only waits
+    try:
+        for _ in range(120):
+            loss = sum(F.cross_entropy(first_drafts(main, mtp, ids)[0][:-1], torch.tensor(ids[2:])) for ids in texts)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        for ids in texts:
+            right = first_drafts(main, mtp, ids)[0][:-1].argmax(-1) == torch.tensor(ids[2:])
+            assert float(right.float().mean()) > 0.9
+    fitted = with_mtp_layer(target, root / "fitted", checkpoint_tensors(mtp))
+    return {"target": target, "random": random_dir, "fitted": fitted, "texts": texts}
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny DeepSeek V3 (multi-head latent attention) with a random MTP layer."""
+    from tests.test_deepseek import VARIANTS, build_tiny_deepseek
+
+    root = tmp_path_factory.mktemp("v3-mtp")
+    version, overrides = VARIANTS["v3-q-lora-interleaved-yarn"]
+    target = build_tiny_deepseek(root / "target", version, default_model_dir, num_hidden_layers=LAYERS,
+                                 **overrides)
+    return with_mtp_layer(target, root / "random", random_mtp_layer(target, seed=1))
+
+
+def nextn(**extra) -> dict:
+    return {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_num_draft_tokens": 4, **extra}
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_the_layer_computes_what_transformers_mtp_model_computes(glm, deepseek_v3, family):
+    """pyserve's MTP layer over the target's kept stream (through its final
+    norm: transformers' last hidden state) gives transformers' MtpModel's
+    logits, a prompt's pairs in one extend, then one position at a time:
+    GLM-4.5's layer, and DeepSeek V3's with its latent attention."""
+    model_dir = glm["random"] if family == "glm4_moe" else deepseek_v3
+    ids = repetitive(14)
+    model, config = load_model(model_dir, torch.float32, "cpu")
+    head_config = MtpConfig(model_dir)
+    head = load_mtp_head(model_dir, head_config, model.embed_tokens.weight, model.lm_head.weight, model.norm,
+                         torch.float32, torch.device("cpu"))
+    capture = AuxCapture(head_config.aux_layers(config.num_hidden_layers))
+    pool = KVBuffer(config.num_hidden_layers, 32, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    from pyserve.model.forward_batch import ForwardBatch
+
+    batch = ForwardBatch.build(ids, list(range(len(ids))), torch.arange(1, len(ids) + 1), [len(ids)],
+                               [torch.arange(1, len(ids) + 1)], [len(ids) - 1], False, "cpu")
+    with torch.inference_mode():
+        model(batch, TorchAttention(pool), capture=capture)
+    main, mtp = transformers_models(model_dir)
+    with torch.no_grad():
+        expected, hidden = first_drafts(main, mtp, ids)
+    assert torch.allclose(head.target_features(capture.states), hidden, atol=1e-4)
+    c = head_config.model
+    attn = TorchAttention(KVBuffer(1, 32, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"))
+    slots = torch.arange(1, len(ids) + 1)
+    n = len(ids) - 1
+    with torch.inference_mode():
+        logits, _ = head_step(head, attn, slots, ids[1:9], 0, hidden[:8])
+        rest = [head_step(head, attn, slots, [ids[i + 1]], i, hidden[i:i + 1])[0] for i in range(8, n)]
+    assert torch.allclose(torch.cat([logits, *rest]), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["random", "fitted", "deepseek_v3"])
+def test_greedy_identical_and_a_fitted_layer_gets_its_drafts_kept(glm, deepseek_v3, which):
+    texts = glm["texts"]
+    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),
+                (texts[1][:len(PROMPTS[1])], {**GREEDY, "max_new_tokens": 20, "logprobs": True, "top_logprobs": 3}),
+                ([5, 17, 99], {**GREEDY, "max_new_tokens": 13})]
+    model_dir = deepseek_v3 if which == "deepseek_v3" else glm[which]
+    plain, got, metrics = with_and_without(model_dir, requests, nextn(), {"torchao_config": "none"})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+    if which == "fitted":
+        # The first request's answer is the fitted text: a step keeps its first draft (the
+        # chained ones, from the layer's own output, were not fitted), about half the tokens.
+        assert metrics.accepted_drafts() >= 0.4 * 30
+
+
+def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm):
+    """SGLang's GLM-4.5 launch line: EAGLE, no --speculative-draft-model-path."""
+    texts = glm["texts"]
+    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30})]
+    plain, got, metrics = with_and_without(glm["fitted"], requests, nextn(speculative_algorithm="EAGLE"),
+                                           {"torchao_config": "none"})
+    same(plain, got)
+    assert metrics.accepted_drafts() >= 0.4 * 30
+
+
+def test_what_cannot_run_is_refused_at_start(glm, tmp_path):
+    def refused(model_dir: Path, message: str, **options):
+        args = ServerArgs(model_path=str(model_dir), torchao_config="none", **options).split()
+        with pytest.raises(ValueError, match=message):
+            drafter_of(args.engine, args.model, model_dir, None, None)
+
+    refused(glm["target"], "needs --speculative-draft-model-path \\(or a model whose checkpoint carries", **nextn())
+    refused(glm["target"], "has no multi-token-prediction layers", **nextn(speculative_draft_model_path=str(
+        glm["target"])))
+    torch.save([1, 2], tmp_path / "map.pt")
+    from pyserve.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="the multi-token-prediction layer in .* projects onto the whole vocabulary"):
+        Engine.from_args(ServerArgs(model_path=str(glm["random"]), torchao_config="none",
+                                    **nextn(speculative_token_map=str(tmp_path / "map.pt"))))
+
+
+def test_the_cli_takes_sglangs_nextn_line():
+    args = ServerArgs.from_cli(["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+                                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"])
+    assert (args.speculative_algorithm, args.speculative_num_steps) == ("NEXTN", 3)
