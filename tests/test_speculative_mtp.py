@@ -206,6 +206,42 @@ def test_greedy_identical_and_a_fitted_layer_gets_its_drafts_kept(glm, deepseek_
         assert metrics.accepted_drafts() >= 0.4 * 30
 
 
+def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_path):
+    """A block-wise FP8 GLM-4.5, its MTP layer's projections and experts
+    quantized too: the layer gives the logits of the same layer read from
+    the checkpoint's dequantized copy, and NEXTN's output is plain
+    decoding's on the FP8 target."""
+    from tests.test_quantized_checkpoints import FORMATS
+    from tests.test_quantized_formats import dense_copy, write_quantized
+
+    quantization, tensors_of, dequantize = FORMATS["fp8-block"]
+    reference = write_quantized(glm["fitted"], tmp_path / "fp8", quantization, tensors_of, dequantize)
+    dense_dir = dense_copy(glm["fitted"], tmp_path / "dense", reference)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert {f"model.layers.{LAYERS}.mlp.experts.3.down_proj.weight_scale_inv",
+            f"model.layers.{LAYERS}.self_attn.q_proj.weight_scale_inv"} <= stored
+    model, config = load_model(dense_dir, torch.float32, "cpu")
+    hidden = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model_dir in (tmp_path / "fp8", dense_dir):
+        head_config = MtpConfig(model_dir)
+        head = load_mtp_head(model_dir, head_config, model.embed_tokens.weight, model.lm_head.weight, model.norm,
+                             torch.float32, torch.device("cpu"))
+        c = head_config.model
+        attn = TorchAttention(KVBuffer(1, 16, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"))
+        with torch.inference_mode():
+            logits.append(head_step(head, attn, torch.arange(1, 8), repetitive(6), 0, hidden)[0])
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+    texts = glm["texts"]
+    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 20})]
+    plain, got, metrics = with_and_without(tmp_path / "fp8", requests, nextn(), {"torchao_config": "none"})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+
+
 def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm):
     """SGLang's GLM-4.5 launch line: EAGLE, no --speculative-draft-model-path."""
     texts = glm["texts"]

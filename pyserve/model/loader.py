@@ -196,7 +196,6 @@ class ModelPart(Protocol):
     """Part of a checkpoint loaded as a model of its own (model/mtp_head.py)."""
 
     config: ModelConfig  # the part's
-    what: str  # what errors call it
 
     def model(self, family: Family, shard: ModelShard) -> CausalLM:
         """The part's model, built on the current (meta) device."""
@@ -231,13 +230,11 @@ def load_model(
     -8B) ship none. `quantization` (`--quantization`): the checkpoint's
     own quantization, auto (as config.json says), a method insisted on, or none.
     `part`: a model made of part of the checkpoint instead (ModelPart),
-    from unquantized checkpoints."""
+    read whole on this rank."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = read_config(model_dir) if part is None else part.config
     scheme = detect(json.loads((model_dir / "config.json").read_text()), quantization)
-    if part is not None and scheme is not None:
-        raise ValueError(f"{model_dir}: {part.what} of a {scheme.name} checkpoint cannot be loaded yet")
     family = family_of(config.architecture)
     names = family.checkpoint
     shard = ModelShard.of(config, tp)
@@ -308,6 +305,8 @@ def load_model(
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files]
         quantized = None if scheme is None else QuantizedModules(scheme, handles)
+        if quantized is not None and part is not None:
+            quantized.keep(lambda module: part.name_of(module + ".weight") is not None)
         total = sum(len(h.keys()) for h in handles)
         progress = stack.enter_context(tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor",
                                             disable=tp.rank > 0))
@@ -315,10 +314,8 @@ def load_model(
             for hf_name in handle.keys():
                 progress.update()
                 name = hf_name if part is None else part.name_of(hf_name)
-                if name != hf_name and name is not None:
-                    place(name, _Renamed(handle, name, hf_name), path.name)
-                elif name is not None and (quantized is None or not quantized.claims(hf_name)):
-                    place(hf_name, handle, path.name)
+                if name is not None and (quantized is None or not quantized.claims(hf_name)):
+                    place(name, handle if name == hf_name else _Renamed(handle, name, hf_name), path.name)
         if quantized is not None:
             def split(module: str) -> list[tuple[int, range]]:
                 expert = _expert_split(blocks, module)
@@ -327,7 +324,7 @@ def load_model(
                 return _dense_split(quantized, module, config, shard, names)
 
             for module, read in dense_weights(quantized, dtype, split):
-                key = module + ".weight"
+                key = module + ".weight" if part is None else part.name_of(module + ".weight")
                 if read[0][2] is None:
                     weight, dense, _ = read[0]
                     place(key, _Tensors({key: dense}), scheme.name, {None: weight})

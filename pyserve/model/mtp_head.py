@@ -15,8 +15,9 @@ decoder layer's under `model.layers.L.`; an `embed_tokens` or
 `shared_head.head` there is the target's again and is not read.
 
 The layer loads as a one-layer model of the target's family (`MtpPart`,
-through the loader's `part`), so its attention and experts are read, fused
-and placed as the target's are.
+through the loader's `part`), so its attention and experts are read,
+dequantized (a quantized checkpoint's), fused and placed as the target's
+are.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ class MtpPart:
 
     def __init__(self, config: MtpConfig):
         self.config = config.model
-        self.what = f"the multi-token-prediction layer {config.layer}"
         self.prefix = f"model.layers.{config.layer}."
 
     def model(self, family: Family, shard: ModelShard) -> CausalLM:

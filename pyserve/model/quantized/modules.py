@@ -86,6 +86,11 @@ class QuantizedModules:
         self._logged_whole = False
         self._g_idx: tuple[str | None, torch.Tensor | None] = (None, None)  # the last layer's g_idx read
 
+    def keep(self, wanted: Callable[[str], bool]) -> None:
+        """Forget the layers whose module names are not `wanted` (a part of
+        the checkpoint loaded alone reads its own only)."""
+        self.tensors = {module: stored for module, stored in self.tensors.items() if wanted(module)}
+
     def claims(self, key: str) -> bool:
         """Whether the tensor `key` is part of a quantized layer (read through `weight`)."""
         module, _, suffix = key.rpartition(".")
