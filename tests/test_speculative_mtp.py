@@ -242,6 +242,18 @@ def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_
     assert metrics.spec_verify_steps > 0
 
 
+def test_trees_of_the_layers_drafts(glm):
+    """--speculative-eagle-topk above 1: the fitted layer's trees keep at
+    least what its chains keep, and greedy output is plain decoding's."""
+    texts = glm["texts"]
+    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),
+                ([5, 17, 99], {**GREEDY, "max_new_tokens": 13})]
+    tree = nextn(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)
+    plain, got, metrics = with_and_without(glm["fitted"], requests, tree, {"torchao_config": "none"})
+    same(plain, got)
+    assert metrics.accepted_drafts() >= 0.4 * 30
+
+
 def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm):
     """SGLang's GLM-4.5 launch line: EAGLE, no --speculative-draft-model-path."""
     texts = glm["texts"]
