@@ -70,11 +70,20 @@ gets; and what a draft adds to the step as a share of a one-row decode
 step (with several rows, one is timed too): the draft cost the CPU's
 drafting rule assumes (speculative/drafter.py).
 
+`--head-cost` times one step of an EAGLE head (one decoder layer shaped
+as the target's, random weights: a step costs the same trained or not)
+for one row after a 278-token prompt: with the target's whole vocabulary
+projection, and cut by token maps (--speculative-token-map) of 32768 and
+8192 tokens (the lowest ids, as a byte-level BPE ranks its most frequent
+merges first; the cost depends on the count alone), alternated with the
+target's own one-row decode step, the unit each is counted in.
+
     python bench/speculative.py                 # embedded model, CPU
     python bench/speculative.py --rounds 6 --max-tokens 300
     python bench/speculative.py --concurrency 16 --only ngram_copy ngram_copy_t0.7
     python bench/speculative.py --step-costs    # one verify step against one decode step
     python bench/speculative.py --step-costs --rows 16   # what a draft adds to a 16-row step
+    python bench/speculative.py --head-cost     # an EAGLE head's draft step, with and without token maps
 """
 
 from __future__ import annotations
@@ -428,6 +437,69 @@ def step_costs(args, model_dir: Path) -> dict:
     return result
 
 
+def head_cost(args, model_dir: Path, tmp: Path) -> dict:
+    """--head-cost: see the module's docstring."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pyserve.engine.runner.rank_model import RankModel
+    from pyserve.engine.speculative.eagle import EagleDraft
+    from pyserve.model.eagle_head import EagleConfig
+    from pyserve.model.forward_batch import ForwardBatch
+    from pyserve.server_args import ServerArgs
+
+    options = ServerArgs(model_path=str(model_dir), device=args.device, max_total_tokens=4096,
+                         torchao_config=args.torchao_config).resolved().split().model
+    rank = RankModel(options, model_dir, torch.device(options.device))
+    rank.allocate(rank.num_pages())
+    c = rank.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+           "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+           "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": 10000.0,
+           "max_position_embeddings": 4096, "vocab_size": c.vocab_size}
+    g = torch.Generator().manual_seed(0)
+    h, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+        c.intermediate_size
+    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
+              "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
+              "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
+              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter),
+              "layers.0.post_attention_layernorm.weight": (h,)}
+    head_dir = tmp / "eagle-head"
+    head_dir.mkdir()
+    save_file({name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()},
+              str(head_dir / "model.safetensors"))
+    (head_dir / "config.json").write_text(json.dumps(cfg))
+    heads = {"whole_vocabulary": None, "token_map_32768": torch.arange(32768), "token_map_8192": torch.arange(8192)}
+    drafts = {name: EagleDraft(head_dir, EagleConfig(head_dir), rank, model_dir, None, hot)
+              for name, hot in heads.items() if hot is None or len(hot) < c.vocab_size}
+    prompt = 278
+    slots = torch.arange(1, prompt + 2)
+    decode = ForwardBatch.build([11], [prompt], slots[prompt:], [1], [slots], [0], True, options.device)
+    hidden = torch.randn(1, h, generator=g).to(options.device, rank.dtype)
+    times: dict[str, list[float]] = {name: [] for name in ["target_decode", *drafts]}
+    with torch.inference_mode():
+        rank.forward(ForwardBatch.build(list(range(3, 3 + prompt)), list(range(prompt)), slots[:prompt], [prompt],
+                                        [slots[:prompt]], [prompt - 1], False, options.device))
+        for _ in range(args.rounds * 20):
+            start = time.perf_counter()
+            rank.forward(decode).argmax(-1).tolist()
+            times["target_decode"].append(time.perf_counter() - start)
+            for name, draft in drafts.items():
+                start = time.perf_counter()
+                logits, _ = draft.head(decode.input_ids, hidden, decode, draft.attention)
+                draft.head.target_logits(logits, c.vocab_size).argmax(-1).tolist()
+                times[name].append(time.perf_counter() - start)
+    unit = statistics.median(times["target_decode"])
+    result = {}
+    for name, values in times.items():
+        ms = statistics.median(values)
+        result[name] = {"ms": round(ms * 1e3, 3), "x_target_decode": round(ms / unit, 3)}
+        print(name, json.dumps(result[name]), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
@@ -455,12 +527,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--step-costs", action="store_true",
                    help="time one decode step against verify steps of 1, 3 and 6 drafts instead")
     p.add_argument("--rows", type=int, default=1, help="--step-costs: the decode step's rows")
+    p.add_argument("--head-cost", action="store_true",
+                   help="time an EAGLE head's draft step with and without token maps instead")
     args = p.parse_args(argv)
     from pyserve.model.default_model import default_model_path
 
     model_dir = Path(args.model) if args.model else default_model_path()
     if args.step_costs:
         result = step_costs(args, model_dir)
+        result["machine"] = platform.machine()
+        return result
+    if args.head_cost:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = head_cost(args, model_dir, Path(tmp))
         result["machine"] = platform.machine()
         return result
     if args.corpus:
