@@ -46,7 +46,7 @@ from pyserve.engine.sampler import Sampler, probabilities
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.rejection import draw, first_rows
-from pyserve.engine.speculative.tree import DraftTree, TreeShape
+from pyserve.engine.speculative.tree import DraftTree, TreeShape, best_tree, grow_trees
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.draft_heads import whole_target_embedding, whole_target_matrix
@@ -199,58 +199,28 @@ class EagleDraft:
     def _trees(self, step: ScheduledStep, live: list[int], token_at: list[int], row_slots: dict,
                out: list[list[int]]) -> list[DraftTree | None]:
         """Each live sequence's draft tree, its node tokens written into
-        `out` (speculative/tree.py). Level by level, the `topk` best
-        candidates so far (by the head's log-probability of their path)
-        are expanded, each by the head's `topk` likeliest next tokens; the
-        tree is the best of all candidates, as many as the row has
-        placeholders. Cumulative scores never grow down a path, so a
-        chosen node's parent is chosen too (candidates are kept parents
-        first, and ties keep that order)."""
-        host, k, n = step.batch, self.tree.topk, len(live)
+        `out` (speculative/tree.py). The root's children come from the
+        head's logits kept at the pair before the root; a depth-d node is
+        expanded by the head at the root's position + d - 1, reading its
+        parent's output hidden state."""
+        host = step.batch
         seqs = [step.sampled[i] for i in live]
         roots = [int(host.positions[t]) for t in token_at]
-        to_target = self.head.draft_to_target
-        logp = torch.log_softmax(torch.stack([self._next[s].logits for s in seqs]).float(), dim=-1)
-        scores, ids = logp.topk(k, dim=-1)  # [n, k]: the root's children
-        hidden = torch.stack([self._next[s].hidden for s in seqs]).repeat_interleave(k, dim=0)
-        # Per sequence, its candidates so far: token, parent candidate (-1: the root), score.
-        cand_tokens = to_target[ids].tolist()
-        cand_parents = [[-1] * k for _ in range(n)]
-        level_scores = [scores]
-        frontier = [list(range(k)) for _ in range(n)]  # the candidates expanded next
-        paths = [[[] for _ in range(k)] for _ in range(n)]  # the head's slots of each one's expanded ancestors
-        for level in range(1, self.tree.depth):
-            own = [self.scratch_start + (s * (self.tree.depth - 1) + level - 1) * k + f
-                   for s in range(n) for f in range(k)]
-            slots = [torch.cat([row_slots[seqs[s]][: roots[s]], torch.tensor(paths[s][f] + [own[s * k + f]])])
-                     for s in range(n) for f in range(k)]
-            head_batch = ForwardBatch.build(
-                [cand_tokens[s][c] for s in range(n) for c in frontier[s]],
-                [roots[s] + level - 1 for s in range(n) for _ in range(k)], torch.tensor(own),
-                [1] * (n * k), slots, list(range(n * k)), True, self.device)
-            head_logits, head_hidden = self.head(head_batch.input_ids, hidden, head_batch, self.attention)
-            child_scores, child_ids = torch.log_softmax(head_logits.float(), dim=-1).topk(k, dim=-1)
-            total = (scores.reshape(-1, 1) + child_scores).reshape(n, k * k)
-            children = to_target[child_ids].reshape(n, k * k).tolist()
-            first = len(cand_tokens[0])
-            for s in range(n):
-                cand_tokens[s] += children[s]
-                cand_parents[s] += [frontier[s][j // k] for j in range(k * k)]
-            level_scores.append(total)
-            scores, best = total.topk(k, dim=-1)
-            best = best.tolist()
-            hidden = head_hidden[torch.tensor([s * k + j // k for s in range(n) for j in best[s]], device=self.device)]
-            paths = [[paths[s][j // k] + [own[s * k + j // k]] for j in best[s]] for s in range(n)]
-            frontier = [[first + j for j in best[s]] for s in range(n)]
-        all_scores = torch.cat(level_scores, dim=-1).tolist()
+        outputs = [torch.stack([self._next[s].hidden for s in seqs])]  # the previous step's output hidden states
+
+        def head_step(tokens, positions, own, tables, parents):
+            batch = ForwardBatch.build(tokens, positions, own, [1] * len(tokens), tables, list(range(len(tokens))),
+                                       True, self.device)
+            hidden = outputs[0][torch.tensor(parents, device=outputs[0].device)]
+            logits, outputs[0] = self.head(batch.input_ids, hidden, batch, self.attention)
+            return logits
+
+        candidates = grow_trees(torch.stack([self._next[s].logits for s in seqs]), roots,
+                                [row_slots[s][:root] for s, root in zip(seqs, roots)], self.tree, self.scratch_start,
+                                self.head.draft_to_target, head_step)
         trees: list[DraftTree | None] = [None] * len(step.sampled)
-        for s, i in enumerate(live):
-            size = len(step.drafts[i])
-            ranked = sorted(range(len(cand_tokens[s])), key=lambda c: -all_scores[s][c])  # stable: parents first on ties
-            chosen = sorted(ranked[:size])
-            index = {c: node for node, c in enumerate(chosen)}
-            out[i] = [cand_tokens[s][c] for c in chosen]
-            trees[i] = DraftTree([index.get(cand_parents[s][c], -1) for c in chosen])
+        for c, i in zip(candidates, live):
+            out[i], trees[i] = best_tree(c, len(step.drafts[i]))
         return trees
 
     def _choose(self, draft_logits: torch.Tensor, states: list[SamplingState], sampler: Sampler,

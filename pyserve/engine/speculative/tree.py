@@ -1,6 +1,12 @@
-"""Tree drafting (EAGLE3 with --speculative-eagle-topk above 1), on the
-forward thread: a drafted row verifies a tree of draft tokens instead of
-a chain.
+"""Tree drafting (--speculative-eagle-topk above 1: EAGLE3, EAGLE, NEXTN,
+STANDALONE), on the forward thread: a drafted row verifies a tree of
+draft tokens instead of a chain.
+
+The drafter grows each row's tree best first (`grow_trees`): level by
+level, the `topk` best candidates so far (by the drafter's log-probability
+of their path) are expanded, each by its `topk` likeliest next tokens,
+their KV written to scratch slots past the target's; the tree is the best
+of all candidates, as many as the row has placeholders (`best_tree`).
 
 The row's tokens are its newest known token (the root) and the tree's
 nodes, in an order where every node comes after its parent (the root or an
@@ -32,6 +38,7 @@ chain.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -80,6 +87,70 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         """Node `node`'s children (-1: the root's)."""
         return [c for c, p in enumerate(self.parents) if p == node]
+
+
+@dataclass
+class Candidates:
+    """One row's candidate nodes, parents first: per candidate its token
+    (a target id), its parent candidate (-1: the root) and its path's score."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+
+
+# One step of the drafter over a level's frontier: (tokens, positions, the
+# slots they write, their kv tables, per row the row of the previous step
+# (of `first_logits` for the first) it descends from) -> logits [rows, draft vocab].
+LevelStep = Callable[[list[int], list[int], torch.Tensor, list[torch.Tensor], list[int]], torch.Tensor]
+
+
+def grow_trees(first_logits: torch.Tensor, positions: list[int], contexts: list[torch.Tensor], shape: TreeShape,
+               scratch_start: int, to_target: torch.Tensor, step: LevelStep) -> list[Candidates]:
+    """Each row's candidates. `first_logits` [rows, draft vocab] give the
+    root's children; a depth-d candidate is expanded by `step` at
+    positions[row] + d - 1, attending the row's `contexts` slots, then its
+    ancestors' scratch slots, then its own; `to_target` maps draft ids to
+    target ids. Cumulative scores never grow down a path, so `best_tree`
+    keeps a chosen node's parent too."""
+    k, n = shape.topk, first_logits.shape[0]
+    scores, ids = torch.log_softmax(first_logits.float(), dim=-1).topk(k, dim=-1)  # [n, k]: the root's children
+    tokens = to_target[ids].tolist()
+    parents = [[-1] * k for _ in range(n)]
+    level_scores = [scores]
+    frontier = [list(range(k)) for _ in range(n)]  # the candidates expanded next
+    paths = [[[] for _ in range(k)] for _ in range(n)]  # the scratch slots of each one's expanded ancestors
+    rows = [r for r in range(n) for _ in range(k)]  # the frontier's rows of the previous step
+    for level in range(1, shape.depth):
+        own = [scratch_start + (r * (shape.depth - 1) + level - 1) * k + f for r in range(n) for f in range(k)]
+        tables = [torch.cat([contexts[r], torch.tensor(paths[r][f] + [own[r * k + f]])])
+                  for r in range(n) for f in range(k)]
+        logits = step([tokens[r][c] for r in range(n) for c in frontier[r]],
+                      [positions[r] + level - 1 for r in range(n) for _ in range(k)], torch.tensor(own), tables, rows)
+        child_scores, child_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        total = (scores.reshape(-1, 1) + child_scores).reshape(n, k * k)
+        children = to_target[child_ids].reshape(n, k * k).tolist()
+        first = len(tokens[0])
+        for r in range(n):
+            tokens[r] += children[r]
+            parents[r] += [frontier[r][j // k] for j in range(k * k)]
+        level_scores.append(total)
+        scores, best = total.topk(k, dim=-1)
+        best = best.tolist()
+        rows = [r * k + j // k for r in range(n) for j in best[r]]
+        paths = [[paths[r][j // k] + [own[r * k + j // k]] for j in best[r]] for r in range(n)]
+        frontier = [[first + j for j in best[r]] for r in range(n)]
+    all_scores = torch.cat(level_scores, dim=-1).tolist()
+    return [Candidates(tokens[r], parents[r], all_scores[r]) for r in range(n)]
+
+
+def best_tree(candidates: Candidates, size: int) -> tuple[list[int], DraftTree]:
+    """The `size` best candidates as a tree: its nodes' tokens, and the tree."""
+    ranked = sorted(range(len(candidates.tokens)), key=lambda c: -candidates.scores[c])  # stable: parents first
+    chosen = sorted(ranked[:size])
+    index = {c: node for node, c in enumerate(chosen)}
+    return ([candidates.tokens[c] for c in chosen],
+            DraftTree([index.get(candidates.parents[c], -1) for c in chosen]))
 
 
 def expand(step: ScheduledStep, device_batch: ForwardBatch, trees: list[DraftTree | None]) -> ForwardBatch:
