@@ -228,7 +228,7 @@ class ModelRunner:
                     next_ids, counts, forced, paths = verify_drafts(
                         logits, states, drafts, draft_probs, self.sampler, trees, self.acceptance)
                     if trees:
-                        logits, copies = tree.to_chain(step.batch, batch, logits, capture, drafts, paths)
+                        logits, copies, batch = tree.to_chain(step.batch, batch, logits, capture, drafts, paths)
                         if copies is not None:
                             self._copy_kv_on_every_rank(copies)
                 else:

@@ -126,13 +126,8 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     topk = options.speculative_eagle_topk
     if topk < 1:
         raise ValueError("--speculative-eagle-topk must be at least 1")
-    if topk > 1 and algorithm not in EAGLE_ALGORITHMS:
-        raise ValueError(f"--speculative-eagle-topk {topk}: draft trees are EAGLE3's and EAGLE's; {algorithm} "
-                         "drafts a chain")
-    tree = None
+    tree = _tree_shape(options, topk) if topk > 1 else None
     if algorithm in EAGLE_ALGORITHMS:
-        if topk > 1:
-            tree = _tree_shape(options, topk)
         runner.draft = _eagle(algorithm, draft_dir, runner, tree, model_dir,
                               options.speculative_token_map)
     else:
@@ -141,7 +136,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         problem = tokenizer_mismatch(model_dir, draft_dir)
         if problem is not None:
             raise ValueError(problem)
-        runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1)
+        runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1, tree)
     _warn_eager_verify(runner, model_options)
     runner.acceptance = acceptance
     return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm in EAGLE_ALGORITHMS,
@@ -250,7 +245,7 @@ def _draft_model_steps(options: EngineOptions, model_options: ModelOptions) -> i
 
 
 def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
-    """EAGLE3's and EAGLE's draft trees: --speculative-num-draft-tokens tokens verified
+    """Draft trees: --speculative-num-draft-tokens tokens verified
     per row (the root, the newest known token, included, as SGLang counts
     them), nodes down to --speculative-num-steps deep."""
     nodes = options.speculative_num_draft_tokens - 1

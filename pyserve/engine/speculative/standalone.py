@@ -17,6 +17,14 @@ compute from then on stay out of the prefix cache.
 On the event loop, the PlaceholderDrafter only reserves room: k
 placeholder tokens per drafted row, which `DraftModel.propose` replaces
 in the step's input with the draft model's tokens before the target runs.
+
+With --speculative-eagle-topk above 1 the draft model grows a tree per
+row instead (speculative/tree.py): its step at the row's newest token
+gives the root's children, and each level's best candidates run as rows
+of one token over the sequence's slots, their ancestors' and their own,
+scratch slots past the target's pages. Once the target verified the
+tree, `follow` computes the draft's KV of the row in chain order, the
+accepted nodes first, as a chain's.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from pyserve.engine.sampler import Sampler, probabilities
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.rejection import draw, first_rows
+from pyserve.engine.speculative.tree import DraftTree, TreeShape, best_tree, grow_trees
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.server_args import ModelOptions
@@ -55,9 +64,11 @@ def tokenizer_mismatch(target_dir: Path, draft_dir: Path) -> str | None:
 class DraftModel:
     """The draft model and its KV buffer, owned by the forward thread."""
 
-    def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel, verify_tokens: int):
+    def __init__(self, options: ModelOptions, draft_dir: Path, target: RankModel, verify_tokens: int,
+                 tree: TreeShape | None = None):
         """`verify_tokens`: the longest verify row, which `follow` runs
-        through the draft model too (its CUDA graphs, on a GPU, cover it)."""
+        through the draft model too (its CUDA graphs, on a GPU, cover it).
+        `tree`: draft trees of that shape; None: chains."""
         # No adapters and one rank: the draft runs whole on rank 0's device
         # (beside a target over several ranks too), over positions as long
         # as the target's context, in the CPU weight mode the target runs in
@@ -69,17 +80,23 @@ class DraftModel:
                           context_length=target.context_len, is_embedding=False, torchao_config=mode,
                           tp_size=1, nnodes=1, node_rank=0)
         self.model = RankModel(options, draft_dir, target.device)
-        self.model.allocate(target.kv_buffer.num_pages, verify_tokens=verify_tokens)
+        page_size = target.kv_buffer.page_size
+        # Slots past the target's: the draft's KV of the tree nodes it expands while drafting.
+        self.scratch_start = target.kv_buffer.num_pages * page_size
+        scratch_pages = -(-tree.scratch_slots // page_size) if tree is not None else 0
+        self.model.allocate(target.kv_buffer.num_pages + scratch_pages, verify_tokens=verify_tokens)
+        self.tree = tree
         self.vocab_size = target.config.vocab_size
 
-    def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState],
-                sampler: Sampler) -> tuple[list[list[int]], list[torch.Tensor | None], None]:
+    def propose(self, step: ScheduledStep, batch: ForwardBatch, states: list[SamplingState], sampler: Sampler
+                ) -> tuple[list[list[int]], list[torch.Tensor | None], list[DraftTree | None] | None]:
         """Draft each drafted sequence's tokens (as many as its placeholders
         in `step.drafts`), batched one position at a time, and write them into
         `batch.input_ids` (the device copy of the step's batch).
         Returns the drafts, per sequence the [k, vocab] distributions
         sampled ones were drawn from (None for greedy or undrafted ones),
-        and no draft trees (a chain each)."""
+        and with trees, per sequence its tree (None for undrafted ones),
+        else None."""
         host, drafts = step.batch, step.drafts
         drafted = [i for i, d in enumerate(drafts) if d]
         token_at, slots, row_starts = _drafted_rows(host, drafts, drafted)
@@ -88,6 +105,10 @@ class DraftModel:
         # for its first token in the host batch, resolved on the device.
         inputs = batch.input_ids[torch.tensor(token_at, device=batch.input_ids.device)].tolist()
         out: list[list[int]] = [[] for _ in drafts]
+        if self.tree is not None:
+            trees = self._trees(host, drafts, drafted, token_at, slots, inputs, out)
+            self._write(batch, drafted, token_at, out)
+            return out, [None] * len(drafts), trees
         dists: list[list[torch.Tensor]] = [[] for _ in drafts]
         for j in range(max(len(drafts[i]) for i in drafted)):
             live = [n for n, i in enumerate(drafted) if len(drafts[i]) > j]
@@ -109,10 +130,38 @@ class DraftModel:
             for n, token in zip(live, tokens.tolist()):
                 out[drafted[n]].append(token)
                 inputs[n] = token
+        self._write(batch, drafted, token_at, out)
+        return out, [torch.stack(d) if d else None for d in dists], None
+
+    @staticmethod
+    def _write(batch: ForwardBatch, drafted: list[int], token_at: list[int], out: list[list[int]]) -> None:
+        """The drafts in place of their placeholders in `batch.input_ids`."""
         where = [t + 1 + j for n, t in enumerate(token_at) for j in range(len(out[drafted[n]]))]
         batch.input_ids[torch.tensor(where, device=batch.input_ids.device)] = torch.tensor(
             [token for i in drafted for token in out[i]], device=batch.input_ids.device)
-        return out, [torch.stack(d) if d else None for d in dists], None
+
+    def _trees(self, host: ForwardBatch, drafts: list[list[int]], drafted: list[int], token_at: list[int],
+               slots: list[torch.Tensor], inputs: list[int], out: list[list[int]]) -> list[DraftTree | None]:
+        """Each drafted sequence's tree, its node tokens written into `out`:
+        the draft's step at the newest token (its own slot) gives the root's
+        children; a depth-d node is expanded at the newest token's position + d."""
+        positions = [int(host.positions[t]) for t in token_at]
+        contexts = [s[: p + 1] for s, p in zip(slots, positions)]
+
+        def draft_step(tokens, at, own, tables, parents):
+            batch = ForwardBatch.build(tokens, at, own, [1] * len(tokens), tables, list(range(len(tokens))), True,
+                                       self.model.device)
+            return self._vocab(self.model.forward(batch))
+
+        first = draft_step(inputs, positions, torch.stack([s[p] for s, p in zip(slots, positions)]), contexts,
+                           list(range(len(inputs))))
+        to_target = torch.arange(self.vocab_size, device=first.device)
+        candidates = grow_trees(first, [p + 1 for p in positions], contexts, self.tree, self.scratch_start,
+                                to_target, draft_step)
+        trees: list[DraftTree | None] = [None] * len(drafts)
+        for c, i in zip(candidates, drafted):
+            out[i], trees[i] = best_tree(c, len(drafts[i]))
+        return trees
 
     def _compute_known(self, host: ForwardBatch, batch: ForwardBatch, token_at: list[int],
                        slots: list[torch.Tensor], row_starts: list[int]) -> None:

@@ -221,12 +221,14 @@ def accepted_kv_copies(batch: ForwardBatch, moves: list[tuple[int, int]]) -> Slo
 
 
 def to_chain(host: ForwardBatch, batch: ForwardBatch, logits: torch.Tensor, capture,
-             drafts: list[list[int]], paths: list[list[int] | None]) -> tuple[torch.Tensor, SlotCopies | None]:
+             drafts: list[list[int]], paths: list[list[int] | None]
+             ) -> tuple[torch.Tensor, SlotCopies | None, ForwardBatch]:
     """After verification: each tree row's logits rows (returned) and
-    captured hidden states (in `capture`, when given) in chain order, and
-    the K/V copies that move its accepted nodes to its first slots (for
-    every rank's cache). `paths[i]`: sequence i's accepted nodes, None for
-    a chain or plain row."""
+    captured hidden states (in `capture`, when given) in chain order, the
+    K/V copies that move its accepted nodes to its first slots (for every
+    rank's cache), and `batch` with its tokens in chain order (what a
+    draft model then computes its own KV from). `paths[i]`: sequence i's
+    accepted nodes, None for a chain or plain row."""
     rows, tokens = list(range(logits.shape[0])), list(range(batch.input_ids.numel()))
     moves = []
     first = 0
@@ -237,7 +239,8 @@ def to_chain(host: ForwardBatch, batch: ForwardBatch, logits: torch.Tensor, capt
             tokens[start : start + len(draft) + 1] = chain_order(start, path, len(draft))
             moves += [(start + 1 + node, start + 1 + j) for j, node in enumerate(path) if node != j]
         first += len(draft) + 1
+    order = torch.tensor(tokens, device=batch.input_ids.device)
     if capture is not None:
-        order = torch.tensor(tokens, device=capture.states[0].device)
-        capture.states[:] = [state[order] for state in capture.states]
-    return logits[torch.tensor(rows, device=logits.device)], accepted_kv_copies(batch, moves)
+        capture.states[:] = [state[order.to(state.device)] for state in capture.states]
+    return (logits[torch.tensor(rows, device=logits.device)], accepted_kv_copies(batch, moves),
+            replace(batch, input_ids=batch.input_ids[order]))
