@@ -56,8 +56,12 @@ VARIANTS = {
                                               rope_interleave=True, rope_parameters=YARN)),
     "v3-q-proj-rotate-half": ("v3", dict(q_lora_rank=None, n_shared_experts=1, norm_topk_prob=False,
                                          rope_interleave=False)),
+    # GLM-4.7-Flash: V3's layers, dense where mlp_layer_types says (not first_k_dense_replace's layer 0)
+    "glm4-moe-lite-layer-types": ("lite", dict(q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True,
+                                               mlp_layer_types=["sparse", "dense", "sparse"])),
 }
-_CLASSES = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+_CLASSES = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+            "lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM")}
 
 
 def build_tiny_deepseek(out_dir, version: str, tokenizer_dir, seed: int = 0, std: float = 0.2, **overrides):

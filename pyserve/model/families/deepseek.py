@@ -1,4 +1,6 @@
-"""DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`).
+"""DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`),
+and GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`: V3's layers, its dense and
+sparse layers named by `mlp_layer_types`).
 
 Attention is multi-head latent attention (layers/mla.py): the KV cache
 holds, per token and layer, the compressed latent and the rotated key
@@ -30,6 +32,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from pyserve.model.checkpoint import GATE_UP, CheckpointNames, Column, Fused, Row
+from pyserve.model.config import partial_rotary_factor
 from pyserve.model.families.family import Family
 from pyserve.model.kv_buffer import LatentDim
 from pyserve.model.layers.mla import MLASpec, MultiHeadLatentAttention
@@ -49,7 +52,13 @@ _DEFAULTS = {
                                   routed_scaling_factor=2.5, norm_topk_prob=True, n_routed_experts=256,
                                   moe_intermediate_size=2048, q_lora_rank=1536, rope_interleave=True,
                                   num_nextn_predict_layers=0),
+    "Glm4MoeLiteForCausalLM": dict(n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+                                   norm_topk_prob=True, n_routed_experts=64, moe_intermediate_size=1536,
+                                   q_lora_rank=768, rope_interleave=True, num_nextn_predict_layers=0,
+                                   kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256),
 }
+# V3's layers: sigmoid routing with score correction, MTP layers, the rope layout flag.
+_V3_LAYERS = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 _MLA_DEFAULTS = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
@@ -65,8 +74,10 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 def _config_fields(cfg: dict, arch: str) -> dict:
     # A null field takes the default, but a null q_lora_rank means one q_proj (V2-Lite).
     given = {k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
-    cfg = {**_DEFAULTS[arch], **_MLA_DEFAULTS, **given}
-    v3 = arch == "DeepseekV3ForCausalLM"
+    cfg = {**_MLA_DEFAULTS, **_DEFAULTS[arch], **given}
+    v3 = arch in _V3_LAYERS
+    if partial_rotary_factor(cfg) != 1.0:
+        raise ValueError(f"{arch}: a partial_rotary_factor of the rope part is not supported")
     spec = MLASpec(q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"],
                    qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                    v_head_dim=cfg["v_head_dim"], rope_interleaved=not v3 or bool(cfg["rope_interleave"]))
@@ -75,11 +86,14 @@ def _config_fields(cfg: dict, arch: str) -> dict:
     if (rope.get("rope_type") or rope.get("type") or "default") != "default" and rope.get("mscale_all_dim"):
         scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
     moe = MoESpec.from_config(SimpleNamespace(**{**cfg, "model_type": "deepseek_v3" if v3 else "deepseek_v2"}))
-    # DeepSeek's rule: a layer has experts from first_k_dense_replace on, every moe_layer_freq-th.
-    freq = cfg.get("moe_layer_freq") or 1
     layers = cfg["num_hidden_layers"]
-    dense = frozenset(i for i in range(layers)
-                      if not moe.num_experts or i < cfg["first_k_dense_replace"] or i % freq)
+    if arch == "Glm4MoeLiteForCausalLM":  # its layer types, by default the first dense
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+        dense = frozenset(i for i, kind in enumerate(types[:layers]) if kind == "dense" or not moe.num_experts)
+    else:  # DeepSeek's rule: experts from first_k_dense_replace on, every moe_layer_freq-th layer
+        freq = cfg.get("moe_layer_freq") or 1
+        dense = frozenset(i for i in range(layers)
+                          if not moe.num_experts or i < cfg["first_k_dense_replace"] or i % freq)
     return dict(
         moe=moe, dense_layers=dense, mla=spec,
         # The cache's one KV head, the latent and the rotated key part; V the latent (kv_buffer.LatentDim).
@@ -130,5 +144,5 @@ CHECKPOINT = CheckpointNames(
     skipped_layers=mtp_layers,
 )
 
-FAMILY = Family(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), _config_fields, CHECKPOINT, model=Deepseek,
+FAMILY = Family(("DeepseekV2ForCausalLM", *_V3_LAYERS), _config_fields, CHECKPOINT, model=Deepseek,
                 config_class=DeepseekConfig)
