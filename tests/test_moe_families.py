@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) on tiny
+"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2) on tiny
 random checkpoints that transformers' own classes write, with the embedded
 model's tokenizer: greedy tokens and logprobs against transformers'
 generate through the KV-cached harness (chunked prefill over a cached
@@ -34,6 +34,8 @@ VARIANTS = {
     # GLM-4.5-Air's kind: one group, no q/k norms, two dense layers, scores not renormalised
     "glm4_moe-one-group": ("glm4_moe", {"n_group": 1, "use_qk_norm": False, "first_k_dense_replace": 2,
                                         "norm_topk_prob": False}),
+    # MiniMax-M2: sigmoid routing with the block's correction bias, q/k norms over all heads, rotary_dim
+    "minimax_m2": ("minimax_m2", {}),
 }
 
 
@@ -48,7 +50,7 @@ def test_moe_family_matches_transformers(tmp_path, default_model_dir, variant):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2"])
 def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, arch):
     """Each rank holds half of every expert's intermediate dimension (and of
     the shared expert's, and of the dense layers')."""
@@ -85,6 +87,21 @@ def test_glm4_moe_config_reads_a_glm45_shaped_config():
         "grouped_sigmoid", True, 2.5, True)
     assert config.dense_layers == {0, 1, 2} and config.mtp_layers == 1
     assert (config.qk_norm, config.attention_bias, config.o_proj_bias) == ("head", True, False)
+    assert (config.rotary_dim, config.rotary_interleaved) == (64, False)
+
+
+def test_minimax_m2_config_reads_a_released_config():
+    """The released configs name the rotated part `rotary_dim`."""
+    config = parse_config({
+        "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 200064, "hidden_size": 3072,
+        "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8,
+        "head_dim": 128, "rotary_dim": 64, "num_local_experts": 256, "num_experts_per_tok": 8,
+        "rope_theta": 5000000, "rms_norm_eps": 1e-06})
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate, moe.shared_intermediate) == (256, 8, 1536, 0)
+    assert (moe.routing, moe.score_correction_bias, moe.norm_topk_prob, moe.routed_scaling_factor) == (
+        "grouped_sigmoid", True, True, 1.0)
+    assert config.dense_layers == frozenset() and config.qk_norm == "all"
     assert (config.rotary_dim, config.rotary_interleaved) == (64, False)
 
 

@@ -38,6 +38,7 @@ SHAPES = {
     "qwen3_moe": dict(moe_intermediate_size=64, decoder_sparse_step=2),
     "gpt_oss": dict(intermediate_size=64),
     "glm4_moe": dict(moe_intermediate_size=64),
+    "minimax_m2": dict(intermediate_size=64),
 }
 MODES = ["int8wo", "int4wo-32", "8da4w"]
 NEW_TOKENS = 8

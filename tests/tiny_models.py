@@ -33,6 +33,7 @@ _CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
@@ -56,6 +57,9 @@ _ARCH_DEFAULTS = {
     "glm4_moe": dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                      n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
                      num_nextn_predict_layers=0),
+    # MiniMax-M2's layout: every layer sparse, q/k norms over all heads, half of each head rotated
+    # (the released configs' rotary_dim).
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rotary_dim=8),
     # A window shorter than the test prompts; scales and caps that bite.
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
                    final_logit_softcapping=10.0),

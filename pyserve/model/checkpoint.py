@@ -99,6 +99,10 @@ SEPARATE_PROJECTIONS = CheckpointNames({
     "mlp.up_proj": Column(GATE_UP, (1,)),
     **_ROW_PARALLEL,
 })
+# RMSNorms of q and k over all heads (qk_norm "all"): a tensor-parallel
+# rank holds its heads' slice of each weight.
+ALL_HEADS_QK_NORMS = {"self_attn.q_norm": Column(Fused("self_attn.q_norm", ("q",)), (0,)),
+                      "self_attn.k_norm": Column(Fused("self_attn.k_norm", ("kv",)), (0,))}
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyserve.model.config import ModelConfig, base_fields, read_config_files
-from pyserve.model.families import (deepseek, gemma, glm4, glm4_moe, gpt_oss, granite, llama, mixtral, olmo2, phi3,
-                                   qwen, qwen_moe, smollm3)
+from pyserve.model.families import (deepseek, gemma, glm4, glm4_moe, gpt_oss, granite, llama, minimax_m2, mixtral,
+                                   olmo2, phi3, qwen, qwen_moe, smollm3)
 from pyserve.model.families.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, granite.FAMILY, olmo2.FAMILY, glm4.FAMILY,
                                 smollm3.FAMILY, mixtral.FAMILY, qwen_moe.FAMILY, gemma.FAMILY, gpt_oss.FAMILY,
-                                deepseek.FAMILY, glm4_moe.FAMILY)
+                                deepseek.FAMILY, glm4_moe.FAMILY, minimax_m2.FAMILY)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 SERVED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 

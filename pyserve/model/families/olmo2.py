@@ -8,7 +8,7 @@ each holds its heads' slice of the norm weights."""
 
 from __future__ import annotations
 
-from pyserve.model.checkpoint import SEPARATE_PROJECTIONS, Column, Fused
+from pyserve.model.checkpoint import ALL_HEADS_QK_NORMS, SEPARATE_PROJECTIONS
 from pyserve.model.families.family import Family
 
 
@@ -22,8 +22,7 @@ FAMILY = Family(
     ("Olmo2ForCausalLM",),
     _config_fields,
     SEPARATE_PROJECTIONS.with_changes(
-        projections={"self_attn.q_norm": Column(Fused("self_attn.q_norm", ("q",)), (0,)),
-                     "self_attn.k_norm": Column(Fused("self_attn.k_norm", ("kv",)), (0,))},
+        projections=ALL_HEADS_QK_NORMS,
         renames={"post_attention_layernorm": "attention_out_norm", "post_feedforward_layernorm": "mlp_out_norm"},
     ),
 )

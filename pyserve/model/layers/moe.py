@@ -67,7 +67,7 @@ class MoESpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    score_correction_bias: bool = False  # DeepSeek V3's e_score_correction_bias
+    score_correction_bias: bool = False  # DeepSeek V3's (and MiniMax-M2's) e_score_correction_bias
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -94,6 +94,9 @@ class MoESpec:
                        routing="topk_softmax", weights_float32=False, router_bias=True, expert_bias=True,
                        activation="clamped_swiglu", swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
                        swiglu_limit=getattr(config, "swiglu_limit", 7.0), **common)
+        if kind == "minimax_m2":  # sigmoid scores with a correction bias, over all experts in one group
+            return cls(num_experts=config.num_local_experts, intermediate=config.intermediate_size,
+                       routing="grouped_sigmoid", score_correction_bias=True, **common)
         if kind in ("deepseek_v2", "deepseek_v3"):
             v3 = kind == "deepseek_v3"
             grouped = v3 or config.topk_method == "group_limited_greedy"
@@ -115,7 +118,7 @@ def route(spec: MoESpec, logits: torch.Tensor,
         top, ids = torch.topk(logits, k, dim=-1)
         return F.softmax(top, dim=-1, dtype=top.dtype), ids
     if spec.routing == "grouped_sigmoid":
-        scores = logits.sigmoid()
+        scores = logits.float().sigmoid()
         choice = scores if correction is None else scores + correction
         per_group = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
         allowed = _best_groups(per_group.topk(2, dim=-1)[0].sum(dim=-1), spec)
@@ -212,7 +215,7 @@ _NAMES = [
     (r"experts\.down_proj_bias", "b2", None),
     (r"(?:gate|router)\.weight", "router_weight", None),
     (r"router\.bias", "router_bias", None),
-    (r"gate\.e_score_correction_bias", "score_correction_bias", None),
+    (r"(?:gate\.)?e_score_correction_bias", "score_correction_bias", None),  # MiniMax-M2's is the block's
     (r"shared_experts?\.gate_proj\.weight", "shared_w13", "gate"),
     (r"shared_experts?\.up_proj\.weight", "shared_w13", "up"),
     (r"shared_experts?\.down_proj\.weight", "shared_w2", None),
