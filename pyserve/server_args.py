@@ -116,11 +116,11 @@ class EngineOptions:
              "(a smaller draft model), EAGLE3 or EAGLE (an EAGLE-3 or EAGLE-1/2 head over the target's hidden "
              "states), NEXTN (the checkpoint's own multi-token-prediction layer, as EAGLE finds without a draft path)")
     speculative_num_steps: int | None = option(
-        None, help="STANDALONE, EAGLE3, EAGLE: tokens the draft model decodes per verify (default: "
-                   "--speculative-num-draft-tokens); an EAGLE3 or EAGLE tree's depth; NGRAM: unused")
+        None, help="all but NGRAM: tokens the draft model or head decodes per verify (default: "
+                   "--speculative-num-draft-tokens); a draft tree's depth")
     speculative_num_draft_tokens: int = option(
-        4, help="draft tokens verified per step and request (STANDALONE, EAGLE3, EAGLE: unless "
-                "--speculative-num-steps says); with --speculative-eagle-topk above 1, the tree's, root included")
+        4, help="draft tokens verified per step and request (but NGRAM, unless --speculative-num-steps "
+                "says); with --speculative-eagle-topk above 1, the tree's, root included")
     speculative_ngram_min_match_window_size: int = option(
         3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(
@@ -149,7 +149,7 @@ class EngineOptions:
                    "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats); EAGLE, NEXTN: "
                    "by default the model's own multi-token-prediction layer, where its checkpoint has one")
     speculative_eagle_topk: int = option(
-        1, help="EAGLE3, EAGLE: draft branches per step; 1, a chain; more, a draft tree")
+        1, help="all but NGRAM: draft branches per step; 1, a chain; more, a draft tree")
     speculative_accept_threshold_single: float = option(
         1.0, help="sampled requests: keep a draft the target gives at least this probability (below 1, output "
                   "leaves the target's distribution for more kept drafts; greedy ones verify exactly)")

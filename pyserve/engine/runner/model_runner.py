@@ -109,7 +109,7 @@ class ModelRunner:
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
-        # --speculative-algorithm STANDALONE, EAGLE3 or EAGLE: its DraftModel or EagleDraft (speculative/options.py sets it).
+        # --speculative-algorithm but NGRAM: its DraftModel or EagleDraft (speculative/options.py sets it).
         self.draft = None
         # How sampled requests keep drafts (--speculative-accept-threshold-*; speculative/options.py sets it).
         self.acceptance = EXACT

@@ -33,7 +33,7 @@ EAGLE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN")
 class TargetGraphs:
     """The CUDA graphs the target captures at start for speculation (where
     it captures any): verify rows of `verify_tokens` tokens (0: none) and,
-    for EAGLE3 and EAGLE, graphs keeping the hidden states the head in
+    for EAGLE3, EAGLE and NEXTN, graphs keeping the hidden states the head in
     `eagle_head` reads. Known from the options alone, so that every graph
     is captured once, and over several ranks while the others capture
     theirs (a capture runs the ranks' collectives)."""
