@@ -17,6 +17,7 @@ from pyserve.model.layers.mlp import MLP
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.model.quant import resolve_quant
+from tests.slow import slow
 from tests.test_families import assert_served_like_transformers
 from tests.test_model_vs_hf import NEW_TOKENS, hf_greedy, pyserve_greedy, random_prompts
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
@@ -50,7 +51,8 @@ def test_moe_family_matches_transformers(tmp_path, default_model_dir, variant):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", pytest.param("glm4_moe", marks=slow),
+                                  pytest.param("minimax_m2", marks=slow)])
 def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, arch):
     """Each rank holds half of every expert's intermediate dimension (and of
     the shared expert's, and of the dense layers')."""

@@ -28,6 +28,7 @@ from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.model.quant import Int4Linear, Int8Linear, WeightQuant, parse_quant, resolve_quant
+from tests.slow import slow
 from tests.test_model_vs_hf import CachedSequences, random_prompts
 from tests.tiny_models import build_tiny_model
 
@@ -154,7 +155,8 @@ def assert_answers_like_reference(model, config, hf, prompts, atol: float, float
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", list(SHAPES))
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=slow) if arch in ("glm4_moe", "minimax_m2") else arch
+                                  for arch in SHAPES])
 def test_quantized_experts_answer_like_transformers_on_the_same_weights(tmp_path, arch, mode):
     model_dir = build_tiny_model(tmp_path, arch, **SHAPES[arch])
     quant = parse_quant(mode)

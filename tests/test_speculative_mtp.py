@@ -25,6 +25,7 @@ from pyserve.model.loader import load_model
 from pyserve.model.mtp_head import MtpConfig, load_mtp_head
 from pyserve.server_args import ServerArgs
 from tests.eagle3_heads import PROMPTS, greedy_continuations, head_step
+from tests.slow import slow, slow_test
 from tests.test_speculative import repetitive, same, with_and_without
 from tests.tiny_models import build_tiny_model
 
@@ -100,12 +101,19 @@ def random_mtp_layer(target: Path, seed: int) -> dict[str, torch.Tensor]:
     return checkpoint_tensors(mtp)
 
 
-def first_drafts(main, mtp, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def target_hidden(main, ids: list[int]) -> torch.Tensor:
+    """transformers' last hidden states of `ids` (after the final norm)."""
+    with torch.no_grad():
+        return main(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
+
+
+def first_drafts(main, mtp, ids: list[int], hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' MTP logits of pair i (token i + 1, the target's last
     hidden state at i), which predicts token i + 2, for every pair of `ids`
-    (the last one's token is past `ids`); and the target's last hidden states."""
+    (the last one's token is past `ids`); and the target's last hidden
+    states (`hidden`, when already computed)."""
+    hidden = target_hidden(main, ids) if hidden is None else hidden
     x = torch.tensor([ids])
-    hidden = main(x, output_hidden_states=True).hidden_states[-1]
     out = mtp.forward_layer(0, hidden[:, :-1], torch.arange(len(ids) - 1)[None], None, input_ids=x[:, 1:])
     return mtp._project_to_logits(out)[0], hidden[0]
 
@@ -120,21 +128,24 @@ def glm(tmp_path_factory, default_model_dir) -> dict:
     random_dir = with_mtp_layer(target, root / "random", random_mtp_layer(target, seed=1))
     texts = [p + out for p, out in zip(PROMPTS, greedy_continuations(target, PROMPTS, 40))]
     main, mtp = transformers_models(random_dir)
+    hidden = [target_hidden(main, ids) for ids in texts]  # the target's, once: only the layer learns
+    main.requires_grad_(False)  # its embedding and vocabulary projection, which the layer shares, stay as they are
     mtp.train()
     opt = torch.optim.Adam(mtp.layers.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a second thread only waits
     try:
         for _ in range(120):
-            loss = sum(F.cross_entropy(first_drafts(main, mtp, ids)[0][:-1], torch.tensor(ids[2:])) for ids in texts)
+            loss = sum(F.cross_entropy(first_drafts(main, mtp, ids, h)[0][:-1], torch.tensor(ids[2:]))
+                       for ids, h in zip(texts, hidden))
             opt.zero_grad()
             loss.backward()
             opt.step()
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():
-        for ids in texts:
-            right = first_drafts(main, mtp, ids)[0][:-1].argmax(-1) == torch.tensor(ids[2:])
+        for ids, h in zip(texts, hidden):
+            right = first_drafts(main, mtp, ids, h)[0][:-1].argmax(-1) == torch.tensor(ids[2:])
             assert float(right.float().mean()) > 0.9
     fitted = with_mtp_layer(target, root / "fitted", checkpoint_tensors(mtp))
     return {"target": target, "random": random_dir, "fitted": fitted, "texts": texts}
@@ -190,7 +201,7 @@ def test_the_layer_computes_what_transformers_mtp_model_computes(glm, deepseek_v
     assert torch.allclose(torch.cat([logits, *rest]), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("which", ["random", "fitted", "deepseek_v3"])
+@pytest.mark.parametrize("which", ["random", "fitted", pytest.param("deepseek_v3", marks=slow)])
 def test_greedy_identical_and_a_fitted_layer_gets_its_drafts_kept(glm, deepseek_v3, which):
     texts = glm["texts"]
     requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),
@@ -242,6 +253,7 @@ def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_
     assert metrics.spec_verify_steps > 0
 
 
+@slow_test
 def test_trees_of_the_layers_drafts(glm):
     """--speculative-eagle-topk above 1: the fitted layer's trees keep at
     least what its chains keep, and greedy output is plain decoding's."""
@@ -254,6 +266,7 @@ def test_trees_of_the_layers_drafts(glm):
     assert metrics.accepted_drafts() >= 0.4 * 30
 
 
+@slow_test
 def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm):
     """SGLang's GLM-4.5 launch line: EAGLE, no --speculative-draft-model-path."""
     texts = glm["texts"]

@@ -17,7 +17,7 @@ from pyserve.engine.request import SamplingParams
 from pyserve.engine.speculative.rejection import Acceptance, rejection_run, walk
 from pyserve.engine.speculative.tree import DraftTree
 from pyserve.server_args import ServerArgs
-from tests.slow import slow_test
+from tests.slow import slow, slow_test
 from tests.test_speculative import COPY, collect, repetitive, started
 from tests.test_speculative_standalone import noisy_copy
 
@@ -257,8 +257,9 @@ def test_a_trees_children_are_kept_as_often_as_the_thresholds_say():
         torch.testing.assert_close(firsts(acceptance), torch.tensor(expected), atol=0.016, rtol=0)
 
 
-@pytest.mark.parametrize("threshold", [{"speculative_accept_threshold_single": 1e-9},
-                                       {"speculative_accept_threshold_acc": 1e-6}], ids=["single", "acc"])
+@pytest.mark.parametrize("threshold", [pytest.param({"speculative_accept_threshold_single": 1e-9}, id="single"),
+                                       pytest.param({"speculative_accept_threshold_acc": 1e-6}, id="acc",
+                                                    marks=slow)])
 def test_relaxed_thresholds_keep_drafts_the_target_would_not_and_leave_greedy_exact(default_model_dir, threshold):
     """The embedded model asked to copy a text, sampled at temperature 1:
     it strays from the text and exact rejection sampling rejects most of

@@ -16,6 +16,7 @@ import pytest
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.server_args import ServerArgs
+from tests.slow import slow
 from tests.test_speculative import collect, repetitive, same, started, with_and_without
 from tests.tiny_models import build_tiny_model
 
@@ -96,9 +97,10 @@ def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, 
 TREE = {"speculative_eagle_topk": 2, "speculative_num_steps": 4, "speculative_num_draft_tokens": 7}
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("draft", ["same", "noisy", "small"])
-def test_greedy_identical_with_draft_trees(tiny_llama_dir, drafts, page_size, draft):
+@pytest.mark.parametrize("draft, page_size", [("same", 1), ("noisy", 4), ("small", 1),
+                                              pytest.param("same", 4, marks=slow), pytest.param("noisy", 1, marks=slow),
+                                              pytest.param("small", 4, marks=slow)])
+def test_greedy_identical_with_draft_trees(tiny_llama_dir, drafts, draft, page_size):
     """The draft model grows a tree per row (its KV of the nodes in scratch
     slots); after verification its KV follows the accepted path. The
     target's own weights as the draft keep the part of the greedy path
