@@ -120,14 +120,20 @@ def first_drafts(main, mtp, ids: list[int], hidden: torch.Tensor | None = None) 
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory, default_model_dir) -> dict:
-    """A tiny GLM-4.5 without MTP layers; the same with a random one; and
-    the same with one fitted to the target's greedy continuations of
-    PROMPTS (checked to draft them right > 90% of the time), and those texts."""
+    """A tiny GLM-4.5 without MTP layers, and the same with a random one."""
     root = tmp_path_factory.mktemp("glm-mtp")
     target = build_tiny_model(root / "target", "glm4_moe", tokenizer_dir=default_model_dir, num_hidden_layers=LAYERS)
-    random_dir = with_mtp_layer(target, root / "random", random_mtp_layer(target, seed=1))
+    return {"target": target, "random": with_mtp_layer(target, root / "random", random_mtp_layer(target, seed=1))}
+
+
+@pytest.fixture(scope="module")
+def glm_fitted(glm, tmp_path_factory) -> Path:
+    """The tiny GLM-4.5 with an MTP layer fitted to the target's greedy
+    continuations of PROMPTS (checked to draft them right > 90% of the
+    time)."""
+    target = glm["target"]
     texts = [p + out for p, out in zip(PROMPTS, greedy_continuations(target, PROMPTS, 40))]
-    main, mtp = transformers_models(random_dir)
+    main, mtp = transformers_models(glm["random"])
     hidden = [target_hidden(main, ids) for ids in texts]  # the target's, once: only the layer learns
     main.requires_grad_(False)  # its embedding and vocabulary projection, which the layer shares, stay as they are
     mtp.train()
@@ -147,8 +153,7 @@ def glm(tmp_path_factory, default_model_dir) -> dict:
         for ids, h in zip(texts, hidden):
             right = first_drafts(main, mtp, ids, h)[0][:-1].argmax(-1) == torch.tensor(ids[2:])
             assert float(right.float().mean()) > 0.9
-    fitted = with_mtp_layer(target, root / "fitted", checkpoint_tensors(mtp))
-    return {"target": target, "random": random_dir, "fitted": fitted, "texts": texts}
+    return with_mtp_layer(target, tmp_path_factory.mktemp("glm-mtp-fitted") / "fitted", checkpoint_tensors(mtp))
 
 
 @pytest.fixture(scope="module")
@@ -201,13 +206,13 @@ def test_the_layer_computes_what_transformers_mtp_model_computes(glm, deepseek_v
     assert torch.allclose(torch.cat([logits, *rest]), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("which", ["random", "fitted", pytest.param("deepseek_v3", marks=slow)])
-def test_greedy_identical_and_a_fitted_layer_gets_its_drafts_kept(glm, deepseek_v3, which):
-    texts = glm["texts"]
-    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),
-                (texts[1][:len(PROMPTS[1])], {**GREEDY, "max_new_tokens": 20, "logprobs": True, "top_logprobs": 3}),
+@pytest.mark.parametrize("which", ["random", pytest.param("fitted", marks=slow), pytest.param("deepseek_v3", marks=slow)])
+def test_greedy_identical_and_a_fitted_layer_gets_its_drafts_kept(glm, request, which):
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 30}),
+                (PROMPTS[1], {**GREEDY, "max_new_tokens": 20, "logprobs": True, "top_logprobs": 3}),
                 ([5, 17, 99], {**GREEDY, "max_new_tokens": 13})]
-    model_dir = deepseek_v3 if which == "deepseek_v3" else glm[which]
+    model_dir = {"random": lambda: glm["random"], "fitted": lambda: request.getfixturevalue("glm_fitted"),
+                 "deepseek_v3": lambda: request.getfixturevalue("deepseek_v3")}[which]()
     plain, got, metrics = with_and_without(model_dir, requests, nextn(), {"torchao_config": "none"})
     same(plain, got)
     assert metrics.spec_verify_steps > 0
@@ -218,16 +223,16 @@ def test_greedy_identical_and_a_fitted_layer_gets_its_drafts_kept(glm, deepseek_
 
 
 def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_path):
-    """A block-wise FP8 GLM-4.5, its MTP layer's projections and experts
-    quantized too: the layer gives the logits of the same layer read from
-    the checkpoint's dequantized copy, and NEXTN's output is plain
-    decoding's on the FP8 target."""
+    """A block-wise FP8 GLM-4.5, its (random) MTP layer's projections and
+    experts quantized too: the layer gives the logits of the same layer
+    read from the checkpoint's dequantized copy, and NEXTN's output is
+    plain decoding's on the FP8 target."""
     from tests.test_quantized_checkpoints import FORMATS
     from tests.test_quantized_formats import dense_copy, write_quantized
 
     quantization, tensors_of, dequantize = FORMATS["fp8-block"]
-    reference = write_quantized(glm["fitted"], tmp_path / "fp8", quantization, tensors_of, dequantize)
-    dense_dir = dense_copy(glm["fitted"], tmp_path / "dense", reference)
+    reference = write_quantized(glm["random"], tmp_path / "fp8", quantization, tensors_of, dequantize)
+    dense_dir = dense_copy(glm["random"], tmp_path / "dense", reference)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
@@ -246,32 +251,29 @@ def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_
         with torch.inference_mode():
             logits.append(head_step(head, attn, torch.arange(1, 8), repetitive(6), 0, hidden)[0])
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
-    texts = glm["texts"]
-    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 20})]
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 20})]
     plain, got, metrics = with_and_without(tmp_path / "fp8", requests, nextn(), {"torchao_config": "none"})
     same(plain, got)
     assert metrics.spec_verify_steps > 0
 
 
 @slow_test
-def test_trees_of_the_layers_drafts(glm):
+def test_trees_of_the_layers_drafts(glm_fitted):
     """--speculative-eagle-topk above 1: the fitted layer's trees keep at
     least what its chains keep, and greedy output is plain decoding's."""
-    texts = glm["texts"]
-    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 30}),
                 ([5, 17, 99], {**GREEDY, "max_new_tokens": 13})]
     tree = nextn(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)
-    plain, got, metrics = with_and_without(glm["fitted"], requests, tree, {"torchao_config": "none"})
+    plain, got, metrics = with_and_without(glm_fitted, requests, tree, {"torchao_config": "none"})
     same(plain, got)
     assert metrics.accepted_drafts() >= 0.4 * 30
 
 
 @slow_test
-def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm):
+def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm_fitted):
     """SGLang's GLM-4.5 launch line: EAGLE, no --speculative-draft-model-path."""
-    texts = glm["texts"]
-    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30})]
-    plain, got, metrics = with_and_without(glm["fitted"], requests, nextn(speculative_algorithm="EAGLE"),
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 30})]
+    plain, got, metrics = with_and_without(glm_fitted, requests, nextn(speculative_algorithm="EAGLE"),
                                            {"torchao_config": "none"})
     same(plain, got)
     assert metrics.accepted_drafts() >= 0.4 * 30

@@ -257,7 +257,8 @@ def test_a_trees_children_are_kept_as_often_as_the_thresholds_say():
         torch.testing.assert_close(firsts(acceptance), torch.tensor(expected), atol=0.016, rtol=0)
 
 
-@pytest.mark.parametrize("threshold", [pytest.param({"speculative_accept_threshold_single": 1e-9}, id="single"),
+@pytest.mark.parametrize("threshold", [pytest.param({"speculative_accept_threshold_single": 1e-9}, id="single",
+                                                    marks=slow),
                                        pytest.param({"speculative_accept_threshold_acc": 1e-6}, id="acc",
                                                     marks=slow)])
 def test_relaxed_thresholds_keep_drafts_the_target_would_not_and_leave_greedy_exact(default_model_dir, threshold):

@@ -18,7 +18,7 @@ from tests.slow import slow_test
 from tests.test_speculative import SPEC, repetitive, same, with_and_without
 from tests.test_speculative_eagle import eagle_heads, spec as eagle_spec  # noqa: F401
 from tests.test_speculative_eagle3 import GREEDY, PROMPTS, heads, runs_with_stops, spec, target  # noqa: F401
-from tests.test_speculative_mtp import glm, nextn  # noqa: F401
+from tests.test_speculative_mtp import glm, glm_fitted, nextn  # noqa: F401
 from tests.test_speculative_ngram_trees import forked_runs, tree_rows  # noqa: F401
 from tests.test_speculative_tree import TREE
 
@@ -93,12 +93,11 @@ def test_eagle_over_two_ranks_keeps_the_fitted_heads_drafts(target, eagle_heads)
 
 
 @slow_test
-def test_nextn_over_two_ranks_keeps_the_fitted_layers_drafts(glm):
+def test_nextn_over_two_ranks_keeps_the_fitted_layers_drafts(glm_fitted):
     """A GLM-4.5 whose MTP layer loads whole on rank 0 beside the sharded
     target (its experts split over the ranks)."""
-    texts = glm["texts"]
-    requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30})]
-    plain, got, two_ranks = with_and_without(glm["fitted"], requests, nextn(), TWO_RANKS)
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 30})]
+    plain, got, two_ranks = with_and_without(glm_fitted, requests, nextn(), TWO_RANKS)
     same(plain, got)
     assert two_ranks.accepted_drafts() >= 0.4 * 30
 
