@@ -1,6 +1,8 @@
-"""What EAGLE-3 and EAGLE draft heads share: reading a head's checkpoint
-into its parameters, the target's whole matrices it borrows, and placing
-logits over a reduced draft vocabulary at their target ids."""
+"""What the draft heads share: reading a head's checkpoint into its
+parameters, the target's whole matrices it borrows, placing logits over a
+reduced draft vocabulary at their target ids, and (`OverTargetHead`) the
+reading of the target's last hidden state and vocabulary projection that
+EAGLE-1/2 heads and multi-token-prediction layers have in common."""
 
 from __future__ import annotations
 
@@ -17,6 +19,36 @@ def in_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor, vo
     full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
     full[:, draft_to_target] = logits
     return full
+
+
+class OverTargetHead(nn.Module):
+    """A head that reads the target's last hidden state (its stream after
+    the last layer through its final norm) and projects with the target's
+    vocabulary matrix: `embed_tokens`, `lm_head` the target's whole
+    matrices, `target_norm` its final norm; `hot_tokens` a token map's ids
+    (None: every token), the rows of `lm_head` the head keeps."""
+
+    def __init__(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, target_norm: nn.Module,
+                 hot_tokens: torch.Tensor | None = None):
+        super().__init__()
+        # Plain tensors and the target's own module: not among the head's parameters.
+        self.embed_tokens = embed_tokens.detach()
+        self.lm_head = lm_head.detach() if hot_tokens is None else lm_head.detach()[hot_tokens]
+        self.target_norm = [target_norm]  # in a list, so that it is not one of the head's modules
+        self.reduced = hot_tokens is not None
+        self.register_buffer("draft_to_target", torch.arange(lm_head.shape[0]) if hot_tokens is None
+                             else hot_tokens.clone(), persistent=False)
+
+    def target_features(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The hidden state the head reads from what the target kept (its
+        residual stream after the last layer): that stream through the
+        target's final norm."""
+        (stream,) = states
+        return self.target_norm[0](stream)
+
+    def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Without a token map the head's logits are over the target's vocabulary already."""
+        return in_target_vocabulary(logits, self.draft_to_target, vocab_size) if self.reduced else logits
 
 
 def whole_target_embedding(target_dir: Path) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig, base_fields
-from pyserve.model.draft_heads import checkpoint_tensors, fill_head, in_target_vocabulary
+from pyserve.model.draft_heads import OverTargetHead, checkpoint_tensors, fill_head
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.layers.attention import Attention
 from pyserve.model.layers.mlp import MLP
@@ -74,12 +74,11 @@ class EagleConfig:
         return frozenset({target_layers})
 
 
-class EagleHead(nn.Module):
+class EagleHead(OverTargetHead):
     def __init__(self, config: EagleConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  target_norm: nn.Module, hot_tokens: torch.Tensor | None = None, fused_kernels: bool = True):
-        """`embed_tokens`, `lm_head`: the target's whole matrices; `target_norm`:
-        its final norm; `hot_tokens`: the token map's ids (None: every token)."""
-        super().__init__()
+        """The target's matrices, final norm and a token map: OverTargetHead."""
+        super().__init__(embed_tokens, lm_head, target_norm, hot_tokens)
         c = config.model
         self.config = c
         hidden = c.hidden_size
@@ -89,20 +88,6 @@ class EagleHead(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, c.rms_norm_eps, fused_kernels)
         self.mlp = MLP(c, shard, fused_kernels)
         self.rotary = RotaryEmbedding(c)
-        # Plain tensors and the target's own module: not among the head's parameters.
-        self.embed_tokens = embed_tokens.detach()
-        self.lm_head = lm_head.detach() if hot_tokens is None else lm_head.detach()[hot_tokens]
-        self.target_norm = [target_norm]  # in a list, so that it is not one of the head's modules
-        self.reduced = hot_tokens is not None
-        self.register_buffer("draft_to_target", torch.arange(lm_head.shape[0]) if hot_tokens is None
-                             else hot_tokens.clone(), persistent=False)
-
-    def target_features(self, states: list[torch.Tensor]) -> torch.Tensor:
-        """The hidden state the head reads from what the target kept (its
-        residual stream after the last layer): that stream through the
-        target's final norm."""
-        (stream,) = states
-        return self.target_norm[0](stream)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,10 +105,6 @@ class EagleHead(nn.Module):
         rows = batch.logits_indices  # the MLP is per token: only these rows go on
         output = self.mlp(h[rows]) + residual[rows]
         return (output @ self.lm_head.T).float(), output
-
-    def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Without a token map the head's logits are over the target's vocabulary already."""
-        return in_target_vocabulary(logits, self.draft_to_target, vocab_size) if self.reduced else logits
 
 
 def load_token_map(path: Path, vocab_size: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.draft_heads import OverTargetHead
 from pyserve.model.families import read_config
 from pyserve.model.families.family import Family
 from pyserve.model.forward_batch import ForwardBatch
@@ -100,21 +101,12 @@ class MtpPart:
         return "model.layers.0." + rest
 
 
-class MtpHead(nn.Module):
+class MtpHead(OverTargetHead):
     def __init__(self, layer: CausalLM, embed_tokens: torch.Tensor, lm_head: torch.Tensor, target_norm: nn.Module):
-        """`layer`: the one-layer model MtpPart loads; `embed_tokens`,
-        `lm_head`: the target's whole matrices; `target_norm`: its final norm."""
-        super().__init__()
+        """`layer`: the one-layer model MtpPart loads; the target's matrices
+        and final norm: OverTargetHead."""
+        super().__init__(embed_tokens, lm_head, target_norm)
         self.layer = layer
-        self.embed_tokens = embed_tokens.detach()  # plain tensors: not among the head's parameters
-        self.lm_head = lm_head.detach()
-        self.target_norm = [target_norm]  # in a list, so that it is not one of the head's modules
-        self.register_buffer("draft_to_target", torch.arange(lm_head.shape[0]), persistent=False)
-
-    def target_features(self, states: list[torch.Tensor]) -> torch.Tensor:
-        """The target's stream after its last layer, through its final norm."""
-        (stream,) = states
-        return self.target_norm[0](stream)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,10 +119,6 @@ class MtpHead(nn.Module):
         x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
         out = layer.hidden_states_from(x, batch, attn, batch.logits_indices)
         return (out @ self.lm_head.T).float(), out
-
-    def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """The head's logits are over the target's vocabulary already."""
-        return logits
 
 
 def load_mtp_head(model_dir: Path, config: MtpConfig, target_embed: torch.Tensor, target_lm_head: torch.Tensor,

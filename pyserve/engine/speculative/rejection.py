@@ -307,16 +307,14 @@ def _sampled_child(p: torch.Tensor, children: list[int], child_tokens: list[int]
     u, or whose own reaches `single`; else a draw from p without the
     children, with u rescaled past the children's share."""
     total = float(p.sum(dtype=torch.float64))
+    index = torch.tensor(child_tokens, dtype=torch.long, device=p.device)
     share = 0.0
-    if children:
-        probs = (p[torch.tensor(child_tokens, device=p.device)].double() / total).tolist()
-        for child, token, prob in zip(children, child_tokens, probs):
-            share += prob
-            if u < share / acceptance.acc or prob >= acceptance.single:
-                return child, token
+    for child, token, prob in zip(children, child_tokens, (p[index].double() / total).tolist()):
+        share += prob
+        if u < share / acceptance.acc or prob >= acceptance.single:
+            return child, token
     rest = p.clone()
-    if children:
-        rest[torch.tensor(child_tokens, device=p.device)] = 0
+    rest[index] = 0
     bound = min(share / acceptance.acc, 1.0)
     if float(rest.sum()) <= 0.0 or bound >= 1.0:  # the children hold all the mass: rounding rejected them
         rest, bound = p, 0.0
