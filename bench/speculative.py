@@ -472,7 +472,7 @@ def head_cost(args, model_dir: Path, tmp: Path) -> dict:
               str(head_dir / "model.safetensors"))
     (head_dir / "config.json").write_text(json.dumps(cfg))
     heads = {"whole_vocabulary": None, "token_map_32768": torch.arange(32768), "token_map_8192": torch.arange(8192)}
-    drafts = {name: EagleDraft(head_dir, EagleConfig(head_dir), rank, model_dir, None, hot)
+    drafts = {name: EagleDraft(head_dir, EagleConfig(head_dir), rank, model_dir, options, None, hot)
               for name, hot in heads.items() if hot is None or len(hot) < c.vocab_size}
     prompt = 278
     slots = torch.arange(1, prompt + 2)

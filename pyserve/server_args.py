@@ -21,6 +21,9 @@ from typing import Any, NamedTuple
 
 from pyserve.option_fields import add_arguments, comma_list, option
 
+# --quantization's choices: how a checkpoint's own quantization is read.
+CHECKPOINT_QUANTIZATIONS = ["auto", "awq", "gptq", "fp8", "compressed-tensors", "none"]
+
 
 @dataclass(frozen=True)
 class ModelOptions:
@@ -53,8 +56,7 @@ class ModelOptions:
                                  "the 4-bit weights the model ships (the embedded model's) as 8da4w with AVX2")
     quantization: str = option("auto", help="the checkpoint's own quantization: auto (config.json's "
                                "quantization_config), awq, gptq, fp8 or compressed-tensors to insist on it, "
-                               "none to refuse a quantized checkpoint",
-                               choices=["auto", "awq", "gptq", "fp8", "compressed-tensors", "none"])
+                               "none to refuse a quantized checkpoint", choices=CHECKPOINT_QUANTIZATIONS)
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     random_seed: int = option(0, help="seed of sampling for requests that set none")
     # Tensor parallelism (README "Tensor parallelism"), named as SGLang names it.
@@ -117,10 +119,11 @@ class EngineOptions:
              "states), NEXTN (the checkpoint's own multi-token-prediction layer, as EAGLE finds without a draft path)")
     speculative_num_steps: int | None = option(
         None, help="all but NGRAM: tokens the draft model or head decodes per verify (default: "
-                   "--speculative-num-draft-tokens); a draft tree's depth")
-    speculative_num_draft_tokens: int = option(
-        4, help="draft tokens verified per step and request (but NGRAM, unless --speculative-num-steps "
-                "says); with --speculative-eagle-topk above 1, the tree's, root included")
+                   "--speculative-num-draft-tokens); a draft tree's depth. With none of the three "
+                   "given, a draft model or head takes SGLang's choice for the model (docs/speculative-decoding.md)")
+    speculative_num_draft_tokens: int | None = option(
+        None, help="draft tokens verified per step and request (default 4; but NGRAM, unless "
+                   "--speculative-num-steps says); with --speculative-eagle-topk above 1, the tree's, root included")
     speculative_ngram_min_match_window_size: int = option(
         3, help="NGRAM: shortest suffix of the request's tokens that must recur for a draft")
     speculative_ngram_max_match_window_size: int = option(
@@ -148,8 +151,8 @@ class EngineOptions:
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
                    "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats); EAGLE, NEXTN: "
                    "by default the model's own multi-token-prediction layer, where its checkpoint has one")
-    speculative_eagle_topk: int = option(
-        1, help="all but NGRAM: draft branches per step; 1, a chain; more, a draft tree")
+    speculative_eagle_topk: int | None = option(
+        None, help="all but NGRAM: draft branches per step; 1 (default), a chain; more, a draft tree")
     speculative_accept_threshold_single: float = option(
         1.0, help="sampled requests: keep a draft the target gives at least this probability (below 1, output "
                   "leaves the target's distribution for more kept drafts; greedy ones verify exactly)")
@@ -158,6 +161,17 @@ class EngineOptions:
     speculative_token_map: str | None = option(
         None, help="EAGLE: a torch.save'd list of the token ids the head may draft (FR-Spec's reduced vocabulary), "
                    "which its vocabulary projection is cut to")
+    speculative_draft_model_quantization: str = option(
+        "auto", choices=[*CHECKPOINT_QUANTIZATIONS, "unquant"],
+        help="the draft model's (STANDALONE) or multi-token-prediction layer's (NEXTN) checkpoint quantization, "
+             "as --quantization is the target's (unquant: none); EAGLE heads load unquantized")
+    speculative_draft_attention_backend: str | None = option(
+        None, choices=["torch", "triton"], help="the draft model's or head's attention backend (default: the "
+                                                "target's --attention-backend)")
+    speculative_attention_mode: str = option(
+        "prefill", choices=["prefill", "decode"],
+        help="SGLang's pick between its prefill and decode attention backends for verify and draft steps; pyserve "
+             "attends with --attention-backend in both phases, so both modes run the same")
 
 
 @dataclass(frozen=True)
@@ -311,8 +325,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
     def resolved(self) -> ServerArgs:
         """A copy with every "auto" made concrete for this machine: device
         ("cpu" or "cuda"), dtype, attention backend and overlap scheduling
-        (a bool); and the CUDA graphs' largest batch, which every rank
-        captures alike, capped by the running batch. Resolving a resolved
+        (a bool); the CUDA graphs' largest batch, which every rank
+        captures alike, capped by the running batch; and the speculative
+        draft's shape, which the model's architecture decides where left out. Resolving a resolved
         copy changes nothing. Start-up resolves once, then splits."""
         import torch  # here, so that `pyserve --help` answers without loading torch
 
@@ -332,7 +347,20 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             disable_overlap_schedule=(not on_cuda or self.speculative_algorithm is not None
                                       if self.disable_overlap_schedule is None else self.disable_overlap_schedule),
             cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_running_requests),
+            **self._draft_shape(on_cuda),
         )
+
+    def _draft_shape(self, on_cuda: bool) -> dict[str, int | None]:
+        """--speculative-num-steps, -eagle-topk and -num-draft-tokens, made
+        concrete where speculation is on."""
+        if self.speculative_algorithm is None:
+            return {}
+        from pyserve.engine.speculative.options import draft_shape
+
+        steps, topk, tokens = draft_shape(self.speculative_algorithm, self.model_path, on_cuda,
+                                          self.speculative_num_steps, self.speculative_eagle_topk,
+                                          self.speculative_num_draft_tokens)
+        return dict(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
 
     def split(self) -> Options:
         """Each layer's group of these options (resolved ones: see `resolved`)."""

@@ -262,7 +262,7 @@ def test_greedy_identical_with_a_token_map_whose_tokens_alone_are_drafted(eagle3
 
 def test_what_cannot_run_is_refused_at_start(eagle3_target, eagle3_heads, tmp_path):
     def refused(head: Path, message: str):
-        args = ServerArgs(model_path=str(eagle3_target), **spec(head)).split()
+        args = ServerArgs(model_path=str(eagle3_target), **spec(head)).resolved().split()
         with pytest.raises(ValueError, match=message):
             drafter_of(args.engine, args.model, eagle3_target, None, None)
 

@@ -278,7 +278,7 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
     with pytest.raises(ValueError, match="three hidden states of the target, entering layers \\[2, 2, 1\\]"):
         Engine.from_args(ServerArgs(model_path=str(target), **spec(default)))
     options = ServerArgs(model_path=str(target), speculative_eagle_topk=2, speculative_num_steps=2,
-                         **spec(heads["random"], speculative_num_draft_tokens=8)).split()
+                         **spec(heads["random"], speculative_num_draft_tokens=8)).resolved().split()
     with pytest.raises(ValueError, match="a tree 2 deep with top 2 per step has 6 candidate nodes, fewer than the 7"):
         drafter_of(options.engine, options.model, target, None, None)
 

@@ -281,7 +281,7 @@ def test_eagle_without_a_draft_path_drafts_with_the_models_own_layer(glm_fitted)
 
 def test_what_cannot_run_is_refused_at_start(glm, tmp_path):
     def refused(model_dir: Path, message: str, **options):
-        args = ServerArgs(model_path=str(model_dir), torchao_config="none", **options).split()
+        args = ServerArgs(model_path=str(model_dir), torchao_config="none", **options).resolved().split()
         with pytest.raises(ValueError, match=message):
             drafter_of(args.engine, args.model, model_dir, None, None)
 

@@ -195,7 +195,7 @@ def test_a_load_whose_client_leaves_holds_nothing(tiny_llama_dir):
     ({**TREES, "speculative_ngram_external_corpus_path": "/nonexistent/c.jsonl"}, "no file at /nonexistent"),
 ])
 def test_what_cannot_load_is_refused_at_start(tiny_llama_dir, options, message):
-    args = ServerArgs(model_path=str(tiny_llama_dir), **{"speculative_algorithm": "NGRAM", **options}).split()
+    args = ServerArgs(model_path=str(tiny_llama_dir), **{"speculative_algorithm": "NGRAM", **options}).resolved().split()
     tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
     with pytest.raises(ValueError, match=message):
         drafter_of(args.engine, args.model, tiny_llama_dir, None, tokenizer)
@@ -204,7 +204,7 @@ def test_what_cannot_load_is_refused_at_start(tiny_llama_dir, options, message):
 def test_a_corpus_over_the_token_limit_is_refused_at_start(tiny_llama_dir, tmp_path):
     corpus = _corpus_file(tmp_path, ["one two three four five six seven"] * 3)
     args = ServerArgs(model_path=str(tiny_llama_dir), **TREES, speculative_ngram_external_corpus_path=str(corpus),
-                      speculative_ngram_external_corpus_max_tokens=10).split()
+                      speculative_ngram_external_corpus_max_tokens=10).resolved().split()
     tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
     with pytest.raises(ValueError, match="more tokens than the corpora have room for"):
         drafter_of(args.engine, args.model, tiny_llama_dir, None, tokenizer)

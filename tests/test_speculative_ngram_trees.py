@@ -142,7 +142,7 @@ def test_flush_cache_empties_the_trie_and_keeps_the_corpora(tiny_llama_dir):
     ({"speculative_eagle_topk": 4}, "NGRAM drafts trees with --speculative-ngram-max-bfs-breadth"),
 ])
 def test_what_cannot_run_is_refused_at_start(tiny_llama_dir, options, message):
-    args = ServerArgs(model_path=str(tiny_llama_dir), **{"speculative_algorithm": "NGRAM", **options}).split()
+    args = ServerArgs(model_path=str(tiny_llama_dir), **{"speculative_algorithm": "NGRAM", **options}).resolved().split()
     with pytest.raises(ValueError, match=message):
         drafter_of(args.engine, args.model, tiny_llama_dir, None, None)
 

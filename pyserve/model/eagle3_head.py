@@ -21,7 +21,6 @@ post_attention_layernorm), `norm.weight`, `lm_head.weight`, `d2t` and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig, base_fields
-from pyserve.model.draft_heads import checkpoint_tensors, fill_head, in_target_vocabulary
+from pyserve.model.draft_heads import checkpoint_tensors, fill_head, head_config, in_target_vocabulary
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.layers.attention import Attention
 from pyserve.model.layers.mlp import MLP
@@ -47,10 +46,7 @@ class Eagle3Config:
     name = "EAGLE-3 head"
 
     def __init__(self, head_dir: Path):
-        path = head_dir / "config.json"
-        if not path.is_file():
-            raise ValueError(f"the EAGLE-3 head directory {head_dir} has no config.json")
-        cfg = json.loads(path.read_text())
+        path, cfg = head_config(head_dir, self.name)
         if ARCHITECTURE not in (cfg.get("architectures") or []):
             raise ValueError(f"{path} is not an EAGLE-3 head: its architectures are {cfg.get('architectures')}, "
                              f"not [{ARCHITECTURE!r}]")

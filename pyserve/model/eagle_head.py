@@ -27,7 +27,6 @@ projects onto them alone and the head proposes only them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig, base_fields
-from pyserve.model.draft_heads import OverTargetHead, checkpoint_tensors, fill_head
+from pyserve.model.draft_heads import OverTargetHead, checkpoint_tensors, fill_head, head_config
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.layers.attention import Attention
 from pyserve.model.layers.mlp import MLP
@@ -53,10 +52,7 @@ class EagleConfig:
     name = "EAGLE head"
 
     def __init__(self, head_dir: Path):
-        path = head_dir / "config.json"
-        if not path.is_file():
-            raise ValueError(f"the EAGLE head directory {head_dir} has no config.json")
-        cfg = json.loads(path.read_text())
+        path, cfg = head_config(head_dir, self.name)
         architectures = cfg.get("architectures") or []
         if not set(architectures) & set(ARCHITECTURES):
             raise ValueError(f"{path} is not an EAGLE head: its architectures are {architectures}, not one of "

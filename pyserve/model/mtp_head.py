@@ -122,10 +122,12 @@ class MtpHead(OverTargetHead):
 
 
 def load_mtp_head(model_dir: Path, config: MtpConfig, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
-                  target_norm: nn.Module, dtype: torch.dtype, device: torch.device) -> MtpHead:
+                  target_norm: nn.Module, dtype: torch.dtype, device: torch.device,
+                  quantization: str = "auto") -> MtpHead:
     """The checkpoint's first MTP layer, whole on this rank, over the
-    target's embedding, vocabulary projection and final norm."""
+    target's embedding, vocabulary projection and final norm;
+    `quantization` as the loader reads it (--speculative-draft-model-quantization)."""
     from pyserve.model.loader import load_model
 
-    layer, _ = load_model(model_dir, dtype, device, part=MtpPart(config))
+    layer, _ = load_model(model_dir, dtype, device, quantization=quantization, part=MtpPart(config))
     return MtpHead(layer, target_embed, target_lm_head, target_norm).to(device)

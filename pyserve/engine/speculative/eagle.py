@@ -56,6 +56,7 @@ from pyserve.model.mtp_head import MtpConfig, load_mtp_head
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
+from pyserve.server_args import ModelOptions
 
 
 @dataclass
@@ -84,8 +85,10 @@ class EagleDraft:
     """The head and its KV buffer, owned by the forward thread."""
 
     def __init__(self, head_dir: Path, config: Eagle3Config | EagleConfig | MtpConfig, target: RankModel,
-                 target_dir: Path, tree: TreeShape | None = None, hot_tokens: torch.Tensor | None = None):
-        """`tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains.
+                 target_dir: Path, options: ModelOptions, tree: TreeShape | None = None,
+                 hot_tokens: torch.Tensor | None = None):
+        """`options`: the draft's (its attention backend; an MTP layer's quantization).
+        `tree`: draft trees of that shape (--speculative-eagle-topk above 1); None: chains.
         `hot_tokens`: an EAGLE head's token map (None: the whole vocabulary).
         `target_dir`: the target's checkpoint, whose whole embedding (and
         vocabulary projection, for an EAGLE head or an MTP layer) the head
@@ -104,7 +107,8 @@ class EagleDraft:
                 lm_head = whole_target_matrix(target_dir, ("lm_head.weight", "model.embed_tokens.weight")
                                               ).to(target.device, target.dtype)
         if isinstance(config, MtpConfig):
-            self.head = load_mtp_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device)
+            self.head = load_mtp_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device,
+                                      options.quantization)
         elif isinstance(config, EagleConfig):
             self.head = load_eagle_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device,
                                         hot_tokens)
@@ -118,7 +122,7 @@ class EagleDraft:
         scratch_pages = -(-tree.scratch_slots // page_size) if tree is not None else 0
         self.kv_buffer = KVBuffer(1, target.kv_buffer.num_pages + scratch_pages, c.num_key_value_heads, c.head_dim,
                                   target.dtype, target.device, page_size=page_size)
-        if target.options.attention_backend == "triton":  # the target's backend (resolved: triton only on CUDA)
+        if options.attention_backend == "triton":
             from pyserve.model.attention.triton_backend import TritonAttention
 
             self.attention = TritonAttention(self.kv_buffer, c.num_attention_heads, target.context_len)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +13,7 @@ from pyserve.engine.speculative.drafter import CPU_DRAFT_COST, Drafter, Placehol
 from pyserve.engine.speculative.ngram import NgramDrafter, NgramTreeDrafter
 from pyserve.engine.speculative.rejection import Acceptance
 from pyserve.engine.speculative.tree import TreeShape
+from pyserve.model.config import read_config_files
 from pyserve.server_args import EngineOptions, ModelOptions
 
 if TYPE_CHECKING:
@@ -27,6 +28,15 @@ _NGRAM_CORPUS_MAX_TOKENS = 10_000_000
 # Draft heads over the target's hidden states: EAGLE-3's, EAGLE-1/2's, and a
 # checkpoint's own multi-token-prediction layer (NEXTN; EAGLE finds one too).
 EAGLE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN")
+# SGLang's (--speculative-num-steps, --speculative-eagle-topk,
+# --speculative-num-draft-tokens) for a draft model or head given none of
+# them, tuned on its GPUs: a tree of 8 over a Llama target's head, else a
+# chain of 3 (a draft model's whatever the target). A tree's extra rows
+# cost a CPU what they save, so there every draft is a chain of 3.
+_LLAMA_HEAD_SHAPE = (5, 4, 8)
+_DRAFT_SHAPE = (3, 1, 4)
+# Otherwise a chain of this many drafts.
+_DEFAULT_DRAFT_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,33 @@ class TargetGraphs:
         if self.eagle_head is None:
             return None
         return eagle_config(self.eagle_algorithm, self.eagle_head).aux_layers(target_layers)
+
+
+def draft_shape(algorithm: str, model_path: str | None, on_cuda: bool, steps: int | None, topk: int | None,
+                tokens: int | None) -> tuple[int | None, int, int]:
+    """(steps, topk, draft tokens) from the options given: SGLang's choice
+    by the target's architecture where a draft model or head is given none
+    (on a CPU, chains), else chains of 4 drafts where the topk or draft
+    tokens are left out."""
+    if algorithm != "NGRAM" and steps is None and topk is None and tokens is None:
+        if algorithm == "STANDALONE" or not on_cuda or _architecture(model_path) != "LlamaForCausalLM":
+            return _DRAFT_SHAPE
+        return _LLAMA_HEAD_SHAPE
+    return steps, 1 if topk is None else topk, _DEFAULT_DRAFT_TOKENS if tokens is None else tokens
+
+
+def _architecture(model_path: str | None) -> str | None:
+    """The served model's architecture; None where its config.json cannot
+    say (the engine's start-up then tells what is wrong)."""
+    if model_path is None:
+        from pyserve.model.default_model import DEFAULT_ARCHITECTURE
+
+        return DEFAULT_ARCHITECTURE
+    try:
+        cfg, _ = read_config_files(model_path)
+    except (ValueError, OSError):
+        return None
+    return next(iter(cfg.get("architectures") or []), None)
 
 
 def eagle_config(algorithm: str, head_dir: Path):
@@ -127,8 +164,9 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     if topk < 1:
         raise ValueError("--speculative-eagle-topk must be at least 1")
     tree = _tree_shape(options, topk) if topk > 1 else None
+    draft_options = _draft_options(options, model_options)
     if algorithm in EAGLE_ALGORITHMS:
-        runner.draft = _eagle(algorithm, draft_dir, runner, tree, model_dir,
+        runner.draft = _eagle(algorithm, draft_dir, runner, draft_options, tree, model_dir,
                               options.speculative_token_map)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
@@ -136,11 +174,28 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
         problem = tokenizer_mismatch(model_dir, draft_dir)
         if problem is not None:
             raise ValueError(problem)
-        runner.draft = DraftModel(model_options, draft_dir, runner.rank_model, steps + 1, tree)
+        _check_draft_quantization(draft_dir, draft_options.quantization)
+        runner.draft = DraftModel(draft_options, draft_dir, runner.rank_model, steps + 1, tree)
     _warn_eager_verify(runner, model_options)
     runner.acceptance = acceptance
     return PlaceholderDrafter(steps, draft_cost, drafts_from_computed_rows=algorithm in EAGLE_ALGORITHMS,
                               follows_steps=algorithm == "STANDALONE")
+
+
+def _draft_options(options: EngineOptions, model_options: ModelOptions) -> ModelOptions:
+    """The target's model options with the draft's quantization and
+    attention backend in place of the target's."""
+    quantization = options.speculative_draft_model_quantization
+    return replace(model_options, quantization="none" if quantization == "unquant" else quantization,
+                   attention_backend=options.speculative_draft_attention_backend or model_options.attention_backend)
+
+
+def _check_draft_quantization(draft_dir: Path, quantization: str) -> None:
+    """What the loader checks of the draft's checkpoint, ahead of it, for
+    an error that names the draft's option."""
+    from pyserve.model.quantized.scheme import detect
+
+    detect(read_config_files(draft_dir)[0], quantization, "--speculative-draft-model-quantization")
 
 
 def _acceptance(options: EngineOptions) -> Acceptance:
@@ -260,12 +315,19 @@ def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
     return TreeShape(topk, depth, options.max_running_requests * (depth - 1) * topk)
 
 
-def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape | None, model_dir: Path,
-           token_map: str | None):
+def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, draft_options: ModelOptions,
+           tree: TreeShape | None, model_dir: Path, token_map: str | None):
     from pyserve.engine.speculative.eagle import EagleDraft
     from pyserve.model.eagle_head import EagleConfig, load_token_map
+    from pyserve.model.mtp_head import MtpConfig
 
     config = eagle_config(algorithm, head_dir)
+    if isinstance(config, MtpConfig):
+        _check_draft_quantization(head_dir, draft_options.quantization)
+    elif draft_options.quantization not in ("auto", "none"):
+        raise ValueError(f"--speculative-draft-model-quantization {draft_options.quantization}: the {config.name} "
+                         f"in {head_dir} loads unquantized (the option is for a STANDALONE draft model or a "
+                         "NEXTN layer)")
     target = runner.rank_model.config
     if config.target_hidden_size != target.hidden_size or config.model.hidden_size != target.hidden_size:
         raise ValueError(f"the {config.name} in {head_dir} is for a target of hidden size "
@@ -278,4 +340,4 @@ def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, tree: TreeShape 
         raise ValueError(f"--speculative-token-map is for EAGLE heads; the {config.name} in {head_dir} projects "
                          "onto the whole vocabulary")
     hot_tokens = None if token_map is None else load_token_map(Path(token_map), target.vocab_size)
-    return EagleDraft(head_dir, config, runner.rank_model, model_dir, tree, hot_tokens)
+    return EagleDraft(head_dir, config, runner.rank_model, model_dir, draft_options, tree, hot_tokens)

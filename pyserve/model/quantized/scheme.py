@@ -110,17 +110,17 @@ def _compressed(qc: dict) -> Scheme:
 _READERS = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed}
 
 
-def detect(config: dict, requested: str = "auto") -> Scheme | None:
+def detect(config: dict, requested: str = "auto", flag: str = "--quantization") -> Scheme | None:
     """The scheme of a checkpoint's config.json (as a dict); None for
-    unquantized weights. `requested` (`--quantization`): auto takes what
+    unquantized weights. `requested` (the option `flag`): auto takes what
     the config says, a method insists on it, none refuses a quantized one."""
     requested = (requested or "auto").lower()
     if requested not in CHOICES:
-        raise ValueError(f"--quantization {requested!r}: expected one of {', '.join(CHOICES)}")
+        raise ValueError(f"{flag} {requested!r}: expected one of {', '.join(CHOICES)}")
     qc = config.get("quantization_config") or config.get("compression_config")
     if not qc:
         if requested not in ("auto", "none"):
-            raise ValueError(f"--quantization {requested}: the checkpoint's config.json has no quantization_config")
+            raise ValueError(f"{flag} {requested}: the checkpoint's config.json has no quantization_config")
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "mxfp4" and requested == "auto":
@@ -129,7 +129,7 @@ def detect(config: dict, requested: str = "auto") -> Scheme | None:
     if method not in _READERS:
         raise _error(f"quant_method {method!r}")
     if requested == "none":
-        raise ValueError(f"--quantization none: the checkpoint's weights are {method}-quantized")
+        raise ValueError(f"{flag} none: the checkpoint's weights are {method}-quantized")
     if requested not in ("auto", method):
-        raise ValueError(f"--quantization {requested}: the checkpoint's quantization_config says {method}")
+        raise ValueError(f"{flag} {requested}: the checkpoint's quantization_config says {method}")
     return _READERS[method](qc)
