@@ -22,6 +22,16 @@ def in_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor, vo
     return full
 
 
+class OverTargetConfig:
+    """The config side of an OverTargetHead."""
+
+    def aux_layers(self, target_layers: int) -> frozenset[int]:
+        """What the target keeps for the head: its residual stream after
+        its last layer (layers/causal_lm.AuxCapture), which the head turns
+        into the hidden state it reads with the target's final norm."""
+        return frozenset({target_layers})
+
+
 class OverTargetHead(nn.Module):
     """A head that reads the target's last hidden state (its stream after
     the last layer through its final norm) and projects with the target's

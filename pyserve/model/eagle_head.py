@@ -34,7 +34,7 @@ from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.config import ModelConfig, base_fields
-from pyserve.model.draft_heads import OverTargetHead, checkpoint_tensors, fill_head, head_config
+from pyserve.model.draft_heads import OverTargetConfig, OverTargetHead, checkpoint_tensors, fill_head, head_config
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.layers.attention import Attention
 from pyserve.model.layers.mlp import MLP
@@ -46,7 +46,7 @@ from pyserve.model.step_plan import TORCH_STEP
 ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle")
 
 
-class EagleConfig:
+class EagleConfig(OverTargetConfig):
     """What the head's config.json says."""
 
     name = "EAGLE head"
@@ -62,12 +62,6 @@ class EagleConfig:
                              "pyserve runs heads of one layer")
         self.model = ModelConfig(architecture=ARCHITECTURES[-1], **base_fields(cfg, {}, str(path)))
         self.target_hidden_size = self.model.hidden_size  # the head's stream is the target's
-
-    def aux_layers(self, target_layers: int) -> frozenset[int]:
-        """What the target keeps for the head: its residual stream after its
-        last layer (layers/causal_lm.AuxCapture), which the head normalizes
-        as the target's final norm does."""
-        return frozenset({target_layers})
 
 
 class EagleHead(OverTargetHead):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pyserve.model.attention.base import AttentionBackend
-from pyserve.model.draft_heads import OverTargetHead
+from pyserve.model.draft_heads import OverTargetConfig, OverTargetHead
 from pyserve.model.families import read_config
 from pyserve.model.families.family import Family
 from pyserve.model.forward_batch import ForwardBatch
@@ -49,7 +49,7 @@ def has_mtp_layers(model_dir: Path) -> bool:
         return False
 
 
-class MtpConfig:
+class MtpConfig(OverTargetConfig):
     """The target checkpoint's first MTP layer, as a one-layer model's config."""
 
     name = "multi-token-prediction layer"
@@ -64,10 +64,6 @@ class MtpConfig:
         self.model = replace(target, num_hidden_layers=1, mtp_layers=0,
                              dense_layers=frozenset() if target.moe.num_experts else frozenset({0}))
         self.target_hidden_size = target.hidden_size
-
-    def aux_layers(self, target_layers: int) -> frozenset[int]:
-        """The target's stream after its last layer, which its final norm turns into the hidden state read."""
-        return frozenset({target_layers})
 
 
 class MtpPart:
