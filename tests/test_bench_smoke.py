@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from bench import baseline_hf, compare, serving
+from tests.slow import slow_test
 
 # 2 prompts of exactly 8 words (8 tokens with the embedded model's tokenizer,
 # which adds no BOS) and 4 output tokens each
@@ -45,6 +46,7 @@ def test_baseline_hf_generates_the_asked_tokens(tiny_llama_dir, tmp_path):
     assert out.read_text().count('"prompt_tokens"') == 2
 
 
+@slow_test  # four runs; one pair: the test below
 def test_compare_rounds_alternate_on_new_prompts(tiny_llama_dir, capsys):
     """--rounds 2: two pairs of runs, each round's ratio and the medians'."""
     result = compare.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-concurrency", "2",

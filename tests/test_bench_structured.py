@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 
 from bench import structured
+from tests.slow import slow_test
 
 
+@slow_test  # three engines and every schema's compile
 def test_structured_benchmark_reports_ratios_and_compile_times(capsys):
     result = structured.main(["--rounds", "1", "--concurrency", "2", "--temperatures", "0", "--schemas", "wide"])
     run = result["wide-c2-t0"]

@@ -75,6 +75,7 @@ def test_engine_with_compiled_decode_gives_the_eager_tokens(tmp_path, default_mo
     assert compiled_during_requests == 0  # start-up compiled every shape the requests needed
 
 
+@slow_test  # two engines started in a fresh interpreter
 def test_eager_decode_steps_leave_torch_dynamo_unimported(default_model_dir):
     """Without --enable-torch-compile nothing marks dynamic sizes, so the
     first request does not pay for importing torch._dynamo (about 1.5 s

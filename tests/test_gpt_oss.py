@@ -24,6 +24,7 @@ from pyserve.model import mxfp4
 from pyserve.model.families import parse_config
 from pyserve.model.loader import load_model
 from pyserve.server_args import ServerArgs
+from tests.slow import slow_test
 from tests.test_attention_window import triton_backend
 from tests.test_engine_vs_hf import hf_greedy as hf_cached_greedy
 from tests.test_families import assert_served_like_transformers
@@ -106,6 +107,7 @@ def test_engine_with_a_cached_prefix_matches_transformers(gpt_oss_dir):
     assert [tokens for tokens, _ in got] == [hf_cached_greedy(hf, p, 8) for p in prompts]
 
 
+@slow_test  # two ranks by default: the MXFP4 checkpoint's test below
 def test_two_ranks_generate_what_one_does(gpt_oss_dir):
     """Each rank holds half the heads (and their sinks) and half of every expert."""
     assert_same_generation(*_one_and_two_ranks(gpt_oss_dir))

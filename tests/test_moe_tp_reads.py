@@ -22,6 +22,7 @@ from pyserve.model.cpu import blocks
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import TensorParallel
+from tests.slow import slow
 from tests.test_gpt_oss import write_mxfp4_pair
 from tests.test_quantized_formats import (
     awq_dequantized, awq_tensors, dense_copy, pack_columns, pack_rows, round_to_nearest, unpack_words, write_quantized,
@@ -220,12 +221,15 @@ def moe_in_groups_of_32(tmp_path, default_model_dir, fmt: str):
     return tmp_path / fmt, dense_copy(float_dir, tmp_path / f"{fmt}-dense", reference)
 
 
+# slow: compressed-tensors' and per-tensor FP8's experts (a part of either
+# kind of dense layer is checked by default: test_quantized_tp_reads'
+# part-read test and test_a_part_of_an_fp8_weight_is_the_whole_cut below).
 @pytest.mark.parametrize("fmt, shared", [
     ("gptq-int4-sym", ("g_idx",)),
     ("awq-int4-g32", ()),
-    ("compressed-w4a16-g32", ("weight_shape",)),
+    pytest.param("compressed-w4a16-g32", ("weight_shape",), marks=slow),
     ("fp8-block", ()),
-    ("fp8-tensor", ("weight_scale", "input_scale")),
+    pytest.param("fp8-tensor", ("weight_scale", "input_scale"), marks=slow),
 ])
 def test_each_rank_reads_only_its_slice_of_quantized_experts(tmp_path, monkeypatch, default_model_dir, fmt, shared):
     """A quantized Qwen3-MoE's experts in their packed layouts: gate/up's

@@ -156,7 +156,8 @@ def test_two_ranks_generate_what_one_does_from_the_parts_they_read(tmp_path, def
 
 @pytest.mark.parametrize("arch, overrides", [
     pytest.param("phi3", {}, id="phi3-fused-qkv-gate-up"),
-    pytest.param("llama", {"num_key_value_heads": 1}, id="llama-replicated-kv"),
+    # slow: replicated KV heads read whole (test_tensor_parallel's unquantized case runs by default)
+    pytest.param("llama", {"num_key_value_heads": 1}, id="llama-replicated-kv", marks=slow),
 ])
 def test_fused_checkpoint_layers_and_replicated_kv_heads(tmp_path, monkeypatch, caplog, default_model_dir, arch,
                                                          overrides):

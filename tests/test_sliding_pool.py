@@ -26,6 +26,7 @@ from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.server_args import ServerArgs
+from tests.slow import slow
 from tests.tiny_models import build_tiny_model
 
 WINDOW = 8  # tiny_models' sliding_window for Gemma 2/3 and gpt-oss
@@ -336,7 +337,8 @@ def test_steps_are_cut_to_what_the_sliding_pool_holds():
     run_until_done(sched, StandInKV(sched.kv, WINDOW), random.Random(4))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+# gpt-oss's alternating layers by default; Gemma 3's five sliding to one full, slow.
+@pytest.mark.parametrize("arch", [pytest.param("gemma3", marks=slow), "gpt_oss"])
 def test_triton_kernels_read_the_sliding_pool(tmp_path, default_model_dir, arch):
     """The Triton backend (its interpreter without CUDA) through the engine:
     a 40-token prompt in chunks of 16 beside a 36-token sliding pool, then

@@ -13,6 +13,7 @@ from pyserve.engine.request import Constraint, GenerateRequest, SamplingParams
 from pyserve.engine.speculative.ngram import find_draft
 from pyserve.engine.speculative.rejection import greedy_run
 from pyserve.server_args import ServerArgs
+from tests.slow import slow
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
         "speculative_ngram_min_match_window_size": 1}  # drafts as often as possible: the most runs checked
@@ -364,7 +365,9 @@ def assert_identical_on_the_embedded_model(default_model_dir, speculative: dict,
     return metrics
 
 
-@pytest.mark.parametrize("mode,tol", [({"torchao_config": "none"}, 1e-4), ({}, 1e-6)], ids=["float32", "4bit"])
+# float32 slow: the tiny checkpoints' tests run in float32; here the embedded model's default 4-bit mode.
+@pytest.mark.parametrize("mode,tol", [pytest.param({"torchao_config": "none"}, 1e-4, id="float32", marks=slow),
+                                      pytest.param({}, 1e-6, id="4bit")])
 def test_greedy_identical_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, mode, tol):
     metrics = assert_identical_on_the_embedded_model(default_model_dir, SPEC, mode, tol)
     assert metrics.spec_verify_steps > 0

@@ -19,7 +19,7 @@ from pyserve.api.generation.serving import ServingContext
 from pyserve.engine.speculative.corpora import DOCUMENT_SEPARATOR, ExternalCorpora
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.server_args import ServerArgs
-from tests.slow import slow_test
+from tests.slow import slow, slow_test
 from tests.test_speculative import collect, same, started
 from tests.test_speculative_ngram_trees import GREEDY, TREES
 
@@ -65,8 +65,10 @@ def _runs(model_dir, prompt, options: dict, engine_args=None):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("engine_args", [{"page_size": 1}, {"page_size": 4, "disable_overlap_schedule": False}],
-                         ids=["page1", "page4-overlap"])
+# Pages of 4 under overlap by default; pages of 1 without it, slow.
+@pytest.mark.parametrize("engine_args", [pytest.param({"page_size": 1}, id="page1", marks=slow),
+                                         pytest.param({"page_size": 4, "disable_overlap_schedule": False},
+                                                      id="page4-overlap")])
 def test_a_request_whose_answer_is_in_the_corpus_drafts_it_from_the_start(default_model_dir, answers, tmp_path,
                                                                           engine_args):
     prompt, plain = answers[0]

@@ -14,7 +14,7 @@ import pyserve.engine.speculative.tree as tree
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.engine.speculative.options import drafter_of
 from pyserve.server_args import ServerArgs
-from tests.slow import slow_test
+from tests.slow import slow, slow_test
 from tests.test_speculative import (COPY, assert_identical_on_the_embedded_model, collect, repetitive, same,
                                     started, with_and_without)
 
@@ -71,7 +71,7 @@ def test_sampled_requests_draft_trees_and_give_every_page_back(default_model_dir
     assert metrics.accepted_drafts() > 0 and tree_rows["trees"] > 0
 
 
-@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+@pytest.mark.parametrize("match_type", ["BFS", pytest.param("PROB", marks=slow)])  # PROB's trees: slow
 def test_ngram_trees_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, tree_rows, match_type):
     """The copy prompt repeats a sentence that goes on two ways: the rows
     that reach it verify trees."""

@@ -230,6 +230,7 @@ def test_a_chains_drafts_are_kept_as_often_as_the_thresholds_say(acceptance, dra
     assert abs(got - expected) <= 4.5 * math.sqrt(max(expected * (1 - expected), 1e-4) / 20000) + 1e-9, got
 
 
+@slow_test  # 20000 walks; chains' thresholds: the test above
 def test_a_trees_children_are_kept_as_often_as_the_thresholds_say():
     """The root's children tokens 0 and 1 (p = 0.1 and 0.2 of a 4-token
     distribution): with acc 0.5, child 0 is kept with probability 0.2 and

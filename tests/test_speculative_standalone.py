@@ -67,7 +67,8 @@ def run_both(model_dir, requests, draft, engine_args=None, sequential=False):
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+# Pages of 4 by default (rejected drafts cut inside a page); pages of 1, slow.
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=slow), 4])
 @pytest.mark.parametrize("draft", ["noisy", "small"])
 def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, draft):
     from pyserve._rust import Tokenizer

@@ -16,7 +16,7 @@ from pyserve.engine.request import Constraint, SamplingParams
 from pyserve.engine.speculative.rejection import walk
 from pyserve.engine.speculative.tree import DraftTree, chain_order, expand
 from pyserve.model.forward_batch import ForwardBatch
-from tests.slow import slow_test
+from tests.slow import slow, slow_test
 from tests.test_speculative import same
 from tests.test_speculative_eagle3 import (GREEDY, PROMPTS, heads, run_both, runs_with_stops,  # noqa: F401
                                            spec, target)
@@ -98,7 +98,8 @@ def test_a_sampled_walk_draws_the_targets_distribution():
     torch.testing.assert_close(seconds / seconds.sum(), torch.softmax(logits[1], -1), atol=0.045, rtol=0)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+# Pages of 4 by default (the accepted nodes' copies cross pages); pages of 1, slow.
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=slow), 4])
 def test_greedy_identical_with_trees_and_a_fitted_head_keeps_more(target, heads, page_size):
     """A random head's trees and a fitted head's (3 candidates a step, 3
     deep, 7 nodes): tokens and log-probabilities of plain decoding, stops
