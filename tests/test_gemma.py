@@ -45,13 +45,15 @@ def test_greedy_tokens_and_logprobs_match_transformers(gemma_dir):
     assert_matches_transformers(gemma_dir, random_prompts(512, LENGTHS), 16)
 
 
-def test_triton_backend_matches_transformers(gemma_dir):
+# The image-text checkpoint's text model is Gemma 3's: through Triton, slow.
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", pytest.param("gemma3-multimodal", marks=slow)])
+def test_triton_backend_matches_transformers(tmp_path, arch):
     """The Triton kernels (in the interpreter without CUDA) on the same
     steps: the window and soft-cap passed per layer reach them too."""
     def triton(pool, config):
         return triton_backend(pool, config.num_attention_heads)
 
-    assert_matches_transformers(gemma_dir, random_prompts(512, [3, 13, 22]), 6, triton)
+    assert_matches_transformers(build_tiny_model(tmp_path, arch), random_prompts(512, [3, 13, 22]), 6, triton)
 
 
 # Gemma 3 by default. Slow: Gemma 2 (its soft caps act on whole rows, which

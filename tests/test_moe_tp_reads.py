@@ -221,12 +221,12 @@ def moe_in_groups_of_32(tmp_path, default_model_dir, fmt: str):
     return tmp_path / fmt, dense_copy(float_dir, tmp_path / f"{fmt}-dense", reference)
 
 
-# slow: compressed-tensors' and per-tensor FP8's experts (a part of either
-# kind of dense layer is checked by default: test_quantized_tp_reads'
+# slow: AWQ's, compressed-tensors' and per-tensor FP8's experts (a part of
+# each kind of dense layer is checked by default: test_quantized_tp_reads'
 # part-read test and test_a_part_of_an_fp8_weight_is_the_whole_cut below).
 @pytest.mark.parametrize("fmt, shared", [
     ("gptq-int4-sym", ("g_idx",)),
-    ("awq-int4-g32", ()),
+    pytest.param("awq-int4-g32", (), marks=slow),
     pytest.param("compressed-w4a16-g32", ("weight_shape",), marks=slow),
     ("fp8-block", ()),
     pytest.param("fp8-tensor", ("weight_scale", "input_scale"), marks=slow),
