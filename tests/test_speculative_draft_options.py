@@ -121,6 +121,18 @@ def test_the_draft_attends_with_its_own_backend(tiny_llama_dir, default_model_di
     assert isinstance(engine.runner.draft.model.attention, TritonAttention)
 
 
+def test_draft_options_without_an_algorithm_are_refused():
+    """A launch line that forgot --speculative-algorithm would decode plainly."""
+    args = ServerArgs.from_cli(["--speculative-draft-model-path", "/draft", "--speculative-num-steps", "3",
+                                "--speculative-draft-model-quantization", "fp8"]).resolved().split()
+    with pytest.raises(ValueError, match="--speculative-num-steps, --speculative-draft-model-path, "
+                                         "--speculative-draft-model-quantization: for speculative decoding, which "
+                                         "is off without --speculative-algorithm"):
+        drafter_of(args.engine, args.model, None, None, None)
+    plain = ServerArgs().resolved().split()
+    assert drafter_of(plain.engine, plain.model, None, None, None) is None
+
+
 def test_the_cli_takes_sglangs_draft_options():
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/h",
                                 "--speculative-draft-model-quantization", "unquant",

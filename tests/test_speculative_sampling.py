@@ -305,7 +305,8 @@ def test_thresholds_out_of_range_or_without_speculation_are_refused():
         with pytest.raises(ValueError, match=message):
             drafter_of(args.engine, args.model, None, None, None)
     args = ServerArgs(speculative_accept_threshold_single=0.5).resolved().split()
-    with pytest.raises(ValueError, match="are for speculative decoding"):
+    with pytest.raises(ValueError, match="--speculative-accept-threshold-single: for speculative decoding, which is "
+                                         "off without --speculative-algorithm"):
         drafter_of(args.engine, args.model, None, None, None)
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/h",
                                 "--speculative-accept-threshold-single", "0.6",

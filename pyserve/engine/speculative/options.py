@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,9 +132,10 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     EAGLE, the draft head (checked against the target's shapes); for NGRAM trees, the
     corpus file (with `tokenizer`)."""
     algorithm = options.speculative_algorithm
-    acceptance = _acceptance(options)
     if algorithm is None:
+        _refuse_options_without_speculation(options)
         return None
+    acceptance = _acceptance(options)
     k = options.speculative_num_draft_tokens
     if k < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
@@ -204,10 +205,17 @@ def _acceptance(options: EngineOptions) -> Acceptance:
     for value, flag in ((acceptance.single, "single"), (acceptance.acc, "acc")):
         if not 0.0 < value <= 1.0:
             raise ValueError(f"--speculative-accept-threshold-{flag} {value}: must be in (0, 1]")
-    if options.speculative_algorithm is None and not acceptance.exact:
-        raise ValueError("--speculative-accept-threshold-single and -acc are for speculative decoding "
-                         "(--speculative-algorithm)")
     return acceptance
+
+
+def _refuse_options_without_speculation(options: EngineOptions) -> None:
+    """A --speculative-* option given without --speculative-algorithm would
+    change nothing: refused, so that no one believes speculation is on."""
+    given = [f"--{f.name.replace('_', '-')}" for f in fields(EngineOptions)
+             if f.name.startswith("speculative_") and getattr(options, f.name) != f.default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: for speculative decoding, which is off without "
+                         "--speculative-algorithm")
 
 
 def _ngram_trie(options: EngineOptions) -> NgramTrie | None:
