@@ -239,10 +239,22 @@ def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_
         stored = set(f.keys())
     assert {f"model.layers.{LAYERS}.mlp.experts.3.down_proj.weight_scale_inv",
             f"model.layers.{LAYERS}.self_attn.q_proj.weight_scale_inv"} <= stored
-    model, config = load_model(dense_dir, torch.float32, "cpu")
+    fp8, dense = layer_logits(dense_dir, [tmp_path / "fp8", dense_dir])
+    torch.testing.assert_close(fp8, dense, atol=1e-5, rtol=0)
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 20})]
+    plain, got, metrics = with_and_without(tmp_path / "fp8", requests, nextn(), {"torchao_config": "none"})
+    same(plain, got)
+    assert metrics.spec_verify_steps > 0
+
+
+def layer_logits(target_dir: Path, layer_dirs: list[Path]) -> list[torch.Tensor]:
+    """The logits of the MTP layer read from each of `layer_dirs` over
+    `target_dir`'s embedding, vocabulary projection and final norm, on
+    the same tokens and random hidden states."""
+    model, config = load_model(target_dir, torch.float32, "cpu")
     hidden = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(0))
     logits = []
-    for model_dir in (tmp_path / "fp8", dense_dir):
+    for model_dir in layer_dirs:
         head_config = MtpConfig(model_dir)
         head = load_mtp_head(model_dir, head_config, model.embed_tokens.weight, model.lm_head.weight, model.norm,
                              torch.float32, torch.device("cpu"))
@@ -250,9 +262,26 @@ def test_a_quantized_checkpoints_layer_is_read_as_its_dequantized_copy(glm, tmp_
         attn = TorchAttention(KVBuffer(1, 16, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"))
         with torch.inference_mode():
             logits.append(head_step(head, attn, torch.arange(1, 8), repetitive(6), 0, hidden)[0])
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
-    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 20})]
-    plain, got, metrics = with_and_without(tmp_path / "fp8", requests, nextn(), {"torchao_config": "none"})
+    return logits
+
+
+def test_a_directory_of_the_layer_alone_drafts_as_the_whole_checkpoint(glm, tmp_path):
+    """SGLang's exported NextN checkpoints: --speculative-draft-model-path
+    names a directory holding only the MTP layer (config.json and the
+    layer's tensors) beside a target without one."""
+    from safetensors.torch import load_file, save_file
+
+    alone = tmp_path / "nextn"
+    alone.mkdir()
+    whole = load_file(glm["random"] / "model.safetensors")
+    save_file({k: v for k, v in whole.items() if k.startswith(f"model.layers.{LAYERS}.")},
+              str(alone / "model.safetensors"))
+    shutil.copy(glm["random"] / "config.json", alone / "config.json")
+    from_alone, from_whole = layer_logits(glm["target"], [alone, glm["random"]])
+    assert torch.equal(from_alone, from_whole)
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 12})]
+    plain, got, metrics = with_and_without(glm["target"], requests, nextn(speculative_draft_model_path=str(alone)),
+                                           {"torchao_config": "none"})
     same(plain, got)
     assert metrics.spec_verify_steps > 0
 
