@@ -57,12 +57,17 @@ def comma_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def flags_of(f: Field) -> tuple[str, ...]:
+    """The command-line flags of an option's field: its own, or its name's (`--max-total-tokens`)."""
+    return f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
+
+
 def add_arguments(section: argparse._ArgumentGroup, options: Iterable[Field], hints: dict[str, Any]) -> None:
     """The arguments of `options` (fields made by `option`) in `section`;
     `hints`: the fields' resolved type hints."""
     for f in options:
         meta = f.metadata
-        flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+        flags = flags_of(f)
         if _value_type(hints[f.name]) is bool:
             section.add_argument(*flags, dest=f.name, action="store_const", const=True, default=f.default,
                                  help=meta["help"])

@@ -19,10 +19,8 @@ import typing
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
+from pyserve.model.quantized.scheme import CHOICES as CHECKPOINT_QUANTIZATIONS
 from pyserve.option_fields import add_arguments, comma_list, option
-
-# --quantization's choices: how a checkpoint's own quantization is read.
-CHECKPOINT_QUANTIZATIONS = ["auto", "awq", "gptq", "fp8", "compressed-tensors", "none"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class ModelOptions:
                                  "the 4-bit weights the model ships (the embedded model's) as 8da4w with AVX2")
     quantization: str = option("auto", help="the checkpoint's own quantization: auto (config.json's "
                                "quantization_config), awq, gptq, fp8 or compressed-tensors to insist on it, "
-                               "none to refuse a quantized checkpoint", choices=CHECKPOINT_QUANTIZATIONS)
+                               "none to refuse a quantized checkpoint", choices=list(CHECKPOINT_QUANTIZATIONS))
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
     random_seed: int = option(0, help="seed of sampling for requests that set none")
     # Tensor parallelism (README "Tensor parallelism"), named as SGLang names it.
