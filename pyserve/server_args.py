@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
+from pyserve.model.hub import check_revision, local_model_dir
 from pyserve.model.quantized.scheme import CHOICES as CHECKPOINT_QUANTIZATIONS
 from pyserve.option_fields import add_arguments, comma_list, option
 
@@ -29,7 +30,11 @@ class ModelOptions:
     ModelRunner and the worker processes receive these options and no others."""
 
     model_path: str | None = option(None, "--model", "--model-path",
-                                    help="Hugging Face model directory (default: the embedded model)")
+                                    help="a Hugging Face model directory, or a Hub id (OWNER/NAME) found in or "
+                                         "downloaded to the Hugging Face cache (default: the embedded model)")
+    revision: str | None = option(None, help="with a Hub id: the branch, tag or commit to serve (default: main)")
+    download_dir: str | None = option(None, help="the Hugging Face cache that Hub ids are found in and downloaded "
+                                                 "to (default: huggingface_hub's, under $HF_HOME)")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
                                 "sentence-transformers files) instead of generating text")
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -149,6 +154,8 @@ class EngineOptions:
         None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
                    "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats); EAGLE, NEXTN: "
                    "by default the model's own multi-token-prediction layer, where its checkpoint has one")
+    speculative_draft_model_revision: str | None = option(
+        None, help="with a Hub id as --speculative-draft-model-path: its branch, tag or commit (default: main)")
     speculative_eagle_topk: int | None = option(
         None, help="all but NGRAM: draft branches per step; 1 (default), a chain; more, a draft tree")
     speculative_accept_threshold_single: float = option(
@@ -285,6 +292,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                 raise ValueError(f"--forwarded-allow-ips: {item!r} is not an address or network") from None
         if self.is_embedding:
             self._validate_embedding()
+        check_revision(self.model_path, self.revision, "--model", "--revision")
+        check_revision(self.speculative_draft_model_path, self.speculative_draft_model_revision,
+                       "--speculative-draft-model-path", "--speculative-draft-model-revision")
         for origin in comma_list(self.allowed_origins):
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin such as https://app.example")
@@ -324,9 +334,10 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         """A copy with every "auto" made concrete for this machine: device
         ("cpu" or "cuda"), dtype, attention backend and overlap scheduling
         (a bool); the CUDA graphs' largest batch, which every rank
-        captures alike, capped by the running batch; and the speculative
-        draft's shape, which the model's architecture decides where left out. Resolving a resolved
-        copy changes nothing. Start-up resolves once, then splits."""
+        captures alike, capped by the running batch; Hub ids as local
+        directories; and the speculative draft's shape, which the model's
+        architecture decides where left out. Resolving a resolved copy
+        changes nothing. Start-up resolves once, then splits."""
         import torch  # here, so that `pyserve --help` answers without loading torch
 
         cuda_available = torch.cuda.is_available()
@@ -336,8 +347,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         if device == "auto":
             device = "cuda" if cuda_available else "cpu"
         on_cuda = device == "cuda"
+        located = self._located()
         return replace(
-            self,
+            located,
             device=device,
             dtype=("bfloat16" if on_cuda else "float32") if self.dtype == "auto" else self.dtype,
             attention_backend=(("triton" if on_cuda else "torch") if self.attention_backend == "auto"
@@ -345,8 +357,21 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             disable_overlap_schedule=(not on_cuda or self.speculative_algorithm is not None
                                       if self.disable_overlap_schedule is None else self.disable_overlap_schedule),
             cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_running_requests),
-            **self._draft_shape(on_cuda),
+            **located._draft_shape(on_cuda),
         )
+
+    def _located(self) -> ServerArgs:
+        """A copy whose model and draft model paths are local directories:
+        a Hub id becomes its snapshot in the Hugging Face cache (downloaded
+        if need be), while the API keeps serving the model by the name given."""
+        model_path = self.model_path and local_model_dir(self.model_path, self.revision, self.download_dir,
+                                                         "--model")
+        draft_path = self.speculative_draft_model_path
+        if self.speculative_algorithm is not None and draft_path:  # without it, start-up refuses the option
+            draft_path = local_model_dir(draft_path, self.speculative_draft_model_revision, self.download_dir,
+                                         "--speculative-draft-model-path", "--speculative-draft-model-revision")
+        return replace(self, model_path=model_path, speculative_draft_model_path=draft_path,
+                       served_model_name=self.served_model_name or self.model_path)
 
     def _draft_shape(self, on_cuda: bool) -> dict[str, int | None]:
         """--speculative-num-steps, -eagle-topk and -num-draft-tokens, made

@@ -32,7 +32,7 @@ def test_a_draft_given_no_shape_takes_sglangs_for_the_target(tmp_path):
     glm = tmp_path / "glm"
     glm.mkdir()
     (glm / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"]}))
-    eagle3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/head"]
+    eagle3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path)]
     # On a GPU a head over the embedded model (a Llama) drafts a tree of 8
     # tokens, 5 deep, 4 wide; on a CPU, and over other targets, a chain of 3.
     assert shape(ServerArgs.from_cli(eagle3), on_cuda=True) == (5, 4, 8)
@@ -40,7 +40,7 @@ def test_a_draft_given_no_shape_takes_sglangs_for_the_target(tmp_path):
     nextn = ["--model", str(glm), "--speculative-algorithm", "NEXTN"]
     assert shape(ServerArgs.from_cli(nextn), on_cuda=True) == shape(ServerArgs.from_cli(nextn)) == (3, 1, 4)
     assert shape(ServerArgs.from_cli(["--speculative-algorithm", "STANDALONE",
-                                      "--speculative-draft-model-path", "/draft"]), on_cuda=True) == (3, 1, 4)
+                                      "--speculative-draft-model-path", str(tmp_path)]), on_cuda=True) == (3, 1, 4)
     # Any one of the three given: the others keep pyserve's defaults (a chain of 4).
     assert shape(ServerArgs.from_cli([*eagle3, "--speculative-num-steps", "2"])) == (2, 1, 4)
     assert shape(ServerArgs.from_cli([*eagle3, "--speculative-eagle-topk", "2"])) == (None, 2, 4)

@@ -16,6 +16,7 @@ from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.sequence import Sequence
 from pyserve.lora.adapter import read_adapter
 from pyserve.lora.registry import LoraRef, LoraRegistry
+from pyserve.model.hub import local_model_dir
 from pyserve.server_args import ModelOptions
 
 
@@ -39,11 +40,12 @@ class Adapters:
         self.max_rank = options.max_lora_rank
         self.registry = LoraRegistry(options.max_loras_per_batch)
         self.lock = asyncio.Lock()
+        self.download_dir = options.download_dir
         self.initial = parse_lora_paths(options.lora_paths)
         if len(self.initial) > self.registry.num_slots:
             raise ValueError(f"--lora-paths names {len(self.initial)} adapters, more than --max-loras-per-batch")
         for name, path in self.initial.items():  # checked now, so that a bad one stops the start
-            read_adapter(path, self.max_rank)
+            read_adapter(self.local_dir(path, "--lora-paths"), self.max_rank)
 
     async def load_initial(self) -> None:
         for name, path in self.initial.items():
@@ -68,12 +70,18 @@ class Adapters:
         """ValueError (AdapterError for the files) when it cannot be loaded."""
         if not name:
             raise ValueError("lora_name must be a non-empty string")
-        adapter = await asyncio.to_thread(read_adapter, path, self.max_rank)
+        local = await asyncio.to_thread(self.local_dir, path, "lora_path")
+        adapter = await asyncio.to_thread(read_adapter, local, self.max_rank)
         async with self.lock:
             ref = self.registry.take_slot(name, _slots_in_use(self.running()))
-            await self.runner.load_lora(ref.slot, adapter, path)
+            await self.runner.load_lora(ref.slot, adapter, local)
             self.registry.add(ref, path)
         return ref
+
+    def local_dir(self, path: str, flag: str) -> str:
+        """The adapter's directory: `path`, or the snapshot of the Hub id
+        `path` in the Hugging Face cache."""
+        return local_model_dir(path, None, self.download_dir, flag)
 
     def unload(self, name: str) -> None:
         """KeyError for a name not loaded; its running requests finish under it."""

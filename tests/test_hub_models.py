@@ -1,0 +1,131 @@
+"""Models and adapters named by Hugging Face Hub ids, as SGLang and vLLM
+users name them (`--model Qwen/Qwen3-8B`): served from huggingface_hub's
+cache, laid out here as a download leaves it, with HF_HUB_OFFLINE=1 so
+that no test reaches the network."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pyserve.server_args import ServerArgs
+from tests.conftest import ServerProcess
+from tests.test_lora import make_adapter, reference_tokens
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("peft")
+
+PROMPT = [5, 17, 99, 3, 42, 42]
+MAIN, V2 = "a" * 40, "b" * 40  # commits
+
+
+def publish(cache: Path, repo_id: str, files: Path, commit: str, *refs: str) -> Path:
+    """Put `files` in `cache` as huggingface_hub's snapshot of `repo_id`
+    at `commit`, which the branches or tags `refs` point at."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(files, snapshot)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, tiny_llama_dir) -> Path:
+    from tests.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("hub")
+    cache = root / "cache"
+    publish(cache, "tiny-org/tiny-llama", tiny_llama_dir, MAIN, "main")
+    other = build_tiny_model(root / "other", "llama", tokenizer_dir=tiny_llama_dir, seed=1)
+    publish(cache, "tiny-org/tiny-llama", other, V2, "v2")
+    for name, seed in (("alpha", 1), ("beta", 2)):
+        publish(cache, f"tiny-org/{name}-lora", make_adapter(tiny_llama_dir, root / name, seed), MAIN, "main")
+    return cache
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for servers started here
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def snapshot(cache: Path, commit: str) -> str:
+    return str(cache / "models--tiny-org--tiny-llama" / "snapshots" / commit)
+
+
+def test_a_hub_id_serves_its_snapshot_under_its_own_name(hub_cache, tiny_llama_dir, offline):
+    srv = ServerProcess("--model", "tiny-org/tiny-llama", "--download-dir", str(hub_cache), "--enable-lora",
+                        "--lora-paths", "alpha=tiny-org/alpha-lora", "--max-total-tokens", "2048")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"tiny-org/tiny-llama", "alpha"} and cards["alpha"].parent == "tiny-org/tiny-llama"
+        assert cards["alpha"].root == "tiny-org/alpha-lora"  # the name it was loaded by
+        info = httpx.get(f"{srv.base_url}/get_server_info").json()
+        assert info["model_path"] == snapshot(hub_cache, MAIN)
+
+        def tokens(model):
+            out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+            return out.choices[0].token_ids
+
+        assert tokens("tiny-org/tiny-llama") == reference_tokens(tiny_llama_dir, None, PROMPT, 8)
+        beta = hub_cache / "models--tiny-org--beta-lora" / "snapshots" / MAIN
+        r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": "beta",
+                                                                   "lora_path": "tiny-org/beta-lora"})
+        assert r.status_code == 200, r.text
+        assert tokens("beta") == reference_tokens(tiny_llama_dir, beta, PROMPT, 8)
+        r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": "gamma",
+                                                                   "lora_path": "tiny-org/gamma-lora"})
+        assert r.status_code == 400 and "tiny-org/gamma-lora" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_revisions_pick_a_branch_tag_or_commit(hub_cache, tiny_llama_dir, offline):
+    def located(*argv):
+        return ServerArgs.from_cli(["--model", "tiny-org/tiny-llama", "--download-dir", str(hub_cache), *argv]
+                                   ).resolved()
+
+    assert located().model_path == snapshot(hub_cache, MAIN)
+    assert located().served_model_name == "tiny-org/tiny-llama"
+    assert located("--revision", "v2").model_path == snapshot(hub_cache, V2)
+    assert located("--revision", V2).model_path == snapshot(hub_cache, V2)
+    assert located("--served-model-name", "mine").served_model_name == "mine"
+    with pytest.raises(ValueError, match="tiny-org/tiny-llama.*revision v3"):
+        located("--revision", "v3")
+    # The draft model is found the same way, at its own revision.
+    draft = ServerArgs.from_cli(["--model", str(tiny_llama_dir), "--download-dir", str(hub_cache),
+                                 "--speculative-algorithm", "STANDALONE",
+                                 "--speculative-draft-model-path", "tiny-org/tiny-llama",
+                                 "--speculative-draft-model-revision", "v2"]).resolved()
+    assert draft.speculative_draft_model_path == snapshot(hub_cache, V2)
+    assert draft.model_path == str(tiny_llama_dir) and draft.served_model_name == str(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--revision", "v2"], "--revision"),  # no model to apply it to
+    (["--model", "{local}", "--revision", "v2"], "--revision"),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{local}",
+      "--speculative-draft-model-revision", "v2"], "--speculative-draft-model-revision"),
+])
+def test_a_revision_without_a_hub_id_is_refused(argv, flag, tiny_llama_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        ServerArgs.from_cli([a.format(local=tiny_llama_dir) for a in argv])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_hub_id_not_in_the_cache_offline_fails_clearly(tmp_path, offline):
+    out = subprocess.run([sys.executable, "-m", "pyserve", "--model", "tiny-org/absent", "--download-dir",
+                          str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
+    assert "tiny-org/absent is neither a local directory nor in the Hugging Face cache" in out.stdout
