@@ -93,7 +93,7 @@ class PyserveApp:
         logger.info("server_args=%s", args)
         server, engine_options, model_options = args.split()
         engine = Engine(engine_options, model_options)
-        template = ChatTemplate.for_model(engine.model_dir, server.chat_template)
+        template = ChatTemplate.for_model(engine.tokenizer_dir, server.chat_template)
         name = server.served_model_name or DEFAULT_MODEL_NAME
         ctx = ServingContext(engine, name, template, server.reasoning_parser, server.tool_call_parser,
                              max_sequences_per_request=server.max_sequences_per_request,

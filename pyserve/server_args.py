@@ -33,8 +33,10 @@ class ModelOptions:
                                     help="a Hugging Face model directory, or a Hub id (OWNER/NAME) found in or "
                                          "downloaded to the Hugging Face cache (default: the embedded model)")
     revision: str | None = option(None, help="with a Hub id: the branch, tag or commit to serve (default: main)")
-    download_dir: str | None = option(None, help="the Hugging Face cache that Hub ids are found in and downloaded "
-                                                 "to (default: huggingface_hub's, under $HF_HOME)")
+    tokenizer_path: str | None = option(None, help="a directory or Hub id whose tokenizer and chat template are "
+                                                   "served instead of the model's")
+    trust_remote_code: bool = option(False, help="accepted from SGLang's launch lines: pyserve runs no repository code")
+    download_dir: str | None = option(None, help="the Hugging Face cache Hub ids are found in and downloaded to")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
                                 "sentence-transformers files) instead of generating text")
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -225,11 +227,14 @@ class ServerOptions:
     allowed_origins: str = option(
         "", help="comma-separated origins allowed by CORS (or * for any, without credentials); "
                  "default: none, CORS is off")
-    # Last in ServerOptions: the peer-compatibility options (issue 31).
+    # Last in ServerOptions: the peer-compatibility options.
     metrics_names: str = option(
         "pyserve,sglang,vllm",
         help="comma-separated families of /metrics names: pyserve (SGLang's names under pyserve:), sglang, "
              "vllm; all by default, so SGLang's and vLLM's dashboards read pyserve unchanged")
+    enable_metrics: bool = option(False, help="accepted from SGLang's launch lines: /metrics is always served")
+    enable_cache_report: bool = option(False, help="accepted from SGLang's launch lines: usage always reports "
+                                                   "cached_tokens")
 
 
 class Options(NamedTuple):
@@ -334,10 +339,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         """A copy with every "auto" made concrete for this machine: device
         ("cpu" or "cuda"), dtype, attention backend and overlap scheduling
         (a bool); the CUDA graphs' largest batch, which every rank
-        captures alike, capped by the running batch; Hub ids as local
-        directories; and the speculative draft's shape, which the model's
-        architecture decides where left out. Resolving a resolved copy
-        changes nothing. Start-up resolves once, then splits."""
+        captures alike, capped by the running batch; Hub ids as local directories; and the speculative
+        draft's shape, which the model's architecture decides where left out. Resolving a resolved
+        copy changes nothing. Start-up resolves once, then splits."""
         import torch  # here, so that `pyserve --help` answers without loading torch
 
         cuda_available = torch.cuda.is_available()
@@ -361,16 +365,15 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         )
 
     def _located(self) -> ServerArgs:
-        """A copy whose model and draft model paths are local directories:
-        a Hub id becomes its snapshot in the Hugging Face cache (downloaded
-        if need be), while the API keeps serving the model by the name given."""
-        model_path = self.model_path and local_model_dir(self.model_path, self.revision, self.download_dir,
-                                                         "--model")
+        """A copy whose paths are local: Hub ids as their snapshots (the API keeps the name given)."""
+        model_path = self.model_path and local_model_dir(self.model_path, self.revision, self.download_dir, "--model")
+        tokenizer_path = self.tokenizer_path and local_model_dir(self.tokenizer_path, None, self.download_dir,
+                                                                 "--tokenizer-path")
         draft_path = self.speculative_draft_model_path
         if self.speculative_algorithm is not None and draft_path:  # without it, start-up refuses the option
             draft_path = local_model_dir(draft_path, self.speculative_draft_model_revision, self.download_dir,
                                          "--speculative-draft-model-path", "--speculative-draft-model-revision")
-        return replace(self, model_path=model_path, speculative_draft_model_path=draft_path,
+        return replace(self, model_path=model_path, tokenizer_path=tokenizer_path, speculative_draft_model_path=draft_path,
                        served_model_name=self.served_model_name or self.model_path)
 
     def _draft_shape(self, on_cuda: bool) -> dict[str, int | None]:

@@ -97,3 +97,17 @@ def test_serves_logs_and_stops_cleanly_on_sigterm(tiny_llama_dir):
         assert srv.proc.wait(timeout=30) == 0
         srv.stop()
     assert "pyserve stopped" in srv.log_path.read_text()
+
+
+@pytest.mark.parametrize("line", [
+    # The seeds' launch lines, as written there.
+    "--model-path meta-llama/Meta-Llama-3.1-8B-Instruct --host 0.0.0.0",
+    "--model-path qwen/qwen2.5-0.5b-instruct --host 0.0.0.0 --mem-fraction-static 0.8",
+    "--model-path meta-llama/Meta-Llama-3.1-8B-Instruct --port 30000 --host 0.0.0.0 --log-level warning",
+    "--model-path QwQ/Qwen3-32B-250415 --reasoning-parser qwen3",
+    # Flags SGLang's docs put on many launch lines, for what pyserve always does.
+    "--model-path deepseek-ai/DeepSeek-V3 --tp 8 --trust-remote-code --enable-metrics --enable-cache-report",
+])
+def test_sglangs_launch_lines_are_pyserves(line):
+    args = ServerArgs.from_cli(line.split())
+    assert args.model_path == line.split()[1]

@@ -66,7 +66,9 @@ class Engine:
             from pyserve.model.default_model import default_model_path
 
             self.model_dir = default_model_path()
-        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        # --tokenizer-path: the tokenizer and chat template served, where not the model's own.
+        self.tokenizer_dir = Path(model_options.tokenizer_path) if model_options.tokenizer_path else self.model_dir
+        self.tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
         self.runner = ModelRunner(model_options, self.model_dir, target_graphs(options, model_options))
         self.default_max_tokens = options.default_max_tokens
         self.grammars = None  # --grammar-backend none: constrained requests are refused
@@ -74,7 +76,7 @@ class Engine:
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
             if model_options.is_embedding else None
         if options.grammar_backend == "xgrammar" and self.pooling is None:
-            info = tokenizer_info(self.tokenizer, (self.model_dir / "tokenizer.json").read_text(),
+            info = tokenizer_info(self.tokenizer, (self.tokenizer_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
         kv_buffer = self.runner.rank_model.kv_buffer
@@ -83,7 +85,8 @@ class Engine:
         chunk = self.kv.fit_chunk(options.chunked_prefill_size if options.chunked_prefill_size > 0 else None)
         self.prompt_capacity = self.kv.prompt_capacity(chunk)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
-        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner, self.tokenizer)
+        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner, self.tokenizer,
+                                  self.tokenizer_dir)
         self.scheduler = Scheduler(
             self.kv, options.max_running_requests, options.max_prefill_tokens,
             chunk,

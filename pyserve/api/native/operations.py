@@ -71,7 +71,7 @@ async def health_generate(ctx: ServingContext) -> None:
 def model_info(ctx: ServingContext) -> dict:
     return {
         "model_path": str(ctx.engine.model_dir),
-        "tokenizer_path": str(ctx.engine.model_dir),
+        "tokenizer_path": str(ctx.engine.tokenizer_dir),
         "served_model_name": ctx.served_model_name,
         "is_generation": not serves_embeddings(ctx),
         "architecture": ctx.engine.model_config.architecture,

@@ -118,7 +118,7 @@ def tokenizer_info(ctx: ServingContext) -> dict:
     """The tokenizer's configuration (tokenizer_config.json, as vLLM
     returns it), with the chat template this server renders and the
     vocabulary and context sizes it uses."""
-    info = dict(_tokenizer_config(ctx.engine.model_dir))
+    info = dict(_tokenizer_config(ctx.engine.tokenizer_dir))
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     template = ctx.chat_template
     info["chat_template"] = None if template is None else template.sources.get("default") or next(

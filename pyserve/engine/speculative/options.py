@@ -126,10 +126,10 @@ def _drafts_per_row(options: EngineOptions, model_options: ModelOptions) -> int:
 
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
-               runner: ModelRunner, tokenizer: Tokenizer) -> Drafter | None:
+               runner: ModelRunner, tokenizer: Tokenizer, tokenizer_dir: Path | None = None) -> Drafter | None:
     """None with speculation off; ValueError for what cannot run. For
-    STANDALONE, loads the draft model (checked against the target's
-    tokenizer in `model_dir`) and gives it to the runner; for EAGLE3 and
+    STANDALONE, loads the draft model (checked against the served
+    tokenizer in `tokenizer_dir`, default `model_dir`) and gives it to the runner; for EAGLE3 and
     EAGLE, the draft head (checked against the target's shapes); for NGRAM trees, the
     corpus file (with `tokenizer`)."""
     algorithm = options.speculative_algorithm
@@ -173,7 +173,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
-        problem = tokenizer_mismatch(model_dir, draft_dir)
+        problem = tokenizer_mismatch(tokenizer_dir or model_dir, draft_dir)
         if problem is not None:
             raise ValueError(problem)
         _check_draft_quantization(draft_dir, draft_options.quantization)

@@ -1,7 +1,8 @@
-"""Models and adapters named by Hugging Face Hub ids, as SGLang and vLLM
-users name them (`--model Qwen/Qwen3-8B`): served from huggingface_hub's
-cache, laid out here as a download leaves it, with HF_HUB_OFFLINE=1 so
-that no test reaches the network."""
+"""Where the model's files come from: Hugging Face Hub ids, as SGLang and
+vLLM users name models, tokenizers and adapters (`--model Qwen/Qwen3-8B`),
+served from huggingface_hub's cache (laid out here as a download leaves
+it, with HF_HUB_OFFLINE=1 so that no test reaches the network), and a
+tokenizer from elsewhere than the checkpoint (--tokenizer-path)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,19 @@ PROMPT = [5, 17, 99, 3, 42, 42]
 MAIN, V2 = "a" * 40, "b" * 40  # commits
 
 
-def publish(cache: Path, repo_id: str, files: Path, commit: str, *refs: str) -> Path:
-    """Put `files` in `cache` as huggingface_hub's snapshot of `repo_id`
-    at `commit`, which the branches or tags `refs` point at."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def publish(cache: Path, repo_id: str, files: Path, commit: str, *refs: str, only=None, leave_out=()) -> Path:
+    """Put `files` (`only` those named, without `leave_out`) in `cache` as
+    huggingface_hub's snapshot of `repo_id` at `commit`, which the branches
+    or tags `refs` point at."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
-    shutil.copytree(files, snapshot)
+    snapshot.mkdir(parents=True)
+    for f in Path(files).iterdir():
+        if (only is None or f.name in only) and f.name not in leave_out:
+            shutil.copy(f, snapshot)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)
@@ -42,7 +50,9 @@ def hub_cache(tmp_path_factory, tiny_llama_dir) -> Path:
 
     root = tmp_path_factory.mktemp("hub")
     cache = root / "cache"
-    publish(cache, "tiny-org/tiny-llama", tiny_llama_dir, MAIN, "main")
+    # A checkpoint without its tokenizer, which another repository holds.
+    publish(cache, "tiny-org/tiny-llama", tiny_llama_dir, MAIN, "main", leave_out=TOKENIZER_FILES)
+    publish(cache, "tiny-org/tokenizer", tiny_llama_dir, MAIN, "main", only=TOKENIZER_FILES)
     other = build_tiny_model(root / "other", "llama", tokenizer_dir=tiny_llama_dir, seed=1)
     publish(cache, "tiny-org/tiny-llama", other, V2, "v2")
     for name, seed in (("alpha", 1), ("beta", 2)):
@@ -63,15 +73,25 @@ def snapshot(cache: Path, commit: str) -> str:
 
 
 def test_a_hub_id_serves_its_snapshot_under_its_own_name(hub_cache, tiny_llama_dir, offline):
-    srv = ServerProcess("--model", "tiny-org/tiny-llama", "--download-dir", str(hub_cache), "--enable-lora",
-                        "--lora-paths", "alpha=tiny-org/alpha-lora", "--max-total-tokens", "2048")
+    from transformers import AutoTokenizer
+
+    srv = ServerProcess("--model", "tiny-org/tiny-llama", "--tokenizer-path", "tiny-org/tokenizer",
+                        "--download-dir", str(hub_cache), "--enable-lora", "--lora-paths", "alpha=tiny-org/alpha-lora",
+                        "--max-total-tokens", "2048")
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {"tiny-org/tiny-llama", "alpha"} and cards["alpha"].parent == "tiny-org/tiny-llama"
         assert cards["alpha"].root == "tiny-org/alpha-lora"  # the name it was loaded by
-        info = httpx.get(f"{srv.base_url}/get_server_info").json()
+        info = httpx.get(f"{srv.base_url}/get_model_info").json()
         assert info["model_path"] == snapshot(hub_cache, MAIN)
+        assert info["tokenizer_path"] == str(hub_cache / "models--tiny-org--tokenizer" / "snapshots" / MAIN)
+        # The chat template is the tokenizer repository's.
+        messages = [{"role": "user", "content": "Name a colour."}]
+        chat = client.chat.completions.create(model="tiny-org/tiny-llama", messages=messages, max_tokens=2)
+        template = AutoTokenizer.from_pretrained(tiny_llama_dir).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert chat.usage.prompt_tokens == len(template)
 
         def tokens(model):
             out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
