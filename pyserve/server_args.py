@@ -33,8 +33,7 @@ class ModelOptions:
                                     help="a Hugging Face model directory, or a Hub id (OWNER/NAME) found in or "
                                          "downloaded to the Hugging Face cache (default: the embedded model)")
     revision: str | None = option(None, help="with a Hub id: the branch, tag or commit to serve (default: main)")
-    tokenizer_path: str | None = option(None, help="a directory or Hub id whose tokenizer and chat template are "
-                                                   "served instead of the model's")
+    tokenizer_path: str | None = option(None, help="a directory or Hub id whose tokenizer and chat template are served")
     trust_remote_code: bool = option(False, help="accepted from SGLang's launch lines: pyserve runs no repository code")
     download_dir: str | None = option(None, help="the Hugging Face cache Hub ids are found in and downloaded to")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
@@ -88,6 +87,7 @@ class EngineOptions:
     """How the engine schedules requests over the model."""
 
     max_running_requests: int = option(64, help="running batch cap")
+    max_queued_requests: int | None = option(None, help="refuse requests with a 503 while this many wait (batch jobs excepted)")
     max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
     chunked_prefill_size: int = option(
         2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")

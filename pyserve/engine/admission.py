@@ -5,7 +5,10 @@ the message carries it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pyserve.engine.request import GenerateRequest, RequestError
+from pyserve.engine.sequence import Sequence
 
 GRAMMARS_OFF = "constrained decoding is off: this server runs with --grammar-backend none"
 
@@ -48,3 +51,15 @@ def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: b
                            "unknown_parameter")
     if req.cache_salt == "":
         raise RequestError("cache_salt must be a non-empty string", "cache_salt")
+
+
+def check_queue(req: GenerateRequest, waiting: Iterable[Sequence], cap: int | None) -> None:
+    """--max-queued-requests: an interactive request is refused (the API's
+    503) while `cap` interactive ones wait; batch jobs, which
+    --batch-concurrency bounds, neither count nor are refused."""
+    if cap is None or req.batch:
+        return
+    queued = sum(1 for seq in waiting if not seq.batch)
+    if queued >= cap:
+        raise RequestError(f"The request queue is full: {queued} requests are waiting (--max-queued-requests "
+                           f"{cap}); retry later", "queue", "queue_full")

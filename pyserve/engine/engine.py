@@ -29,7 +29,7 @@ import torch
 
 from pyserve._rust import Tokenizer
 from pyserve.engine.adapters import Adapters, adapter_of
-from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt
+from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt, check_queue
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.jump_forward import emitted_tokens
@@ -71,6 +71,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
         self.runner = ModelRunner(model_options, self.model_dir, target_graphs(options, model_options))
         self.default_max_tokens = options.default_max_tokens
+        self.max_queued_requests = options.max_queued_requests
         self.grammars = None  # --grammar-backend none: constrained requests are refused
         # --is-embedding: how prompts become vectors; None on a generation server.
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
@@ -170,6 +171,7 @@ class Engine:
         place these checks live: the API asks here before it answers."""
         check_prompt(req, self.vocab_size, self.context_len, self.prompt_capacity)
         check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling)
+        check_queue(req, self.scheduler.waiting, self.max_queued_requests)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
         adapter_of(req, self.adapters)

@@ -124,12 +124,19 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
         if params.constraint is not None:
             await engine.compile_grammar(params.constraint)
     except RequestError as e:
-        if e.code == "model_not_found":  # an unknown adapter: vLLM's 404
-            raise APIError(e.message, 404, param="model", code=e.code) from None
-        # The engine's "lora" is the body's lora_path (a `model` naming no adapter is the 404 above).
-        default = "lora_path" if e.field == "lora" else e.field
-        raise bad_request(e.message, param_names.get(e.field, default), e.code) from None
+        raise refusal(e, param_names) from None
     return requests
+
+
+def refusal(e: RequestError, param_names: Mapping[str, str]) -> APIError:
+    """The API's answer to a request the engine refuses."""
+    if e.code == "model_not_found":  # an unknown adapter: vLLM's 404
+        return APIError(e.message, 404, param="model", code=e.code)
+    if e.code == "queue_full":  # the client may retry: not its fault
+        return APIError(e.message, 503, "server_error", code=e.code)
+    # The engine's "lora" is the body's lora_path (a `model` naming no adapter is the 404 above).
+    default = "lora_path" if e.field == "lora" else e.field
+    return bad_request(e.message, param_names.get(e.field, default), e.code)
 
 
 def adapter_name(ctx: ServingContext, model: str | None, lora_path: str | None) -> str | None:
@@ -173,7 +180,7 @@ async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> Asy
         except RequestError as e:
             # Before the first output this is the engine refusing the request
             # (e.g. a client-chosen rid already running): the client's fault.
-            await queue.put((i, e if started else bad_request(e.message, e.field, e.code)))
+            await queue.put((i, e if started else refusal(e, {})))
         except Exception as e:  # surfaced to the consumer below
             await queue.put((i, e))
 

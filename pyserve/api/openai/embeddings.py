@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from pyserve.http.errors import bad_request
-from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id, prompt_id_lists
+from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id, prompt_id_lists, refusal
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.engine.request import GenerateRequest, RequestError, SamplingParams
 
@@ -76,7 +76,7 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
         for r in requests:
             engine.validate(r)
     except RequestError as e:
-        raise bad_request(e.message, "input", e.code) from None
+        raise refusal(e, {"prompt": "input"}) from None
     data: list[Embedding | None] = [None] * len(requests)
     async for i, out in merged_outputs(engine, requests):  # an aborted request raises there
         vector = out.embedding if req.dimensions is None else engine.pooling.truncate(out.embedding, req.dimensions)
