@@ -73,17 +73,23 @@ def test_unsupported_model_fails_clearly(tmp_path):
 
 
 def test_serves_logs_and_stops_cleanly_on_sigterm(tiny_llama_dir):
-    """What it loaded and where it listens, in SGLang's timestamped shape;
-    a second server on the same port fails at once; SIGTERM ends it with 0."""
+    """What it loaded and where it listens, and each request with
+    --log-requests, in SGLang's timestamped shape; a second server on the
+    same port fails at once; SIGTERM ends it with 0."""
     import re
     import signal
+
+    import httpx
 
     from tests.conftest import ServerProcess
 
     srv = ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "2048",
-                        "--served-model-name", "tiny")
+                        "--served-model-name", "tiny", "--log-requests", "--log-requests-level", "0")
     try:
+        httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         log = srv.log()
+        assert re.search(r"^\[[\d :-]+\] Receive: rid=cmpl-\w+, prompt_tokens=\d+$", log, re.M)
+        assert re.search(r"^\[[\d :-]+\] Finish: rid=cmpl-\w+, finish_reason=\w+, .*completion_tokens=", log, re.M)
         assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] server_args=ServerArgs\(", log, re.M)
         assert "LlamaForCausalLM" in log and "parameters" in log and "on cpu" in log
         assert "KV cache" in log and "context length" in log

@@ -2,7 +2,7 @@
 
 The README's options table lists the main options (`pyserve --help` lists
 them all): every option it names must exist, and the default it gives must
-be the one declared in pyserve/server_args.py. A default cell is either a
+be the one declared in pyserve/options.py. A default cell is either a
 literal in backticks, compared with the declared default, or words ("none",
 "the model's") for an option declared without a value (None or ""), which
 the server resolves at start-up or leaves unset; "off" and "on" are a switch's False and True.

@@ -8,7 +8,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-from pyserve.server_args import EngineOptions, ModelOptions, ServerArgs, ServerOptions
+from pyserve.options import EngineOptions, ModelOptions, ServerOptions
+from pyserve.server_args import ServerArgs
 
 
 @pytest.fixture

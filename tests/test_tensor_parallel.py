@@ -19,7 +19,8 @@ from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import SlotCopies
 from pyserve.model.parallel import TensorParallel, embed
 from pyserve.asgi import create_app
-from pyserve.server_args import ModelOptions, ServerArgs
+from pyserve.options import ModelOptions
+from pyserve.server_args import ServerArgs
 from tests.conftest import free_port
 from tests.slow import slow
 from tests.test_engine import PROMPTS, started_engine

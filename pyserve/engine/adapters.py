@@ -17,7 +17,7 @@ from pyserve.engine.sequence import Sequence
 from pyserve.lora.adapter import read_adapter
 from pyserve.lora.registry import LoraRef, LoraRegistry
 from pyserve.model.hub import local_model_dir
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 
 def parse_lora_paths(value: str | None) -> dict[str, str]:

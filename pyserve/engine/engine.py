@@ -39,6 +39,7 @@ from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
 from pyserve.engine.kv.window_pages import page_allocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
+from pyserve.engine.request_log import RequestLog
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
@@ -50,7 +51,8 @@ from pyserve.engine.step import ScheduledStep
 from pyserve.engine.step_log import StepLog
 from pyserve.model.config import ModelConfig
 from pyserve.model.pooling import PoolingConfig
-from pyserve.server_args import EngineOptions, ModelOptions, ServerArgs
+from pyserve.options import EngineOptions, ModelOptions
+from pyserve.server_args import ServerArgs
 
 logger = logging.getLogger("pyserve.engine")
 
@@ -80,20 +82,17 @@ class Engine:
             info = tokenizer_info(self.tokenizer, (self.tokenizer_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
-        kv_buffer = self.runner.rank_model.kv_buffer
-        self.kv = KVManager(page_allocator(kv_buffer, self.model_config.sliding_window),
+        self.kv = KVManager(page_allocator(self.runner.rank_model.kv_buffer, self.model_config.sliding_window),
                             use_radix_cache=not options.disable_radix_cache)
         chunk = self.kv.fit_chunk(options.chunked_prefill_size if options.chunked_prefill_size > 0 else None)
         self.prompt_capacity = self.kv.prompt_capacity(chunk)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
-        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner, self.tokenizer,
-                                  self.tokenizer_dir)
-        self.scheduler = Scheduler(
-            self.kv, options.max_running_requests, options.max_prefill_tokens,
-            chunk,
-            priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
+        self.drafter = drafter_of(options, model_options, self.model_dir, self.runner, self.tokenizer, self.tokenizer_dir)
+        self.scheduler = Scheduler(self.kv, options.max_running_requests, options.max_prefill_tokens, chunk,
+                                   priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
         self.metrics = EngineMetrics()
+        self.request_log = RequestLog(options.log_requests_level if options.log_requests else None, self.tokenizer)
         # Each request's output side, by its sequence, while it runs.
         self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
         self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval, self.metrics)
@@ -106,8 +105,7 @@ class Engine:
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> Engine:
-        """The engine `pyserve` would run with `args` (a script's or a test's
-        way in): resolved, and given its options and the model's."""
+        """The engine `pyserve` would run with `args`, resolved: a script's or a test's way in."""
         options = args.resolved().split()
         return cls(options.engine, options.model)
 
@@ -211,6 +209,7 @@ class Engine:
             self.runner.admit(await self._sampling_state(seq, frozenset(output.stop_ids)))
             self._outputs[seq] = output
         self.scheduler.add(seq)
+        self.request_log.received(seq)
         self._wakeup.set()
         try:
             while True:
@@ -357,6 +356,7 @@ class Engine:
         ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
         self.metrics.on_finish(last.finish_reason, len(seq.prompt_ids), seq.cache_hit or 0,
                                len(seq.output_ids), time.monotonic() - seq.arrival, ttft)
+        self.request_log.finished(seq, last)
         seq.channel.put_nowait(last)
 
     # -- figures -------------------------------------------------------------

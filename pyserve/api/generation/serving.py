@@ -26,7 +26,7 @@ from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob
-from pyserve.server_args import ServerOptions
+from pyserve.options import ServerOptions
 
 
 @dataclass(frozen=True)

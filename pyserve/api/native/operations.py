@@ -20,7 +20,7 @@ from pyserve.api.protocol.openai import ModelCard, ModelList
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.option_fields import comma_list
-from pyserve.server_args import ServerOptions
+from pyserve.options import ServerOptions
 
 HEALTH_GENERATE_TIMEOUT = 20.0  # seconds
 

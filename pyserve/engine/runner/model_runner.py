@@ -43,7 +43,7 @@ from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import SlotCopies
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.pooling import sum_spans
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 

@@ -31,7 +31,7 @@ from pyserve.model.loader import load_model
 from pyserve.model.parallel import SINGLE, TensorParallel, largest_kv_share
 from pyserve.model.quant import resolve_quant
 from pyserve.model.step_plan import Layers, StepPlan, TorchThreads, adds_one_token
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 

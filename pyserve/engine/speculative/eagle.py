@@ -56,7 +56,7 @@ from pyserve.model.mtp_head import MtpConfig, load_mtp_head
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 
 @dataclass

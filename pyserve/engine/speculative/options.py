@@ -15,7 +15,7 @@ from pyserve.engine.speculative.rejection import Acceptance
 from pyserve.engine.speculative.tree import TreeShape
 from pyserve.model.config import read_config_files
 from pyserve.option_fields import flags_of
-from pyserve.server_args import EngineOptions, ModelOptions
+from pyserve.options import EngineOptions, ModelOptions
 
 if TYPE_CHECKING:
     from pyserve.engine.runner.model_runner import ModelRunner

@@ -45,7 +45,7 @@ from pyserve.engine.speculative.rejection import draw, first_rows
 from pyserve.engine.speculative.tree import DraftTree, TreeShape, best_tree, grow_trees
 from pyserve.engine.step import ScheduledStep
 from pyserve.model.forward_batch import ForwardBatch
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 
 def tokenizer_mismatch(target_dir: Path, draft_dir: Path) -> str | None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pyserve.model.parallel import TensorParallel
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 # Ranks wait on rank 0's next step header for as long as the server idles.
 _IDLE_TIMEOUT = timedelta(days=3650)

@@ -25,7 +25,7 @@ from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel
 from pyserve.lora.adapter import read_adapter
 from pyserve.model.kv_buffer import SlotCopies
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 

@@ -30,7 +30,7 @@ import torch.multiprocessing
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.tp.broadcast import StepChannel
 from pyserve.engine.tp.worker import run_worker
-from pyserve.server_args import ModelOptions
+from pyserve.options import ModelOptions
 
 logger = logging.getLogger("pyserve.engine")
 
