@@ -106,6 +106,8 @@ class EngineOptions:
                     "(by default that text is appended at once, as the tokenizer encodes it)")
     default_max_tokens: int | None = option(
         None, help="max_tokens for requests that set none (default: up to the context length)")
+    stream_interval: int = option(1, help="tokens a request gathers before its next output is sent (the first "
+                                          "at once): fewer, larger stream chunks")
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
     log_requests: bool = option(False, help="log a line when each request arrives and one when it ends")
     log_requests_level: int = option(2, choices=[0, 1, 2, 3], help="how much of each: 0 ids and sizes, 1 and "

@@ -53,7 +53,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
-        for name in ("backlog", "max_connections", "max_sequences_per_request"):
+        for name in ("backlog", "max_connections", "max_sequences_per_request", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.header_read_timeout <= 0:

@@ -72,8 +72,12 @@ class Engine:
         self.tokenizer_dir = Path(model_options.tokenizer_path) if model_options.tokenizer_path else self.model_dir
         self.tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
         self.runner = ModelRunner(model_options, self.model_dir, target_graphs(options, model_options))
+        # The loaded model's facts: its context, and its vocabulary (the embedding rows: ids it reads or makes).
+        self.model_config: ModelConfig = self.runner.rank_model.config
+        self.context_len: int = self.runner.rank_model.context_len
+        self.eos_token_ids, self.vocab_size = self.model_config.eos_token_ids, self.model_config.vocab_size
         self.default_max_tokens = options.default_max_tokens
-        self.max_queued_requests = options.max_queued_requests
+        self.max_queued_requests, self.stream_interval = options.max_queued_requests, options.stream_interval
         self.grammars = None  # --grammar-backend none: constrained requests are refused
         # --is-embedding: how prompts become vectors; None on a generation server.
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
@@ -108,25 +112,6 @@ class Engine:
         """The engine `pyserve` would run with `args`, resolved: a script's or a test's way in."""
         options = args.resolved().split()
         return cls(options.engine, options.model)
-
-    # -- the model's facts, which the rank model owns ---------------------------
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.runner.rank_model.config
-
-    @property
-    def context_len(self) -> int:
-        return self.runner.rank_model.context_len
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.model_config.eos_token_ids
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the model can produce or read: the embedding rows."""
-        return self.model_config.vocab_size
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -205,7 +190,7 @@ class Engine:
             self._outputs[seq] = EmbeddingOutput(seq, self.pooling)
         else:
             output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len,
-                                     speculative=self.drafter is not None)
+                                     speculative=self.drafter is not None, stream_interval=self.stream_interval)
             self.runner.admit(await self._sampling_state(seq, frozenset(output.stop_ids)))
             self._outputs[seq] = output
         self.scheduler.add(seq)
@@ -342,6 +327,8 @@ class Engine:
             seq.first_token_at = time.monotonic()
             self.metrics.on_first_token(seq.first_token_at - seq.arrival)
         out = self._outputs[seq].extend(token_ids, logprobs)
+        if out is None:  # held back, --stream-interval
+            return
         if out.finished:
             self._finish(seq, out)
         else:

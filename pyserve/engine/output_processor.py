@@ -58,9 +58,12 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
 
 class OutputProcessor:
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int], context_len: int,
-                 speculative: bool = False):
+                 speculative: bool = False, stream_interval: int = 1):
         self.seq = seq
         self.speculative = speculative  # outputs carry the request's SpeculationCounts
+        # After the first output, one goes out once this many tokens gathered
+        # (or at the end); the text of those held back waits in `held_text`.
+        self.stream_interval, self.held_text = stream_interval, ""
         p = seq.params
         self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
         self.stops = StopMatcher(p.stop, p.stop_regex, p.keep_stop)
@@ -77,6 +80,7 @@ class OutputProcessor:
 
     def _output(self, text: str, **finish) -> GenerateOutput:
         seq = self.seq
+        text, self.held_text = self.held_text + text, ""
         new_ids = seq.output_ids[self.sent_tokens :]
         logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
@@ -97,21 +101,21 @@ class OutputProcessor:
     def add_prompt_logprobs(self, entries: list[TokenLogprob]) -> None:
         self.prompt_logprobs += entries
 
-    def append(self, token_id: int, logprob: TokenLogprob | None = None) -> GenerateOutput:
-        """Record one sampled token; the returned output may be finished."""
-        return self.extend([token_id], [logprob])
-
-    def extend(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> GenerateOutput:
+    def extend(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> GenerateOutput | None:
         """Record a step's tokens for this request (a sampled one, an
         accepted speculative run, the tokens a grammar forced) as one
-        output. The first that ends the request (stop token, stop string,
-        max_tokens, context) ends it there: nothing after it is kept."""
+        output, or None while --stream-interval holds them back. The first
+        that ends the request (stop token, stop string, max_tokens,
+        context) ends it there: nothing after it is kept."""
         texts = []
         for token_id, logprob in zip(token_ids, logprobs):
             text, finished = self._add(token_id, logprob)
             texts.append(text)
             if finished is not None:
                 return self._finish("".join(texts), *finished)
+        if self.sent_tokens and len(self.seq.output_ids) - self.sent_tokens < self.stream_interval:
+            self.held_text += "".join(texts)
+            return None
         return self._output("".join(texts))
 
     def _add(self, token_id: int, logprob: TokenLogprob | None) -> tuple[str, tuple[int | None, int | None] | None]:
