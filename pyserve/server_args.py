@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import re
 import typing
 from dataclasses import dataclass, fields, replace
@@ -49,6 +50,12 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         self._validate_tensor_parallel()
         if self.page_size < 1:
             raise ValueError("--page-size must be at least 1")
+        try:
+            overrides = json.loads(self.json_model_override_args)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-model-override-args is not JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--json-model-override-args must be a JSON object of config.json keys")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if not 0 < self.swa_full_tokens_ratio <= 1:

@@ -38,7 +38,8 @@ def test_model_path_is_an_alias_of_model():
 @pytest.mark.parametrize("option", [
     ["--tp-size", "2", "--enable-torch-compile"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"],
     ["--max-connections", "0"], ["--header-read-timeout", "0"], ["--root-path", "llm/"], ["--forwarded-allow-ips", "proxy.example"],
-    ["--allowed-origins", "app.example"],
+    ["--allowed-origins", "app.example"], ["--json-model-override-args", "{rope"],
+    ["--json-model-override-args", "[1]"], ["--stream-interval", "0"],
 ])
 def test_impossible_options_fail_clearly(option):
     out = run_cli(*option)

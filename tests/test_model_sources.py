@@ -1,8 +1,9 @@
 """Where the model's files come from: Hugging Face Hub ids, as SGLang and
 vLLM users name models, tokenizers and adapters (`--model Qwen/Qwen3-8B`),
 served from huggingface_hub's cache (laid out here as a download leaves
-it, with HF_HUB_OFFLINE=1 so that no test reaches the network), and a
-tokenizer from elsewhere than the checkpoint (--tokenizer-path)."""
+it, with HF_HUB_OFFLINE=1 so that no test reaches the network), a
+tokenizer from elsewhere than the checkpoint (--tokenizer-path), and
+config.json keys replaced on the command line (--json-model-override-args)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,42 @@ def test_a_hub_id_not_in_the_cache_offline_fails_clearly(tmp_path, offline):
                           str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
     assert "tiny-org/absent is neither a local directory nor in the Hugging Face cache" in out.stdout
+
+
+def test_config_overrides_serve_the_model_transformers_runs_with_them(tmp_path, default_model_dir):
+    """Qwen's recipe for a longer context: YaRN given on the command line
+    (--json-model-override-args) over a checkpoint saved by transformers 5,
+    whose rope_parameters hold a theta of their own."""
+    import asyncio
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pyserve.engine.request import GenerateRequest, SamplingParams
+    from tests.test_engine import started_engine
+    from tests.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path, "qwen2", tokenizer_dir=default_model_dir, rope_theta=1000.0,
+                                 max_position_embeddings=64)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    prompt = [(7 * i) % 500 + 3 for i in range(100)]  # beyond the original context
+
+    async def served(overrides: dict) -> tuple[list[int], int]:
+        engine = await started_engine(model_dir, json_model_override_args=json.dumps(overrides))
+        try:
+            req = GenerateRequest(prompt, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+            return [t async for out in engine.generate(req) for t in out.token_ids], engine.context_len
+        finally:
+            await engine.shutdown()
+
+    tokens, context = asyncio.run(served({"rope_scaling": yarn, "max_position_embeddings": 256}))
+    config = AutoConfig.from_pretrained(model_dir)
+    config.rope_parameters = {**yarn, "rope_theta": 1000.0}
+    config.max_position_embeddings = 256
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert context == 256 and tokens == expected
+    with pytest.raises(ValueError, match="context"):  # without them the prompt is past the model's context
+        asyncio.run(served({}))

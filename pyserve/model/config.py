@@ -33,8 +33,11 @@ def _as_id_list(value) -> list[int]:
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict with a `rope_type` key, or None for plain RoPE)."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    parameters = cfg.get("rope_parameters") or {}
+    rope = cfg.get("rope_scaling") or parameters
+    # A rope_scaling given beside transformers 5's rope_parameters (an
+    # override) keeps the theta those hold.
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -153,11 +156,13 @@ def sliding_window_fields(cfg: dict, window: int | None, default_sliding) -> dic
     return dict(sliding_window=int(window), sliding_layers=sliding)
 
 
-def read_config_files(model_dir: str | Path) -> tuple[dict, dict]:
-    """(config.json, generation_config.json or {}) of a model directory."""
+def read_config_files(model_dir: str | Path, overrides: dict | None = None) -> tuple[dict, dict]:
+    """(config.json, generation_config.json or {}) of a model directory;
+    `overrides` (--json-model-override-args) replace config.json's keys."""
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json")
     gen_path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()), json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return {**json.loads(path.read_text()), **(overrides or {})}, \
+        json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -46,8 +46,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
-from pyserve.model.config import ModelConfig
-from pyserve.model.families import family_of, read_config
+from pyserve.model.config import ModelConfig, read_config_files
+from pyserve.model.families import family_of, parse_config
 from pyserve.model.families.family import Family
 from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
 from pyserve.model.layers.causal_lm import CausalLM
@@ -220,6 +220,7 @@ class _Renamed:
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
     tp: TensorParallel = SINGLE, lm_head: bool = True, quantization: str = "auto", part: ModelPart | None = None,
+    config_overrides: dict | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """The model in eval mode with every weight loaded, and its config;
     its linear layers quantized as `quant` when given (CPU only). Under
@@ -230,11 +231,13 @@ def load_model(
     -8B) ship none. `quantization` (`--quantization`): the checkpoint's
     own quantization, auto (as config.json says), a method insisted on, or none.
     `part`: a model made of part of the checkpoint instead (ModelPart),
-    read whole on this rank."""
+    read whole on this rank. `config_overrides` (--json-model-override-args)
+    replace config.json's keys."""
     model_dir = Path(model_dir)
     device = torch.device(device)
-    config = read_config(model_dir) if part is None else part.config
-    scheme = detect(json.loads((model_dir / "config.json").read_text()), quantization)
+    raw, generation = read_config_files(model_dir, config_overrides)
+    config = parse_config(raw, generation, str(model_dir)) if part is None else part.config
+    scheme = detect(raw, quantization)
     family = family_of(config.architecture)
     names = family.checkpoint
     shard = ModelShard.of(config, tp)

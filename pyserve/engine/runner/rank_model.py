@@ -10,6 +10,7 @@ own one and call `forward` on the same batches in the same order.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -94,7 +95,8 @@ class RankModel:
         self.quant = resolve_quant(options.torchao_config, model_dir, device, self.cpu_threads,
                                    options.quantization)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
-                                              lm_head=not options.is_embedding, quantization=options.quantization)
+                                              lm_head=not options.is_embedding, quantization=options.quantization,
+                                              config_overrides=json.loads(options.json_model_override_args))
         self.context_len = options.context_length or self.config.max_position_embeddings
         # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
         self.lora = LoraSlots(self.model, options.max_loras_per_batch, options.max_lora_rank, self.dtype, device) \

@@ -44,7 +44,8 @@ def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> 
     return family.config_class(architecture=arch, **fields)
 
 
-def read_config(model_dir: str | Path) -> ModelConfig:
-    """The config of the model in `model_dir` (config.json, generation_config.json)."""
-    cfg, gen = read_config_files(model_dir)
+def read_config(model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
+    """The config of the model in `model_dir` (config.json, generation_config.json,
+    `overrides` replacing config.json's keys)."""
+    cfg, gen = read_config_files(model_dir, overrides)
     return parse_config(cfg, gen, source=str(model_dir))
