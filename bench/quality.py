@@ -33,11 +33,17 @@ dequantized, so a copy requantizes to nearly those blocks; with
 order (the same function), which moves down's inputs into other blocks of
 32: a second 4-bit rounding of weights already 4-bit.
 
+With --kv-cache-dtypes, float32 weights are measured over a KV cache of
+each dtype too (fp8_e4m3, fp8_e5m2: --kv-cache-dtype): the corpus's
+windows are read CHUNK tokens at a time, each chunk attending over the
+rounded keys and values of those before it.
+
 Each mode's line ends with whether its perplexity is within 2% of
 float32's (the bar the model families are held to).
 
     python bench/quality.py                       # none, int8wo, int4wo-32, 8da4w (the shipped groups), int4wo-64
     python bench/quality.py --model DIR --modes int8wo int4wo-128
+    python bench/quality.py --modes --kv-cache-dtypes fp8_e4m3 fp8_e5m2   # float32 weights over an FP8 KV cache
     python bench/quality.py --upcycled-moe 4 --modes int8wo int4wo-32 8da4w [--permute-experts]
 """
 
@@ -54,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pyserve.model.attention.torch_backend import TorchAttention  # noqa: E402
 from pyserve.model.forward_batch import ForwardBatch  # noqa: E402
-from pyserve.model.kv_buffer import KVBuffer  # noqa: E402
+from pyserve.model.kv_buffer import KV_CACHE_DTYPES, KVBuffer  # noqa: E402
 from pyserve.model.loader import load_model  # noqa: E402
 from pyserve.model.quant import parse_quant  # noqa: E402
 
@@ -70,10 +76,10 @@ PROMPTS = [frame.format(subject) for subject in _SUBJECTS for frame in _FRAMES] 
 class Sequences:
     """Sequences with their KV in one buffer; `logits` feeds each its next tokens."""
 
-    def __init__(self, model, config, lengths: int):
+    def __init__(self, model, config, lengths: int, cache_dtype: torch.dtype | None = None):
         self.model = model
         kv = KVBuffer(config.num_hidden_layers, lengths + 1, config.num_key_value_heads, config.head_dim,
-                      torch.float32, "cpu")
+                      torch.float32, "cpu", cache_dtype=cache_dtype)
         self.attn = TorchAttention(kv)
         self.next_slot = 1  # slot 0 is the padding target
         self.slots: list[torch.Tensor] = []
@@ -107,11 +113,11 @@ def greedy(model, config, prompts: list[list[int]], n: int) -> list[list[int]]:
     return outputs
 
 
-def perplexity(model, config, tokens: list[int], window: int) -> float:
+def perplexity(model, config, tokens: list[int], window: int, cache_dtype: torch.dtype | None = None) -> float:
     nll, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         piece = tokens[start : start + window + 1]
-        seqs = Sequences(model, config, len(piece))
+        seqs = Sequences(model, config, len(piece), cache_dtype)
         inputs = piece[:-1]
         logits = torch.cat([seqs.logits([inputs[i : i + CHUNK]], every_position=True)
                             for i in range(0, len(inputs), CHUNK)])
@@ -120,11 +126,12 @@ def perplexity(model, config, tokens: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
-def agreement(model, config, prompts, continuations) -> tuple[int, int, int]:
+def agreement(model, config, prompts, continuations, cache_dtype=None) -> tuple[int, int, int]:
     """(positions whose argmax is float32's token, positions, prompts that agree everywhere)."""
     same = total = whole = 0
     for p, c in zip(prompts, continuations):
-        logits = Sequences(model, config, len(p) + len(c)).logits([p + c[:-1]], every_position=True)
+        logits = Sequences(model, config, len(p) + len(c), cache_dtype).logits(
+            [p + c[:-1]], every_position=True)
         # The logits at the prompt's last token predict c[0], and so on.
         predicted = logits[len(p) - 1 : len(p) - 1 + len(c)].argmax(-1).tolist()
         hits = sum(a == b for a, b in zip(predicted, c))
@@ -171,7 +178,9 @@ def upcycle(model_dir: Path, out: Path, experts: int, permute: bool) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    ap.add_argument("--modes", nargs="+", default=["int8wo", "int4wo-32", "8da4w", "int4wo-64"])
+    ap.add_argument("--modes", nargs="*", default=["int8wo", "int4wo-32", "8da4w", "int4wo-64"])
+    ap.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=sorted(KV_CACHE_DTYPES),
+                    help="also float32 weights over a KV cache of each of these (--kv-cache-dtype)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--upcycled-moe", type=int, default=0, metavar="E",
@@ -204,6 +213,11 @@ def main() -> None:
         rows.append((mode, perplexity(model, config, corpus, args.window),
                      agreement(model, config, prompts, continuations)))
         print(f"{mode}: measured in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    for name in args.kv_cache_dtypes:
+        model, config = load_model(args.model, torch.float32, "cpu")
+        cache = KV_CACHE_DTYPES[name]
+        rows.append((f"KV {name}", perplexity(model, config, corpus, args.window, cache),
+                     agreement(model, config, prompts, continuations, cache)))
     print(f"model {Path(args.model).name}; corpus {len(corpus)} tokens; {len(prompts)} prompts x "
           f"{args.new_tokens} greedy tokens of float32 as the reference; torch {torch.__version__}")
     print(f"{'mode':<18}{'perplexity':>11}{'vs float32':>12}{'greedy tokens agree':>21}{'same output':>13}"

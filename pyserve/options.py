@@ -38,6 +38,9 @@ class ModelOptions:
     max_total_tokens: int | None = option(None, help="KV cache capacity in tokens")
     mem_fraction_static: float | None = option(
         None, help="share of GPU memory for weights and KV cache (default 0.85)")
+    kv_cache_dtype: str = option("auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                                 help="what the KV cache stores: auto, the model's dtype; fp8_e4m3 or fp8_e5m2, a "
+                                      "byte a value (twice bfloat16's tokens in the same memory), rounded")
     page_size: int = option(1, help="tokens per KV cache page; the prefix cache shares whole pages")
     swa_full_tokens_ratio: float = option(
         0.8, help="models with sliding-window layers: the sliding layers' KV pool holds this share of the "

@@ -30,6 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+# --kv-cache-dtype: "auto" stores K/V in the model's dtype. FP8 holds a
+# token in a quarter of float32's bytes, half of bfloat16's; values cast
+# to e4m3 saturate at +-448 (no per-tensor scales are read).
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 
 class LatentDim(int):
     """The head dim of a cache whose V is the first `value_dim` values of
@@ -75,28 +80,32 @@ class KVBuffer:
         page_size: int = 1,
         window_layers: frozenset[int] = frozenset(),
         window_pages: int | None = None,
+        cache_dtype: torch.dtype | None = None,
     ):
-        """`window_layers`: the sliding layers whose K/V has `window_pages`
-        pages of its own (both or neither)."""
+        """`dtype`: the model's, which attention computes in; `cache_dtype`:
+        what K/V are stored as, if not that (an FP8 one: --kv-cache-dtype),
+        cast on the way in and out. `window_layers`: the sliding layers whose
+        K/V has `window_pages` pages of its own (both or neither)."""
         if bool(window_layers) != (window_pages is not None):
             raise ValueError("a sliding pool takes its layers and its pages")
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
+        cache_dtype = cache_dtype or dtype
         self.window_layers = frozenset(window_layers)
         self.window_pages = window_pages
 
         def pages(layer: int) -> tuple[int, ...]:
             return (window_pages if layer in self.window_layers else num_pages, page_size, num_kv_heads, head_dim)
 
-        self.k_pages = [torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)]
+        self.k_pages = [torch.zeros(pages(i), dtype=cache_dtype, device=device) for i in range(num_layers)]
         self.k_buffer = [k.view(-1, num_kv_heads, head_dim) for k in self.k_pages]
         self.latent = isinstance(head_dim, LatentDim)
         if self.latent:  # V is a view of K's first values
             self.v_pages = [k[..., :head_dim.value_dim] for k in self.k_pages]
             self.v_buffer = [k[..., :head_dim.value_dim] for k in self.k_buffer]
         else:
-            self.v_pages = [torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)]
+            self.v_pages = [torch.zeros(pages(i), dtype=cache_dtype, device=device) for i in range(num_layers)]
             self.v_buffer = [v.view(-1, num_kv_heads, head_dim) for v in self.v_pages]
 
     def copy_slots(self, copies: SlotCopies) -> None:

@@ -26,7 +26,7 @@ from pyserve.model.cpu.native_layers import NativeDecode, unfit_reason
 from pyserve.model.attention.base import AttentionBackend
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
-from pyserve.model.kv_buffer import KVBuffer
+from pyserve.model.kv_buffer import KV_CACHE_DTYPES, KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import SINGLE, TensorParallel, largest_kv_share
@@ -87,6 +87,11 @@ class RankModel:
         self.options = options
         self.device = device
         self.dtype = getattr(torch, options.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES.get(options.kv_cache_dtype, self.dtype)  # what the KV cache stores
+        if (self.kv_dtype != self.dtype and options.attention_backend == "triton" and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ValueError(f"--kv-cache-dtype {options.kv_cache_dtype}: the Triton kernels read FP8 on GPUs of "
+                             "compute capability 8.9 or newer (Ada, Hopper); --attention-backend torch reads it anywhere")
         self.ranks_on_this_node = ranks_on_this_node
         # The ranks of one machine share its cores.
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
@@ -118,7 +123,7 @@ class RankModel:
         c = self.config
         heads = len(self.model.shard.kv_heads) if kv_heads is None else kv_heads
         sliding = len(self.window_layers())
-        per_layer = KVBuffer.bytes_per_token(1, heads, c.head_dim, self.dtype)
+        per_layer = KVBuffer.bytes_per_token(1, heads, c.head_dim, self.kv_dtype)
         return int(per_layer * (c.num_hidden_layers - sliding + sliding * self.options.swa_full_tokens_ratio))
 
     def window_layers(self) -> frozenset[int]:
@@ -174,7 +179,7 @@ class RankModel:
         self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
                                   self.config.head_dim, self.dtype, self.device, page_size=options.page_size,
                                   window_layers=self.window_layers() if window_pages else frozenset(),
-                                  window_pages=window_pages)
+                                  window_pages=window_pages, cache_dtype=self.kv_dtype)
         self.attention = self._make_attention(options.attention_backend)
         self.capture_graphs(verify_tokens, aux_layers)
         self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
@@ -226,7 +231,8 @@ class RankModel:
         if self.lora is not None:  # the native layers have no adapter hooks; the quantized torch layers do
             logger.info("Decode steps keep the torch layers: LoRA adapters are on")
             return None
-        reason = unfit_reason(self.model)
+        reason = unfit_reason(self.model) or (f"the KV cache is {self.options.kv_cache_dtype}, the native layer "
+                                              "reads float32" if self.kv_dtype != self.dtype else None)
         if reason is not None:
             logger.info("Decode steps keep the torch layers: %s", reason)
             return None

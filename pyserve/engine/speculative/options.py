@@ -186,10 +186,12 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
 
 def _draft_options(options: EngineOptions, model_options: ModelOptions) -> ModelOptions:
     """The target's model options with the draft's quantization and
-    attention backend in place of the target's."""
+    attention backend in place of the target's, and none of the target's
+    config.json overrides (--json-model-override-args name the target's keys)."""
     quantization = options.speculative_draft_model_quantization
     return replace(model_options, quantization="none" if quantization == "unquant" else quantization,
-                   attention_backend=options.speculative_draft_attention_backend or model_options.attention_backend)
+                   attention_backend=options.speculative_draft_attention_backend or model_options.attention_backend,
+                   json_model_override_args="{}")
 
 
 def _check_draft_quantization(draft_dir: Path, quantization: str) -> None:

@@ -93,8 +93,8 @@ class AttentionBackend(ABC):
         k_cache = self.kv_buffer.k_buffer[layer_id]
         v_cache = self.kv_buffer.v_buffer[layer_id]
         out_cache_loc = self.slot_tables(layer_id, batch)[0]
-        k_cache[out_cache_loc] = k
-        v_cache[out_cache_loc] = v
+        k_cache[out_cache_loc] = k.to(k_cache.dtype)  # an FP8 cache (--kv-cache-dtype) rounds them
+        v_cache[out_cache_loc] = v.to(v_cache.dtype)
         return k_cache, v_cache
 
     def in_window_pool(self, layer_id: int) -> bool:

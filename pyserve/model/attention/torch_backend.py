@@ -59,8 +59,8 @@ def attend_single_tokens(q, k, v, k_cache, v_cache, out_cache_loc, slots, mask, 
     CausalLM.compile_decode): store each row's new k/v at its slot,
     then attend over its sequence's slots (a window's, from
     `decode_inputs(layer, window)`)."""
-    k_cache[out_cache_loc] = k
-    v_cache[out_cache_loc] = v
+    k_cache[out_cache_loc] = k.to(k_cache.dtype)  # an FP8 cache (--kv-cache-dtype) rounds them
+    v_cache[out_cache_loc] = v.to(v_cache.dtype)
     return _single_tokens(q, k_cache, v_cache, slots, mask, scale, softcap, sinks)
 
 
@@ -74,8 +74,8 @@ def _gathered(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _single_tokens(q, k_cache, v_cache, slots, mask, scale: float, softcap=None, sinks=None) -> torch.Tensor:
     # One query per sequence: every sequence is padded to the longest
     # (padding reads slot 0, masked out), so the rows are one SDPA call.
-    ks = _gathered(k_cache, slots).transpose(1, 2)  # [B, kv_heads, max_len, D]
-    vs = _gathered(v_cache, slots).transpose(1, 2)
+    ks = _gathered(k_cache, slots).to(q.dtype).transpose(1, 2)  # [B, kv_heads, max_len, D]
+    vs = _gathered(v_cache, slots).to(q.dtype).transpose(1, 2)
     return _attention(q[:, :, None, :], ks, vs, mask, scale, softcap, sinks)[:, :, 0, :]
 
 
@@ -259,8 +259,10 @@ class TorchAttention(AttentionBackend):
                 continue
             if s.mask is None:
                 ks, vs = k[rows], v[rows]
+                if k_cache.dtype != k.dtype:  # as an FP8 cache holds them, which the Triton kernels read
+                    ks, vs = ks.to(k_cache.dtype).to(k.dtype), vs.to(v_cache.dtype).to(v.dtype)
             else:
-                ks, vs = _gathered(k_cache, s.slots), _gathered(v_cache, s.slots)
+                ks, vs = _gathered(k_cache, s.slots).to(q.dtype), _gathered(v_cache, s.slots).to(q.dtype)
             # [tokens, heads, dim] -> [1, heads, tokens, dim]
             with self._threads_for(s.num_new * ks.shape[0]):
                 o = _attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],

@@ -82,7 +82,7 @@ def _extend_kernel(
             n_ok = n < end
             slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0)
             k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # from an FP8 cache too
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 s = capped(s, softcap)
@@ -93,7 +93,7 @@ def _extend_kernel(
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         if SINKS:
