@@ -95,9 +95,13 @@ class PyserveApp:
         engine = Engine(engine_options, model_options)
         template = ChatTemplate.for_model(engine.tokenizer_dir, server.chat_template)
         name = server.served_model_name or DEFAULT_MODEL_NAME
+        defaults = engine.model_config.sampling_defaults if server.sampling_defaults == "model" else {}
+        if defaults:
+            logger.info("Requests that leave them out sample with generation_config.json's %s "
+                        "(--sampling-defaults openai: OpenAI's defaults)", defaults)
         ctx = ServingContext(engine, name, template, server.reasoning_parser, server.tool_call_parser,
                              max_sequences_per_request=server.max_sequences_per_request,
-                             server_args=args.reported())
+                             server_args=args.reported(), sampling_defaults=defaults)
         files = FileStore(server.file_storage_path, server.max_upload_size)
         batches = BatchManager(ctx, files, BatchStore(server.file_storage_path), server.batch_concurrency)
         responses = ResponseManager(ctx, ResponseStore(server.file_storage_path, StoredResponse))

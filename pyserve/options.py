@@ -233,6 +233,10 @@ class ServerOptions:
         "pyserve,sglang,vllm",
         help="comma-separated families of /metrics names: pyserve (SGLang's names under pyserve:), sglang, "
              "vllm; all by default, so SGLang's and vLLM's dashboards read pyserve unchanged")
+    sampling_defaults: str = option(
+        "model", choices=["model", "openai"], help="what a request that leaves temperature, top_p, top_k, min_p or "
+        "repetition_penalty out samples with: model, generation_config.json's recommendation where it has one; "
+        "openai, OpenAI's defaults (1, 1, none, 0, 1)")
     enable_metrics: bool = option(False, help="accepted from SGLang's launch lines: /metrics is always served")
     enable_cache_report: bool = option(False, help="accepted from SGLang's launch lines: usage always reports "
                                                    "cached_tokens")

@@ -80,6 +80,9 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # The sampling settings generation_config.json recommends (SAMPLING_DEFAULTS
+    # of them), for requests that leave them out (--sampling-defaults model).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     # What the shared blocks (layers/) follow; each family sets what its checkpoints need.
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, some Llamas)
     o_proj_bias: bool = False  # the attention output projection carries a bias (Llama attention_bias)
@@ -109,6 +112,11 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
+# The settings of generation_config.json that requests take as defaults, as
+# SGLang's and vLLM's servers take them.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def base_fields(cfg: dict, gen: dict, source: str) -> dict:
     """The ModelConfig fields every family reads the same way, from parsed
     config.json and generation_config.json contents."""
@@ -136,6 +144,7 @@ def base_fields(cfg: dict, gen: dict, source: str) -> dict:
         hidden_act=act,
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+        sampling_defaults={k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None},
     )
 
 

@@ -249,7 +249,7 @@ def chat_request(req: CountTokensRequest, rid: str | None = None) -> ChatComplet
         if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
             raise bad_request("temperature: must be between 0 and 1", "temperature")
         fields = dict(max_completion_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                      top_k=-1 if req.top_k is None else req.top_k, stop=req.stop_sequences, rid=rid, stream=True,
+                      top_k=req.top_k, stop=req.stop_sequences, rid=rid, stream=True,
                       priority=req.priority, cache_salt=req.cache_salt,
                       stream_options=StreamOptions(include_usage=True, continuous_usage_stats=True))
     return ChatCompletionRequest(

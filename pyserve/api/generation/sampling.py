@@ -11,14 +11,19 @@ to check: `Engine.validate`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pyserve._rust import StopMatcher
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol.native import NativeSamplingParams
 from pyserve.api.protocol.openai import SamplingFields
 from pyserve.engine.request import Constraint, SamplingParams
+from pyserve.model.config import SAMPLING_DEFAULTS
 
 MAX_N = 128
+# What a sampling setting a request leaves out is where the model recommends none.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def _check(ok: bool, message: str, param: str) -> None:
@@ -73,24 +78,28 @@ def sampling_params(
     prompt_logprobs: bool = False,
     prompt_top_logprobs: int | None = None,
     constraint: Constraint | None = None,
+    defaults: Mapping[str, float] = OPENAI_DEFAULTS,
 ) -> SamplingParams:
     """`max_new_tokens`: the route's own limit field (None leaves it to the
     engine: --default-max-tokens, else up to the context). `top_logprobs`:
     None for no logprobs, else how many alternatives per token, named
     `top_logprobs_param` in errors; `prompt_logprobs` scores the prompt too,
     with `prompt_top_logprobs` alternatives (None: as many as top_logprobs).
-    `constraint`: what the output must match (api/constraints.py)."""
+    `constraint`: what the output must match (api/constraints.py).
+    `defaults`: the model's settings (ModelConfig.sampling_defaults) for
+    those of SAMPLING_DEFAULTS the request leaves out, else OpenAI's."""
     f = fields
-    temperature = 1.0 if f.temperature is None else f.temperature
+    temperature, top_p, top_k, min_p, repetition_penalty = (
+        getattr(f, name) if getattr(f, name) is not None else defaults.get(name, OPENAI_DEFAULTS[name])
+        for name in SAMPLING_DEFAULTS)
     _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
-    top_p = 1.0 if f.top_p is None else f.top_p
     _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
     _check(1 <= f.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")
     _check(-2.0 <= f.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2", "presence_penalty")
     _check(-2.0 <= f.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2", "frequency_penalty")
-    _check(f.top_k == -1 or f.top_k >= 0, "top_k must be -1 (disabled) or a positive integer", "top_k")
-    _check(0.0 <= f.min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
-    _check(0.0 < f.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]", "repetition_penalty")
+    _check(top_k == -1 or top_k >= 0, "top_k must be -1 (disabled) or a positive integer", "top_k")
+    _check(0.0 <= min_p <= 1.0, "min_p must be between 0 and 1", "min_p")
+    _check(0.0 < repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]", "repetition_penalty")
     # Choice i uses seed + i, and torch generators take a signed 64-bit seed.
     _check(f.seed is None or -(1 << 63) <= f.seed <= (1 << 63) - f.n, "seed must be a signed 64-bit integer: "
            f"Input should be greater than or equal to {-(1 << 63)} and less than or equal to {(1 << 63) - f.n}",
@@ -110,11 +119,11 @@ def sampling_params(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=-1 if f.top_k == 0 else f.top_k,
-        min_p=f.min_p,
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=min_p,
         presence_penalty=f.presence_penalty,
         frequency_penalty=f.frequency_penalty,
-        repetition_penalty=f.repetition_penalty,
+        repetition_penalty=repetition_penalty,
         seed=f.seed,
         stop=stops,
         stop_regex=_stop_regexes(f.stop_regex),

@@ -44,6 +44,9 @@ class ServingContext:
     max_sequences_per_request: int = ServerOptions.max_sequences_per_request
     # The options the server runs with, as /get_server_info reports them (ServerArgs.reported).
     server_args: Mapping[str, Any] = field(default_factory=dict)
+    # What requests that leave a sampling setting out take (--sampling-defaults):
+    # the model's recommendation, else OpenAI's default.
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
     @cached_property
     def token_texts(self) -> TokenTexts:

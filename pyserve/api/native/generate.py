@@ -41,7 +41,7 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         fields, fields.max_new_tokens, ctx.engine.vocab_size,
         top_logprobs=req.top_logprobs_num if req.return_logprob else None, top_logprobs_param="top_logprobs_num",
         prompt_logprobs=req.return_logprob and req.logprob_start_len >= 0,
-        constraint=constrained and constrained.constraint,
+        constraint=constrained and constrained.constraint, defaults=ctx.sampling_defaults,
     )
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "constraint": constrained and constrained.param}

@@ -32,7 +32,8 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
     params = sampling_params(req, req.max_tokens, ctx.engine.vocab_size, top_logprobs=req.logprobs,
                              top_logprobs_param="logprobs",
                              prompt_logprobs=(req.echo and req.logprobs is not None) or prompt_k is not None,
-                             prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint)
+                             prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint,
+                             defaults=ctx.sampling_defaults)
     rid = req.rid or new_id("cmpl-")
     names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
     requests = await fan_out(ctx, prompts, params, req.n, rid, names, batch=batch, priority=req.priority,

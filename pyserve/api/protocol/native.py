@@ -15,16 +15,17 @@ import msgspec
 
 
 class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """SGLang's sampling_params, with its names and defaults."""
+    """SGLang's sampling_params, with its names and defaults; the sampling
+    settings left None take the model's (api/generation/sampling.py)."""
 
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

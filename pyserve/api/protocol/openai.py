@@ -145,10 +145,11 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_key: str | None = None
     logprobs: bool | int | None = None  # chat: bool; completions: how many alternatives
     top_logprobs: int | None = None
-    # SGLang / vLLM extensions, sent through the client's extra_body
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # SGLang / vLLM extensions, sent through the client's extra_body. The
+    # sampling settings left None take the model's defaults (api/generation/sampling.py).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True

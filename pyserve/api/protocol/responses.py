@@ -149,9 +149,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # SGLang's and vLLM's sampling extras on this route, as on chat.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
 
