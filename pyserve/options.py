@@ -193,8 +193,10 @@ class ServerOptions:
     served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
     chat_template: str | None = option(
         None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
-    reasoning_parser: str | None = option(None, choices=["qwen3", "deepseek-r1", "gpt-oss"],
-                                          help="split the reasoning (<think>...</think>; gpt-oss: the analysis "
+    reasoning_parser: str | None = option(None, choices=["qwen3", "glm45", "deepseek-r1", "qwen3-thinking", "minimax",
+                                                         "gpt-oss"],
+                                          help="split the reasoning (<think>...</think>, which the template opens "
+                                               "for deepseek-r1, qwen3-thinking and minimax; gpt-oss: the analysis "
                                                "channel) into reasoning_content")
     # SGLang's names; qwen25 and hermes are one format.
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",

@@ -83,3 +83,16 @@ def test_reasoning_sent_back_reaches_the_template(switches_dir, tokenizer, key):
     history = MSG + [{"role": "assistant", "content": "9.8", key: "I recall it."}, {"role": "user", "content": "ok"}]
     assert post(app, messages=history)[0] == 200
     assert "<assistant>[I recall it.]9.8" in tokenizer.decode(engine.requests[-1].input_ids)
+
+
+@pytest.mark.parametrize("parser, opened", [("qwen3", False), ("glm45", False), ("deepseek-r1", True),
+                                            ("qwen3-thinking", True), ("minimax", True)])
+def test_each_reasoning_parser_name_splits_its_models_output(default_model_dir, tokenizer, parser, opened):
+    """Models whose template opens the block write only its end."""
+    from tests.test_api_handlers import make_app
+
+    script = (["Let me", " see.\n</think>"] if opened else ["<think>\nLet me", " see.\n</think>"]) + ["\n\nIt is 9.8."]
+    app, _ = make_app(default_model_dir, tokenizer, script, reasoning_parser=parser)
+    _, _, whole = run(call(app, "POST", CHAT, {"messages": MSG, "separate_reasoning": True}))
+    message = json.loads(whole)["choices"][0]["message"]
+    assert message["reasoning_content"].strip() == "Let me see." and message["content"] == "It is 9.8."

@@ -30,9 +30,14 @@ from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateRequest, SamplingParams
 
 # Reasoning parsers: (start marker, end marker, does the template open it?)
+# SGLang's --reasoning-parser names: (start marker, end marker, whether the
+# chat template opens the block, so that the output starts inside it).
 REASONING_PARSERS = {
     "qwen3": ("<think>", "</think>", False),
+    "glm45": ("<think>", "</think>", False),  # GLM-4.5, 4.6: the model opens its block
     "deepseek-r1": ("<think>", "</think>", True),
+    "qwen3-thinking": ("<think>", "</think>", True),  # Qwen3's -Thinking-2507 models
+    "minimax": ("<think>", "</think>", True),  # MiniMax-M2
 }
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
