@@ -499,6 +499,7 @@ def test_strict_tools_with_a_format_no_grammar_can_hold_are_refused(default_mode
     ("pythonic", ['[get_weather(city="Pa', 'ris"), now()]']),
     ("qwen3_coder", ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
                      "</tool_call>"]),
+    ("glm45", ["<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa", "ris</arg_value>\n</tool_call>"]),
 ])
 def test_the_newer_formats_through_the_route(default_model_dir, tokenizer, parser, script):
     app, _ = tool_app(default_model_dir, tokenizer, script, parser=parser)

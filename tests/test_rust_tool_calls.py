@@ -14,7 +14,9 @@ import pytest
 from pyserve._rust import ToolCallParser, tool_call_prefix
 
 WS = " \t\n\r"
-FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "pythonic", "qwen3_coder"]
+FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "pythonic", "qwen3_coder", "glm45"]
+# The formats whose values are text that the tools' schemas type.
+TYPED_BY_SCHEMA = ("qwen3_coder", "glm45")
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
@@ -87,6 +89,13 @@ FIXTURES = {
         "Let me check both.",
         [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
     ),
+    "glm45": (  # GLM-4.5 / 4.6
+        "Let me check both.\n<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>東京</arg_value>\n"
+        "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>\n<tool_call>get_time\n"
+        "<arg_key>tz</arg_key>\n<arg_value>Asia/Tokyo</arg_value>\n</tool_call>",
+        "Let me check both.",
+        [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
+    ),
 }
 
 
@@ -152,6 +161,8 @@ INVALID = {
     "deepseekv3": [f"{DS_CALLS_BEGIN}oops", f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n{{"a": 1}}'],
     "pythonic": ["see [1] and [link](url)", "[f(x)]", "[f(1, 2)] and [g]", "[print('hi') for x in y]"],
     "qwen3_coder": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>\n<function=f\n", "x < y <tool_call>"],
+    "glm45": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>f\n<arg_value>1</arg_value></tool_call>",
+              "x < y <tool_call>"],
 }
 
 
@@ -170,6 +181,7 @@ BROKEN_OFF = {
     "deepseekv3": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": {{"b": tr', '{"a": {}}'),
     "pythonic": ("[f(a='x', b=[1, 2", '{"a": "x", "b": [1, 2]}'),
     "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=a>\nhalf a li", '{"a": "half a li"}'),
+    "glm45": ("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>half a li", '{"a": "half a li"}'),
 }
 
 
@@ -229,6 +241,8 @@ CONTINUATIONS = {  # what a model writes after the prefix: (after the bare prefi
     "pythonic": ("now(tz='UTC')]", "tz='UTC')]"),
     "qwen3_coder": ("now>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>",
                     "<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"),
+    "glm45": ("now\n<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>",
+              "<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>"),
 }
 
 
@@ -281,10 +295,16 @@ def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
     if fmt == "pythonic":
         inner = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in calls)
         return f"<|python_start|>[{inner}]<|python_end|>" if rng.random() < 0.3 else f"[{inner}]"
-    # qwen3_coder, as its template writes values: strings as they are, the rest as JSON
+    def value(v):  # as the XML-style templates write values: strings as they are, the rest as JSON
+        return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+    if fmt == "glm45":
+        return "\n".join(f"<tool_call>{n}\n" + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{value(v)}</arg_value>\n" for k, v in a.items()) + "</tool_call>"
+            for n, a in calls)
     return "\n".join(
         f"<tool_call>\n<function={n}>\n" + "".join(
-            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+            f"<parameter={k}>\n{value(v)}\n</parameter>\n"
             for k, v in a.items()) + "</function>\n</tool_call>" for n, a in calls)
 
 
@@ -315,7 +335,7 @@ def test_random_calls_parse_back_however_split(fmt):
         before, after = rng.choice(TEXTS), rng.choice(TEXTS)
         text = before + render(fmt, calls, rng) + after
         want = (before.rstrip(WS) + after.lstrip(WS), [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls])
-        tools = qwen3_tools(calls) if fmt == "qwen3_coder" else None
+        tools = qwen3_tools(calls) if fmt in TYPED_BY_SCHEMA else None
         assert stream(fmt, random_split(rng, text), tools) == want, text
         assert stream(fmt, list(text), tools) == want, text
 

@@ -18,6 +18,8 @@
 //!   `<|python_end|>` around it are dropped.
 //! - `qwen3_coder`: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
 //!   values typed by the function's JSON schema when the tools are given.
+//! - `glm45` (also `glm47`): `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`,
+//!   a call a section, values typed as qwen3_coder's.
 //!
 //! The llama3 and mistral markers are special tokens, which detokenizing
 //! skips by default, so for them bare JSON at the very start of the output
@@ -25,7 +27,7 @@
 //!
 //! Arguments are the model's own JSON text (the object, as written) in the
 //! JSON formats, and JSON built as Python's `json.dumps` writes it
-//! (`{"a": 1, "b": "x"}`) from the pythonic and qwen3_coder formats. Their
+//! (`{"a": 1, "b": "x"}`) from the pythonic, qwen3_coder and glm45 formats. Their
 //! streamed pieces concatenate to exactly what the whole call reports.
 //!
 //! What cannot be taken back is never sent early: a call starts only once
@@ -44,10 +46,12 @@
 mod built_call;
 mod deepseek;
 mod events;
+mod glm45;
 mod json_calls;
 mod json_scan;
 mod pythonic;
 mod qwen3_coder;
+mod tagged_value;
 mod tools;
 
 pub use events::{deltas, CallDelta, CallEvent};
@@ -67,6 +71,7 @@ pub enum Format {
     DeepSeekV3,
     Pythonic,
     Qwen3Coder,
+    Glm45,
 }
 
 impl Format {
@@ -78,16 +83,17 @@ impl Format {
             "deepseekv3" => Ok(Format::DeepSeekV3),
             "pythonic" => Ok(Format::Pythonic),
             "qwen3_coder" => Ok(Format::Qwen3Coder),
+            "glm45" | "glm47" => Ok(Format::Glm45),
             _ => Err(format!(
-                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3, pythonic \
-                 or qwen3_coder"
+                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3, pythonic, \
+                 qwen3_coder, glm45 or glm47"
             )),
         }
     }
 
     fn marker(self) -> &'static str {
         match self {
-            Format::Hermes | Format::Qwen3Coder => "<tool_call>",
+            Format::Hermes | Format::Qwen3Coder | Format::Glm45 => "<tool_call>",
             Format::Llama3 => "<|python_tag|>",
             Format::Mistral => "[TOOL_CALLS]",
             Format::DeepSeekV3 => deepseek::CALLS_BEGIN,
@@ -112,6 +118,7 @@ impl Format {
             Format::Qwen3Coder => {
                 format!("<tool_call>\n<function={}", name.map(|name| format!("{name}>\n")).unwrap_or_default())
             }
+            Format::Glm45 => format!("<tool_call>{}", name.map(|name| format!("{name}\n")).unwrap_or_default()),
         }
     }
 
@@ -150,6 +157,7 @@ impl Format {
             Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip)),
             Format::Pythonic => Box::new(pythonic::Pythonic::new(skip)),
             Format::Qwen3Coder => Box::new(qwen3_coder::Qwen3Coder::new(skip)),
+            Format::Glm45 => Box::new(glm45::Glm45::new(skip)),
         }
     }
 }

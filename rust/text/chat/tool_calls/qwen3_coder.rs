@@ -18,8 +18,8 @@
 
 use super::built_call::{self, BuiltCall};
 use super::events::Calls;
-use super::tools::JsonType;
-use super::{expect, json_string, partial_marker_len, push_json_str, skip_ws, Expect, Section, Step};
+use super::tagged_value::TaggedValue;
+use super::{expect, skip_ws, Expect, Section, Step};
 
 const FUNCTION_START: &str = "<function=";
 const FUNCTION_END: &str = "</function>";
@@ -49,25 +49,7 @@ enum State {
 struct Call {
     built: BuiltCall,
     /// The parameter being read.
-    value: Option<ParameterValue>,
-}
-
-/// The value of the parameter being read.
-struct ParameterValue {
-    types: Vec<JsonType>,
-    from: usize,
-    /// Whether `from` is past the template's newline.
-    trimmed: bool,
-    /// The end of the text already written as a streamed string.
-    sent: usize,
-    /// No tag starts before this offset.
-    searched: usize,
-}
-
-impl ParameterValue {
-    fn streams(&self) -> bool {
-        matches!(self.types.first(), None | Some(JsonType::String))
-    }
+    value: Option<TaggedValue>,
 }
 
 impl Qwen3Coder {
@@ -115,7 +97,7 @@ impl Qwen3Coder {
                         call.built.key(name, calls);
                         self.made_calls = true;
                         let types = calls.tools().parameter_types(&call.built.name, name);
-                        let value = ParameterValue { types, from: end + 1, trimmed: false, sent: 0, searched: end + 1 };
+                        let value = TaggedValue::new(types, end + 1, true);
                         if value.streams() {
                             call.built.json.push('"');
                         }
@@ -141,7 +123,7 @@ impl Qwen3Coder {
             State::Value => {
                 let call = self.call.as_mut().expect("a value belongs to a call");
                 let value = call.value.as_mut().expect("a value is open");
-                let next = read_value(value, &mut call.built.json, text, eof);
+                let next = value.read(&mut call.built.json, text, eof, &[PARAMETER_END, PARAMETER_START, FUNCTION_END]);
                 call.built.send(calls);
                 match next {
                     Some(next) => {
@@ -166,47 +148,4 @@ impl Section for Qwen3Coder {
             }
         }
     }
-}
-
-/// Writes what is known of a value to `json`; the offset after it once
-/// it is complete (at the end of output, it is).
-fn read_value(value: &mut ParameterValue, json: &mut String, text: &str, eof: bool) -> Option<usize> {
-    const ENDS: [&str; 3] = [PARAMETER_END, PARAMETER_START, FUNCTION_END];
-    let found = ENDS
-        .iter()
-        .filter_map(|tag| text[value.searched..].find(tag).map(|i| (value.searched + i, *tag)))
-        .min_by_key(|&(i, _)| i);
-    let (content_end, next) = match found {
-        Some((i, tag)) => (i, Some(if tag == PARAMETER_END { i + tag.len() } else { i })),
-        None if eof => (text.len(), Some(text.len())),
-        None => {
-            let partial = ENDS.iter().map(|tag| partial_marker_len(&text[value.from..], tag)).max().unwrap_or(0);
-            (text.len() - partial, None)
-        }
-    };
-    value.searched = content_end;
-    if !value.trimmed {
-        if content_end == value.from && next.is_none() {
-            return None;
-        }
-        value.from += usize::from(text[value.from..content_end].starts_with('\n'));
-        value.sent = value.from;
-        value.trimmed = true;
-    }
-    // The newline before the closing tag is the template's: hold it back
-    // until it is known whether one follows.
-    let end = content_end.max(value.from) - usize::from(text[value.from..content_end.max(value.from)].ends_with('\n'));
-    if value.streams() {
-        if end > value.sent {
-            push_json_str(json, &text[value.sent..end]);
-            value.sent = end;
-        }
-        if next.is_some() {
-            json.push('"');
-        }
-    } else if next.is_some() {
-        let content = &text[value.from..end];
-        json.push_str(&value.types.iter().find_map(|t| t.read(content)).unwrap_or_else(|| json_string(content)));
-    }
-    next
 }

@@ -320,6 +320,44 @@ fn qwen3_coder_sections_that_are_not_calls_and_forgiven_tags() {
     every_split(Format::Qwen3Coder, text, &out("", &[call("f", "{\"a\": \"cut sho\"}")]));
 }
 
+const GLM45_CALLS: &str = "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>/tmp/a.py</arg_value>\n<arg_key>content</arg_key>\n<arg_value>print(\"héllo\")\n\nx = 1 < 2</arg_value>\n<arg_key>mode</arg_key>\n<arg_value>644</arg_value>\n</tool_call>\n<tool_call>list_files\n</tool_call>";
+
+#[test]
+fn glm45_values_by_schema() {
+    let content = "\"print(\\\"héllo\\\")\\n\\nx = 1 < 2\"";
+    let calls = |mode: &str| {
+        vec![
+            call("write_file", &format!("{{\"path\": \"/tmp/a.py\", \"content\": {content}, \"mode\": {mode}}}")),
+            call("list_files", "{}"),
+        ]
+    };
+    let text = format!("I will write it.\n{GLM45_CALLS}");
+    let typed = out("I will write it.", &calls("644"));
+    every_split_with(|| ToolCallParser::with_tools(Format::Glm45, qwen3_tools()), &text, &typed);
+    every_split(Format::Glm45, &text, &out("I will write it.", &calls("\"644\"")));
+    // GLM-4.7 writes no newlines between the tags.
+    let glm47 =
+        GLM45_CALLS.replace(">\n<", "><").replace("write_file\n", "write_file").replace("list_files\n", "list_files");
+    every_split_with(|| ToolCallParser::with_tools(Format::Glm45, qwen3_tools()), &glm47, &out("", &calls("644")));
+    assert!(argument_pieces(Format::Glm45, GLM45_CALLS) >= 5);
+}
+
+#[test]
+fn glm45_sections_that_are_not_calls_and_forgiven_tags() {
+    for text in [
+        "<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
+        "<tool_call>\n</tool_call>",
+        "<tool_call>f\n<arg_key></arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+        "<tool_call>f\n<arg_value>1</arg_value>\n</tool_call>",
+    ] {
+        every_split(Format::Glm45, text, &out(text, &[]));
+    }
+    let text = "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>x\n<arg_key>b</arg_key>\n<arg_value>y</arg_value>\n</tool_call>";
+    every_split(Format::Glm45, text, &out("", &[call("f", "{\"a\": \"x\\n\", \"b\": \"y\"}")]));
+    let text = "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>cut sho";
+    every_split(Format::Glm45, text, &out("", &[call("f", "{\"a\": \"cut sho\"}")]));
+}
+
 #[test]
 fn given_tools_calls_must_name_one() {
     let tools = || Tools::from_openai(&serde_json::json!([{"type": "function", "function": {"name": "get_weather"}}]));
@@ -363,8 +401,15 @@ fn plain_text_passes_through_with_only_the_tail_held() {
 
 #[test]
 fn call_prefixes_start_no_call_and_parse_as_output() {
-    let formats =
-        [Format::Hermes, Format::Llama3, Format::Mistral, Format::DeepSeekV3, Format::Pythonic, Format::Qwen3Coder];
+    let formats = [
+        Format::Hermes,
+        Format::Llama3,
+        Format::Mistral,
+        Format::DeepSeekV3,
+        Format::Pythonic,
+        Format::Qwen3Coder,
+        Format::Glm45,
+    ];
     for format in formats {
         let (arguments, end) = match format {
             Format::Hermes => (" {\"a\": 1}", "}\n</tool_call>"),
@@ -373,8 +418,9 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::DeepSeekV3 => ("{\"a\": 1}", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
             Format::Pythonic => ("a=1", ")]"),
             Format::Qwen3Coder => ("<parameter=a>\n1\n</parameter>\n", "</function>\n</tool_call>"),
+            Format::Glm45 => ("<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n", "</tool_call>"),
         };
-        let a = if format == Format::Qwen3Coder { "{\"a\": \"1\"}" } else { "{\"a\": 1}" };
+        let a = if matches!(format, Format::Qwen3Coder | Format::Glm45) { "{\"a\": \"1\"}" } else { "{\"a\": 1}" };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(Some("get_weather"))), (String::new(), vec![]), "{format:?}");
         assert_eq!(parse_with(&mut parser, &[arguments, end]), out("", &[call("get_weather", a)]), "{format:?}");
@@ -384,6 +430,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::DeepSeekV3 => "now\n```json\n",
             Format::Pythonic => "now(",
             Format::Qwen3Coder => "now>\n",
+            Format::Glm45 => "now\n",
         };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(None)), (String::new(), vec![]), "{format:?}");
@@ -405,6 +452,8 @@ fn names_and_unknown_names() {
         ("deepseekv3", Format::DeepSeekV3),
         ("pythonic", Format::Pythonic),
         ("qwen3_coder", Format::Qwen3Coder),
+        ("glm45", Format::Glm45),
+        ("glm47", Format::Glm45),
     ] {
         assert_eq!(Format::from_name(name), Ok(format));
     }
