@@ -14,7 +14,7 @@ import pytest
 from pyserve._rust import ToolCallParser, tool_call_prefix
 
 WS = " \t\n\r"
-FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "pythonic", "qwen3_coder", "glm45"]
+FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic", "qwen3_coder", "glm45"]
 # The formats whose values are text that the tools' schemas type.
 TYPED_BY_SCHEMA = ("qwen3_coder", "glm45")
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -74,6 +74,12 @@ FIXTURES = {
         f"Let me check both.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n{WEATHER}\n```"
         f"{DS_CALL_END}\n{DS_CALL_BEGIN}function{DS_SEP}get_time\n```json\n"
         f'{{"tz": "Asia/Tokyo"}}\n```{DS_CALL_END}{DS_CALLS_END}',
+        "Let me check both.",
+        [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
+    ),
+    "deepseekv31": (  # DeepSeek-V3.1
+        f"Let me check both.{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_weather{DS_SEP}{WEATHER}{DS_CALL_END}"
+        f'{DS_CALL_BEGIN}get_time{DS_SEP}{{"tz": "Asia/Tokyo"}}{DS_CALL_END}{DS_CALLS_END}',
         "Let me check both.",
         [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
     ),
@@ -159,6 +165,7 @@ INVALID = {
     "llama3": ['{"answer": 4}', "The call is {\"name\": \"a\", \"parameters\": {}}", "<|python_tag|>print(1)"],
     "mistral": ["[1] is a footnote", '[TOOL_CALLS] [{"x": 1}]', "[" * 5000 + "]" * 5000],
     "deepseekv3": [f"{DS_CALLS_BEGIN}oops", f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n{{"a": 1}}'],
+    "deepseekv31": [f"{DS_CALLS_BEGIN}oops", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}[1]{DS_CALL_END}"],
     "pythonic": ["see [1] and [link](url)", "[f(x)]", "[f(1, 2)] and [g]", "[print('hi') for x in y]"],
     "qwen3_coder": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>\n<function=f\n", "x < y <tool_call>"],
     "glm45": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>f\n<arg_value>1</arg_value></tool_call>",
@@ -179,6 +186,7 @@ BROKEN_OFF = {
     "llama3": ('{"name": "f", "parameters": {"a": [1, 2.', '{"a": [1, 2]}'),
     "mistral": ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b', '{"a": 1}'),
     "deepseekv3": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{"a": {{"b": tr', '{"a": {}}'),
+    "deepseekv31": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{"a": {{"b": tr', '{"a": {}}'),
     "pythonic": ("[f(a='x', b=[1, 2", '{"a": "x", "b": [1, 2]}'),
     "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=a>\nhalf a li", '{"a": "half a li"}'),
     "glm45": ("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>half a li", '{"a": "half a li"}'),
@@ -238,6 +246,8 @@ CONTINUATIONS = {  # what a model writes after the prefix: (after the bare prefi
     "mistral": ('now", "arguments": {"tz": "UTC"}}]', ' {"tz": "UTC"}}]'),
     "deepseekv3": ('now\n```json\n{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END,
                    '{"tz": "UTC"}\n```' + DS_CALL_END + DS_CALLS_END),
+    "deepseekv31": (f'now{DS_SEP}{{"tz": "UTC"}}{DS_CALL_END}{DS_CALLS_END}',
+                    f'{{"tz": "UTC"}}{DS_CALL_END}{DS_CALLS_END}'),
     "pythonic": ("now(tz='UTC')]", "tz='UTC')]"),
     "qwen3_coder": ("now>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>",
                     "<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"),
@@ -292,6 +302,9 @@ def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
     if fmt == "deepseekv3":
         return DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n{args(a)}\n```{DS_CALL_END}"
                                           for n, a in calls) + DS_CALLS_END
+    if fmt == "deepseekv31":
+        return (DS_CALLS_BEGIN + "".join(f"{DS_CALL_BEGIN}{n}{DS_SEP}{args(a)}{DS_CALL_END}" for n, a in calls)
+                + DS_CALLS_END)
     if fmt == "pythonic":
         inner = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in calls)
         return f"<|python_start|>[{inner}]<|python_end|>" if rng.random() < 0.3 else f"[{inner}]"

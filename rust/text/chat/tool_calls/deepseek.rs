@@ -1,6 +1,7 @@
-//! DeepSeek-V3's calls, as its chat template writes them:
+//! DeepSeek's calls, as its chat templates write them:
 //! `<｜tool▁calls▁begin｜>`, then calls separated by newlines, each
-//! `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
+//! `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`
+//! (V3) or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1),
 //! then `<｜tool▁calls▁end｜>`.
 
 use super::events::Calls;
@@ -11,16 +12,22 @@ pub(super) const CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
 const CALLS_END: &str = "<｜tool▁calls▁end｜>";
 const CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 const CALL_HEAD: &str = "function<｜tool▁sep｜>";
+const SEP: &str = "<｜tool▁sep｜>";
 const CALL_END: &str = "<｜tool▁call▁end｜>";
 const FENCE_OPEN: &str = "```json";
 const FENCE_CLOSE: &str = "```";
 
-pub(super) fn call_prefix(name: Option<&str>) -> String {
+pub(super) fn call_prefix(name: Option<&str>, v31: bool) -> String {
+    if v31 {
+        return format!("{CALLS_BEGIN}{CALL_BEGIN}{}", name.map(|name| format!("{name}{SEP}")).unwrap_or_default());
+    }
     let named = name.map(|name| format!("{name}\n{FENCE_OPEN}\n")).unwrap_or_default();
     format!("{CALLS_BEGIN}{CALL_BEGIN}{CALL_HEAD}{named}")
 }
 
 pub(super) struct DeepSeek {
+    /// V3.1's calls: the name, then the arguments after `<｜tool▁sep｜>`, unfenced.
+    v31: bool,
     pos: usize,
     state: State,
     /// Where the text of the call being read starts.
@@ -42,8 +49,9 @@ enum State {
 }
 
 impl DeepSeek {
-    pub(super) fn new(skip: usize) -> Self {
+    pub(super) fn new(skip: usize, v31: bool) -> Self {
         DeepSeek {
+            v31,
             pos: skip,
             state: State::BeforeCall,
             call_from: skip,
@@ -77,6 +85,7 @@ impl DeepSeek {
                 }
                 self.state = State::Head;
             }
+            State::Head if self.v31 => self.state = State::Name,
             State::Head => match expect(text, self.pos, CALL_HEAD, eof) {
                 Expect::Found(end) => {
                     self.pos = end;
@@ -86,20 +95,22 @@ impl DeepSeek {
                 Expect::No => return Err(self.not_a_call()),
             },
             State::Name => {
-                let Some(line) = text[self.pos..].find('\n') else {
+                let end_of_name = if self.v31 { SEP } else { "\n" };
+                let Some(line) = text[self.pos..].find(end_of_name) else {
                     return Err(if eof { self.not_a_call() } else { Step::Wait });
                 };
                 let name = text[self.pos..self.pos + line].trim();
-                if name.is_empty() || name.contains(['<', '`', '{']) || !calls.knows(name) {
+                if name.is_empty() || name.contains(['<', '`', '{', '\n']) || !calls.knows(name) {
                     return Err(self.not_a_call());
                 }
                 self.name = name.to_string();
-                self.pos += line + 1;
+                self.pos += line + end_of_name.len();
                 self.state = State::Fence;
             }
             State::Fence => {
                 let fence = skip_ws(bytes, self.pos);
                 let end = match expect(text, fence, FENCE_OPEN, eof) {
+                    _ if self.v31 => self.pos,
                     Expect::Found(end) => end,
                     Expect::Partial => return Err(Step::Wait),
                     Expect::No => return Err(self.not_a_call()),

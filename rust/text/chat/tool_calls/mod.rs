@@ -13,6 +13,7 @@
 //! - `deepseekv3`: `<｜tool▁calls▁begin｜>`, then per call
 //!   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
 //!   then `<｜tool▁calls▁end｜>`.
+//! - `deepseekv31`: the same, each call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
 //! - `pythonic` (Llama 3.2 / 4): `[f(a="x", b=2), g()]` anywhere, Python
 //!   literals as arguments, converted to JSON; `<|python_start|>` and
 //!   `<|python_end|>` around it are dropped.
@@ -69,6 +70,7 @@ pub enum Format {
     Llama3,
     Mistral,
     DeepSeekV3,
+    DeepSeekV31,
     Pythonic,
     Qwen3Coder,
     Glm45,
@@ -81,11 +83,12 @@ impl Format {
             "llama3" => Ok(Format::Llama3),
             "mistral" => Ok(Format::Mistral),
             "deepseekv3" => Ok(Format::DeepSeekV3),
+            "deepseekv31" => Ok(Format::DeepSeekV31),
             "pythonic" => Ok(Format::Pythonic),
             "qwen3_coder" => Ok(Format::Qwen3Coder),
             "glm45" | "glm47" => Ok(Format::Glm45),
             _ => Err(format!(
-                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3, pythonic, \
+                "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3, deepseekv31, pythonic, \
                  qwen3_coder, glm45 or glm47"
             )),
         }
@@ -96,7 +99,7 @@ impl Format {
             Format::Hermes | Format::Qwen3Coder | Format::Glm45 => "<tool_call>",
             Format::Llama3 => "<|python_tag|>",
             Format::Mistral => "[TOOL_CALLS]",
-            Format::DeepSeekV3 => deepseek::CALLS_BEGIN,
+            Format::DeepSeekV3 | Format::DeepSeekV31 => deepseek::CALLS_BEGIN,
             Format::Pythonic => pythonic::START,
         }
     }
@@ -113,7 +116,8 @@ impl Format {
             Format::Hermes => json_call("<tool_call>\n{", "arguments"),
             Format::Llama3 => json_call("{", "parameters"),
             Format::Mistral => json_call("[TOOL_CALLS] [{", "arguments"),
-            Format::DeepSeekV3 => deepseek::call_prefix(name),
+            Format::DeepSeekV3 => deepseek::call_prefix(name, false),
+            Format::DeepSeekV31 => deepseek::call_prefix(name, true),
             Format::Pythonic => format!("[{}", name.map(|name| format!("{name}(")).unwrap_or_default()),
             Format::Qwen3Coder => {
                 format!("<tool_call>\n<function={}", name.map(|name| format!("{name}>\n")).unwrap_or_default())
@@ -154,7 +158,8 @@ impl Format {
             Format::Hermes => Box::new(json_calls::Hermes::new(skip)),
             Format::Llama3 => Box::new(json_calls::Llama3::new(skip)),
             Format::Mistral => Box::new(json_calls::Mistral::new(skip)),
-            Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip)),
+            Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip, false)),
+            Format::DeepSeekV31 => Box::new(deepseek::DeepSeek::new(skip, true)),
             Format::Pythonic => Box::new(pythonic::Pythonic::new(skip)),
             Format::Qwen3Coder => Box::new(qwen3_coder::Qwen3Coder::new(skip)),
             Format::Glm45 => Box::new(glm45::Glm45::new(skip)),

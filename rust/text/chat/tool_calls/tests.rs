@@ -232,6 +232,28 @@ fn deepseek_sections_that_are_not_calls() {
     every_split(Format::DeepSeekV3, no_fence, &out("ok", &[call("f", "{\"a\": 1}")]));
 }
 
+const DEEPSEEK_V31_CALLS: &str = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Tokyo\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Paris\", \"note\": \"é 🎉\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+
+#[test]
+fn deepseek_v31_text_then_calls() {
+    let calls = [
+        call("get_weather", "{\"location\": \"Tokyo\"}"),
+        call("get_weather", "{\"location\": \"Paris\", \"note\": \"é 🎉\"}"),
+    ];
+    every_split(Format::DeepSeekV31, &format!("Let me look.\n\n{DEEPSEEK_V31_CALLS}"), &out("Let me look.", &calls));
+    every_split(Format::DeepSeekV31, &format!("{DEEPSEEK_V31_CALLS}\nMore text"), &out("More text", &calls));
+    assert!(argument_pieces(Format::DeepSeekV31, DEEPSEEK_V31_CALLS) >= 3);
+    for text in [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f\n",
+    ] {
+        every_split(Format::DeepSeekV31, text, &out(text, &[]));
+    }
+    let cut = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": \"b";
+    every_split(Format::DeepSeekV31, cut, &out("", &[call("f", "{\"a\": \"b\"}")]));
+}
+
 #[test]
 fn pythonic_calls_become_json() {
     let text = "[get_weather(city=\"San Francisco\", days=3, units='metric'), get_time(tz=\"Asia/Tokyo\"), now()]";
@@ -406,6 +428,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
         Format::Llama3,
         Format::Mistral,
         Format::DeepSeekV3,
+        Format::DeepSeekV31,
         Format::Pythonic,
         Format::Qwen3Coder,
         Format::Glm45,
@@ -416,6 +439,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Llama3 => (" {\"a\": 1}", "}"),
             Format::Mistral => (" {\"a\": 1}", "}]"),
             Format::DeepSeekV3 => ("{\"a\": 1}", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            Format::DeepSeekV31 => ("{\"a\": 1}", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
             Format::Pythonic => ("a=1", ")]"),
             Format::Qwen3Coder => ("<parameter=a>\n1\n</parameter>\n", "</function>\n</tool_call>"),
             Format::Glm45 => ("<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n", "</tool_call>"),
@@ -428,6 +452,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Hermes | Format::Mistral => "now\", \"arguments\":",
             Format::Llama3 => "now\", \"parameters\":",
             Format::DeepSeekV3 => "now\n```json\n",
+            Format::DeepSeekV31 => "now<｜tool▁sep｜>",
             Format::Pythonic => "now(",
             Format::Qwen3Coder => "now>\n",
             Format::Glm45 => "now\n",
@@ -450,6 +475,7 @@ fn names_and_unknown_names() {
         ("llama3", Format::Llama3),
         ("mistral", Format::Mistral),
         ("deepseekv3", Format::DeepSeekV3),
+        ("deepseekv31", Format::DeepSeekV31),
         ("pythonic", Format::Pythonic),
         ("qwen3_coder", Format::Qwen3Coder),
         ("glm45", Format::Glm45),
