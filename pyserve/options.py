@@ -200,8 +200,8 @@ class ServerOptions:
                                                "channel) into reasoning_content")
     # SGLang's names; qwen25 and hermes are one format.
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
-                                                         "deepseekv31", "pythonic", "qwen3_coder", "glm45", "glm47",
-                                                         "gpt-oss"],
+                                                         "deepseekv31", "pythonic", "qwen3_coder", "minimax-m2", "glm45",
+                                                         "glm47", "gpt-oss"],
                                           help="read tool calls in chat output into message.tool_calls")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')", secret=True)
     # Per request, unlike the engine-wide --max-running-requests: one request's prompts x n.

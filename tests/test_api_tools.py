@@ -500,6 +500,10 @@ def test_strict_tools_with_a_format_no_grammar_can_hold_are_refused(default_mode
     ("qwen3_coder", ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
                      "</tool_call>"]),
     ("glm45", ["<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa", "ris</arg_value>\n</tool_call>"]),
+    ("minimax-m2", ['<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Pa',
+                    "ris</parameter>\n</invoke>\n</minimax:tool_call>"]),
+    ("deepseekv31", ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Pa",
+                     'ris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>']),
 ])
 def test_the_newer_formats_through_the_route(default_model_dir, tokenizer, parser, script):
     app, _ = tool_app(default_model_dir, tokenizer, script, parser=parser)

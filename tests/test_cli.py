@@ -52,7 +52,7 @@ def test_every_tool_call_parser_choice_is_a_parser():
 
     choices = ServerArgs.parser()._option_string_actions["--tool-call-parser"].choices
     assert set(choices) == {"qwen25", "hermes", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic",
-                            "qwen3_coder", "glm45", "glm47", "gpt-oss"}
+                            "qwen3_coder", "minimax-m2", "glm45", "glm47", "gpt-oss"}
     for name in choices:
         assert ServerArgs.from_cli(["--tool-call-parser", name]).tool_call_parser == name
         HarmonyParser() if name == "gpt-oss" else ToolCallParser(name)

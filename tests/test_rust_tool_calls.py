@@ -14,9 +14,10 @@ import pytest
 from pyserve._rust import ToolCallParser, tool_call_prefix
 
 WS = " \t\n\r"
-FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic", "qwen3_coder", "glm45"]
+FORMATS = ["hermes", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic", "qwen3_coder", "minimax-m2",
+           "glm45"]
 # The formats whose values are text that the tools' schemas type.
-TYPED_BY_SCHEMA = ("qwen3_coder", "glm45")
+TYPED_BY_SCHEMA = ("qwen3_coder", "minimax-m2", "glm45")
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
@@ -95,6 +96,13 @@ FIXTURES = {
         "Let me check both.",
         [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
     ),
+    "minimax-m2": (
+        'Let me check both.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="location">東京'
+        '</parameter>\n<parameter name="unit">celsius</parameter>\n</invoke>\n<invoke name="get_time">\n'
+        '<parameter name="tz">Asia/Tokyo</parameter>\n</invoke>\n</minimax:tool_call>',
+        "Let me check both.",
+        [("get_weather", WEATHER), ("get_time", '{"tz": "Asia/Tokyo"}')],
+    ),
     "glm45": (  # GLM-4.5 / 4.6
         "Let me check both.\n<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>東京</arg_value>\n"
         "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>\n<tool_call>get_time\n"
@@ -168,6 +176,7 @@ INVALID = {
     "deepseekv31": [f"{DS_CALLS_BEGIN}oops", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}[1]{DS_CALL_END}"],
     "pythonic": ["see [1] and [link](url)", "[f(x)]", "[f(1, 2)] and [g]", "[print('hi') for x in y]"],
     "qwen3_coder": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>\n<function=f\n", "x < y <tool_call>"],
+    "minimax-m2": ['<minimax:tool_call>\n<invoke name=f>\n</invoke>\n</minimax:tool_call>', "<minimax:tool_call> x"],
     "glm45": ['<tool_call>\n{"name": "f"}\n</tool_call>', "<tool_call>f\n<arg_value>1</arg_value></tool_call>",
               "x < y <tool_call>"],
 }
@@ -189,6 +198,7 @@ BROKEN_OFF = {
     "deepseekv31": (f'{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{"a": {{"b": tr', '{"a": {}}'),
     "pythonic": ("[f(a='x', b=[1, 2", '{"a": "x", "b": [1, 2]}'),
     "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=a>\nhalf a li", '{"a": "half a li"}'),
+    "minimax-m2": ('<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">half a li', '{"a": "half a li"}'),
     "glm45": ("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>half a li", '{"a": "half a li"}'),
 }
 
@@ -251,6 +261,8 @@ CONTINUATIONS = {  # what a model writes after the prefix: (after the bare prefi
     "pythonic": ("now(tz='UTC')]", "tz='UTC')]"),
     "qwen3_coder": ("now>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>",
                     "<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"),
+    "minimax-m2": ('now">\n<parameter name="tz">UTC</parameter>\n</invoke>\n</minimax:tool_call>',
+                   '<parameter name="tz">UTC</parameter>\n</invoke>\n</minimax:tool_call>'),
     "glm45": ("now\n<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>",
               "<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>"),
 }
@@ -311,6 +323,10 @@ def render(fmt: str, calls: list[tuple[str, dict]], rng: random.Random) -> str:
     def value(v):  # as the XML-style templates write values: strings as they are, the rest as JSON
         return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
+    if fmt == "minimax-m2":
+        return "<minimax:tool_call>\n" + "".join(f'<invoke name="{n}">\n' + "".join(
+            f'<parameter name="{k}">{value(v)}</parameter>\n' for k, v in a.items()) + "</invoke>\n"
+            for n, a in calls) + "</minimax:tool_call>"
     if fmt == "glm45":
         return "\n".join(f"<tool_call>{n}\n" + "".join(
             f"<arg_key>{k}</arg_key>\n<arg_value>{value(v)}</arg_value>\n" for k, v in a.items()) + "</tool_call>"

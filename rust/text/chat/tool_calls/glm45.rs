@@ -16,7 +16,7 @@ use super::built_call::{self, BuiltCall};
 use super::events::Calls;
 use super::tagged_value::TaggedValue;
 use super::tools::JsonType;
-use super::{expect, skip_ws, Expect, Section, Step};
+use super::{expect, is_name_byte, skip_ws, Expect, Section, Step};
 
 const KEY_START: &str = "<arg_key>";
 const KEY_END: &str = "</arg_key>";
@@ -58,9 +58,9 @@ impl Glm45 {
                     return Err(if eof { self.fail(text.len(), calls) } else { Step::Wait });
                 };
                 let name = text[self.pos..end].trim();
-                // A function's name (OpenAI's [a-zA-Z0-9_-], with dots), so that
-                // other text in a section, such as hermes's JSON, stays text.
-                let named = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+                // A function's name, so that other text in a section, such as
+                // hermes's JSON, stays text.
+                let named = !name.is_empty() && name.bytes().all(is_name_byte);
                 if !named || !calls.knows(name) {
                     return Err(self.fail(self.pos, calls));
                 }

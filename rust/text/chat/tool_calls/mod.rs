@@ -19,6 +19,8 @@
 //!   `<|python_end|>` around it are dropped.
 //! - `qwen3_coder`: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
 //!   values typed by the function's JSON schema when the tools are given.
+//! - `minimax-m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>`,
+//!   values typed as qwen3_coder's.
 //! - `glm45` (also `glm47`): `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`,
 //!   a call a section, values typed as qwen3_coder's.
 //!
@@ -51,9 +53,9 @@ mod glm45;
 mod json_calls;
 mod json_scan;
 mod pythonic;
-mod qwen3_coder;
 mod tagged_value;
 mod tools;
+mod xml_calls;
 
 pub use events::{deltas, CallDelta, CallEvent};
 #[cfg(test)]
@@ -73,6 +75,7 @@ pub enum Format {
     DeepSeekV31,
     Pythonic,
     Qwen3Coder,
+    MiniMaxM2,
     Glm45,
 }
 
@@ -86,10 +89,11 @@ impl Format {
             "deepseekv31" => Ok(Format::DeepSeekV31),
             "pythonic" => Ok(Format::Pythonic),
             "qwen3_coder" => Ok(Format::Qwen3Coder),
+            "minimax-m2" => Ok(Format::MiniMaxM2),
             "glm45" | "glm47" => Ok(Format::Glm45),
             _ => Err(format!(
                 "unknown tool call parser {name:?}: expected qwen25, hermes, llama3, mistral, deepseekv3, deepseekv31, pythonic, \
-                 qwen3_coder, glm45 or glm47"
+                 qwen3_coder, minimax-m2, glm45 or glm47"
             )),
         }
     }
@@ -101,6 +105,7 @@ impl Format {
             Format::Mistral => "[TOOL_CALLS]",
             Format::DeepSeekV3 | Format::DeepSeekV31 => deepseek::CALLS_BEGIN,
             Format::Pythonic => pythonic::START,
+            Format::MiniMaxM2 => xml_calls::MINIMAX_M2_START,
         }
     }
 
@@ -122,6 +127,11 @@ impl Format {
             Format::Qwen3Coder => {
                 format!("<tool_call>\n<function={}", name.map(|name| format!("{name}>\n")).unwrap_or_default())
             }
+            Format::MiniMaxM2 => format!(
+                "{}\n<invoke name=\"{}",
+                xml_calls::MINIMAX_M2_START,
+                name.map(|name| format!("{name}\">\n")).unwrap_or_default()
+            ),
             Format::Glm45 => format!("<tool_call>{}", name.map(|name| format!("{name}\n")).unwrap_or_default()),
         }
     }
@@ -161,7 +171,8 @@ impl Format {
             Format::DeepSeekV3 => Box::new(deepseek::DeepSeek::new(skip, false)),
             Format::DeepSeekV31 => Box::new(deepseek::DeepSeek::new(skip, true)),
             Format::Pythonic => Box::new(pythonic::Pythonic::new(skip)),
-            Format::Qwen3Coder => Box::new(qwen3_coder::Qwen3Coder::new(skip)),
+            Format::Qwen3Coder => Box::new(xml_calls::XmlCalls::new(&xml_calls::QWEN3_CODER, skip)),
+            Format::MiniMaxM2 => Box::new(xml_calls::XmlCalls::new(&xml_calls::MINIMAX_M2, skip)),
             Format::Glm45 => Box::new(glm45::Glm45::new(skip)),
         }
     }
@@ -384,6 +395,11 @@ fn push_json_str(out: &mut String, text: &str) {
             c => out.push(c),
         }
     }
+}
+
+/// Function names may hold what OpenAI's allow (`-`) and dots.
+fn is_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.')
 }
 
 /// Offset of the first non-whitespace byte at or after `from`.

@@ -6,7 +6,7 @@
 
 use super::built_call::{self, BuiltCall};
 use super::events::Calls;
-use super::{expect, push_json_str, skip_ws, Expect, Section, Step};
+use super::{expect, is_name_byte, push_json_str, skip_ws, Expect, Section, Step};
 
 pub(super) const START: &str = "<|python_start|>";
 const END: &str = "<|python_end|>";
@@ -40,11 +40,6 @@ pub(super) fn find_call_list(text: &str) -> Search {
 
 fn is_name_start(b: u8) -> bool {
     b.is_ascii_alphabetic() || b == b'_'
-}
-
-/// Function names may hold what OpenAI's allow (`-`) and dots.
-fn is_name_byte(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.')
 }
 
 pub(super) struct Pythonic {

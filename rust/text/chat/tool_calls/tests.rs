@@ -327,6 +327,33 @@ fn qwen3_coder_values_by_schema() {
     assert!(argument_pieces(Format::Qwen3Coder, QWEN3_CODER_CALLS) >= 5);
 }
 
+const MINIMAX_M2_CALLS: &str = "<minimax:tool_call>\n<invoke name=\"write_file\">\n<parameter name=\"path\">/tmp/a.py</parameter>\n<parameter name=\"content\">print(\"héllo\")\n\nx = 1 < 2</parameter>\n<parameter name=\"mode\">644</parameter>\n</invoke>\n<invoke name=\"list_files\">\n</invoke>\n</minimax:tool_call>";
+
+#[test]
+fn minimax_m2_values_by_schema() {
+    let content = "\"print(\\\"héllo\\\")\\n\\nx = 1 < 2\"";
+    let calls = |mode: &str| {
+        vec![
+            call("write_file", &format!("{{\"path\": \"/tmp/a.py\", \"content\": {content}, \"mode\": {mode}}}")),
+            call("list_files", "{}"),
+        ]
+    };
+    let text = format!("I will write it.\n{MINIMAX_M2_CALLS}\nDone.");
+    every_split_with(
+        || ToolCallParser::with_tools(Format::MiniMaxM2, qwen3_tools()),
+        &text,
+        &out("I will write it.Done.", &calls("644")),
+    );
+    every_split(Format::MiniMaxM2, &text, &out("I will write it.Done.", &calls("\"644\"")));
+    assert!(argument_pieces(Format::MiniMaxM2, MINIMAX_M2_CALLS) >= 5);
+    for text in [
+        "<minimax:tool_call>\n<invoke name=write_file>\n</invoke>\n</minimax:tool_call>",
+        "<minimax:tool_call>\n<tool_call>\n</minimax:tool_call>",
+    ] {
+        every_split(Format::MiniMaxM2, text, &out(text, &[]));
+    }
+}
+
 #[test]
 fn qwen3_coder_sections_that_are_not_calls_and_forgiven_tags() {
     for text in [
@@ -431,6 +458,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
         Format::DeepSeekV31,
         Format::Pythonic,
         Format::Qwen3Coder,
+        Format::MiniMaxM2,
         Format::Glm45,
     ];
     for format in formats {
@@ -443,8 +471,13 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Pythonic => ("a=1", ")]"),
             Format::Qwen3Coder => ("<parameter=a>\n1\n</parameter>\n", "</function>\n</tool_call>"),
             Format::Glm45 => ("<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n", "</tool_call>"),
+            Format::MiniMaxM2 => ("<parameter name=\"a\">1</parameter>\n", "</invoke>\n</minimax:tool_call>"),
         };
-        let a = if matches!(format, Format::Qwen3Coder | Format::Glm45) { "{\"a\": \"1\"}" } else { "{\"a\": 1}" };
+        let a = if matches!(format, Format::Qwen3Coder | Format::Glm45 | Format::MiniMaxM2) {
+            "{\"a\": \"1\"}"
+        } else {
+            "{\"a\": 1}"
+        };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(Some("get_weather"))), (String::new(), vec![]), "{format:?}");
         assert_eq!(parse_with(&mut parser, &[arguments, end]), out("", &[call("get_weather", a)]), "{format:?}");
@@ -456,6 +489,7 @@ fn call_prefixes_start_no_call_and_parse_as_output() {
             Format::Pythonic => "now(",
             Format::Qwen3Coder => "now>\n",
             Format::Glm45 => "now\n",
+            Format::MiniMaxM2 => "now\">\n",
         };
         let mut parser = ToolCallParser::new(format);
         assert_eq!(parser.feed(&format.call_prefix(None)), (String::new(), vec![]), "{format:?}");
@@ -478,6 +512,7 @@ fn names_and_unknown_names() {
         ("deepseekv31", Format::DeepSeekV31),
         ("pythonic", Format::Pythonic),
         ("qwen3_coder", Format::Qwen3Coder),
+        ("minimax-m2", Format::MiniMaxM2),
         ("glm45", Format::Glm45),
         ("glm47", Format::Glm45),
     ] {
