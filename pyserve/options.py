@@ -114,6 +114,9 @@ class EngineOptions:
     stream_interval: int = option(1, help="tokens a request gathers before its next output is sent (the first "
                                           "at once): fewer, larger stream chunks")
     decode_log_interval: int = option(40, help="decode steps between 'Decode batch.' log lines")
+    watchdog_timeout: float | None = option(
+        None, help="seconds a forward step may run before the process ends with every thread's stack in the log, "
+                   "for a supervisor to restart it (default: no limit)")
     log_requests: bool = option(False, help="log a line when each request arrives and one when it ends")
     log_requests_level: int = option(2, choices=[0, 1, 2, 3], help="how much of each: 0 ids and sizes, 1 and "
                                      "sampling parameters, 2 and text cut to 2048 characters, 3 the whole text")

@@ -65,6 +65,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.header_read_timeout <= 0:
             raise ValueError("--header-read-timeout must be positive")
+        if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
+            raise ValueError("--watchdog-timeout must be positive")
         if self.drain_timeout < 0:
             raise ValueError("--drain-timeout must not be negative")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):

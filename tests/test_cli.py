@@ -39,7 +39,7 @@ def test_model_path_is_an_alias_of_model():
     ["--tp-size", "2", "--enable-torch-compile"], ["--page-size", "0"], ["--mem-fraction-static", "1.5"],
     ["--max-connections", "0"], ["--header-read-timeout", "0"], ["--root-path", "llm/"], ["--forwarded-allow-ips", "proxy.example"],
     ["--allowed-origins", "app.example"], ["--json-model-override-args", "{rope"],
-    ["--json-model-override-args", "[1]"], ["--stream-interval", "0"],
+    ["--json-model-override-args", "[1]"], ["--stream-interval", "0"], ["--watchdog-timeout", "0"],
 ])
 def test_impossible_options_fail_clearly(option):
     out = run_cli(*option)
@@ -118,3 +118,23 @@ def test_serves_logs_and_stops_cleanly_on_sigterm(tiny_llama_dir):
 def test_sglangs_launch_lines_are_pyserves(line):
     args = ServerArgs.from_cli(line.split())
     assert args.model_path == line.split()[1]
+
+
+def test_a_step_past_the_watchdog_timeout_ends_the_server_with_its_stacks(tiny_llama_dir):
+    """Every step outlasts a tenth of a millisecond: the first request's
+    ends the process, its stacks in the log, for a supervisor to restart it."""
+    import httpx
+
+    from pyserve.engine.watchdog import EXIT_STATUS
+    from tests.conftest import ServerProcess
+
+    srv = ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "2048", "--watchdog-timeout", "0.0001")
+    try:
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert srv.proc.wait(timeout=30) == EXIT_STATUS
+        log = srv.log()
+        assert "a forward step ran past --watchdog-timeout 0.0001 s" in log
+        assert "most recent call first" in log  # every thread's stack
+    finally:
+        srv.stop()

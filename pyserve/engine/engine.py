@@ -39,6 +39,7 @@ from pyserve.engine.runner.model_runner import ModelRunner
 from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
 from pyserve.engine.kv.window_pages import page_allocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
+from pyserve.engine import watchdog
 from pyserve.engine.request_log import RequestLog
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.scheduler import Scheduler
@@ -78,6 +79,7 @@ class Engine:
         self.eos_token_ids, self.vocab_size = self.model_config.eos_token_ids, self.model_config.vocab_size
         self.default_max_tokens = options.default_max_tokens
         self.max_queued_requests, self.stream_interval = options.max_queued_requests, options.stream_interval
+        self.watchdog_timeout = options.watchdog_timeout
         self.grammars = None  # --grammar-backend none: constrained requests are refused
         # --is-embedding: how prompts become vectors; None on a generation server.
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
@@ -284,7 +286,7 @@ class Engine:
         """Wait for a launched step's ids and hand them to their requests."""
         step, launched = in_flight
         try:
-            output = await self.runner.wait(launched)
+            output = await watchdog.within(self.runner.wait(launched), self.watchdog_timeout)
             next_ids = output.ids.tolist()
             logprobs = sampled_logprobs(output, row_sequences(step, output.drafted), next_ids)
             prompt = prompt_logprobs(output, step)
