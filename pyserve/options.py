@@ -33,6 +33,10 @@ class ModelOptions:
                         help="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = option("auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available, else cpu")
     context_length: int | None = option(None, help="longest prompt + completion (default: the model's)")
+    load_format: str = option("auto", choices=["auto", "safetensors", "dummy"],
+                              help="auto, safetensors: the checkpoint's safetensors files; dummy: none read, weights "
+                                   "drawn at random, to measure speed and memory without them (config.json and the "
+                                   "tokenizer suffice)")
     json_model_override_args: str = option("{}", help="a JSON object whose keys replace config.json's (e.g. "
                                            "rope_scaling and max_position_embeddings for a longer context)")
     max_total_tokens: int | None = option(None, help="KV cache capacity in tokens")

@@ -189,3 +189,33 @@ def test_config_overrides_serve_the_model_transformers_runs_with_them(tmp_path, 
     assert context == 256 and tokens == expected
     with pytest.raises(ValueError, match="context"):  # without them the prompt is past the model's context
         asyncio.run(served({}))
+
+
+def test_dummy_weights_serve_a_config_without_its_checkpoint(tiny_llama_dir, tmp_path):
+    """--load-format dummy (SGLang's): speed and memory measured from
+    config.json and the tokenizer alone, the same weights on every run."""
+    import asyncio
+    import json
+    import shutil
+
+    from tests.test_engine import collect, started_engine
+
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, tmp_path / name)
+
+    async def tokens(**options):
+        engine = await started_engine(tmp_path, **options)
+        try:
+            return (await collect(engine, [5, 6, 7], max_new_tokens=6, temperature=0, ignore_eos=True))[1]
+        finally:
+            await engine.shutdown()
+
+    first = asyncio.run(tokens(load_format="dummy"))
+    assert len(first) == 6 and asyncio.run(tokens(load_format="dummy")) == first
+    with pytest.raises(ValueError, match="model.safetensors"):
+        asyncio.run(tokens())  # the checkpoint is not there to read
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="--load-format dummy draws float weights"):
+        asyncio.run(tokens(load_format="dummy"))

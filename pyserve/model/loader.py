@@ -217,10 +217,18 @@ class _Renamed:
         return self.handle.get_slice(self.original if key == self.name else key)
 
 
+def _draw_weights(model: CausalLM, seed: int) -> None:
+    """--load-format dummy: every weight uniform in [-1e-3, 1e-3], as SGLang
+    draws them (small enough that no activation overflows)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for p in model.parameters():
+        p.data.uniform_(-1e-3, 1e-3, generator=generator)
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quant: WeightQuant | None = None,
     tp: TensorParallel = SINGLE, lm_head: bool = True, quantization: str = "auto", part: ModelPart | None = None,
-    config_overrides: dict | None = None,
+    config_overrides: dict | None = None, dummy: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """The model in eval mode with every weight loaded, and its config;
     its linear layers quantized as `quant` when given (CPU only). Under
@@ -232,12 +240,17 @@ def load_model(
     own quantization, auto (as config.json says), a method insisted on, or none.
     `part`: a model made of part of the checkpoint instead (ModelPart),
     read whole on this rank. `config_overrides` (--json-model-override-args)
-    replace config.json's keys."""
+    replace config.json's keys. `dummy` (--load-format dummy): no
+    checkpoint is read, every weight is drawn at random (the same on every
+    run), for measuring speed and memory without the weights."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     raw, generation = read_config_files(model_dir, config_overrides)
     config = parse_config(raw, generation, str(model_dir)) if part is None else part.config
     scheme = detect(raw, quantization)
+    if dummy and scheme is not None:
+        raise ValueError(f"--load-format dummy draws float weights; {model_dir}'s config.json says its checkpoint is "
+                         f"{scheme.name}-quantized (remove its quantization_config to measure the float model)")
     family = family_of(config.architecture)
     names = family.checkpoint
     shard = ModelShard.of(config, tp)
@@ -253,7 +266,7 @@ def load_model(
             p.data.fill_(float("nan"))
     block_prefixes = tuple(f"layers.{i}.mlp." for i in blocks)
     params = {name: p for name, p in model.named_parameters() if not name.startswith(block_prefixes)}
-    missing = expected_pieces(params, config, shard, names)
+    missing = set() if dummy else expected_pieces(params, config, shard, names)
     placed = set()  # the MoE blocks' checkpoint tensors
     # A quantized checkpoint's int4 groups in the 4-bit mode's group size, by module.
     group_size = None if quant is None or quant.bits != 4 else (32 if quant.int8_activations else quant.group_size)
@@ -304,7 +317,9 @@ def load_model(
             if device.type == "cuda":
                 gpu_parts.setdefault(module, []).append((piece.row or 0, weight))
 
-    files = checkpoint_files(model_dir)
+    if dummy:
+        _draw_weights(model, tp.rank)
+    files = [] if dummy else checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files]
         quantized = None if scheme is None else QuantizedModules(scheme, handles)
@@ -342,7 +357,7 @@ def load_model(
         raise ValueError(f"{model_dir}: {len(absent)} weights missing from the checkpoint, e.g. {absent[:5]}")
     if quant is not None:
         shipped = prequantized_file(model_dir, quant)
-        if shipped.is_file():
+        if shipped.is_file() and not dummy:
             own = shipped_int4(shipped, config, shard, names, quant.group_size)
         else:  # a module whose fused parts are not all int4 groups, or that the kernel cannot hold,
             # is quantized from its dense weight

@@ -101,7 +101,8 @@ class RankModel:
                                    options.quantization)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
                                               lm_head=not options.is_embedding, quantization=options.quantization,
-                                              config_overrides=json.loads(options.json_model_override_args))
+                                              config_overrides=json.loads(options.json_model_override_args),
+                                              dummy=options.load_format == "dummy")
         self.context_len = options.context_length or self.config.max_position_embeddings
         # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
         self.lora = LoraSlots(self.model, options.max_loras_per_batch, options.max_lora_rank, self.dtype, device) \
