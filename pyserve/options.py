@@ -75,7 +75,7 @@ class ModelOptions:
     # LoRA adapters (README "LoRA adapters"), named as SGLang names them.
     enable_lora: bool = option(False, help="serve LoRA adapters over the base model, picked per request by name")
     lora_paths: str | None = option(None, items=True,
-                                    help="adapters loaded at start, NAME=PATH (a PEFT adapter directory) each, "
+                                    help="adapters loaded at start, NAME=PATH (a PEFT adapter directory or Hub id) each, "
                                          "space- or comma-separated")
     max_loras_per_batch: int = option(8, help="adapter slots: the most adapters loaded at once, every one of "
                                               "which a batch may mix")
@@ -161,8 +161,8 @@ class EngineOptions:
     speculative_ngram_external_corpus_max_tokens: int | None = option(
         None, help="NGRAM trees: most tokens all corpora hold together (default 10000000, about 0.55 GB)")
     speculative_draft_model_path: str | None = option(
-        None, help="STANDALONE: the draft model's directory (a smaller model with the target's tokenizer); "
-                   "EAGLE3, EAGLE: the draft head's directory (SGLang's checkpoint formats); EAGLE, NEXTN: "
+        None, help="STANDALONE: the draft model's directory or Hub id (a smaller model with the target's tokenizer); "
+                   "EAGLE3, EAGLE: the draft head's (SGLang's checkpoint formats); EAGLE, NEXTN: "
                    "by default the model's own multi-token-prediction layer, where its checkpoint has one")
     speculative_draft_model_revision: str | None = option(
         None, help="with a Hub id as --speculative-draft-model-path: its branch, tag or commit (default: main)")

@@ -65,6 +65,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.header_read_timeout <= 0:
             raise ValueError("--header-read-timeout must be positive")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be at least 1")
         if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
         if self.drain_timeout < 0:
@@ -154,7 +156,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         draft_path = self.speculative_draft_model_path
         if self.speculative_algorithm is not None and draft_path:  # without it, start-up refuses the option
             draft_path = local_model_dir(draft_path, self.speculative_draft_model_revision, self.download_dir,
-                                         "--speculative-draft-model-path", "--speculative-draft-model-revision")
+                                         "--speculative-draft-model-path", "--speculative-draft-model-revision",
+                                         torch_binaries=self.speculative_algorithm in ("EAGLE", "EAGLE3"))
         return replace(self, model_path=model_path, tokenizer_path=tokenizer_path, speculative_draft_model_path=draft_path,
                        served_model_name=self.served_model_name or self.model_path)
 

@@ -42,6 +42,9 @@ class ScriptedEngine:
         if not req.input_ids:
             raise RequestError("the prompt is empty", "prompt")
 
+    def check_queue_room(self) -> None:
+        """No queue: every request is taken."""
+
     async def compile_grammar(self, constraint) -> None:
         """Every constraint compiles; the script is what the model "writes"."""
 

@@ -27,6 +27,9 @@ class RefusingEngine:
         self.validated: list[GenerateRequest] = []
         self.compiled: list[Constraint] = []
 
+    def check_queue_room(self) -> None:
+        """No queue: every request is taken."""
+
     def validate(self, req: GenerateRequest) -> None:
         self.validated.append(req)
         if self.refusal is not None and self.refusal.field != "constraint":

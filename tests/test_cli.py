@@ -40,6 +40,7 @@ def test_model_path_is_an_alias_of_model():
     ["--max-connections", "0"], ["--header-read-timeout", "0"], ["--root-path", "llm/"], ["--forwarded-allow-ips", "proxy.example"],
     ["--allowed-origins", "app.example"], ["--json-model-override-args", "{rope"],
     ["--json-model-override-args", "[1]"], ["--stream-interval", "0"], ["--watchdog-timeout", "0"],
+    ["--max-queued-requests", "0"],
 ])
 def test_impossible_options_fail_clearly(option):
     out = run_cli(*option)

@@ -219,3 +219,21 @@ def test_dummy_weights_serve_a_config_without_its_checkpoint(tiny_llama_dir, tmp
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="--load-format dummy draws float weights"):
         asyncio.run(tokens(load_format="dummy"))
+
+
+@pytest.mark.parametrize("algorithm, binaries", [("EAGLE3", True), ("STANDALONE", False)])
+def test_eagle_heads_come_with_their_torch_binaries(tiny_llama_dir, monkeypatch, algorithm, binaries):
+    """EAGLE heads are mostly published as pytorch_model.bin; a draft
+    model's other weight formats, like a target's, are left on the Hub."""
+    import huggingface_hub
+
+    asked = {}
+
+    def snapshot_download(repo_id, **options):
+        asked[repo_id] = options["ignore_patterns"]
+        return str(tiny_llama_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    ServerArgs(model_path=str(tiny_llama_dir), speculative_algorithm=algorithm,
+               speculative_draft_model_path="org/draft").resolved()
+    assert ("*.bin" not in asked["org/draft"]) == binaries and "*.gguf" in asked["org/draft"]

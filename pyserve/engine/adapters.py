@@ -44,13 +44,15 @@ class Adapters:
         self.initial = parse_lora_paths(options.lora_paths)
         if len(self.initial) > self.registry.num_slots:
             raise ValueError(f"--lora-paths names {len(self.initial)} adapters, more than --max-loras-per-batch")
-        for name, path in self.initial.items():  # checked now, so that a bad one stops the start
-            read_adapter(self.local_dir(path, "--lora-paths"), self.max_rank)
+        # Each found (a Hub id in the cache) and checked now, so that a bad one stops the start.
+        self.initial_dirs = {name: self.local_dir(path, "--lora-paths") for name, path in self.initial.items()}
+        for local in self.initial_dirs.values():
+            read_adapter(local, self.max_rank)
 
     async def load_initial(self) -> None:
         for name, path in self.initial.items():
-            await self.load(name, path)
-        self.initial = {}
+            await self.load(name, path, self.initial_dirs[name])
+        self.initial = self.initial_dirs = {}
 
     def names(self) -> list[str]:
         return self.registry.names()
@@ -66,15 +68,17 @@ class Adapters:
         names = self.names()
         return f"Loaded adapters: {', '.join(names)}." if names else "No LoRA adapters are loaded."
 
-    async def load(self, name: str, path: str) -> LoraRef:
-        """ValueError (AdapterError for the files) when it cannot be loaded."""
+    async def load(self, name: str, path: str, local: str | None = None) -> LoraRef:
+        """The adapter at `path`, a directory or Hub id (`local`: its
+        directory, where already found). ValueError (AdapterError for the
+        files) when it cannot be loaded."""
         if not name:
             raise ValueError("lora_name must be a non-empty string")
-        local = await asyncio.to_thread(self.local_dir, path, "lora_path")
+        local = local or await asyncio.to_thread(self.local_dir, path, "lora_path")
         adapter = await asyncio.to_thread(read_adapter, local, self.max_rank)
         async with self.lock:
             ref = self.registry.take_slot(name, _slots_in_use(self.running()))
-            await self.runner.load_lora(ref.slot, adapter, local)
+            await self.runner.load_lora(ref.slot, adapter, path)  # other nodes find a Hub id in their own cache
             self.registry.add(ref, path)
         return ref
 

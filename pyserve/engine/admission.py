@@ -53,11 +53,11 @@ def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: b
         raise RequestError("cache_salt must be a non-empty string", "cache_salt")
 
 
-def check_queue(req: GenerateRequest, waiting: Iterable[Sequence], cap: int | None) -> None:
-    """--max-queued-requests: an interactive request is refused (the API's
-    503) while `cap` interactive ones wait; batch jobs, which
-    --batch-concurrency bounds, neither count nor are refused."""
-    if cap is None or req.batch:
+def check_queue(waiting: Iterable[Sequence], cap: int | None) -> None:
+    """--max-queued-requests: an interactive API request is refused (the
+    API's 503), whole, while `cap` interactive sequences wait; batch jobs,
+    which --batch-concurrency bounds, neither count nor are refused."""
+    if cap is None:
         return
     queued = sum(1 for seq in waiting if not seq.batch)
     if queued >= cap:

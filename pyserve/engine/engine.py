@@ -156,10 +156,15 @@ class Engine:
         place these checks live: the API asks here before it answers."""
         check_prompt(req, self.vocab_size, self.context_len, self.prompt_capacity)
         check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling)
-        check_queue(req, self.scheduler.waiting, self.max_queued_requests)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
         adapter_of(req, self.adapters)
+
+    def check_queue_room(self) -> None:
+        """RequestError (code "queue_full") while --max-queued-requests
+        interactive sequences wait: an API request asks once, before any of
+        its sequences enters, and is taken or refused whole."""
+        check_queue(self.scheduler.waiting, self.max_queued_requests)
 
     async def compile_grammar(self, constraint: Constraint) -> None:
         """Compile (or find cached) a constraint's grammar; RequestError

@@ -13,9 +13,11 @@ import re
 from pathlib import Path
 
 # pyserve reads safetensors weights and its JSON and text files: a
-# repository's copies of the weights in other formats are not downloaded.
-OTHER_WEIGHT_FORMATS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.onnx_data",
-                        "*.gguf", "*.tflite", "*.ot", "original/*", "onnx/*", "openvino/*", "coreml/*"]
+# repository's copies of the weights in other formats are not downloaded,
+# but for EAGLE heads, which are often published as pytorch_model.bin.
+OTHER_WEIGHT_FORMATS = ["*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.gguf",
+                        "*.tflite", "*.ot", "original/*", "onnx/*", "openvino/*", "coreml/*"]
+TORCH_BINARIES = "*.bin"
 
 # OWNER/NAME, or a bare NAME: the Hub's repository ids (letters, digits, - _ .).
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
@@ -39,25 +41,27 @@ def check_revision(name: str | None, revision: str | None, flag: str, revision_f
 
 
 def local_model_dir(name: str, revision: str | None, download_dir: str | None, flag: str,
-                    revision_flag: str = "--revision") -> str:
+                    revision_flag: str = "--revision", torch_binaries: bool = False) -> str:
     """The directory `name` names: itself when it is a local directory,
     else the snapshot of the Hub repository `name` at `revision` (default:
-    its main branch). ValueError, naming `flag`, when there is neither."""
+    its main branch), with its `*.bin` files where `torch_binaries` (an
+    EAGLE head's). ValueError, naming `flag`, when there is neither."""
     if Path(name).is_dir():
         return name
     if not is_hub_id(name):
         raise ValueError(f"{flag} {name} is not a directory")
-    return _snapshot(name, revision, download_dir, flag, revision_flag)
+    ignored = OTHER_WEIGHT_FORMATS if torch_binaries else [*OTHER_WEIGHT_FORMATS, TORCH_BINARIES]
+    return _snapshot(name, revision, download_dir, flag, revision_flag, ignored)
 
 
-def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, flag: str, revision_flag: str) -> str:
+def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, flag: str, revision_flag: str,
+              ignored: list[str]) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                 ignore_patterns=OTHER_WEIGHT_FORMATS)
+        return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, ignore_patterns=ignored)
     except HFValidationError as e:
         raise ValueError(f"{flag} {repo_id} is neither a local directory nor a Hub id: {e}") from None
     except GatedRepoError:

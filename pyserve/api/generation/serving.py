@@ -117,6 +117,8 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     engine = ctx.engine
     requests = []
     try:
+        if not batch:
+            engine.check_queue_room()
         for p, ids in enumerate(prompts):
             base = f"{rid}-{p}" if len(prompts) > 1 else rid
             for i in range(n):

@@ -29,7 +29,6 @@ from pyserve.api.generation.tools import HARMONY, ToolCalling, plan, whole_calls
 from pyserve.chat_template import ChatTemplateError
 from pyserve.engine.request import GenerateRequest, SamplingParams
 
-# Reasoning parsers: (start marker, end marker, does the template open it?)
 # SGLang's --reasoning-parser names: (start marker, end marker, whether the
 # chat template opens the block, so that the output starts inside it).
 REASONING_PARSERS = {

@@ -73,6 +73,7 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
     requests = [GenerateRequest(ids, SamplingParams(max_new_tokens=None), f"{rid}-{i}", embedding=True)
                 for i, ids in enumerate(prompts)]
     try:
+        engine.check_queue_room()
         for r in requests:
             engine.validate(r)
     except RequestError as e:

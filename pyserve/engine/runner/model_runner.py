@@ -168,7 +168,8 @@ class ModelRunner:
             self.executor.submit(type(self.draft).release, self.draft, seq)
 
     def load_lora(self, slot: int, adapter: Adapter, path: str) -> asyncio.Future:
-        """Put an adapter's weights (read from `path`) in `slot` on every
+        """Put an adapter's weights (read from `path`, a directory or a Hub
+        id each rank finds in its node's cache) in `slot` on every
         rank, from the forward thread, between steps; call from the event
         loop with a slot no queued step reads."""
         def load() -> None:

@@ -24,6 +24,7 @@ from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel
 from pyserve.lora.adapter import read_adapter
+from pyserve.model.hub import local_model_dir
 from pyserve.model.kv_buffer import SlotCopies
 from pyserve.options import ModelOptions
 
@@ -48,7 +49,8 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
         with torch.inference_mode():
             while (message := channel.receive()) is not None:
                 if isinstance(message, AdapterLoad):
-                    model.lora.load(message.slot, read_adapter(message.path, options.max_lora_rank))
+                    local = local_model_dir(message.path, None, options.download_dir, "lora_path")
+                    model.lora.load(message.slot, read_adapter(local, options.max_lora_rank))
                 elif isinstance(message, SlotCopies):
                     model.kv_buffer.copy_slots(message)
                 else:
