@@ -219,6 +219,8 @@ def test_dummy_weights_serve_a_config_without_its_checkpoint(tiny_llama_dir, tmp
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="--load-format dummy draws float weights"):
         asyncio.run(tokens(load_format="dummy"))
+    # What the refusal says to do: the float model of that config.
+    assert len(asyncio.run(tokens(load_format="dummy", json_model_override_args='{"quantization_config": null}'))) == 6
 
 
 @pytest.mark.parametrize("algorithm, binaries", [("EAGLE3", True), ("STANDALONE", False)])

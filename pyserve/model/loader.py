@@ -250,7 +250,8 @@ def load_model(
     scheme = detect(raw, quantization)
     if dummy and scheme is not None:
         raise ValueError(f"--load-format dummy draws float weights; {model_dir}'s config.json says its checkpoint is "
-                         f"{scheme.name}-quantized (remove its quantization_config to measure the float model)")
+                         f"{scheme.name}-quantized (--json-model-override-args '{{\"quantization_config\": null}}' measures "
+                         "the float model)")
     family = family_of(config.architecture)
     names = family.checkpoint
     shard = ModelShard.of(config, tp)

@@ -31,7 +31,6 @@ stays dense.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyserve.model.cpu import blocks
+from pyserve.model.config import read_config_files
 from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear, int4_groups
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.quantized.scheme import Scheme, detect
@@ -112,14 +112,15 @@ def natural_quant(scheme: Scheme) -> WeightQuant:
 
 
 def resolve_quant(text: str, model_dir: Path, device: torch.device, kernel_threads: int = 1,
-                  quantization: str = "auto") -> WeightQuant | None:
+                  quantization: str = "auto", config_overrides: dict | None = None) -> WeightQuant | None:
     """The quantization to load with: `auto` made concrete, CPU only; an
     8da4w one's kernels on `kernel_threads` threads. `quantization` is
-    `--quantization`, the checkpoint's own (quantized/scheme.py)."""
+    `--quantization`, the checkpoint's own (quantized/scheme.py), as
+    config.json with `config_overrides` (--json-model-override-args) says it."""
     quant = parse_quant(text)
     if quant == "auto":
-        config_file = Path(model_dir) / "config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        has_config = (Path(model_dir) / "config.json").is_file()
+        config = read_config_files(model_dir, config_overrides)[0] if has_config else {}
         scheme = detect(config, quantization)
         shipped = BLOCK_INT4 if blocks.available() else WeightQuant(4, 32)
         if device.type != "cpu":

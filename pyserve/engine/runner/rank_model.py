@@ -91,17 +91,19 @@ class RankModel:
         if (self.kv_dtype != self.dtype and options.attention_backend == "triton" and device.type == "cuda"
                 and torch.cuda.get_device_capability(device) < (8, 9)):
             raise ValueError(f"--kv-cache-dtype {options.kv_cache_dtype}: the Triton kernels read FP8 on GPUs of "
-                             "compute capability 8.9 or newer (Ada, Hopper); --attention-backend torch reads it anywhere")
+                             "compute capability 8.9 or newer (Ada, Hopper); the torch backend (--attention-backend, or a "
+                             "draft's --speculative-draft-attention-backend) reads it anywhere")
         self.ranks_on_this_node = ranks_on_this_node
         # The ranks of one machine share its cores.
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
         # torch's thread count, changed only through this object (see `plan`).
         self.threads = TorchThreads(self.cpu_threads) if device.type == "cpu" else None
+        overrides = json.loads(options.json_model_override_args)
         self.quant = resolve_quant(options.torchao_config, model_dir, device, self.cpu_threads,
-                                   options.quantization)
+                                   options.quantization, overrides)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,
                                               lm_head=not options.is_embedding, quantization=options.quantization,
-                                              config_overrides=json.loads(options.json_model_override_args),
+                                              config_overrides=overrides,
                                               dummy=options.load_format == "dummy")
         self.context_len = options.context_length or self.config.max_position_embeddings
         # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
