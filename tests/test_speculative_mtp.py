@@ -329,3 +329,18 @@ def test_the_cli_takes_sglangs_nextn_line():
     args = ServerArgs.from_cli(["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
                                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"])
     assert (args.speculative_algorithm, args.speculative_num_steps) == ("NEXTN", 3)
+
+
+def test_the_layer_runs_with_the_targets_config_overrides(glm):
+    """--json-model-override-args change the model and its MTP layer alike
+    (the layer is the target's own), and greedy output stays plain decoding's."""
+    import json
+
+    overrides = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    config = MtpConfig(glm["random"], overrides)
+    assert config.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.layer == MtpConfig(glm["random"], {"num_hidden_layers": 1}).layer  # the checkpoint's index
+    requests = [(PROMPTS[0], {**GREEDY, "max_new_tokens": 16})]
+    plain, got, _ = with_and_without(glm["random"], requests, nextn(),
+                                     {"torchao_config": "none", "json_model_override_args": json.dumps(overrides)})
+    same(plain, got)

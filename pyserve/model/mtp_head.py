@@ -54,12 +54,16 @@ class MtpConfig(OverTargetConfig):
 
     name = "multi-token-prediction layer"
 
-    def __init__(self, model_dir: Path):
-        target = read_config(model_dir)
-        if not getattr(target, "mtp_layers", 0):
+    def __init__(self, model_dir: Path, overrides: dict | None = None):
+        """`overrides`: the target's --json-model-override-args, which the
+        layer, a part of the target, runs with too."""
+        checkpoint = read_config(model_dir)
+        if not getattr(checkpoint, "mtp_layers", 0):
             raise ValueError(f"{model_dir} has no multi-token-prediction layers (its config.json's "
                              "num_nextn_predict_layers) for NEXTN to draft with")
-        self.layer = target.num_hidden_layers  # its index in the checkpoint
+        self.layer = checkpoint.num_hidden_layers  # its index in the checkpoint, whatever the overrides say
+        self.overrides = overrides
+        target = read_config(model_dir, overrides)
         # Experts where the model has any (DeepSeek V3's and GLM-4.5's MTP layers are sparse).
         self.model = replace(target, num_hidden_layers=1, mtp_layers=0,
                              dense_layers=frozenset() if target.moe.num_experts else frozenset({0}))
@@ -119,11 +123,13 @@ class MtpHead(OverTargetHead):
 
 def load_mtp_head(model_dir: Path, config: MtpConfig, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
                   target_norm: nn.Module, dtype: torch.dtype, device: torch.device,
-                  quantization: str = "auto") -> MtpHead:
+                  quantization: str = "auto", dummy: bool = False) -> MtpHead:
     """The checkpoint's first MTP layer, whole on this rank, over the
     target's embedding, vocabulary projection and final norm;
-    `quantization` as the loader reads it (--speculative-draft-model-quantization)."""
+    `quantization` as the loader reads it (--speculative-draft-model-quantization);
+    `dummy` (--load-format dummy): drawn at random, not read."""
     from pyserve.model.loader import load_model
 
-    layer, _ = load_model(model_dir, dtype, device, quantization=quantization, part=MtpPart(config))
+    layer, _ = load_model(model_dir, dtype, device, quantization=quantization, part=MtpPart(config),
+                          config_overrides=config.overrides, dummy=dummy)
     return MtpHead(layer, target_embed, target_lm_head, target_norm).to(device)

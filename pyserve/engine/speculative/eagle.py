@@ -108,7 +108,7 @@ class EagleDraft:
                                               ).to(target.device, target.dtype)
         if isinstance(config, MtpConfig):
             self.head = load_mtp_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device,
-                                      options.quantization)
+                                      options.quantization, dummy=options.load_format == "dummy")
         elif isinstance(config, EagleConfig):
             self.head = load_eagle_head(head_dir, config, embed, lm_head, model.norm, target.dtype, target.device,
                                         hot_tokens)

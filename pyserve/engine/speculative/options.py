@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -86,7 +87,7 @@ def _architecture(model_path: str | None) -> str | None:
     return next(iter(cfg.get("architectures") or []), None)
 
 
-def eagle_config(algorithm: str, head_dir: Path):
+def eagle_config(algorithm: str, head_dir: Path, target_overrides: dict | None = None):
     """The head's config: an Eagle3Config for EAGLE3; for NEXTN, and for
     EAGLE given a checkpoint that carries multi-token-prediction layers,
     an MtpConfig; else an EagleConfig."""
@@ -97,7 +98,7 @@ def eagle_config(algorithm: str, head_dir: Path):
     from pyserve.model.mtp_head import MtpConfig, has_mtp_layers
 
     if algorithm == "NEXTN" or has_mtp_layers(head_dir):
-        return MtpConfig(head_dir)
+        return MtpConfig(head_dir, target_overrides)
     from pyserve.model.eagle_head import EagleConfig
 
     return EagleConfig(head_dir)
@@ -169,7 +170,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     draft_options = _draft_options(options, model_options)
     if algorithm in EAGLE_ALGORITHMS:
         runner.draft = _eagle(algorithm, draft_dir, runner, draft_options, tree, model_dir,
-                              options.speculative_token_map)
+                              options.speculative_token_map, json.loads(model_options.json_model_override_args))
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
@@ -327,12 +328,12 @@ def _tree_shape(options: EngineOptions, topk: int) -> TreeShape:
 
 
 def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, draft_options: ModelOptions,
-           tree: TreeShape | None, model_dir: Path, token_map: str | None):
+           tree: TreeShape | None, model_dir: Path, token_map: str | None, target_overrides: dict):
     from pyserve.engine.speculative.eagle import EagleDraft
     from pyserve.model.eagle_head import EagleConfig, load_token_map
     from pyserve.model.mtp_head import MtpConfig
 
-    config = eagle_config(algorithm, head_dir)
+    config = eagle_config(algorithm, head_dir, target_overrides)
     if isinstance(config, MtpConfig):
         _check_draft_quantization(head_dir, draft_options.quantization)
     elif draft_options.quantization not in ("auto", "none"):
