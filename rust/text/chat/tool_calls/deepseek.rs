@@ -6,7 +6,7 @@
 
 use super::events::Calls;
 use super::json_scan::StreamedArguments;
-use super::{expect, skip_ws, Expect, Section, Step};
+use super::{expect, skip_ws, Expect, Step, Stepped};
 
 pub(super) const CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
 const CALLS_END: &str = "<｜tool▁calls▁end｜>";
@@ -70,7 +70,9 @@ impl DeepSeek {
             Step::Reject
         }
     }
+}
 
+impl Stepped for DeepSeek {
     fn step(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Result<(), Step> {
         let bytes = text.as_bytes();
         match self.state {
@@ -159,15 +161,5 @@ impl DeepSeek {
             }
         }
         Ok(())
-    }
-}
-
-impl Section for DeepSeek {
-    fn read(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step {
-        loop {
-            if let Err(step) = self.step(text, eof, calls) {
-                return step;
-            }
-        }
     }
 }

@@ -16,7 +16,7 @@ use super::built_call::{self, BuiltCall};
 use super::events::Calls;
 use super::tagged_value::TaggedValue;
 use super::tools::JsonType;
-use super::{expect, is_name_byte, skip_ws, Expect, Section, Step};
+use super::{expect, is_name_byte, skip_ws, Expect, Step, Stepped};
 
 const KEY_START: &str = "<arg_key>";
 const KEY_END: &str = "</arg_key>";
@@ -49,7 +49,9 @@ impl Glm45 {
     fn fail(&mut self, at: usize, calls: &mut Calls) -> Step {
         built_call::fail(self.call.take(), at, false, 0, calls)
     }
+}
 
+impl Stepped for Glm45 {
     fn step(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Result<(), Step> {
         let at = skip_ws(text.as_bytes(), self.pos);
         match &mut self.state {
@@ -124,15 +126,5 @@ impl Glm45 {
             }
         }
         Ok(())
-    }
-}
-
-impl Section for Glm45 {
-    fn read(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step {
-        loop {
-            if let Err(step) = self.step(text, eof, calls) {
-                return step;
-            }
-        }
     }
 }

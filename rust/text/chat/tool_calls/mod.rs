@@ -193,6 +193,22 @@ trait Section: Send + Sync {
     fn read(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step;
 }
 
+/// A section read in steps, each taking what it can of the text; the
+/// first that cannot go on says how the read ends.
+trait Stepped: Send + Sync {
+    fn step(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Result<(), Step>;
+}
+
+impl<T: Stepped> Section for T {
+    fn read(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step {
+        loop {
+            if let Err(step) = self.step(text, eof, calls) {
+                return step;
+            }
+        }
+    }
+}
+
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
     /// More text is needed (never at the end of output).

@@ -6,7 +6,7 @@
 
 use super::built_call::{self, BuiltCall};
 use super::events::Calls;
-use super::{expect, is_name_byte, push_json_str, skip_ws, Expect, Section, Step};
+use super::{expect, is_name_byte, push_json_str, skip_ws, Expect, Step, Stepped};
 
 pub(super) const START: &str = "<|python_start|>";
 const END: &str = "<|python_end|>";
@@ -91,7 +91,9 @@ impl Pythonic {
             _ => self.fail(text.len(), calls),
         }
     }
+}
 
+impl Stepped for Pythonic {
     fn step(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Result<(), Step> {
         let bytes = text.as_bytes();
         if let State::Value = self.state {
@@ -169,16 +171,6 @@ impl Pythonic {
             _ => return Err(self.fail(at, calls)),
         };
         Ok(())
-    }
-}
-
-impl Section for Pythonic {
-    fn read(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step {
-        loop {
-            if let Err(step) = self.step(text, eof, calls) {
-                return step;
-            }
-        }
     }
 }
 

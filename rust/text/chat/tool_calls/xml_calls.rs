@@ -29,7 +29,7 @@
 use super::built_call::{self, BuiltCall};
 use super::events::Calls;
 use super::tagged_value::TaggedValue;
-use super::{expect, skip_ws, Expect, Section, Step};
+use super::{expect, skip_ws, Expect, Step, Stepped};
 
 /// A format's tags.
 pub(super) struct Tags {
@@ -101,7 +101,9 @@ impl XmlCalls {
     fn fail(&mut self, at: usize, calls: &mut Calls) -> Step {
         built_call::fail(self.call.take().map(|call| call.built), at, self.made_calls, self.call_from, calls)
     }
+}
 
+impl Stepped for XmlCalls {
     fn step(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Result<(), Step> {
         let at = skip_ws(text.as_bytes(), self.pos);
         let tags = self.tags;
@@ -190,15 +192,5 @@ impl XmlCalls {
             }
         }
         Ok(())
-    }
-}
-
-impl Section for XmlCalls {
-    fn read(&mut self, text: &str, eof: bool, calls: &mut Calls) -> Step {
-        loop {
-            if let Err(step) = self.step(text, eof, calls) {
-                return step;
-            }
-        }
     }
 }
