@@ -8,6 +8,7 @@ field's, and its flags, help and choices are in the field's metadata
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,6 +81,12 @@ class ModelOptions:
     max_loras_per_batch: int = option(8, help="adapter slots: the most adapters loaded at once, every one of "
                                               "which a batch may mix")
     max_lora_rank: int = option(64, help="the largest adapter rank the slots hold")
+
+    @property
+    def config_overrides(self) -> dict:
+        """--json-model-override-args parsed: the config.json keys it replaces
+        (ServerArgs.validate checks it is a JSON object)."""
+        return json.loads(self.json_model_override_args)
 
 
 @dataclass(frozen=True)

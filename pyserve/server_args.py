@@ -51,7 +51,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         if self.page_size < 1:
             raise ValueError("--page-size must be at least 1")
         try:
-            overrides = json.loads(self.json_model_override_args)
+            overrides = self.config_overrides
         except json.JSONDecodeError as e:
             raise ValueError(f"--json-model-override-args is not JSON: {e}") from None
         if not isinstance(overrides, dict):

@@ -41,18 +41,19 @@ class Adapters:
         self.registry = LoraRegistry(options.max_loras_per_batch)
         self.lock = asyncio.Lock()
         self.download_dir = options.download_dir
-        self.initial = parse_lora_paths(options.lora_paths)
-        if len(self.initial) > self.registry.num_slots:
-            raise ValueError(f"--lora-paths names {len(self.initial)} adapters, more than --max-loras-per-batch")
-        # Each found (a Hub id in the cache) and checked now, so that a bad one stops the start.
-        self.initial_dirs = {name: self.local_dir(path, "--lora-paths") for name, path in self.initial.items()}
-        for local in self.initial_dirs.values():
+        paths = parse_lora_paths(options.lora_paths)
+        if len(paths) > self.registry.num_slots:
+            raise ValueError(f"--lora-paths names {len(paths)} adapters, more than --max-loras-per-batch")
+        # Each found (a Hub id in the cache) and checked now, so that a bad one stops the start:
+        # name -> (the path given, its directory).
+        self.initial = {name: (path, self.local_dir(path, "--lora-paths")) for name, path in paths.items()}
+        for _, local in self.initial.values():
             read_adapter(local, self.max_rank)
 
     async def load_initial(self) -> None:
-        for name, path in self.initial.items():
-            await self.load(name, path, self.initial_dirs[name])
-        self.initial = self.initial_dirs = {}
+        for name, (path, local) in self.initial.items():
+            await self.load(name, path, local)
+        self.initial = {}
 
     def names(self) -> list[str]:
         return self.registry.names()

@@ -63,7 +63,7 @@ class MtpConfig(OverTargetConfig):
                              "num_nextn_predict_layers) for NEXTN to draft with")
         self.layer = checkpoint.num_hidden_layers  # its index in the checkpoint, whatever the overrides say
         self.overrides = overrides
-        target = read_config(model_dir, overrides)
+        target = read_config(model_dir, overrides) if overrides else checkpoint
         # Experts where the model has any (DeepSeek V3's and GLM-4.5's MTP layers are sparse).
         self.model = replace(target, num_hidden_layers=1, mtp_layers=0,
                              dense_layers=frozenset() if target.moe.num_experts else frozenset({0}))

@@ -19,10 +19,10 @@ from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol.native import NativeSamplingParams
 from pyserve.api.protocol.openai import SamplingFields
 from pyserve.engine.request import Constraint, SamplingParams
-from pyserve.model.config import SAMPLING_DEFAULTS
 
 MAX_N = 128
-# What a sampling setting a request leaves out is where the model recommends none.
+# What a sampling setting a request leaves out is where the model recommends
+# none: model/config.py's SAMPLING_DEFAULTS, in this order.
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
@@ -87,11 +87,14 @@ def sampling_params(
     with `prompt_top_logprobs` alternatives (None: as many as top_logprobs).
     `constraint`: what the output must match (api/constraints.py).
     `defaults`: the model's settings (ModelConfig.sampling_defaults) for
-    those of SAMPLING_DEFAULTS the request leaves out, else OpenAI's."""
+    those of OPENAI_DEFAULTS the request leaves out, else OpenAI's."""
     f = fields
-    temperature, top_p, top_k, min_p, repetition_penalty = (
-        getattr(f, name) if getattr(f, name) is not None else defaults.get(name, OPENAI_DEFAULTS[name])
-        for name in SAMPLING_DEFAULTS)
+
+    def setting(name: str):  # the request's, else the model's recommendation, else OpenAI's default
+        value = getattr(f, name)
+        return value if value is not None else defaults.get(name, OPENAI_DEFAULTS[name])
+
+    temperature, top_p, top_k, min_p, repetition_penalty = map(setting, OPENAI_DEFAULTS)
     _check(0.0 <= temperature <= 2.0, "temperature must be between 0 and 2", "temperature")
     _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
     _check(1 <= f.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")

@@ -10,7 +10,6 @@ own one and call `forward` on the same batches in the same order.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -98,7 +97,7 @@ class RankModel:
         self.cpu_threads = max(1, usable_cpus() // ranks_on_this_node)
         # torch's thread count, changed only through this object (see `plan`).
         self.threads = TorchThreads(self.cpu_threads) if device.type == "cpu" else None
-        overrides = json.loads(options.json_model_override_args)
+        overrides = options.config_overrides
         self.quant = resolve_quant(options.torchao_config, model_dir, device, self.cpu_threads,
                                    options.quantization, overrides)
         self.model, self.config = load_model(model_dir, self.dtype, device, self.quant, tp,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -170,7 +169,7 @@ def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: P
     draft_options = _draft_options(options, model_options)
     if algorithm in EAGLE_ALGORITHMS:
         runner.draft = _eagle(algorithm, draft_dir, runner, draft_options, tree, model_dir,
-                              options.speculative_token_map, json.loads(model_options.json_model_override_args))
+                              options.speculative_token_map, model_options.config_overrides)
     else:
         from pyserve.engine.speculative.standalone import DraftModel, tokenizer_mismatch
 
