@@ -82,6 +82,7 @@ class PyserveApp:
         from pyserve.api.protocol.responses import StoredResponse
         from pyserve.api.generation.serving import ServingContext
         from pyserve.chat_template import ChatTemplate
+        from pyserve.completion_template import completion_template
         from pyserve.engine.engine import Engine
         from pyserve.model.default_model import DEFAULT_MODEL_NAME
         from pyserve.batches.store import BatchStore
@@ -99,9 +100,12 @@ class PyserveApp:
         if defaults:
             logger.info("Requests that leave them out sample with generation_config.json's %s "
                         "(--sampling-defaults openai: OpenAI's defaults)", defaults)
+        defaults = {**defaults, **server.preferred_sampling()}
         ctx = ServingContext(engine, name, template, server.reasoning_parser, server.tool_call_parser,
                              max_sequences_per_request=server.max_sequences_per_request,
-                             server_args=args.reported(), sampling_defaults=defaults)
+                             server_args=args.reported(), sampling_defaults=defaults,
+                             completion_template=completion_template(engine.tokenizer, server.completion_template),
+                             allow_auto_truncate=server.allow_auto_truncate)
         files = FileStore(server.file_storage_path, server.max_upload_size)
         batches = BatchManager(ctx, files, BatchStore(server.file_storage_path), server.batch_concurrency)
         responses = ResponseManager(ctx, ResponseStore(server.file_storage_path, StoredResponse))

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pyserve.completion_template import CHOICES as COMPLETION_TEMPLATES
 from pyserve.model.quantized.scheme import CHOICES as CHECKPOINT_QUANTIZATIONS
 from pyserve.option_fields import option
 
@@ -187,6 +188,10 @@ class EngineOptions:
         "auto", choices=[*CHECKPOINT_QUANTIZATIONS, "unquant"],
         help="the draft model's (STANDALONE) or multi-token-prediction layer's (NEXTN) checkpoint quantization, "
              "as --quantization is the target's (unquant: none); EAGLE heads load unquantized")
+    speculative_draft_load_format: str | None = option(
+        None, choices=["auto", "safetensors", "dummy"],
+        help="the draft model's (STANDALONE) or multi-token-prediction layer's (NEXTN) --load-format (default: the "
+             "target's); EAGLE heads load from their checkpoint")
     speculative_draft_attention_backend: str | None = option(
         None, choices=["torch", "triton"], help="the draft model's or head's attention backend (default: the "
                                                 "target's --attention-backend)")
@@ -207,6 +212,10 @@ class ServerOptions:
     served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
     chat_template: str | None = option(
         None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
+    completion_template: str = option(
+        "auto", choices=COMPLETION_TEMPLATES,
+        help="the fill-in-the-middle markers /v1/completions' suffix is asked with: auto, those the tokenizer holds "
+             "(qwen_coder's <|fim_prefix|>..., star_coder's <fim_prefix>..., deepseek_coder's); none refuses suffix")
     reasoning_parser: str | None = option(None, choices=["qwen3", "glm45", "deepseek-r1", "qwen3-thinking", "minimax",
                                                          "gpt-oss"],
                                           help="split the reasoning (<think>...</think>, which the template opens "
@@ -254,9 +263,31 @@ class ServerOptions:
         "model", choices=["model", "openai"], help="what a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out samples with: model, generation_config.json's recommendation where it has one; "
         "openai, OpenAI's defaults (1, 1, none, 0, 1)")
+    preferred_sampling_params: str | None = option(
+        None, help="a JSON object of temperature, top_p, top_k, min_p and repetition_penalty values that requests "
+                   "leaving them out sample with, over generation_config.json's (SGLang's; /get_model_info "
+                   "reports it)")
+    allow_auto_truncate: bool = option(
+        False, help="a prompt longer than the context keeps its first context - 1 tokens instead of being refused, "
+                    "and max_tokens is lowered to the room left (SGLang's; vLLM's per-request truncate_prompt_tokens "
+                    "keeps the last tokens)")
     enable_metrics: bool = option(False, help="accepted from SGLang's launch lines: /metrics is always served")
     enable_cache_report: bool = option(False, help="accepted from SGLang's launch lines: usage always reports "
                                                    "cached_tokens")
+
+
+    def preferred_sampling(self) -> dict[str, float]:
+        """--preferred-sampling-params parsed and checked (ValueError naming
+        the flag); {} when not given."""
+        if self.preferred_sampling_params is None:
+            return {}
+        from pyserve.api.generation.sampling import preferred_defaults  # not loaded for `pyserve --help`
+
+        try:
+            values = json.loads(self.preferred_sampling_params)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--preferred-sampling-params is not JSON: {e}") from None
+        return preferred_defaults(values)
 
 
 class Options(NamedTuple):

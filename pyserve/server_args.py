@@ -56,6 +56,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             raise ValueError(f"--json-model-override-args is not JSON: {e}") from None
         if not isinstance(overrides, dict):
             raise ValueError("--json-model-override-args must be a JSON object of config.json keys")
+        if self.preferred_sampling_params is not None:
+            self.preferred_sampling()
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if not 0 < self.swa_full_tokens_ratio <= 1:

@@ -145,6 +145,8 @@ CHAT = {
     "reasoning_effort": engine("none", {"prompt": "thinking=False|<user>hi<assistant>"}),
     "add_generation_prompt": engine(False, prompt("<user>hi")),
     "return_tokens_as_token_ids": probe(RESPONSE, True, logprobs=True),
+    # The rendered prompt's last three tokens.
+    "truncate_prompt_tokens": engine(3, {"prompt": "assistant>"}),
     # Each field of a message, on a message of its own.
     "messages[].role": engine([{"role": "system", "content": "hi"}], prompt("<system>hi<assistant>")),
     "messages[].content": engine([{"role": "user", "content": "bye"}], prompt("<user>bye<assistant>")),
@@ -169,9 +171,10 @@ COMPLETIONS = {
     "top_logprobs": probe(REFUSED, 2),  # completions take logprobs as the count
     "prompt": engine("bye", {"prompt": "bye"}),
     "echo": probe(RESPONSE, True),
-    "suffix": probe(REFUSED, "after"),
+    "suffix": probe(REFUSED, "after"),  # the walk's tokenizer holds no fill-in-the-middle markers
     "best_of": probe(REFUSED, 2),
     "return_tokens_as_token_ids": probe(RESPONSE, True, logprobs=1),
+    "truncate_prompt_tokens": engine(1, {"prompt": " world"}, prompt="hello world"),
 }
 def _names(struct: type, prefix: str = "") -> set[str]:
     return {prefix + f.name for f in msgspec.structs.fields(struct)}

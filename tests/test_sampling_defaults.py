@@ -75,7 +75,8 @@ def test_the_openai_choice_leaves_the_models_recommendation_out(recommending_mod
         app = create_app(model_path=str(recommending_model), file_storage_path=str(tmp_path), **options)
         await app.startup()
         try:
-            out = []
+            _, _, info = await call(app, "GET", "/get_model_info")
+            out = [json.loads(info)["preferred_sampling_params"]]
             for body in ({"temperature": 0}, {"seed": 1}, {"seed": 2}):
                 _, _, raw = await call(app, "POST", "/v1/chat/completions",
                                        {"model": "m", "messages": MESSAGES, "max_tokens": 16, **body})
@@ -84,5 +85,31 @@ def test_the_openai_choice_leaves_the_models_recommendation_out(recommending_mod
         finally:
             await app.shutdown()
 
-    greedy, *sampled = asyncio.run(contents(sampling_defaults="openai"))
+    preferred, greedy, *sampled = asyncio.run(contents(sampling_defaults="openai"))
+    assert preferred is None
     assert sampled != [greedy, greedy]  # temperature 1 over the whole vocabulary
+    # --preferred-sampling-params (SGLang's) sets what requests leave out, over either choice.
+    preferred, greedy, *sampled = asyncio.run(contents(sampling_defaults="openai",
+                                                       preferred_sampling_params='{"top_k": 1}'))
+    assert preferred == {"top_k": 1}
+    assert sampled == [greedy, greedy]
+
+
+@pytest.mark.parametrize("value, problem", [
+    ('{"temperature": 0.6, "top_k": 20}', None),
+    ('{"temperature": 5}', "temperature must be between 0 and 2"),
+    ('{"max_new_tokens": 5}', "sets max_new_tokens: it takes temperature, top_p"),
+    ('{"top_p": "high"}', "takes numbers"),
+    ('[0.6]', "must be a JSON object"),
+    ("{temperature: 0.6}", "is not JSON"),
+])
+def test_preferred_sampling_params_are_checked_at_start(value, problem):
+    from pyserve.server_args import ServerArgs
+
+    args = ServerArgs(preferred_sampling_params=value)
+    if problem is None:
+        args.validate()
+        assert args.preferred_sampling() == json.loads(value)
+    else:
+        with pytest.raises(ValueError, match=problem):
+            args.validate()

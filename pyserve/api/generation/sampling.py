@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pyserve._rust import StopMatcher
-from pyserve.http.errors import bad_request
+from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol.native import NativeSamplingParams
 from pyserve.api.protocol.openai import SamplingFields
@@ -57,6 +57,24 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         _check(-100.0 <= value <= 100.0, "logit_bias values must be between -100 and 100", "logit_bias")
         out[token] = value
     return out
+
+
+def preferred_defaults(values) -> dict[str, float]:
+    """--preferred-sampling-params, checked as a request's settings are:
+    ValueError naming what is wrong."""
+    flag = "--preferred-sampling-params"
+    if not isinstance(values, dict):
+        raise ValueError(f"{flag} must be a JSON object such as {{\"temperature\": 0.6}}")
+    unknown = sorted(set(values) - set(OPENAI_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{flag} sets {', '.join(unknown)}: it takes {', '.join(OPENAI_DEFAULTS)}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()):
+        raise ValueError(f"{flag} takes numbers")
+    try:
+        sampling_params(NativeSamplingParams(), 1, 1, defaults=values)
+    except APIError as e:
+        raise ValueError(f"{flag}: {e.message}") from None
+    return dict(values)
 
 
 def vllm_prompt_logprobs(fields: SamplingFields) -> int | None:

@@ -22,8 +22,10 @@ from msgspec import UNSET, UnsetType
 from pyserve._rust import Tokenizer
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import TokenIdTexts, TokenTexts
+from pyserve.api.generation.truncation import fit_context
 from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
+from pyserve.completion_template import CompletionTemplate
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, SamplingParams, TokenLogprob
 from pyserve.options import ServerOptions
@@ -47,6 +49,10 @@ class ServingContext:
     # What requests that leave a sampling setting out take (--sampling-defaults):
     # the model's recommendation, else OpenAI's default.
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    # How /v1/completions asks for the text between a prompt and its suffix (None: it cannot).
+    completion_template: CompletionTemplate | None = None
+    # --allow-auto-truncate: prompts too long for the context are cut (api/generation/truncation.py).
+    allow_auto_truncate: bool = False
 
     @cached_property
     def token_texts(self) -> TokenTexts:
@@ -106,7 +112,8 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     stay reproducible. Each is a batch job or not (`batch`) and carries the
     body's `priority`, `cache_salt` and LoRA adapter (`lora`, see adapter_name).
 
-    The engine validates each prompt once, and compiles the constraint
+    With --allow-auto-truncate a prompt too long for the context is cut
+    first (truncation.fit_context). The engine validates each prompt once, and compiles the constraint
     once, here, before anything streams, so a refusal is still a plain
     400; `param_names` maps the engine's field ("prompt", "max_new_tokens",
     "constraint") and "n" to the route's parameter name.
@@ -120,9 +127,12 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
         if not batch:
             engine.check_queue_room()
         for p, ids in enumerate(prompts):
+            fitted = fit_context(ids, params, engine.context_len) if ctx.allow_auto_truncate else (ids, params)
+            ids, prompt_params = fitted
             base = f"{rid}-{p}" if len(prompts) > 1 else rid
             for i in range(n):
-                choice = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+                choice = prompt_params if params.seed is None or i == 0 else \
+                    replace(prompt_params, seed=params.seed + i)
                 requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
                                                 priority=priority, cache_salt=cache_salt, lora=lora))
             engine.validate(requests[p * n])

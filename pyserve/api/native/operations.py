@@ -10,6 +10,7 @@ metrics...), never its scheduler or KV pool.
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime, timezone
 
 from pyserve import __version__
@@ -69,6 +70,7 @@ async def health_generate(ctx: ServingContext) -> None:
 
 
 def model_info(ctx: ServingContext) -> dict:
+    preferred = ctx.server_args.get("preferred_sampling_params")  # --preferred-sampling-params, as given
     return {
         "model_path": str(ctx.engine.model_dir),
         "tokenizer_path": str(ctx.engine.tokenizer_dir),
@@ -76,6 +78,7 @@ def model_info(ctx: ServingContext) -> dict:
         "is_generation": not serves_embeddings(ctx),
         "architecture": ctx.engine.model_config.architecture,
         "context_length": ctx.engine.context_len,
+        "preferred_sampling_params": json.loads(preferred) if preferred else None,
         "version": __version__,
     }
 

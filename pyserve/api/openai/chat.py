@@ -20,6 +20,7 @@ from pyserve.api.protocol.openai import (
     ChatStreamChoice, CompletionTokensDetails, Delta, FunctionCallDelta, ToolCallDelta, Usage,
 )
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
+from pyserve.api.generation.truncation import keep_last_tokens
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
     merged_outputs, new_id, now, usage,
@@ -227,7 +228,8 @@ async def create(ctx: ServingContext, req: ChatCompletionRequest, batch: bool = 
     prompt_ids, params, calling, constraint_param = prepare(ctx, req)
     rid = req.rid or new_id("chatcmpl-")
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requests = await fan_out(ctx, [prompt_ids], params, req.n, rid,
+    prompts = keep_last_tokens([prompt_ids], req.truncate_prompt_tokens, ctx.engine.context_len)
+    requests = await fan_out(ctx, prompts, params, req.n, rid,
                              {"prompt": "messages", "max_new_tokens": limit, "constraint": constraint_param},
                              batch=batch, priority=req.priority, cache_salt=req.cache_salt,
                              lora=adapter_name(ctx, req.model, req.lora_path))

@@ -8,6 +8,7 @@ from pyserve.api.generation.constraints import request_constraint
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, completion_logprobs, prompt_logprobs
 from pyserve.api.protocol.openai import CompletionChoice, CompletionRequest, CompletionResponse
+from pyserve.api.generation.truncation import keep_last_tokens
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
@@ -17,8 +18,6 @@ from pyserve.engine.request import GenerateRequest
 
 
 async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = False):
-    if req.suffix:
-        raise bad_request("suffix is not supported", "suffix")
     if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
         raise bad_request("completions take logprobs as the number of alternatives, 0 to "
                           f"{MAX_TOP_LOGPROBS}", "logprobs" if req.top_logprobs is None else "top_logprobs")
@@ -26,7 +25,9 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    prompts, _ = prompt_id_lists(ctx.engine.tokenizer, req.prompt, "prompt")
+    prompts, _ = prompt_id_lists(ctx.engine.tokenizer, _fill_in_the_middle(ctx, req) if req.suffix else req.prompt,
+                                 "prompt")
+    prompts = keep_last_tokens(prompts, req.truncate_prompt_tokens, ctx.engine.context_len)
     constrained = request_constraint(req)
     prompt_k = vllm_prompt_logprobs(req)
     params = sampling_params(req, req.max_tokens, ctx.engine.vocab_size, top_logprobs=req.logprobs,
@@ -45,6 +46,22 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
     choices = [_choice(ctx, req, i, requests[i], r, echoes[i // req.n]) for i, r in enumerate(results)]
     return CompletionResponse(id=rid, created=now(), model=answering_model(ctx, req.model, req.lora_path),
                               choices=choices, usage=usage([r.final for r in results], req.n))
+
+
+def _fill_in_the_middle(ctx: ServingContext, req: CompletionRequest) -> str | list[str]:
+    """The prompt text(s) that ask the model for what goes between each
+    prompt and `suffix`."""
+    template = ctx.completion_template
+    if template is None:
+        raise bad_request("suffix needs a fill-in-the-middle model: the tokenizer holds none of the markers "
+                          "--completion-template knows", "suffix")
+    if req.echo:
+        raise bad_request("echo is not allowed with suffix", "echo")
+    if isinstance(req.prompt, str):
+        return template.prompt(req.prompt, req.suffix)
+    if not all(isinstance(p, str) for p in req.prompt):
+        raise bad_request("with suffix, the prompt must be text", "prompt")
+    return [template.prompt(p, req.suffix) for p in req.prompt]
 
 
 def _choice(ctx: ServingContext, req: CompletionRequest, index: int, request: GenerateRequest, result: ChoiceResult,

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from pyserve.http.errors import bad_request
+from pyserve.api.generation.truncation import fit_context, keep_last_tokens
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id, prompt_id_lists, refusal
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.engine.request import GenerateRequest, RequestError, SamplingParams
@@ -28,6 +29,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: the context's worth)
 
 
 class Embedding(msgspec.Struct, kw_only=True):
@@ -69,9 +71,12 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
         if problem is not None:
             raise bad_request(problem, "dimensions")
     prompts, _ = prompt_id_lists(engine.tokenizer, req.input, "input")
+    prompts = keep_last_tokens(prompts, req.truncate_prompt_tokens, engine.context_len)
+    params = SamplingParams(max_new_tokens=None)
+    if ctx.allow_auto_truncate:
+        prompts = [fit_context(ids, params, engine.context_len)[0] for ids in prompts]
     rid = new_id("embd-")
-    requests = [GenerateRequest(ids, SamplingParams(max_new_tokens=None), f"{rid}-{i}", embedding=True)
-                for i, ids in enumerate(prompts)]
+    requests = [GenerateRequest(ids, params, f"{rid}-{i}", embedding=True) for i, ids in enumerate(prompts)]
     try:
         engine.check_queue_room()
         for r in requests:

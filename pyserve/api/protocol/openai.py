@@ -162,6 +162,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:N"
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens (-1: the context's worth)
     # SGLang / vLLM: larger runs first, on a server with --enable-priority-scheduling (refused elsewhere).
     priority: int | None = None
     # SGLang / vLLM: cached prefixes are shared only with requests of the same salt.
