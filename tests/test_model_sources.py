@@ -223,6 +223,31 @@ def test_dummy_weights_serve_a_config_without_its_checkpoint(tiny_llama_dir, tmp
     assert len(asyncio.run(tokens(load_format="dummy", json_model_override_args='{"quantization_config": null}'))) == 6
 
 
+def test_a_dummy_draft_model_beside_a_real_target(tiny_llama_dir, tmp_path):
+    """--speculative-draft-load-format dummy: a STANDALONE draft drawn from
+    its config alone; verification keeps the target's greedy tokens."""
+    import asyncio
+    import shutil
+
+    from tests.test_engine import collect, started_engine
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, tmp_path / name)
+
+    async def tokens(**options):
+        engine = await started_engine(tiny_llama_dir, **options)
+        try:
+            return (await collect(engine, [5, 6, 7], max_new_tokens=8, temperature=0, ignore_eos=True))[1]
+        finally:
+            await engine.shutdown()
+
+    draft = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tmp_path),
+             "speculative_num_draft_tokens": 3}
+    assert asyncio.run(tokens(**draft, speculative_draft_load_format="dummy")) == asyncio.run(tokens())
+    with pytest.raises(ValueError, match="model.safetensors"):
+        asyncio.run(tokens(**draft))  # the target's format, whose checkpoint the draft's directory lacks
+
+
 @pytest.mark.parametrize("algorithm, binaries", [("EAGLE3", True), ("STANDALONE", False)])
 def test_eagle_heads_come_with_their_torch_binaries(tiny_llama_dir, monkeypatch, algorithm, binaries):
     """EAGLE heads are mostly published as pytorch_model.bin; a draft

@@ -262,6 +262,9 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
         Engine.from_args(ServerArgs(model_path=str(target), speculative_algorithm="EAGLE3"))
     with pytest.raises(ValueError, match="is not a directory"):
         Engine.from_args(ServerArgs(model_path=str(target), **spec(tmp_path / "absent")))
+    with pytest.raises(ValueError, match="--speculative-draft-load-format dummy: the EAGLE-3 head"):
+        Engine.from_args(ServerArgs(model_path=str(target), **spec(heads["random"],
+                                                                   speculative_draft_load_format="dummy")))
     with pytest.raises(ValueError, match="is not an EAGLE-3 head: its architectures are \\['LlamaForCausalLM'\\]"):
         Engine.from_args(ServerArgs(model_path=str(target), **spec(target)))  # a model, not a head
     wide = build_tiny_model(tmp_path / "wide", "llama", tokenizer_dir=default_model_dir, num_hidden_layers=4,

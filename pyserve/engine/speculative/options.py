@@ -191,6 +191,7 @@ def _draft_options(options: EngineOptions, model_options: ModelOptions) -> Model
     quantization = options.speculative_draft_model_quantization
     return replace(model_options, quantization="none" if quantization == "unquant" else quantization,
                    attention_backend=options.speculative_draft_attention_backend or model_options.attention_backend,
+                   load_format=options.speculative_draft_load_format or model_options.load_format,
                    json_model_override_args="{}")
 
 
@@ -339,6 +340,9 @@ def _eagle(algorithm: str, head_dir: Path, runner: ModelRunner, draft_options: M
         raise ValueError(f"--speculative-draft-model-quantization {draft_options.quantization}: the {config.name} "
                          f"in {head_dir} loads unquantized (the option is for a STANDALONE draft model or a "
                          "NEXTN layer)")
+    elif draft_options.load_format == "dummy" and runner.rank_model.options.load_format != "dummy":
+        raise ValueError(f"--speculative-draft-load-format dummy: the {config.name} in {head_dir} loads from its "
+                         "checkpoint (the option is for a STANDALONE draft model or a NEXTN layer)")
     target = runner.rank_model.config
     if config.target_hidden_size != target.hidden_size or config.model.hidden_size != target.hidden_size:
         raise ValueError(f"the {config.name} in {head_dir} is for a target of hidden size "
