@@ -116,7 +116,7 @@ def test_the_event_loop_never_touches_forward_thread_state(tiny_llama_dir, check
                                                                       constraint=answer), rid="cut"))
         await running.__anext__()
         await engine.shutdown()
-        assert [out.finish_reason async for out in running][-1] == "abort"
+        assert [out.finish_reason async for out in running][-1] == "error"
 
     asyncio.run(main())
     assert checked == []

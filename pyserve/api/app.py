@@ -26,7 +26,7 @@ import msgspec
 
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
-from pyserve.api.native import adapters, corpora, generate, operations, rerank, score, tokenize
+from pyserve.api.native import adapters, corpora, generate, operations, parsers, rerank, score, tokenize
 from pyserve.api.native.corpora import CORPUS_ROUTES
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -37,7 +37,7 @@ from pyserve.http.drain import Drain
 from pyserve.http.errors import APIError
 from pyserve.api.protocol.anthropic import CountTokensRequest, MessagesRequest
 from pyserve.api.protocol.native import (
-    AddExternalCorpusRequest, LoadLoraAdapterRequest, NativeGenerateRequest, RemoveExternalCorpusRequest,
+    AbortRequest, AddExternalCorpusRequest, LoadLoraAdapterRequest, NativeGenerateRequest, RemoveExternalCorpusRequest,
     UnloadLoraAdapterRequest,
 )
 from pyserve.http.io import (
@@ -113,6 +113,9 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/loads"): Route(operations.loads),
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
+    ("POST", "/abort_request"): Route(operations.abort_request, AbortRequest),
+    ("POST", "/parse_function_call"): Route(parsers.parse_function_call, parsers.ParseFunctionCallRequest),
+    ("POST", "/separate_reasoning"): Route(parsers.separate_reasoning, parsers.SeparateReasoningRequest),
     ("GET", "/version"): Route(operations.version),
     ("GET", "/health"): Route(operations.health, public=True),
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),

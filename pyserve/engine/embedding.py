@@ -43,8 +43,8 @@ class EmbeddingOutput:
         """The last output, with the embedding."""
         return self._output(finish_reason="stop", embedding=self.pooling.finish(self.total, self.count))
 
-    def abort(self) -> GenerateOutput:
-        return self._output(finish_reason="abort")
+    def abort(self, reason: str) -> GenerateOutput:
+        return self._output(finish_reason=reason)
 
     # Validation keeps a prompt within the KV cache; should it not fit
     # after all, the request ends without a vector.

@@ -224,15 +224,21 @@ class Engine:
             grammar = self.grammars.new_state(compiled, constraint.after)
         return SamplingState(seq, generator, grammar, stop_ids)
 
-    def abort(self, rid: str) -> None:
-        """Stop a request now and give back everything it holds."""
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """Stop a request now and give back everything it holds, ending it
+        "abort" (a client asked) or "error" (the server cannot go on)."""
         seq = self.scheduler.requests.get(rid)
         if seq is not None:
-            self._finish(seq, self._outputs[seq].abort())
+            self._finish(seq, self._outputs[seq].abort(reason))
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests in the engine now, waiting or running."""
+        return list(self.scheduler.requests)
 
     def _abort_all(self) -> None:
-        for rid in list(self.scheduler.requests):
-            self.abort(rid)
+        for rid in self.request_ids:
+            self.abort(rid, "error")
 
     # -- the step loop -------------------------------------------------------
 
@@ -302,7 +308,7 @@ class Engine:
             self.scheduler.on_results(step)
         for seq in output.refused:
             if not seq.finished:
-                self._finish(seq, self._outputs[seq].abort())
+                self._finish(seq, self._outputs[seq].abort("error"))
         for seq, entries in prompt:
             if not seq.finished:
                 self._outputs[seq].add_prompt_logprobs(entries)
@@ -325,7 +331,7 @@ class Engine:
         logger.exception("forward pass failed; aborting the running requests and dropping the prefix cache")
         for seq in step.seqs + self.scheduler.holders():
             seq.kv_valid = False
-            self.abort(seq.rid)
+            self.abort(seq.rid, "error")
         self.kv.evict_all()
 
     def _on_token(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> None:

@@ -168,5 +168,5 @@ class OutputProcessor:
         text, matched = self._flush()
         return self._finish(text, matched, None)
 
-    def abort(self) -> GenerateOutput:
-        return self._output("", finished=True, finish_reason="abort")
+    def abort(self, reason: str) -> GenerateOutput:
+        return self._output("", finished=True, finish_reason=reason)

@@ -143,7 +143,9 @@ class GenerateOutput:
     every token sampled, the stop token's included, though its text is
     not). The last output of a request has `finished=True` and a
     `finish_reason`: "stop" (EOS, stop token, stop string or stop regex),
-    "length" (max_new_tokens or the context limit) or "abort".
+    "length" (max_new_tokens or the context limit), "abort" (a client
+    stopped it: it went away, or /abort_request named it) or "error" (the
+    server could not go on: a failed step, a grammar's refusal, shutdown).
     `matched_stop` is the stop token id, the stop string or the stop
     regex's pattern that ended it, None otherwise.
     """

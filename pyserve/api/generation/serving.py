@@ -208,7 +208,7 @@ async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> Asy
                 raise item
             if item.finished:
                 remaining -= 1
-                if item.finish_reason == "abort":
+                if item.finish_reason == "error":
                     raise APIError("the request was aborted by the server", 500, "server_error")
             yield i, item
     finally:

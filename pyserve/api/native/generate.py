@@ -91,6 +91,8 @@ def _meta(rid: str, out: GenerateOutput, started: float, logprobs: MetaLogprobs 
         reason = {"type": "stop", "matched": out.matched_stop}
     elif out.finish_reason == "length":
         reason = {"type": "length", "length": out.completion_tokens}
+    elif out.finish_reason == "abort":  # /abort_request named it
+        reason = {"type": "abort", "message": "aborted by /abort_request"}
     else:
         reason = None
     return {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from datetime import datetime, timezone
 
 from pyserve import __version__
@@ -18,6 +19,7 @@ from pyserve.http.errors import APIError, bad_request
 from pyserve.api.openai.embeddings import serves_embeddings
 from pyserve.http.io import Response
 from pyserve.api.protocol.openai import ModelCard, ModelList
+from pyserve.api.protocol.native import AbortRequest
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.option_fields import comma_list
@@ -129,6 +131,21 @@ def flush_cache(ctx: ServingContext) -> Response:
     if not ctx.engine.flush_cache():
         raise bad_request("cannot flush the cache while requests are running")
     return Response(200, b"Cache flushed.\n", "text/plain; charset=utf-8")
+
+
+def abort_request(ctx: ServingContext, req: AbortRequest) -> Response:
+    """SGLang's POST /abort_request: stop the request a client named by its
+    `rid` (each of its prompts and choices: rid-P, rid-I, rid-P-I, as
+    fan_out names them), or every request with `abort_all`. Its client
+    gets what was generated so far, finish_reason "abort"; an id no
+    request has is no error (it may have just ended)."""
+    if not req.rid and not req.abort_all:
+        raise bad_request("give the rid of the request to abort, or abort_all: true", "rid")
+    of_rid = re.compile(re.escape(req.rid) + r"(-\d+){0,2}")
+    for rid in ctx.engine.request_ids:
+        if req.abort_all or of_rid.fullmatch(rid):
+            ctx.engine.abort(rid)
+    return Response(200, b"", "text/plain; charset=utf-8")
 
 
 def server_info(ctx: ServingContext) -> dict:

@@ -76,6 +76,13 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     lora_path: str | None = None  # SGLang: the LoRA adapter, by name (with --enable-lora)
 
 
+class AbortRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /abort_request body."""
+
+    rid: str = ""  # a request's `rid` (its choices' and prompts' requests with it)
+    abort_all: bool = False
+
+
 class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter body."""
 
