@@ -26,8 +26,7 @@ import msgspec
 
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
-from pyserve.api.native import adapters, corpora, generate, operations, parsers, rerank, score, tokenize
-from pyserve.api.native.corpora import CORPUS_ROUTES
+from pyserve.api.native import adapters, corpora, generate, operations, parsers, rerank, score, tokenize, weights
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
 from pyserve.files import routes as files
@@ -47,7 +46,7 @@ from pyserve.api.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pyserve.http.proxy import CORS, TrustedProxies
 from pyserve.api.responses.routes import ResponseManager
 from pyserve.api.generation.serving import ServingContext
-from pyserve.http.sse import OPENAI, Dialect, DisconnectableStream, shutting_down
+from pyserve.http.sse import OPENAI, SGLANG_CONTROL, Dialect, DisconnectableStream, shutting_down
 from pyserve.files.store import FileStore
 
 logger = logging.getLogger("pyserve.http")
@@ -96,9 +95,9 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
     ("POST", "/v1/load_lora_adapter"): Route(adapters.load, LoadLoraAdapterRequest),
     ("POST", "/v1/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
-    ("POST", "/add_external_corpus"): Route(corpora.add, AddExternalCorpusRequest, dialect=CORPUS_ROUTES),
-    ("POST", "/remove_external_corpus"): Route(corpora.remove, RemoveExternalCorpusRequest, dialect=CORPUS_ROUTES),
-    ("GET", "/list_external_corpora"): Route(corpora.list_corpora, dialect=CORPUS_ROUTES),
+    ("POST", "/add_external_corpus"): Route(corpora.add, AddExternalCorpusRequest, dialect=SGLANG_CONTROL),
+    ("POST", "/remove_external_corpus"): Route(corpora.remove, RemoveExternalCorpusRequest, dialect=SGLANG_CONTROL),
+    ("GET", "/list_external_corpora"): Route(corpora.list_corpora, dialect=SGLANG_CONTROL),
     ("POST", "/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/v1/tokenize"): Route(tokenize.tokenize, dict),
     ("POST", "/detokenize"): Route(tokenize.detokenize, dict),
@@ -116,6 +115,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/abort_request"): Route(operations.abort_request, AbortRequest),
     ("POST", "/parse_function_call"): Route(parsers.parse_function_call, parsers.ParseFunctionCallRequest),
     ("POST", "/separate_reasoning"): Route(parsers.separate_reasoning, parsers.SeparateReasoningRequest),
+    ("POST", "/update_weights_from_disk"): Route(weights.update_weights_from_disk, weights.UpdateWeightsRequest,
+                                                 dialect=SGLANG_CONTROL),
     ("GET", "/version"): Route(operations.version),
     ("GET", "/health"): Route(operations.health, public=True),
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),

@@ -34,6 +34,22 @@ class Dialect:
 OPENAI = Dialect()
 
 
+class ControlError(APIError):
+    """An error of SGLang's control routes (corpora, weight updates):
+    `{"success": false, "message"}`, as SGLang's clients read them."""
+
+    def body(self) -> dict:
+        return {"success": False, "message": self.message}
+
+
+def _control_error(err: APIError) -> APIError:
+    return err if isinstance(err, ControlError) else ControlError(err.message, err.status, err.type, err.param,
+                                                                  err.code)
+
+
+SGLANG_CONTROL = Dialect(_control_error)
+
+
 class EventStream:
     """A Server-Sent Events response: `data: {json}` frames, then `[DONE]`.
 

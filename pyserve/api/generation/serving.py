@@ -23,6 +23,7 @@ from pyserve._rust import Tokenizer
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import TokenIdTexts, TokenTexts
 from pyserve.api.generation.truncation import fit_context
+from pyserve.api.generation.weight_gate import WeightGate
 from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.completion_template import CompletionTemplate
@@ -53,6 +54,8 @@ class ServingContext:
     completion_template: CompletionTemplate | None = None
     # --allow-auto-truncate: prompts too long for the context are cut (api/generation/truncation.py).
     allow_auto_truncate: bool = False
+    # Closed while /update_weights_from_disk replaces the weights: requests wait at it.
+    weights: WeightGate = field(default_factory=WeightGate)
 
     @cached_property
     def token_texts(self) -> TokenTexts:
@@ -121,6 +124,7 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     One request asks for at most --max-sequences-per-request sequences
     (prompts x n), so that it cannot fill the engine's queue alone."""
     _check_sequences(ctx.max_sequences_per_request, len(prompts), n, param_names)
+    await ctx.weights.passed()
     engine = ctx.engine
     requests = []
     try:

@@ -12,19 +12,8 @@ from pyserve.api.generation.serving import ServingContext
 from pyserve.api.protocol.native import AddExternalCorpusRequest, RemoveExternalCorpusRequest
 from pyserve.engine.speculative.corpora import ExternalCorpora
 from pyserve.http.errors import APIError, bad_request
-from pyserve.http.sse import Dialect
 
 
-class CorpusError(APIError):
-    def body(self) -> dict:
-        return {"success": False, "message": self.message}
-
-
-def _corpus_error(err: APIError) -> APIError:
-    return err if isinstance(err, CorpusError) else CorpusError(err.message, err.status, err.type, err.param, err.code)
-
-
-CORPUS_ROUTES = Dialect(_corpus_error)
 
 
 def _corpora(ctx: ServingContext) -> ExternalCorpora:

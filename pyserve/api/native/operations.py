@@ -81,6 +81,7 @@ def model_info(ctx: ServingContext) -> dict:
         "architecture": ctx.engine.model_config.architecture,
         "context_length": ctx.engine.context_len,
         "preferred_sampling_params": json.loads(preferred) if preferred else None,
+        "weight_version": ctx.weights.version,
         "version": __version__,
     }
 

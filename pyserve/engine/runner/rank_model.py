@@ -117,6 +117,14 @@ class RankModel:
         self.native_layers: NativeDecode | None = None
         self.native_extend_fits = False
 
+    def read_checkpoint(self, model_dir: Path):
+        """Another checkpoint's model, built as this one was (its dtype,
+        device and quantized mode), for weight_swap.copy_weights: one rank's whole model."""
+        options = self.options
+        model, _ = load_model(model_dir, self.dtype, self.device, self.quant, lm_head=not options.is_embedding,
+                              quantization=options.quantization, config_overrides=options.config_overrides)
+        return model
+
     # -- the KV cache ----------------------------------------------------------
 
     def kv_bytes_per_token(self, kv_heads: int | None = None) -> int:

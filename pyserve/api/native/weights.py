@@ -1,0 +1,56 @@
+"""SGLang's POST /update_weights_from_disk: serve another checkpoint of the
+same model (a new fine-tune, a training step's weights) without a
+restart.
+
+The gate closes (new requests wait at it); the requests in the engine
+finish, or stop at once with `abort_all_requests`; the prefix cache is
+dropped (unless `flush_cache` is false); then the forward thread reads the
+checkpoint as the served model was read and copies it into the served
+model's tensors (engine/runner/weight_swap.py), and the gate opens. The
+tokenizer and the options stay. What does not fit the served model
+(another architecture, size or quantization) is a 400 that leaves the
+weights as they were."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+
+from pyserve.api.generation.serving import ServingContext
+from pyserve.http.errors import bad_request
+from pyserve.model.hub import local_model_dir
+
+
+class UpdateWeightsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model_path: str  # a model directory, or a Hub id
+    load_format: str | None = None  # auto or safetensors: what --load-format reads
+    abort_all_requests: bool = False  # stop the requests in the engine instead of letting them finish
+    weight_version: str | None = None  # reported by /get_model_info from now on
+    flush_cache: bool = True  # False keeps cached prefixes, whose KV the old weights computed
+
+
+async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsRequest) -> dict:
+    if req.load_format not in (None, "auto", "safetensors"):
+        raise bad_request(f"load_format {req.load_format!r}: weights are read from safetensors (auto)", "load_format")
+    try:
+        model_dir = Path(await asyncio.to_thread(local_model_dir, req.model_path, None,
+                                                 ctx.server_args.get("download_dir"), "model_path"))
+    except ValueError as e:
+        raise bad_request(str(e), "model_path") from None
+    engine = ctx.engine
+    async with ctx.weights.closed():
+        if req.abort_all_requests:
+            for rid in engine.request_ids:
+                engine.abort(rid)
+        while engine.num_running or engine.num_waiting:
+            await asyncio.sleep(0.02)
+        if req.flush_cache:
+            engine.flush_cache()  # before the swap: no prefix of the old weights is matched after it
+        try:
+            await engine.runner.swap_weights(model_dir)
+        except (ValueError, OSError) as e:
+            raise bad_request(f"{model_dir}: {e}", "model_path") from None
+        ctx.weights.version = req.weight_version or ctx.weights.version
+    return {"success": True, "message": f"Succeeded to update model weights from {model_dir}."}
