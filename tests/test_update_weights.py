@@ -130,3 +130,22 @@ def test_requests_in_flight_finish_or_stop_and_arrivals_wait(checkpoints, tmp_pa
     reference = transformers.AutoModelForCausalLM.from_pretrained(second, torch_dtype=torch.float32)
     assert arrived == hf_greedy(reference, PROMPT, 8)  # the request that waited ran on the new weights
     assert aborted == 200 and stopped["choices"][0]["finish_reason"] == "abort"
+
+
+def test_every_tensor_parallel_rank_takes_its_shard(checkpoints, tmp_path):
+    first, second, wider = checkpoints
+
+    async def go():
+        app = await _serve(first, tmp_path, dtype="float32", torchao_config="none", tp_size=2, device="cpu")
+        try:
+            refused = (await call(app, "POST", "/update_weights_from_disk", {"model_path": str(wider)}))[0]
+            status, _, raw = await call(app, "POST", "/update_weights_from_disk", {"model_path": str(second)})
+            assert status == 200, raw
+            return refused, _tokens((await call(app, "POST", "/v1/completions", GREEDY))[2])
+        finally:
+            await app.shutdown()
+
+    refused, tokens = asyncio.run(go())
+    assert refused == 400  # found on rank 0, before any rank copied
+    reference = transformers.AutoModelForCausalLM.from_pretrained(second, torch_dtype=torch.float32)
+    assert tokens == hf_greedy(reference, PROMPT, 8)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pyserve.engine.runner.rank_model import RankModel
-from pyserve.engine.runner.weight_swap import copy_weights
+from pyserve.engine.runner.weight_swap import check_fits, copy_weights
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
@@ -183,14 +183,16 @@ class ModelRunner:
 
     def swap_weights(self, model_dir: Path) -> asyncio.Future:
         """Read `model_dir`'s checkpoint and copy it into the served model's
-        tensors (weight_swap.py), on the forward thread after the steps
-        queued so far; ValueError where it does not fit the served model.
-        One rank: the other ranks of --tp-size would need it too."""
-        if self.ranks is not None:
-            raise ValueError("weights are updated on one rank: with --tp-size above 1, restart the server")
-
+        tensors (weight_swap.py) on every rank, on the forward thread after
+        the steps queued so far; ValueError where it does not fit the served
+        model, found on rank 0 before any rank copies."""
         def swap() -> None:
-            copy_weights(self.rank_model.model, self.rank_model.read_checkpoint(model_dir))
+            read = self.rank_model.read_checkpoint(model_dir)
+            check_fits(self.rank_model.model, read)
+            if self.ranks is not None:
+                self.ranks.check()
+                self.ranks.channel.send_weight_swap(str(model_dir))  # each rank reads its own shard
+            copy_weights(self.rank_model.model, read)
 
         return asyncio.get_running_loop().run_in_executor(self.executor, swap)
 

@@ -119,10 +119,11 @@ class RankModel:
 
     def read_checkpoint(self, model_dir: Path):
         """Another checkpoint's model, built as this one was (its dtype,
-        device and quantized mode), for weight_swap.copy_weights: one rank's whole model."""
+        device, quantized mode and tensor-parallel shard), for weight_swap.copy_weights."""
         options = self.options
-        model, _ = load_model(model_dir, self.dtype, self.device, self.quant, lm_head=not options.is_embedding,
-                              quantization=options.quantization, config_overrides=options.config_overrides)
+        model, _ = load_model(model_dir, self.dtype, self.device, self.quant, self.model.shard.tp,
+                              lm_head=not options.is_embedding, quantization=options.quantization,
+                              config_overrides=options.config_overrides)
         return model
 
     # -- the KV cache ----------------------------------------------------------

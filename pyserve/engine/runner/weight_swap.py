@@ -23,18 +23,24 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def copy_weights(served: nn.Module, read: nn.Module) -> None:
-    """Copy `read`'s tensors into `served`'s; ValueError, before anything is
-    copied, when they do not pair up in name, shape and dtype (another
-    architecture or size). The served model may hold more (LoRA slots)."""
-    targets, sources = _tensors(served), _tensors(read)
-    for name, source in sources.items():
+def check_fits(served: nn.Module, read: nn.Module) -> None:
+    """ValueError when `read`'s tensors do not pair up with `served`'s in
+    name, shape and dtype (another architecture, size or quantization).
+    The served model may hold more (LoRA slots)."""
+    targets = _tensors(served)
+    for name, source in _tensors(read).items():
         target = targets.get(name)
         if target is None:
             raise ValueError(f"the served model has no tensor {name}: the checkpoint is of another architecture")
         if target.shape != source.shape or target.dtype != source.dtype:
             raise ValueError(f"{name} is {tuple(source.shape)} {source.dtype} in the checkpoint but "
                              f"{tuple(target.shape)} {target.dtype} in the served model: another size or quantization")
+
+
+def copy_weights(served: nn.Module, read: nn.Module) -> None:
+    """Copy `read`'s tensors into `served`'s, checked first (check_fits)."""
+    check_fits(served, read)
+    targets, sources = _tensors(served), _tensors(read)
     with torch.no_grad():
         for name, source in sources.items():
             targets[name].copy_(source)

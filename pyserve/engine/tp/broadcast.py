@@ -33,6 +33,7 @@ _HEADER = 7
 _STOP = -1
 _LOAD_ADAPTER = -2  # then the slot and the path's length in bytes
 _COPY_KV = -3  # then the copies' count and whether they carry sliding slots
+_SWAP_WEIGHTS = -4  # then the checkpoint path's length in bytes
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class AdapterLoad:
     """Rank 0's word to put the adapter at `path` in `slot`."""
 
     slot: int
+    path: str
+
+
+@dataclass(frozen=True)
+class WeightSwap:
+    """Rank 0's word to copy the checkpoint at `path` into the served model."""
+
     path: str
 
 
@@ -121,8 +129,14 @@ class StepChannel:
         self._broadcast_header(torch.full((_HEADER,), _STOP, dtype=torch.long))
 
     def send_adapter_load(self, slot: int, path: str) -> None:
+        self._send_path(_LOAD_ADAPTER, slot, path)
+
+    def send_weight_swap(self, path: str) -> None:
+        self._send_path(_SWAP_WEIGHTS, 0, path)
+
+    def _send_path(self, kind: int, value: int, path: str) -> None:
         data = torch.tensor(list(path.encode()), dtype=torch.uint8)
-        self._broadcast_header(torch.tensor([_LOAD_ADAPTER, slot, data.numel()] + [0] * (_HEADER - 3)))
+        self._broadcast_header(torch.tensor([kind, value, data.numel()] + [0] * (_HEADER - 3)))
         dist.broadcast(data, src=0, group=self.member.control)
 
     def send_kv_copies(self, copies: SlotCopies) -> None:
@@ -136,18 +150,19 @@ class StepChannel:
 
     # ranks 1..N-1
 
-    def receive(self) -> ForwardBatch | AdapterLoad | SlotCopies | None:
+    def receive(self) -> ForwardBatch | AdapterLoad | WeightSwap | SlotCopies | None:
         """The next step's batch on this rank's device, an adapter to load,
-        K/V slots to copy, or None when rank 0 stops."""
+        a checkpoint to swap in, K/V slots to copy, or None when rank 0 stops."""
         sizes = torch.empty(_HEADER, dtype=torch.long)
         self._broadcast_header(sizes)
         sizes = sizes.tolist()
         if sizes[0] == _STOP:
             return None
-        if sizes[0] == _LOAD_ADAPTER:
-            path = torch.empty(sizes[2], dtype=torch.uint8)
-            dist.broadcast(path, src=0, group=self.member.control)
-            return AdapterLoad(sizes[1], bytes(path.tolist()).decode())
+        if sizes[0] in (_LOAD_ADAPTER, _SWAP_WEIGHTS):
+            data = torch.empty(sizes[2], dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self.member.control)
+            path = bytes(data.tolist()).decode()
+            return AdapterLoad(sizes[1], path) if sizes[0] == _LOAD_ADAPTER else WeightSwap(path)
         if sizes[0] == _COPY_KV:
             slots = torch.empty(copies_size(sizes), dtype=torch.long, device=self.member.device)
             dist.broadcast(slots, src=0, group=self.member.tp.group)

@@ -22,7 +22,8 @@ import torch
 
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
-from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel
+from pyserve.engine.runner.weight_swap import copy_weights
+from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel, WeightSwap
 from pyserve.lora.adapter import read_adapter
 from pyserve.model.hub import local_model_dir
 from pyserve.model.kv_buffer import SlotCopies
@@ -51,6 +52,9 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
                 if isinstance(message, AdapterLoad):
                     local = local_model_dir(message.path, None, options.download_dir, "lora_path")
                     model.lora.load(message.slot, read_adapter(local, options.max_lora_rank))
+                elif isinstance(message, WeightSwap):
+                    local = local_model_dir(message.path, None, options.download_dir, "model_path")
+                    copy_weights(model.model, model.read_checkpoint(Path(local)))
                 elif isinstance(message, SlotCopies):
                     model.kv_buffer.copy_slots(message)
                 else:
