@@ -26,7 +26,9 @@ import msgspec
 
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
-from pyserve.api.native import adapters, corpora, generate, operations, parsers, rerank, score, tokenize, weights
+from pyserve.api.native import (
+    adapters, corpora, generate, operations, parsers, profile, rerank, score, tokenize, weights,
+)
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
 from pyserve.files import routes as files
@@ -115,6 +117,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/abort_request"): Route(operations.abort_request, AbortRequest),
     ("POST", "/parse_function_call"): Route(parsers.parse_function_call, parsers.ParseFunctionCallRequest),
     ("POST", "/separate_reasoning"): Route(parsers.separate_reasoning, parsers.SeparateReasoningRequest),
+    ("POST", "/start_profile"): Route(profile.start_profile, raw=True),
+    ("POST", "/stop_profile"): Route(profile.stop_profile, raw=True),
     ("POST", "/update_weights_from_disk"): Route(weights.update_weights_from_disk, weights.UpdateWeightsRequest,
                                                  dialect=SGLANG_CONTROL),
     ("GET", "/version"): Route(operations.version),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pyserve.engine.runner.profiler import StepProfiler
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.runner.weight_swap import check_fits, copy_weights
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
@@ -109,6 +110,7 @@ class ModelRunner:
             raise
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
+        self.profiler = StepProfiler()  # /start_profile's, on the forward thread
         self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
         # --speculative-algorithm but NGRAM: its DraftModel or EagleDraft (speculative/options.py sets it).
         self.draft = None
@@ -198,7 +200,21 @@ class ModelRunner:
 
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, self.step, step)
+        return asyncio.get_running_loop().run_in_executor(self.executor, self._counted_step, step)
+
+    def _counted_step(self, step: ScheduledStep) -> StepOutput:
+        try:
+            return self.step(step)
+        finally:
+            self.profiler.on_step()
+
+    def start_profile(self, **settings) -> asyncio.Future:
+        """StepProfiler.start(**settings) on the forward thread, after the steps queued so far."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, lambda: self.profiler.start(**settings))
+
+    def stop_profile(self) -> asyncio.Future:
+        """The trace written (its path), on the forward thread."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.profiler.stop)
 
     @staticmethod
     async def wait(launched: asyncio.Future) -> StepOutput:
