@@ -268,6 +268,8 @@ async def benchmark(args) -> dict:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
 
         limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
+        if args.profile:  # as SGLang's bench_serving --profile: the server traces the measured requests
+            (await client.post("/start_profile", json={})).raise_for_status()
         bar = tqdm(total=len(requests), disable=args.disable_tqdm)
         t0 = time.perf_counter()
 
@@ -282,6 +284,10 @@ async def benchmark(args) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
+        if args.profile:
+            stopped = await client.post("/stop_profile")
+            stopped.raise_for_status()
+            print(stopped.text.strip())
 
     report = summarize(args, model, results, duration)
     report["requests"] = [asdict(r) | {"tpot": r.tpot} for r in results]
@@ -365,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_dataset_args(p)
     add_load_args(p)
     p.add_argument("--output-json", help="write metrics and per-request records here")
+    p.add_argument("--profile", action="store_true",
+                   help="have the server trace the measured requests (POST /start_profile, /stop_profile)")
     return p.parse_args(argv)
 
 
