@@ -285,6 +285,7 @@ def test_batch_past_its_window_after_downtime_ends_expired(tmp_path):
         again.stop()
 
 
+@slow_test
 def test_upload_over_the_size_limit_is_refused(tmp_path):
     srv = ServerProcess("--file-storage-path", str(tmp_path), "--max-upload-size", "1000",
                         "--max-total-tokens", "1024")

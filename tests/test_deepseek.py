@@ -175,6 +175,7 @@ def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, variant):
     assert_same_generation(*_one_and_two_ranks(model_dir))
 
 
+@slow_test
 def test_served_to_the_openai_client(v3_dir):
     """`pyserve --model DIR` with its defaults (float32 for an MoE model)."""
     assert_served_like_transformers(v3_dir, random_prompts(400, [5, 20], seed=3))

@@ -13,6 +13,7 @@ from pyserve.model.families import parse_config
 from pyserve.model.loader import load_model
 from pyserve.model.quant import parse_quant
 from tests.conftest import ServerProcess
+from tests.slow import slow
 from tests.test_engine_vs_hf import hf_greedy as hf_cached_greedy
 from tests.test_model_vs_hf import hf_greedy, pyserve_greedy, random_prompts
 from tests.tiny_models import build_tiny_model
@@ -132,7 +133,7 @@ def assert_served_like_transformers(model_dir, prompts: list[list[int]], *option
         srv.stop()
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "gemma3-multimodal"])
+@pytest.mark.parametrize("arch", ["olmo2", pytest.param("gemma3-multimodal", marks=slow)])
 def test_family_served_to_the_openai_client(tmp_path, default_model_dir, arch):
     """`pyserve --model DIR` on a tiny OLMo 2 (its post-norms and all-heads
     q/k norms) and a tiny Gemma 3 image-text checkpoint (served as text,

@@ -45,8 +45,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(gemma_dir):
     assert_matches_transformers(gemma_dir, random_prompts(512, LENGTHS), 16)
 
 
-# The image-text checkpoint's text model is Gemma 3's: through Triton, slow.
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", pytest.param("gemma3-multimodal", marks=slow)])
+# Gemma 2 by default (window and soft-cap per layer); Gemma 3 (local and
+# global rope bases, as the torch backend checks by default) and the
+# image-text checkpoint, whose text model is Gemma 3's, slow.
+@pytest.mark.parametrize("arch", ["gemma2", pytest.param("gemma3", marks=slow),
+                                  pytest.param("gemma3-multimodal", marks=slow)])
 def test_triton_backend_matches_transformers(tmp_path, arch):
     """The Triton kernels (in the interpreter without CUDA) on the same
     steps: the window and soft-cap passed per layer reach them too."""
@@ -56,9 +59,10 @@ def test_triton_backend_matches_transformers(tmp_path, arch):
     assert_matches_transformers(build_tiny_model(tmp_path, arch), random_prompts(512, [3, 13, 22]), 6, triton)
 
 
-# Gemma 3 by default. Slow: Gemma 2 (its soft caps act on whole rows, which
-# no rank splits) and the image-text checkpoint, whose text model is Gemma 3's.
-@pytest.mark.parametrize("arch", [pytest.param("gemma2", marks=slow), "gemma3",
+# Slow: Gemma 3 (its layers split as a Llama's, which test_tensor_parallel
+# runs by default), Gemma 2 (its soft caps act on whole rows, which no rank
+# splits) and the image-text checkpoint, whose text model is Gemma 3's.
+@pytest.mark.parametrize("arch", [pytest.param("gemma2", marks=slow), pytest.param("gemma3", marks=slow),
                                   pytest.param("gemma3-multimodal", marks=slow)])
 def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, arch):
     model_dir = build_tiny_model(tmp_path, arch, tokenizer_dir=default_model_dir)

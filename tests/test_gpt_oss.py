@@ -113,6 +113,7 @@ def test_two_ranks_generate_what_one_does(gpt_oss_dir):
     assert_same_generation(*_one_and_two_ranks(gpt_oss_dir))
 
 
+@slow_test
 def test_served_to_the_openai_client(gpt_oss_dir):
     """`pyserve --model DIR` with its defaults (float32 for an MoE model)."""
     assert_served_like_transformers(gpt_oss_dir, random_prompts(400, [5, 20], seed=3))

@@ -52,7 +52,7 @@ def test_moe_family_matches_transformers(tmp_path, default_model_dir, variant):
 
 
 # Qwen3-MoE's plain experts and Qwen2-MoE's shared one by default; the others slow.
-@pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=slow), "qwen2_moe", "qwen3_moe",
+@pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=slow), pytest.param("qwen2_moe", marks=slow), "qwen3_moe",
                                   pytest.param("glm4_moe", marks=slow), pytest.param("minimax_m2", marks=slow)])
 def test_two_ranks_generate_what_one_does(tmp_path, default_model_dir, arch):
     """Each rank holds half of every expert's intermediate dimension (and of

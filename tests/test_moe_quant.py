@@ -28,7 +28,7 @@ from pyserve.model.cpu.blocks import Q4_1Linear, Q8_0Linear
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.model.quant import Int4Linear, Int8Linear, WeightQuant, parse_quant, resolve_quant
-from tests.slow import slow
+from tests.slow import slow, slow_test
 from tests.test_model_vs_hf import CachedSequences, random_prompts
 from tests.tiny_models import build_tiny_model
 
@@ -213,6 +213,7 @@ def test_quantized_checkpoint_experts_run_in_its_natural_mode(tmp_path, default_
     assert_answers_like_reference(model, config, hf, prompts, atol)
 
 
+@slow_test
 def test_auto_serves_a_gptq_qwen3_moe_to_the_openai_client(tmp_path, default_model_dir):
     """`pyserve --model DIR` with its defaults on a GPTQ-int4 Qwen3-MoE: auto
     runs its experts in the 4-bit mode from their codes; greedy completions

@@ -22,7 +22,7 @@ from pyserve.model.cpu import blocks
 from pyserve.model.layers.moe import MoEBlock
 from pyserve.model.loader import load_model
 from pyserve.model.parallel import TensorParallel
-from tests.slow import slow
+from tests.slow import slow, slow_test
 from tests.test_gpt_oss import write_mxfp4_pair
 from tests.test_quantized_formats import (
     awq_dequantized, awq_tensors, dense_copy, pack_columns, pack_rows, round_to_nearest, unpack_words, write_quantized,
@@ -153,6 +153,7 @@ def test_each_rank_reads_only_its_slice_of_mxfp4_experts(tmp_path, monkeypatch):
     assert_ranks_hold_halves_of_the_whole(float_dir, ranks)
 
 
+@slow_test
 @pytest.mark.skipif(not blocks.available(), reason="8da4w's kernels need AVX2 (int4wo's per-group rows do not split evenly)")
 def test_two_ranks_with_8da4w_experts_generate_what_one_does(tmp_path, default_model_dir):
     """Qwen3-MoE with its experts (and dense layers) in 8da4w on two gloo
@@ -165,6 +166,7 @@ def test_two_ranks_with_8da4w_experts_generate_what_one_does(tmp_path, default_m
     assert_same_generation(one, two, atol=1e-3)
 
 
+@slow_test
 def test_two_ranks_with_a_gptq_moe_in_auto_generate_what_one_does(tmp_path, default_model_dir):
     """A GPTQ-int4 Qwen3-MoE under auto (the 4-bit mode from the
     checkpoint's codes): each rank builds its experts from its rows of
@@ -221,14 +223,14 @@ def moe_in_groups_of_32(tmp_path, default_model_dir, fmt: str):
     return tmp_path / fmt, dense_copy(float_dir, tmp_path / f"{fmt}-dense", reference)
 
 
-# slow: AWQ's, compressed-tensors' and per-tensor FP8's experts (a part of
+# slow: AWQ's, compressed-tensors' and both FP8 layouts' experts (a part of
 # each kind of dense layer is checked by default: test_quantized_tp_reads'
 # part-read test and test_a_part_of_an_fp8_weight_is_the_whole_cut below).
 @pytest.mark.parametrize("fmt, shared", [
     ("gptq-int4-sym", ("g_idx",)),
     pytest.param("awq-int4-g32", (), marks=slow),
     pytest.param("compressed-w4a16-g32", ("weight_shape",), marks=slow),
-    ("fp8-block", ()),
+    pytest.param("fp8-block", (), marks=slow),
     pytest.param("fp8-tensor", ("weight_scale", "input_scale"), marks=slow),
 ])
 def test_each_rank_reads_only_its_slice_of_quantized_experts(tmp_path, monkeypatch, default_model_dir, fmt, shared):

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.slow import slow_test
 from tests.test_quantized_checkpoints import PROMPTS, NEW_TOKENS, compressed_pair, hf_greedy, quantized_pair
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
 
@@ -30,6 +31,7 @@ def test_two_ranks_in_the_natural_4bit_mode(tmp_path, default_model_dir):
     assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]
 
 
+@slow_test
 def test_real_server_serves_a_quantized_checkpoint(tmp_path, default_model_dir):
     quant_dir, dense_dir = quantized_pair(tmp_path, default_model_dir, "gptq-int4-sym")
     server = ServerProcess("--model", str(quant_dir), "--torchao-config", "none", "--quantization", "gptq")

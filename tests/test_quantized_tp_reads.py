@@ -25,7 +25,7 @@ from tests import test_quantized_formats
 from tests.test_quantized_formats import (
     dense_copy, fp8_block_dequantized, fp8_block_tensors, write_quantized,
 )
-from tests.slow import slow
+from tests.slow import slow, slow_test
 from tests.test_tensor_parallel import _one_and_two_ranks, assert_same_generation
 from tests.tiny_models import build_tiny_model
 
@@ -138,13 +138,13 @@ def test_each_rank_reads_only_its_slice_of_dense_quantized_layers(tmp_path, monk
 
 
 # What the ranks hold is the whole cut in two (above), so generation adds
-# the layers' use of their parts: act-order's part of the inputs and a
-# layer read whole in the default suite, the other formats slow.
+# the layers' use of their parts: act-order's part of the inputs in the
+# default suite; the other formats, and a layer read whole (six heads), slow.
 @pytest.mark.parametrize("fmt, overrides", [
     pytest.param("gptq-int4-sym", {}, marks=slow),
     ("gptq-int4-act-order", {}),
     pytest.param("awq-int4-g64", {}, marks=slow),
-    ("awq-int4-g32", _SIX_HEADS),
+    pytest.param("awq-int4-g32", _SIX_HEADS, marks=slow),
     pytest.param("fp8-row", {}, marks=slow),
     pytest.param("fp8-block-128", {}, marks=slow),
     pytest.param("compressed-w4a16-g32", {}, marks=slow),
@@ -231,6 +231,7 @@ def test_a_part_read_is_what_the_gpu_slices_from_the_whole(tmp_path, default_mod
     assert cut
 
 
+@slow_test
 def test_two_ranks_in_the_4bit_mode_hold_the_checkpoints_codes(tmp_path, default_model_dir):
     """AWQ groups of 64 under auto (the CPU's 4-bit mode from the
     checkpoint's codes): a rank's 32 inputs of o_proj lie in its one group,

@@ -16,7 +16,7 @@ import pytest
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.server_args import ServerArgs
-from tests.slow import slow
+from tests.slow import slow, slow_test
 from tests.test_speculative import collect, repetitive, same, started, with_and_without
 from tests.tiny_models import build_tiny_model
 
@@ -427,6 +427,7 @@ def assert_served_like_without(model_dir, *speculative: str) -> None:
     assert verified > 0
 
 
+@slow_test
 def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
     """`pyserve --model T --speculative-algorithm STANDALONE
     --speculative-draft-model-path D` (assert_served_like_without)."""

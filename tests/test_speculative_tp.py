@@ -25,6 +25,7 @@ from tests.test_speculative_tree import TREE
 TWO_RANKS = {"tp_size": 2, "device": "cpu", "torchao_config": "none"}
 
 
+@slow_test
 def test_ngram_over_two_ranks(tiny_llama_dir):
     """Constrained and penalized requests are drafted too: rank 0 alone
     masks and penalizes the verify rows."""

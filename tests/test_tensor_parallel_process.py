@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.slow import slow
+from tests.slow import slow, slow_test
 
 
 def tp_server(model_dir) -> tuple[ServerProcess, int]:
@@ -37,6 +37,7 @@ def answer(srv: ServerProcess) -> str:
     return httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
 
 
+@slow_test
 def test_a_killed_rank_stops_the_server_with_a_log_line(tiny_llama_dir):
     srv, rank1 = tp_server(tiny_llama_dir)
     try:
