@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 def option(default: Any, *flags: str, help: str, choices: list[str] | None = None,
            inverse: tuple[str, str] | None = None, alias: tuple[str, dict[str, Any], str] | None = None,
-           secret: bool = False, items: bool = False) -> Any:
+           secret: bool = False, items: bool = False, spellings: dict[str, str] | None = None) -> Any:
     """An option's field with its command line. `flags` default to the
     field's name (`--max-total-tokens`). A bool field is a switch that sets
     True; `inverse` is (flag, help) of a second switch that sets False.
@@ -21,10 +21,12 @@ def option(default: Any, *flags: str, help: str, choices: list[str] | None = Non
     same option, whose words name its values. A `secret` is left out of
     the options' repr (the start-up log) and of what /get_server_info
     reports. An `items` option takes one or more words (`--lora-paths a=/p
-    b=/q`, SGLang's form) and holds them comma-joined, as if given `a=/p,b=/q`."""
+    b=/q`, SGLang's form) and holds them comma-joined, as if given `a=/p,b=/q`.
+    `spellings` are other servers' names of some of its `choices` (vLLM's
+    `llama3_json` for `llama3`), read on the command line as the choice they name."""
     return field(default=default, repr=not secret,
                  metadata={"flags": flags, "help": help, "choices": choices, "inverse": inverse, "alias": alias,
-                           "secret": secret, "items": items})
+                           "secret": secret, "items": items, "spellings": spellings})
 
 
 class _NamedValue(argparse.Action):
@@ -43,6 +45,16 @@ class _CommaJoined(argparse.Action):
 
     def __call__(self, parser, namespace, words, option_string=None):
         setattr(namespace, self.dest, ",".join(words))
+
+
+class _Respelled:
+    """A `spellings` option's value: the choice another server's name stands for."""
+
+    def __init__(self, spellings: dict[str, str]):
+        self.spellings = spellings
+
+    def __call__(self, word: str) -> str:
+        return self.spellings.get(word, word)
 
 
 def _value_type(hint: Any) -> type:
@@ -78,7 +90,10 @@ def add_arguments(section: argparse._ArgumentGroup, options: Iterable[Field], hi
             section.add_argument(*flags, dest=f.name, nargs="+", action=_CommaJoined, default=f.default,
                                  help=meta["help"])
         else:
-            section.add_argument(*flags, dest=f.name, type=_value_type(hints[f.name]), default=f.default,
+            kind = _value_type(hints[f.name])
+            if meta["spellings"]:  # argparse converts a value before it checks the choices
+                kind = _Respelled(meta["spellings"])
+            section.add_argument(*flags, dest=f.name, type=kind, default=f.default,
                                  choices=meta["choices"], help=meta["help"])
         if meta["alias"] is not None:
             flag, values_by_word, help = meta["alias"]

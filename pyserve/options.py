@@ -26,7 +26,7 @@ class ModelOptions:
                                     help="a Hugging Face model directory, or a Hub id (OWNER/NAME) found in or "
                                          "downloaded to the Hugging Face cache (default: the embedded model)")
     revision: str | None = option(None, help="with a Hub id: the branch, tag or commit to serve (default: main)")
-    tokenizer_path: str | None = option(None, help="a directory or Hub id whose tokenizer and chat template are served")
+    tokenizer_path: str | None = option(None, "--tokenizer-path", "--tokenizer", help="a directory or Hub id whose tokenizer and chat template are served")
     trust_remote_code: bool = option(False, help="accepted from SGLang's launch lines: pyserve runs no repository code")
     download_dir: str | None = option(None, help="the Hugging Face cache Hub ids are found in and downloaded to")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
@@ -34,7 +34,7 @@ class ModelOptions:
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = option("auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available, else cpu")
-    context_length: int | None = option(None, help="longest prompt + completion (default: the model's)")
+    context_length: int | None = option(None, "--context-length", "--max-model-len", help="longest prompt + completion (default: the model's)")
     load_format: str = option("auto", choices=["auto", "safetensors", "dummy"],
                               help="auto, safetensors: the checkpoint's safetensors files; dummy: none read, weights "
                                    "drawn at random, to measure speed and memory without them (config.json and the "
@@ -43,17 +43,18 @@ class ModelOptions:
                                            "rope_scaling and max_position_embeddings for a longer context)")
     max_total_tokens: int | None = option(None, help="KV cache capacity in tokens")
     mem_fraction_static: float | None = option(
-        None, help="share of GPU memory for weights and KV cache (default 0.85)")
-    kv_cache_dtype: str = option("auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+        None, "--mem-fraction-static", "--gpu-memory-utilization", help="share of GPU memory for weights and KV cache (default 0.85)")
+    kv_cache_dtype: str = option("auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"], spellings={"fp8": "fp8_e4m3"},
                                  help="what the KV cache stores: auto, the model's dtype; fp8_e4m3 or fp8_e5m2, a "
-                                      "byte a value (twice bfloat16's tokens in the same memory), rounded")
-    page_size: int = option(1, help="tokens per KV cache page; the prefix cache shares whole pages")
+                                      "byte a value (twice bfloat16's tokens in the same memory), rounded; vLLM's "
+                                      "fp8 is fp8_e4m3")
+    page_size: int = option(1, "--page-size", "--block-size", help="tokens per KV cache page; the prefix cache shares whole pages")
     swa_full_tokens_ratio: float = option(
         0.8, help="models with sliding-window layers: the sliding layers' KV pool holds this share of the "
         "full pool's tokens")
     attention_backend: str = option("auto", choices=["auto", "torch", "triton"],
                                     help="auto: triton on CUDA, torch on CPU")
-    disable_cuda_graph: bool = option(False, help="run decode steps eagerly instead of replaying CUDA graphs")
+    disable_cuda_graph: bool = option(False, "--disable-cuda-graph", "--enforce-eager", help="run decode steps eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = option(
         128, help="largest decode batch captured as a CUDA graph (at most --max-running-requests)")
     # CPU speed: quantized weights and a compiled decode step.
@@ -64,9 +65,9 @@ class ModelOptions:
                                "quantization_config), awq, gptq, fp8 or compressed-tensors to insist on it, "
                                "none to refuse a quantized checkpoint", choices=list(CHECKPOINT_QUANTIZATIONS))
     enable_torch_compile: bool = option(False, help="compile the decode forward with torch.compile")
-    random_seed: int = option(0, help="seed of sampling for requests that set none")
+    random_seed: int = option(0, "--random-seed", "--seed", help="seed of sampling for requests that set none")
     # Tensor parallelism (README "Tensor parallelism"), named as SGLang names it.
-    tp_size: int = option(1, "--tp-size", "--tp",
+    tp_size: int = option(1, "--tp-size", "--tp", "--tensor-parallel-size", "-tp",
                           help="tensor-parallel ranks the model is split over: one process (and on CUDA one GPU) each")
     nnodes: int = option(1, help="machines the tensor-parallel ranks run on, --tp-size / --nnodes on each")
     node_rank: int = option(0, help="this machine's place among --nnodes: 0 serves the API, the others run only "
@@ -76,10 +77,10 @@ class ModelOptions:
                    "default on one machine: a free local port)")
     # LoRA adapters (README "LoRA adapters"), named as SGLang names them.
     enable_lora: bool = option(False, help="serve LoRA adapters over the base model, picked per request by name")
-    lora_paths: str | None = option(None, items=True,
+    lora_paths: str | None = option(None, "--lora-paths", "--lora-modules", items=True,
                                     help="adapters loaded at start, NAME=PATH (a PEFT adapter directory or Hub id) each, "
                                          "space- or comma-separated")
-    max_loras_per_batch: int = option(8, help="adapter slots: the most adapters loaded at once, every one of "
+    max_loras_per_batch: int = option(8, "--max-loras-per-batch", "--max-loras", help="adapter slots: the most adapters loaded at once, every one of "
                                               "which a batch may mix")
     max_lora_rank: int = option(64, help="the largest adapter rank the slots hold")
 
@@ -94,12 +95,14 @@ class ModelOptions:
 class EngineOptions:
     """How the engine schedules requests over the model."""
 
-    max_running_requests: int = option(64, help="running batch cap")
+    max_running_requests: int = option(64, "--max-running-requests", "--max-num-seqs", help="running batch cap")
     max_queued_requests: int | None = option(None, help="refuse requests with a 503 while this many wait (batch jobs excepted)")
     max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
     chunked_prefill_size: int = option(
-        2048, help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
-    disable_radix_cache: bool = option(False, help="do not reuse the KV of shared prompt prefixes")
+        2048, "--chunked-prefill-size", "--max-num-batched-tokens", help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
+    disable_radix_cache: bool = option(False, "--disable-radix-cache", "--no-enable-prefix-caching",
+                                       help="do not reuse the KV of shared prompt prefixes",
+                                       inverse=("--enable-prefix-caching", "vLLM's: reuse them (the default)"))
     # SGLang's flag; vLLM's --scheduling-policy priority means the same.
     enable_priority_scheduling: bool = option(
         False, help="order waiting requests by their `priority` field (larger first, as SGLang; aged so that none "
@@ -218,13 +221,18 @@ class ServerOptions:
              "(qwen_coder's <|fim_prefix|>..., star_coder's <fim_prefix>..., deepseek_coder's); none refuses suffix")
     reasoning_parser: str | None = option(None, choices=["qwen3", "glm45", "deepseek-r1", "qwen3-thinking", "minimax",
                                                          "gpt-oss"],
+                                          spellings={"deepseek_r1": "deepseek-r1", "openai_gptoss": "gpt-oss",
+                                                     "minimax_m2": "minimax"},
                                           help="split the reasoning (<think>...</think>, which the template opens "
                                                "for deepseek-r1, qwen3-thinking and minimax; gpt-oss: the analysis "
                                                "channel) into reasoning_content")
-    # SGLang's names; qwen25 and hermes are one format.
+    # SGLang's names (qwen25 and hermes are one format), vLLM's read as they are.
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
                                                          "deepseekv31", "pythonic", "qwen3_coder", "minimax-m2", "glm45",
                                                          "glm47", "gpt-oss"],
+                                          spellings={"llama3_json": "llama3", "llama4_pythonic": "pythonic",
+                                                     "deepseek_v3": "deepseekv3", "deepseek_v31": "deepseekv31",
+                                                     "minimax_m2": "minimax-m2", "openai": "gpt-oss"},
                                           help="read tool calls in chat output into message.tool_calls")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')", secret=True)
     # Per request, unlike the engine-wide --max-running-requests: one request's prompts x n.
@@ -260,7 +268,8 @@ class ServerOptions:
         help="comma-separated families of /metrics names: pyserve (SGLang's names under pyserve:), sglang, "
              "vllm; all by default, so SGLang's and vLLM's dashboards read pyserve unchanged")
     sampling_defaults: str = option(
-        "model", choices=["model", "openai"], help="what a request that leaves temperature, top_p, top_k, min_p or "
+        "model", choices=["model", "openai"], alias=("--generation-config", {"auto": "model", "vllm": "openai"},
+                                                     "vLLM's name: auto is model, vllm is openai"), help="what a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out samples with: model, generation_config.json's recommendation where it has one; "
         "openai, OpenAI's defaults (1, 1, none, 0, 1)")
     preferred_sampling_params: str | None = option(
@@ -271,6 +280,8 @@ class ServerOptions:
         False, help="a prompt longer than the context keeps its first context - 1 tokens instead of being refused, "
                     "and max_tokens is lowered to the room left (SGLang's; vLLM's per-request truncate_prompt_tokens "
                     "keeps the last tokens)")
+    enable_auto_tool_choice: bool = option(False, help="accepted from vLLM's launch lines: with --tool-call-parser, "
+                                                       "tool_choice auto is served")
     enable_metrics: bool = option(False, help="accepted from SGLang's launch lines: /metrics is always served")
     enable_cache_report: bool = option(False, help="accepted from SGLang's launch lines: usage always reports "
                                                    "cached_tokens")

@@ -39,6 +39,28 @@ def test_values_are_converted_to_the_field_types():
     assert ServerArgs.from_cli(["--tp", "1"]).tp_size == 1
 
 
+def test_a_vllm_launch_line_reads_as_the_same_options():
+    """`vllm serve`'s flags and value names for the options pyserve has
+    under SGLang's names."""
+    vllm = ServerArgs.from_cli([
+        "--model", "m", "--tokenizer", "t", "--max-model-len", "4096", "--gpu-memory-utilization", "0.8",
+        "--tensor-parallel-size", "2", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024", "--seed", "7",
+        "--enforce-eager", "--block-size", "16", "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "4",
+        "--no-enable-prefix-caching", "--generation-config", "vllm", "--enable-auto-tool-choice",
+        "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1", "--kv-cache-dtype", "fp8",
+    ])
+    sglang = ServerArgs.from_cli([
+        "--model", "m", "--tokenizer-path", "t", "--context-length", "4096", "--mem-fraction-static", "0.8",
+        "--tp-size", "2", "--max-running-requests", "32", "--chunked-prefill-size", "1024", "--random-seed", "7",
+        "--disable-cuda-graph", "--page-size", "16", "--enable-lora", "--lora-paths", "a=/x", "b=/y",
+        "--max-loras-per-batch", "4", "--disable-radix-cache", "--sampling-defaults", "openai",
+        "--tool-call-parser", "llama3", "--reasoning-parser", "deepseek-r1", "--kv-cache-dtype", "fp8_e4m3",
+    ])
+    assert vllm == ServerArgs(**{**vars(sglang), "enable_auto_tool_choice": True})
+    assert ServerArgs.from_cli(["-tp", "2", "--tool-call-parser", "openai"]).tool_call_parser == "gpt-oss"
+    assert ServerArgs.from_cli(["--no-enable-prefix-caching", "--enable-prefix-caching"]).disable_radix_cache is False
+
+
 def test_choices_are_enforced(capsys):
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--device", "tpu"])
