@@ -195,6 +195,10 @@ class EngineOptions:
         None, choices=["auto", "safetensors", "dummy"],
         help="the draft model's (STANDALONE) or multi-token-prediction layer's (NEXTN) --load-format (default: the "
              "target's); EAGLE heads load from their checkpoint")
+    speculative_config: str | None = option(
+        None, help="vLLM's: a JSON object (method ngram, draft_model, eagle3, eagle, deepseek_mtp or mtp; "
+                   "num_speculative_tokens; model, revision, quantization; prompt_lookup_min and _max) read as "
+                   "the --speculative-* options it means, which it may not be given beside")
     speculative_draft_attention_backend: str | None = option(
         None, choices=["torch", "triton"], help="the draft model's or head's attention backend (default: the "
                                                 "target's --attention-backend)")

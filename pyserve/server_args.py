@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pyserve.model.hub import check_revision, local_model_dir
-from pyserve.option_fields import add_arguments, comma_list
+from pyserve.option_fields import add_arguments, comma_list, flags_of
 from pyserve.options import EngineOptions, ModelOptions, Options, ServerOptions
 
 
@@ -56,6 +56,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             raise ValueError(f"--json-model-override-args is not JSON: {e}") from None
         if not isinstance(overrides, dict):
             raise ValueError("--json-model-override-args must be a JSON object of config.json keys")
+        if self.speculative_config is not None:
+            self._expanded()
         if self.preferred_sampling_params is not None:
             self.preferred_sampling()
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
@@ -137,7 +139,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         if device == "auto":
             device = "cuda" if cuda_available else "cpu"
         on_cuda = device == "cuda"
-        located = self._located()
+        located = self._expanded()._located()
         return replace(
             located,
             device=device,
@@ -149,6 +151,20 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             cuda_graph_max_bs=min(self.cuda_graph_max_bs, self.max_running_requests),
             **located._draft_shape(on_cuda),
         )
+
+    def _expanded(self) -> ServerArgs:
+        """A copy with --speculative-config read as the options it means
+        (speculative_config.py); ValueError where those are given too."""
+        if self.speculative_config is None:
+            return self
+        from pyserve.speculative_config import speculative_options
+
+        values = speculative_options(self.speculative_config, self.tp_size)
+        given = [flags_of(f)[0] for f in fields(EngineOptions) if f.name.startswith("speculative_")
+                 and f.name != "speculative_config" and getattr(self, f.name) != f.default]
+        if given:
+            raise ValueError(f"--speculative-config says what {', '.join(given)} would: give one or the other")
+        return replace(self, speculative_config=None, **values)
 
     def _located(self) -> ServerArgs:
         """A copy whose paths are local: Hub ids as their snapshots (the API keeps the name given)."""
