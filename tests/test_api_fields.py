@@ -106,6 +106,13 @@ def shared(after: str | None) -> dict:
         "regex": engine("a+", {"constraint": Constraint("regex", "a+", after)}),
         "ebnf": engine('root ::= "a"', {"constraint": Constraint("ebnf", 'root ::= "a"', after)}),
         "structured_outputs": engine({"regex": "a+"}, {"constraint": Constraint("regex", "a+", after)}),
+        # vLLM's earlier names of structured_outputs' keys.
+        "guided_json": engine({"type": "object"}, {"constraint": Constraint("json_schema", '{"type": "object"}', after)}),
+        "guided_regex": engine("a+", {"constraint": Constraint("regex", "a+", after)}),
+        "guided_choice": engine(["yes", "no"], {"constraint": Constraint("ebnf", 'root ::= "yes" | "no"', after)}),
+        "guided_grammar": engine('root ::= "a"', {"constraint": Constraint("ebnf", 'root ::= "a"', after)}),
+        "guided_decoding_backend": probe(REFUSED, "outlines"),
+        "guided_whitespace_pattern": probe(REFUSED, "[ ]?"),
         # The scripted engine schedules by priority; a real one without the flag refuses it.
         "priority": engine(3, {"priority": 3}),
         "cache_salt": engine("tenant-a", {"cache_salt": "tenant-a"}),

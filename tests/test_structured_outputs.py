@@ -129,6 +129,20 @@ def test_vllm_structured_outputs_choice_and_completions(client, model_name):
     assert all(1 <= json.loads(c.text) <= 500 for c in r.choices)
 
 
+def test_vllms_guided_fields_constrain_as_structured_outputs_do(client, model_name):
+    """Clients written for vLLM's guided_* fields get their constraint."""
+    r = client.completions.create(model=model_name, prompt="My favourite colour is", temperature=1.0, n=3,
+                                  max_tokens=10, extra_body={"guided_choice": ["red", "blue"],
+                                                             "guided_decoding_backend": "xgrammar"})
+    assert all(c.text in ("red", "blue") for c in r.choices)
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Describe a person."}],
+                                       temperature=0.8, max_tokens=80, extra_body={"guided_json": PERSON})
+    assert in_language(json_language(PERSON), r.choices[0].message.content, r.choices[0].finish_reason)
+    r = client.completions.create(model=model_name, prompt="A code:", max_tokens=12,
+                                  extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", r.choices[0].text)
+
+
 def test_generate_takes_sglangs_sampling_params(server):
     body = {"text": "The capital of France is", "sampling_params": {
         "temperature": 0.8, "max_new_tokens": 128, "n": 3, "json_schema": json.dumps(CHOICES)}}

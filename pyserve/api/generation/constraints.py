@@ -135,22 +135,24 @@ def _structured_outputs(so: Any) -> list[RequestConstraint]:
         where = f"{param}.{key}"
         if key not in _STRUCTURED_OUTPUTS:
             raise bad_request(f"{where} is not supported (supported: {', '.join(_STRUCTURED_OUTPUTS)})", where)
-        if value is None or value is False:
-            continue
-        if key == "json":
-            c = Constraint("json_schema", _json_text(value, where))
-        elif key == "regex":
-            c = Constraint("regex", _string(value, where))
-        elif key == "choice":
-            c = _choice(value, where)
-        elif key == "grammar":
-            c = _grammar(_string(value, where))
-        elif key == "json_object":
-            c = Constraint("json_schema", ANY_OBJECT)
-        else:
-            c = structural_tag(value, where)
-        found.append(RequestConstraint(c, where))
+        if value is not None and value is not False:
+            found.append(RequestConstraint(_structured_output(key, value, where), where))
     return found
+
+
+def _structured_output(key: str, value: Any, where: str) -> Constraint:
+    """One structured_outputs entry's constraint; `where` names it in errors."""
+    if key == "json":
+        return Constraint("json_schema", _json_text(value, where))
+    if key == "regex":
+        return Constraint("regex", _string(value, where))
+    if key == "choice":
+        return _choice(value, where)
+    if key == "grammar":
+        return _grammar(_string(value, where))
+    if key == "json_object":
+        return Constraint("json_schema", ANY_OBJECT)
+    return structural_tag(value, where)
 
 
 def only_one(found: list[RequestConstraint]) -> RequestConstraint | None:
@@ -177,4 +179,23 @@ def request_constraint(fields, prefix: str = "") -> RequestConstraint | None:
     so = getattr(fields, "structured_outputs", None)
     if so is not None:
         found += _structured_outputs(so)
+    found += _guided(fields)
     return only_one(found)
+
+
+# vLLM's guided_* fields, by the structured_outputs key each is.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _guided(fields) -> list[RequestConstraint]:
+    """vLLM's guided_* fields, read as its structured_outputs (chat and
+    completions only; /generate's sampling_params has none)."""
+    backend = getattr(fields, "guided_decoding_backend", None)
+    if backend not in (None, "auto", "xgrammar"):
+        raise bad_request(f"guided_decoding_backend {backend!r}: this server constrains output with xgrammar",
+                          "guided_decoding_backend")
+    if getattr(fields, "guided_whitespace_pattern", None) is not None:
+        raise bad_request("guided_whitespace_pattern is not supported: JSON output takes JSON's own whitespace",
+                          "guided_whitespace_pattern")
+    return [RequestConstraint(_structured_output(key, getattr(fields, name), name), name)
+            for name, key in _GUIDED.items() if getattr(fields, name, None) is not None]

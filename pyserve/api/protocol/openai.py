@@ -176,6 +176,13 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     regex: str | None = None
     ebnf: str | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's {"json" | "regex" | "choice" | ...: ...}
+    # vLLM's earlier names of the same: guided_json is structured_outputs.json, and so on.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # xgrammar or auto: the one backend there is
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar takes JSON's own whitespace
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
