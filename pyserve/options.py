@@ -30,7 +30,9 @@ class ModelOptions:
     trust_remote_code: bool = option(False, help="accepted from SGLang's launch lines: pyserve runs no repository code")
     download_dir: str | None = option(None, help="the Hugging Face cache Hub ids are found in and downloaded to")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
-                                "sentence-transformers files) instead of generating text")
+                                "sentence-transformers files) instead of generating text",
+                                alias=("--runner", {"generate": False, "pooling": True},
+                                       "vLLM's name: pooling is --is-embedding"))
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = option("auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available, else cpu")
@@ -132,7 +134,8 @@ class EngineOptions:
     watchdog_timeout: float | None = option(
         None, help="seconds a forward step may run before the process ends with every thread's stack in the log, "
                    "for a supervisor to restart it (default: no limit)")
-    log_requests: bool = option(False, help="log a line when each request arrives and one when it ends")
+    log_requests: bool = option(False, "--log-requests", "--enable-log-requests",
+                                help="log a line when each request arrives and one when it ends")
     log_requests_level: int = option(2, choices=[0, 1, 2, 3], help="how much of each: 0 ids and sizes, 1 and "
                                      "sampling parameters, 2 and text cut to 2048 characters, 3 the whole text")
     # Speculative decoding (engine/speculative/): SGLang's flags.
