@@ -166,6 +166,18 @@ def test_background_response_is_cancelled(client, http):
     wait_idle(http)  # the engine request was aborted
 
 
+def test_a_response_stopped_by_abort_request_is_cancelled(client, http):
+    r = client.responses.create(model="m", input="Tell a long story.", background=True, temperature=0,
+                                max_output_tokens=LONG)
+    deadline = time.time() + 60
+    while http.get("/get_server_info").json()["num_running_reqs"] == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert http.post("/abort_request", json={"rid": r.id}).status_code == 200  # SGLang's, by the response's id
+    done = wait_until_done(client, r.id)
+    assert done.status == "cancelled" and done.usage.output_tokens < LONG
+    wait_idle(http)
+
+
 def test_background_response_runs_to_the_end(client):
     r = client.responses.create(model="m", input="Hi", background=True, max_output_tokens=5)
     done = wait_until_done(client, r.id)

@@ -227,12 +227,16 @@ class ResponseBuilder:
     # -- endings -----------------------------------------------------------------
 
     def finish(self) -> list[Event]:
-        """The chat stream ended: completed, or incomplete when the output
-        hit max_output_tokens."""
-        cut = self.finish_reason == "length"
+        """The chat stream ended: completed; incomplete when the output hit
+        max_output_tokens; cancelled when /abort_request stopped it (its
+        stream then ends as an incomplete one does)."""
+        cut = self.finish_reason in ("length", "abort")
         events = self._close("incomplete" if cut else "completed")
         self.response.usage = self._usage()
         self.response.completed_at = now()
+        if self.finish_reason == "abort":
+            self.response.status = "cancelled"
+            return self._numbered(events + [ResponseIncomplete(response=snapshot(self.response))])
         if cut:
             self.response.status = "incomplete"
             self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
