@@ -77,6 +77,11 @@ class ModelOptions:
     dist_init_addr: str | None = option(
         None, help="HOST:PORT on node 0 where the tensor-parallel ranks meet (needed with --nnodes > 1; "
                    "default on one machine: a free local port)")
+    # Other parallelisms SGLang's and vLLM's launch lines name: one of each (the defaults) runs.
+    dp_size: int = option(1, "--dp-size", "--dp", "--data-parallel-size", "-dp",
+                          help="data-parallel replicas: 1; more are refused (run replicas behind the smg gateway)")
+    pp_size: int = option(1, "--pp-size", "--pipeline-parallel-size", "-pp",
+                          help="pipeline stages: 1; more are refused (split the model with --tp-size)")
     # LoRA adapters (README "LoRA adapters"), named as SGLang names them.
     enable_lora: bool = option(False, help="serve LoRA adapters over the base model, picked per request by name")
     lora_paths: str | None = option(None, "--lora-paths", "--lora-modules", items=True,
@@ -135,7 +140,8 @@ class EngineOptions:
         None, help="seconds a forward step may run before the process ends with every thread's stack in the log, "
                    "for a supervisor to restart it (default: no limit)")
     log_requests: bool = option(False, "--log-requests", "--enable-log-requests",
-                                help="log a line when each request arrives and one when it ends")
+                                help="log a line when each request arrives and one when it ends",
+                                inverse=("--disable-log-requests", "vLLM's: no request lines (the default)"))
     log_requests_level: int = option(2, choices=[0, 1, 2, 3], help="how much of each: 0 ids and sizes, 1 and "
                                      "sampling parameters, 2 and text cut to 2048 characters, 3 the whole text")
     # Speculative decoding (engine/speculative/): SGLang's flags.

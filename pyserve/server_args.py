@@ -106,6 +106,12 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             raise ValueError(f"{flags}: generation options make no sense with --is-embedding")
 
     def _validate_tensor_parallel(self) -> None:
+        if self.dp_size != 1:
+            raise ValueError(f"--dp-size {self.dp_size}: one engine runs per server; serve replicas behind the smg "
+                             "gateway (README, Deployment), or split the model with --tp-size")
+        if self.pp_size != 1:
+            raise ValueError(f"--pp-size {self.pp_size}: pipeline parallelism is not supported; split the model "
+                             "over ranks with --tp-size")
         if self.tp_size < 1 or self.nnodes < 1:
             raise ValueError("--tp-size and --nnodes must be at least 1")
         if self.tp_size % self.nnodes:

@@ -61,6 +61,10 @@ def test_a_vllm_launch_line_reads_as_the_same_options():
     assert ServerArgs.from_cli(["--no-enable-prefix-caching", "--enable-prefix-caching"]).disable_radix_cache is False
     assert ServerArgs.from_cli(["--runner", "pooling", "--enable-log-requests"]) == \
         ServerArgs(is_embedding=True, log_requests=True)
+    assert ServerArgs.from_cli(["--disable-log-requests", "--dp", "1", "-pp", "1"]) == ServerArgs()
+    for options, problem in (({"dp_size": 2}, "smg gateway"), ({"pp_size": 2}, "--tp-size")):
+        with pytest.raises(ValueError, match=problem):
+            ServerArgs(**options).validate()
 
 
 def test_choices_are_enforced(capsys):

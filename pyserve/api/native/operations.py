@@ -162,7 +162,6 @@ def server_info(ctx: ServingContext) -> dict:
         "model_path": str(engine.model_dir),
         "served_model_name": ctx.served_model_name,
         "version": __version__,
-        "dp_size": 1,
         "max_total_tokens": kv["total"],
         "max_running_requests": engine.max_running_requests,
         "num_running_reqs": engine.num_running,
