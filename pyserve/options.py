@@ -107,6 +107,10 @@ class EngineOptions:
     max_prefill_tokens: int = option(8192, help="token budget of one prefill step when chunking is off")
     chunked_prefill_size: int = option(
         2048, "--chunked-prefill-size", "--max-num-batched-tokens", help="compute longer prompts a chunk per step, letting decode steps in between; -1 disables")
+    schedule_policy: str = option(
+        "fcfs", choices=["fcfs", "lpm", "lof", "random"],
+        help="the order waiting requests of equal urgency start in: fcfs, arrival; lpm, the longest cached prompt "
+             "prefix first; lof, the longest max_tokens first; random")
     disable_radix_cache: bool = option(False, "--disable-radix-cache", "--no-enable-prefix-caching",
                                        help="do not reuse the KV of shared prompt prefixes",
                                        inverse=("--enable-prefix-caching", "vLLM's: reuse them (the default)"))

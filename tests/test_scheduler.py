@@ -148,3 +148,73 @@ def test_remove_forgets_a_request_wherever_it_is():
     sched.remove(running)
     assert not sched.requests and not sched.waiting and not sched.holders()
     assert sched.kv.integrity_problem([]) is None
+
+
+def _first_admitted(policy: str, waiting: list[tuple[str, list[int], int]], seed: int = 0) -> str:
+    """The request a step of one free row admits under `policy`, after a
+    64-token prompt was computed and cached."""
+    from pyserve.engine.schedule_policy import WaitingOrder
+
+    sched = make(max_running=1, chunk=None)
+    sched.order = WaitingOrder(policy, sched.kv, seed)
+    cached = add(sched, "cached", list(range(100, 164)), max_new_tokens=1)
+    run_step(sched)
+    sched.remove(cached)  # finished: its prompt stays in the cache
+    assert sched.kv.cache.cached_length(list(range(100, 164))) == 64
+    for rid, prompt, max_new in waiting:
+        add(sched, rid, prompt, max_new_tokens=max_new)
+    return next(s.rid for s in run_step(sched).seqs)
+
+
+WAITING = [("new", list(range(300, 340)), 8), ("shares-prefix", list(range(100, 150)) + [7, 8], 8),
+           ("long-output", list(range(400, 420)), 500)]
+
+
+def test_schedule_policies_order_requests_of_equal_urgency():
+    assert _first_admitted("fcfs", WAITING) == "new"  # arrival order
+    assert _first_admitted("lpm", WAITING) == "shares-prefix"  # 50 of its tokens are cached
+    assert _first_admitted("lof", WAITING) == "long-output"
+    picks = [_first_admitted("random", WAITING, seed) for seed in range(20)]
+    assert set(picks) == {"new", "shares-prefix", "long-output"}  # --random-seed's draw
+    assert picks == [_first_admitted("random", WAITING, seed) for seed in range(20)]
+
+
+def test_a_policy_orders_only_within_an_urgency():
+    """Interactive requests still come before batch jobs under lpm."""
+    from pyserve.engine.schedule_policy import WaitingOrder
+
+    sched = make(max_running=1, chunk=None)
+    sched.order = WaitingOrder("lpm", sched.kv)
+    add(sched, "warm", list(range(100, 164)), max_new_tokens=1)
+    run_step(sched)
+    sched.remove(sched.requests["warm"])
+    job = Sequence(rid="job", prompt_ids=list(range(100, 150)), params=SamplingParams(max_new_tokens=4), batch=True)
+    sched.add(job)
+    add(sched, "chat", list(range(300, 320)), max_new_tokens=4)
+    assert next(s.rid for s in run_step(sched).seqs) == "chat"
+
+
+def test_the_engine_schedules_by_the_policy_it_is_given(tiny_llama_dir):
+    import asyncio
+
+    from tests.test_engine import collect, started_engine
+
+    async def go():
+        engine = await started_engine(tiny_llama_dir, schedule_policy="lpm", max_running_requests=1)
+        try:
+            shared = list(range(100, 164))
+            await collect(engine, shared + [5], max_new_tokens=2, temperature=0)
+            # One row: of two waiting requests the one sharing the cached prefix starts first.
+            first = []
+
+            async def one(prompt, name):
+                await collect(engine, prompt, max_new_tokens=2, temperature=0)
+                first.append(name)
+
+            await asyncio.gather(one(list(range(300, 340)), "new"), one(shared + [9], "shares"))
+            return engine.scheduler.order.policy, first
+        finally:
+            await engine.shutdown()
+
+    policy, order = asyncio.run(go())
+    assert policy == "lpm" and order == ["shares", "new"]

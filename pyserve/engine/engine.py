@@ -42,6 +42,7 @@ from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, 
 from pyserve.engine import watchdog
 from pyserve.engine.request_log import RequestLog
 from pyserve.engine.sampling_state import SamplingState
+from pyserve.engine.schedule_policy import WaitingOrder
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.commit import row_sequences
@@ -60,9 +61,7 @@ logger = logging.getLogger("pyserve.engine")
 
 class Engine:
     def __init__(self, options: EngineOptions, model_options: ModelOptions):
-        """The engine's options and the model's, both resolved
-        (ServerArgs.resolved). The model's go to the model runner; of them
-        the engine reads only where the model is and whether it embeds."""
+        """The engine's and the model's options, resolved (ServerArgs.resolved); the model's go to the runner."""
         if model_options.model_path:
             self.model_dir = Path(model_options.model_path)
         else:
@@ -97,6 +96,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, options.max_running_requests, options.max_prefill_tokens, chunk,
                                    priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
+        self.scheduler.order = WaitingOrder(options.schedule_policy, self.kv, model_options.random_seed)
         self.metrics = EngineMetrics()
         self.request_log = RequestLog(options.log_requests_level if options.log_requests else None, self.tokenizer)
         # Each request's output side, by its sequence, while it runs.

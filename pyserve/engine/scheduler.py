@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.penalties import reads_history
 from pyserve.engine.sampler import jumps_forward
+from pyserve.engine.schedule_policy import WaitingOrder
 from pyserve.engine.sequence import Sequence
 from pyserve.engine.speculative.drafter import Drafter
 from pyserve.engine.step import Rows, ScheduledStep, build_step
@@ -95,6 +96,7 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # admitted, prompt partly computed
         self.running: list[Sequence] = []
         self.jump_forward = False  # whether constrained requests jump forward (the engine sets it)
+        self.order = WaitingOrder("fcfs", kv)  # --schedule-policy (the engine sets it)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.rid] = seq
@@ -305,11 +307,15 @@ class Scheduler:
         return budget, headroom
 
     def _next_waiting(self, deferred: set[Sequence]) -> Sequence | None:
-        """The first waiting sequence (in queue order) of the most urgent
-        rank, not deferred. One just retracted while its last token was
-        still being sampled waits until that token is known."""
+        """The first waiting sequence of the most urgent rank, not deferred:
+        first in --schedule-policy's order (schedule_policy.py), then in
+        queue order. One just retracted while its last token was still
+        being sampled waits until that token is known."""
         ready = [s for s in self.waiting if not s.pending and s not in deferred]
-        return min(ready, key=self.rank) if ready else None
+        if not ready:
+            return None
+        place = self.order.keys(ready)
+        return min(ready, key=lambda s: (self.rank(s), place[s]))
 
     @staticmethod
     def _head(seq: Sequence) -> tuple[str | None, tuple[int, ...]] | None:

@@ -100,6 +100,19 @@ class RadixCache:
         slots = torch.cat(pieces) if pieces else self.root.slots
         return slots, node
 
+    def cached_length(self, ids: list[int], salt: str | None = None) -> int:
+        """How many leading `ids` (whole pages) `salt`'s tree holds, as
+        match_prefix would find them, touching nothing."""
+        node, pos, end = self.roots.get(salt), 0, self._whole_pages(len(ids))
+        while node is not None and pos < end:
+            node = node.children.get(self._child_key(ids, pos))
+            if node is not None:
+                n = self._whole_pages(_common_length(node.key, ids[pos:end]))
+                pos += n
+                if n < len(node.key):
+                    break
+        return pos
+
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut node's edge after n tokens (whole pages); returns the new upper node."""
         upper = RadixNode(node.parent, node.key[:n], node.slots[:n])
