@@ -4,6 +4,7 @@ streamed and not."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -195,3 +196,18 @@ def test_generate_honours_sglang_min_new_tokens_and_stop_regex(server, client, m
         assert kept["text"].startswith(cut["text"]) and re.fullmatch(pattern, kept["text"][len(cut["text"]):])
         r = c.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens"
+
+
+def test_generate_answers_its_token_ids_as_sglang_does(server, client, model_name):
+    """/generate's `output_ids`: the tokens the completions route samples for
+    the same prompt, whole and, streamed, all so far in every event."""
+    _, choices, _, _ = completion(client, model_name, max_tokens=10, return_token_ids=True, ignore_eos=True)
+    expected = choices[0]["token_ids"]
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}}
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        whole = c.post("/generate", json=body).json()
+        events = [line[6:] for line in c.post("/generate", json={**body, "stream": True}).text.splitlines()
+                  if line.startswith("data: {")]
+    assert whole["output_ids"] == expected and whole["text"] == choices[0]["text"]
+    streamed = [json.loads(e)["output_ids"] for e in events]
+    assert streamed[-1] == expected and all(expected[:len(ids)] == ids for ids in streamed)

@@ -1,6 +1,6 @@
 """SGLang's native POST /generate: `text` or `input_ids`, `sampling_params`,
-`stream`; answers `text` + `meta_info`, with SGLang's logprob lists when
-`return_logprob` is set."""
+`stream`; answers `text`, `output_ids` (the generated tokens) and
+`meta_info`, with SGLang's logprob lists when `return_logprob` is set."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     for i, result in enumerate(await collect(ctx.engine, requests)):
         if logprobs:
             logprobs[i].add(result.prompt_logprobs, result.logprobs)
-        results.append({"text": result.text,
+        results.append({"text": result.text, "output_ids": result.token_ids,
                         "meta_info": _meta(requests[i].rid, result.final, started, logprobs and logprobs[i])})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
     return results[0] if single and fields.n == 1 else results
@@ -74,13 +74,16 @@ def _check_logprob_start(req: NativeGenerateRequest, prompts: list[list[int]]) -
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
                   logprobs: list[MetaLogprobs] | None) -> AsyncIterator[dict]:
-    """SGLang streams the whole text so far in every event."""
+    """SGLang streams the whole text (and token ids) so far in every event."""
     texts = [""] * len(requests)
+    ids: list[list[int]] = [[] for _ in requests]
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
+        ids[i] += out.token_ids
         if logprobs:
             logprobs[i].add(out.prompt_logprobs or [], out.logprobs or [])
-        event = {"text": texts[i], "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
+        event = {"text": texts[i], "output_ids": list(ids[i]),
+                 "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
         if len(requests) > 1:
             event["index"] = i
         yield event
