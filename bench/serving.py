@@ -358,6 +358,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--warmup-requests", type=int, default=1, help="short requests sent first, not counted")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="have the server trace the measured requests (POST /start_profile, /stop_profile)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -371,8 +373,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_dataset_args(p)
     add_load_args(p)
     p.add_argument("--output-json", help="write metrics and per-request records here")
-    p.add_argument("--profile", action="store_true",
-                   help="have the server trace the measured requests (POST /start_profile, /stop_profile)")
     return p.parse_args(argv)
 
 
