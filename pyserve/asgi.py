@@ -94,7 +94,8 @@ class PyserveApp:
         logger.info("server_args=%s", args)
         server, engine_options, model_options = args.split()
         engine = Engine(engine_options, model_options)
-        template = ChatTemplate.for_model(engine.tokenizer_dir, server.chat_template)
+        text = engine.tokenizer is not None  # not with --skip-tokenizer-init
+        template = ChatTemplate.for_model(engine.tokenizer_dir, server.chat_template) if text else None
         name = server.served_model_name or DEFAULT_MODEL_NAME
         defaults = engine.model_config.sampling_defaults if server.sampling_defaults == "model" else {}
         if defaults:
@@ -104,7 +105,8 @@ class PyserveApp:
         ctx = ServingContext(engine, name, template, server.reasoning_parser, server.tool_call_parser,
                              max_sequences_per_request=server.max_sequences_per_request,
                              server_args=args.reported(), sampling_defaults=defaults,
-                             completion_template=completion_template(engine.tokenizer, server.completion_template),
+                             completion_template=completion_template(engine.tokenizer, server.completion_template)
+                             if text else None,
                              allow_auto_truncate=server.allow_auto_truncate)
         files = FileStore(server.file_storage_path, server.max_upload_size)
         batches = BatchManager(ctx, files, BatchStore(server.file_storage_path), server.batch_concurrency)

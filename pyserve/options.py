@@ -27,6 +27,9 @@ class ModelOptions:
                                          "downloaded to the Hugging Face cache (default: the embedded model)")
     revision: str | None = option(None, help="with a Hub id: the branch, tag or commit to serve (default: main)")
     tokenizer_path: str | None = option(None, "--tokenizer-path", "--tokenizer", help="a directory or Hub id whose tokenizer and chat template are served")
+    skip_tokenizer_init: bool = option(False, help="load no tokenizer: /generate takes input_ids and answers "
+                                       "output_ids (no text, no stop strings, no constraints); the text routes are "
+                                       "refused")
     trust_remote_code: bool = option(False, help="accepted from SGLang's launch lines: pyserve runs no repository code")
     download_dir: str | None = option(None, help="the Hugging Face cache Hub ids are found in and downloaded to")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "

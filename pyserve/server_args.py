@@ -85,6 +85,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                 raise ValueError(f"--forwarded-allow-ips: {item!r} is not an address or network") from None
         if self.is_embedding:
             self._validate_embedding()
+        if self.skip_tokenizer_init:
+            self._validate_without_text()
         check_revision(self.model_path, self.revision, "--model", "--revision")
         check_revision(self.speculative_draft_model_path, self.speculative_draft_model_revision,
                        "--speculative-draft-model-path", "--speculative-draft-model-revision")
@@ -98,6 +100,15 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
     # Options about generated text, which an embedding server never makes.
     _GENERATION_ONLY = ("chat_template", "reasoning_parser", "tool_call_parser", "default_max_tokens",
                         "enable_torch_compile")
+
+    def _validate_without_text(self) -> None:
+        """--skip-tokenizer-init leaves no tokenizer for what reads or writes text."""
+        given = [flag for flag, on in (("--chat-template", self.chat_template), ("--reasoning-parser",
+                 self.reasoning_parser), ("--tool-call-parser", self.tool_call_parser),
+                 ("--completion-template", self.completion_template not in ("auto", "none")),
+                 ("--is-embedding", self.is_embedding)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: needs the tokenizer, which --skip-tokenizer-init does not load")
 
     def _validate_embedding(self) -> None:
         given = [name for name in self._GENERATION_ONLY if getattr(self, name) not in (None, False)]

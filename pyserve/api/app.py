@@ -35,7 +35,7 @@ from pyserve.files import routes as files
 from pyserve.api.responses import routes as responses
 from pyserve.batches.runner import BatchManager
 from pyserve.http.drain import Drain
-from pyserve.http.errors import APIError
+from pyserve.http.errors import APIError, bad_request
 from pyserve.api.protocol.anthropic import CountTokensRequest, MessagesRequest
 from pyserve.api.protocol.native import (
     AbortRequest, AddExternalCorpusRequest, LoadLoraAdapterRequest, NativeGenerateRequest, RemoveExternalCorpusRequest,
@@ -128,6 +128,10 @@ ROUTES: dict[tuple[str, str], Route] = {
 # Routes that generate text: an --is-embedding server answers them 400.
 GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score,
                        messages.create, rerank.rerank)
+# Routes that read or write text (/generate checks its own fields): refused under --skip-tokenizer-init.
+TEXT_HANDLERS = (chat.create, completions.create, embeddings.create, responses.create, score.score, messages.create,
+                 messages.count_tokens, rerank.rerank, tokenize.tokenize, tokenize.detokenize, tokenize.tokenizer_info,
+                 batches.create)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:
@@ -217,6 +221,9 @@ class App:
             self._authorize(request)
         if route.handler in GENERATION_HANDLERS:
             embeddings.refuse_generation(self.ctx)
+        if route.handler in TEXT_HANDLERS and self.ctx.engine.tokenizer is None:
+            raise bad_request("this server runs with --skip-tokenizer-init: it has no tokenizer to read or write "
+                              "text; send input_ids to /generate")
         args: list = [getattr(self, route.service)]
         if route.raw:
             args.append(request)

@@ -39,8 +39,13 @@ def check_prompt(req: GenerateRequest, vocab_size: int, context_len: int, kv_cap
         raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {kv_capacity}", "prompt")
 
 
-def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: bool) -> None:
-    """The request's fields that need the server's options."""
+def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: bool, has_text: bool = True) -> None:
+    """The request's fields that need the server's options (`has_text`:
+    whether it has a tokenizer, without --skip-tokenizer-init)."""
+    if not has_text and (req.params.stop or req.params.stop_regex or req.params.constraint is not None):
+        field = "constraint" if req.params.constraint is not None else "stop"
+        raise RequestError(f"this server runs with --skip-tokenizer-init: with no text, {field}s cannot be read "
+                           "(stop_token_ids can)", field)
     if req.params.constraint is not None and not grammars_on:
         raise RequestError(GRAMMARS_OFF, "constraint")
     if req.priority is not None and not priority_scheduling:

@@ -70,7 +70,9 @@ class Engine:
             self.model_dir = default_model_path()
         # --tokenizer-path: the tokenizer and chat template served, where not the model's own.
         self.tokenizer_dir = Path(model_options.tokenizer_path) if model_options.tokenizer_path else self.model_dir
-        self.tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
+        # --skip-tokenizer-init: token ids in and out, no text.
+        self.tokenizer = None if model_options.skip_tokenizer_init else \
+            Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
         self.runner = ModelRunner(model_options, self.model_dir, target_graphs(options, model_options))
         # The loaded model's facts: its context, and its vocabulary (the embedding rows: ids it reads or makes).
         self.model_config: ModelConfig = self.runner.rank_model.config
@@ -83,7 +85,7 @@ class Engine:
         # --is-embedding: how prompts become vectors; None on a generation server.
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
             if model_options.is_embedding else None
-        if options.grammar_backend == "xgrammar" and self.pooling is None:
+        if options.grammar_backend == "xgrammar" and self.pooling is None and self.tokenizer is not None:
             info = tokenizer_info(self.tokenizer, (self.tokenizer_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
@@ -155,7 +157,7 @@ class Engine:
         """Raise RequestError for a request the engine cannot run. The one
         place these checks live: the API asks here before it answers."""
         check_prompt(req, self.vocab_size, self.context_len, self.prompt_capacity)
-        check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling)
+        check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling, self.tokenizer is not None)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
         adapter_of(req, self.adapters)
@@ -176,8 +178,7 @@ class Engine:
         await self.grammars.compile(constraint)
 
     def _max_new_tokens(self, req: GenerateRequest) -> int:
-        """What the request may generate: its own limit, or the server's
-        default, never past the context."""
+        """What the request may generate: its own limit or the server's default, within the context."""
         wanted = req.params.max_new_tokens or self.default_max_tokens or self.context_len
         return min(wanted, self.context_len - len(req.input_ids))
 
@@ -225,8 +226,7 @@ class Engine:
         return SamplingState(seq, generator, grammar, stop_ids)
 
     def abort(self, rid: str, reason: str = "abort") -> None:
-        """Stop a request now and give back everything it holds, ending it
-        "abort" (a client asked) or "error" (the server cannot go on)."""
+        """Stop a request now, freeing what it holds: "abort" (a client asked), "error" (the server cannot go on)."""
         seq = self.scheduler.requests.get(rid)
         if seq is not None:
             self._finish(seq, self._outputs[seq].abort(reason))

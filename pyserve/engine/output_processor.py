@@ -56,8 +56,21 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
     return out
 
 
+class _NoText:
+    """The detokenizer of a server without a tokenizer: tokens have no text."""
+
+    def step(self, ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
+
+
 class OutputProcessor:
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int], context_len: int,
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: list[int], context_len: int,
                  speculative: bool = False, stream_interval: int = 1):
         self.seq = seq
         self.speculative = speculative  # outputs carry the request's SpeculationCounts
@@ -65,7 +78,9 @@ class OutputProcessor:
         # (or at the end); the text of those held back waits in `held_text`.
         self.stream_interval, self.held_text = stream_interval, ""
         p = seq.params
-        self.detok = DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
+        # --skip-tokenizer-init: no text (stop strings are refused before a request gets here).
+        self.detok = _NO_TEXT if tokenizer is None else \
+            DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
         self.stops = StopMatcher(p.stop, p.stop_regex, p.keep_stop)
         self.stop_ids = set(p.stop_token_ids)
         # A grammar allows EOS only at its end: there the request stops.

@@ -24,7 +24,7 @@ MAX_PARTIAL_CHARS = 2048
 
 
 class RequestLog:
-    def __init__(self, level: int | None, tokenizer: Tokenizer):
+    def __init__(self, level: int | None, tokenizer: Tokenizer | None):
         """`level`: None logs nothing."""
         self.level, self.tokenizer = level, tokenizer
 
@@ -54,6 +54,8 @@ class RequestLog:
     def _text(self, name: str, ids: list[int]) -> list[str]:
         if self.level < 2:
             return []
+        if self.tokenizer is None:  # --skip-tokenizer-init: the ids are the text there is
+            return [f"{name}_ids={ids}"]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if self.level == 2 and len(text) > MAX_PARTIAL_CHARS:
             text = text[:MAX_PARTIAL_CHARS] + f"... ({len(text) - MAX_PARTIAL_CHARS} more characters)"

@@ -31,6 +31,10 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("give exactly one of text and input_ids", "text")
     prompt_param = "text" if req.text is not None else "input_ids"
+    has_text = ctx.engine.tokenizer is not None  # not with --skip-tokenizer-init
+    if not has_text and (req.text is not None or req.return_text_in_logprobs):
+        raise bad_request("this server runs with --skip-tokenizer-init: send input_ids, and read output_ids",
+                          "text" if req.text is not None else "return_text_in_logprobs")
     if req.text is not None:
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.text, "text")
     else:
@@ -44,19 +48,19 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         constraint=constrained and constrained.constraint, defaults=ctx.sampling_defaults,
     )
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
-             "constraint": constrained and constrained.param}
+             "stop": "sampling_params.stop", "constraint": constrained and constrained.param}
     requests = await fan_out(ctx, prompts, params, fields.n, req.rid or new_id(""), names, priority=req.priority,
                              cache_salt=req.cache_salt, lora=adapter_name(ctx, req.model, req.lora_path))
     _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
     started = time.perf_counter()
     logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
     if req.stream:
-        return _stream(ctx, requests, started, logprobs)
+        return _stream(ctx, requests, started, logprobs, has_text)
     results = []
     for i, result in enumerate(await collect(ctx.engine, requests)):
         if logprobs:
             logprobs[i].add(result.prompt_logprobs, result.logprobs)
-        results.append({"text": result.text, "output_ids": result.token_ids,
+        results.append({**({"text": result.text} if has_text else {}), "output_ids": result.token_ids,
                         "meta_info": _meta(requests[i].rid, result.final, started, logprobs and logprobs[i])})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
     return results[0] if single and fields.n == 1 else results
@@ -73,8 +77,9 @@ def _check_logprob_start(req: NativeGenerateRequest, prompts: list[list[int]]) -
 
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
-                  logprobs: list[MetaLogprobs] | None) -> AsyncIterator[dict]:
-    """SGLang streams the whole text (and token ids) so far in every event."""
+                  logprobs: list[MetaLogprobs] | None, has_text: bool) -> AsyncIterator[dict]:
+    """SGLang streams the whole text (and token ids) so far in every event;
+    with no tokenizer, the token ids alone."""
     texts = [""] * len(requests)
     ids: list[list[int]] = [[] for _ in requests]
     async for i, out in merged_outputs(ctx.engine, requests):
@@ -82,7 +87,7 @@ async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started:
         ids[i] += out.token_ids
         if logprobs:
             logprobs[i].add(out.prompt_logprobs or [], out.logprobs or [])
-        event = {"text": texts[i], "output_ids": list(ids[i]),
+        event = {**({"text": texts[i]} if has_text else {}), "output_ids": list(ids[i]),
                  "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
         if len(requests) > 1:
             event["index"] = i

@@ -55,7 +55,8 @@ def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
 
 async def health_generate(ctx: ServingContext) -> None:
     """SGLang's deep health check: the engine generates one token in time."""
-    ids = ctx.engine.tokenizer.encode("Hello", add_special_tokens=True)
+    tokenizer = ctx.engine.tokenizer
+    ids = tokenizer.encode("Hello", add_special_tokens=True) if tokenizer is not None else [0]  # 0: any token
     req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"),
                           embedding=serves_embeddings(ctx))  # an embedding server computes one embedding
 

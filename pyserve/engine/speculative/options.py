@@ -126,7 +126,7 @@ def _drafts_per_row(options: EngineOptions, model_options: ModelOptions) -> int:
 
 
 def drafter_of(options: EngineOptions, model_options: ModelOptions, model_dir: Path,
-               runner: ModelRunner, tokenizer: Tokenizer, tokenizer_dir: Path | None = None) -> Drafter | None:
+               runner: ModelRunner, tokenizer: Tokenizer | None, tokenizer_dir: Path | None = None) -> Drafter | None:
     """None with speculation off; ValueError for what cannot run. For
     STANDALONE, loads the draft model (checked against the served
     tokenizer in `tokenizer_dir`, default `model_dir`) and gives it to the runner; for EAGLE3 and
@@ -256,9 +256,12 @@ def _ngram_trie(options: EngineOptions) -> NgramTrie | None:
                      low, high, by_probability)
 
 
-def _external_corpora(options: EngineOptions, tokenizer: Tokenizer) -> ExternalCorpora:
+def _external_corpora(options: EngineOptions, tokenizer: Tokenizer | None) -> ExternalCorpora:
     """NGRAM trees' corpora, with --speculative-ngram-external-corpus-path's
     loaded under its path as its id (as SGLang names it)."""
+    if tokenizer is None:
+        raise ValueError("NGRAM trees keep corpora of text, which --skip-tokenizer-init leaves no tokenizer to read: "
+                         "draft chains (--speculative-ngram-max-bfs-breadth 1)")
     reserved = options.speculative_ngram_external_sam_budget or 0
     max_tokens = options.speculative_ngram_external_corpus_max_tokens
     max_tokens = _NGRAM_CORPUS_MAX_TOKENS if max_tokens is None else max_tokens

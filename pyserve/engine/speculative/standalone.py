@@ -51,6 +51,8 @@ from pyserve.options import ModelOptions
 def tokenizer_mismatch(target_dir: Path, draft_dir: Path) -> str | None:
     """Why the draft cannot draft for the target (their tokenizers differ), or None."""
     paths = [target_dir / "tokenizer.json", draft_dir / "tokenizer.json"]
+    if not paths[0].is_file():
+        return f"{target_dir} has no tokenizer.json to check a STANDALONE draft model's against"
     if not paths[1].is_file():
         return f"the draft model directory {draft_dir} has no tokenizer.json to compare with the target's"
     target, draft = (json.loads(p.read_text()) for p in paths)
