@@ -140,3 +140,24 @@ def test_the_api_key_is_neither_logged_nor_reported():
 def test_cuda_graphs_capture_no_batch_larger_than_the_running_batch():
     assert ServerArgs(max_running_requests=16).resolved().cuda_graph_max_bs == 16
     assert ServerArgs(cuda_graph_max_bs=8).resolved().cuda_graph_max_bs == 8
+
+
+def test_the_launch_lines_docs_deployment_shows_parse_alike():
+    """docs/deployment.md's SGLang and vLLM launch lines, run as pyserve,
+    are the options their programs' lines say."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from pyserve.speculative_config import speculative_options
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "deployment.md").read_text()
+    block = text.split("## From an SGLang or vLLM launch line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line.replace("\\\n", " ")) for line in re.split(r"(?<!\\)\n", block) if line.strip()]
+    parsed = [ServerArgs.from_cli(words[1:]) for words in lines if words[0] == "pyserve"]
+    assert len(parsed) == 2
+    sglang, vllm = parsed
+    assert (sglang.tp_size, sglang.context_length, sglang.speculative_algorithm) == (2, 8192, "NGRAM")
+    vllm.validate()
+    speculation = speculative_options(vllm.speculative_config, vllm.tp_size)["speculative_algorithm"]
+    assert (vllm.tp_size, vllm.context_length, speculation) == (2, 8192, "NGRAM")
