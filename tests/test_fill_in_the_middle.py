@@ -47,7 +47,8 @@ def _run(model_dir, tmp_path, requests: list[dict], **options) -> list[tuple[int
             out = []
             for body in requests:
                 status, _, raw = await call(app, "POST", "/v1/completions", {"model": "m", **body})
-                out.append((status, json.loads(raw)))
+                events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+                out.append((status, events if body.get("stream") else json.loads(raw)))
             return out
         finally:
             await app.shutdown()
@@ -57,8 +58,8 @@ def _run(model_dir, tmp_path, requests: list[dict], **options) -> list[tuple[int
 
 def test_the_middle_is_the_models_greedy_answer_to_its_markers(coder_model, tmp_path):
     fim = {"prompt": BEFORE, "suffix": AFTER, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
-    (status, body), (_, listed), (_, plain) = _run(coder_model, tmp_path, [
-        fim, {**fim, "prompt": [BEFORE, "x = "]}, {**fim, "suffix": None}])
+    (status, body), (_, listed), (_, plain), (_, streamed) = _run(coder_model, tmp_path, [
+        fim, {**fim, "prompt": [BEFORE, "x = "]}, {**fim, "suffix": None}, {**fim, "stream": True}])
     assert status == 200, body
     choice = body["choices"][0]
     tok = tokenizers.Tokenizer.from_file(str(coder_model / "tokenizer.json"))
@@ -71,6 +72,7 @@ def test_the_middle_is_the_models_greedy_answer_to_its_markers(coder_model, tmp_
     assert listed["choices"][0]["text"] == choice["text"]  # each prompt of a list gets the suffix
     assert listed["choices"][1]["prompt_token_ids"][-1] == tok.token_to_id("<|fim_middle|>")
     assert plain["choices"][0]["prompt_token_ids"] == tok.encode(BEFORE).ids  # no suffix: a plain completion
+    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == choice["text"]
 
 
 def test_suffix_is_refused_where_it_cannot_be_honoured(coder_model, default_model_dir, tmp_path):
