@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -82,7 +83,7 @@ GENERATION_TAG = (
 )
 
 
-def model_dir_with(tmp_path_factory, default_model_dir, template) -> "Path":  # noqa: F821
+def model_dir_with(tmp_path_factory, default_model_dir, template) -> Path:
     d = tmp_path_factory.mktemp("template")
     shutil.copy(default_model_dir / "tokenizer.json", d)
     config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
