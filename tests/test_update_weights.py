@@ -16,6 +16,7 @@ import torch
 from pyserve.asgi import create_app
 from tests.test_api_handlers import call
 from tests.test_engine_vs_hf import hf_greedy
+from tests.slow import slow, slow_test
 from tests.tiny_models import build_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +80,8 @@ def test_the_server_answers_as_the_new_checkpoint_does(checkpoints, tmp_path):
     assert back == 200 and again == before and info["weight_version"] == "step-2"
 
 
-@pytest.mark.parametrize("mode", ["8da4w", "int8wo"])
+# int8wo's packed rows are as plain as float ones: slow; 8da4w's tiles and native layers by default.
+@pytest.mark.parametrize("mode", ["8da4w", pytest.param("int8wo", marks=slow)])
 def test_a_quantized_mode_is_rebuilt_from_the_new_checkpoint(checkpoints, tmp_path, mode):
     """The CPU modes' packed tiles and scales, and the native layers that
     read them, hold the new checkpoint's weights."""
@@ -132,6 +134,7 @@ def test_requests_in_flight_finish_or_stop_and_arrivals_wait(checkpoints, tmp_pa
     assert aborted == 200 and stopped["choices"][0]["finish_reason"] == "abort"
 
 
+@slow_test  # two gloo ranks; the default suite swaps on one
 def test_every_tensor_parallel_rank_takes_its_shard(checkpoints, tmp_path):
     first, second, wider = checkpoints
 
