@@ -245,7 +245,8 @@ class ServerOptions:
                                                      "minimax_m2": "minimax"},
                                           help="split the reasoning (<think>...</think>, which the template opens "
                                                "for deepseek-r1, qwen3-thinking and minimax; gpt-oss: the analysis "
-                                               "channel) into reasoning_content")
+                                               "channel) into reasoning_content (vLLM's names, such as deepseek_r1, "
+                                               "name the same)")
     # SGLang's names (qwen25 and hermes are one format), vLLM's read as they are.
     tool_call_parser: str | None = option(None, choices=["qwen25", "hermes", "llama3", "mistral", "deepseekv3",
                                                          "deepseekv31", "pythonic", "qwen3_coder", "minimax-m2", "glm45",
@@ -253,7 +254,8 @@ class ServerOptions:
                                           spellings={"llama3_json": "llama3", "llama4_pythonic": "pythonic",
                                                      "deepseek_v3": "deepseekv3", "deepseek_v31": "deepseekv31",
                                                      "minimax_m2": "minimax-m2", "openai": "gpt-oss"},
-                                          help="read tool calls in chat output into message.tool_calls")
+                                          help="read tool calls in chat output into message.tool_calls (vLLM's "
+                                               "names, such as llama3_json, name the same formats)")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')", secret=True)
     # Per request, unlike the engine-wide --max-running-requests: one request's prompts x n.
     max_sequences_per_request: int = option(
