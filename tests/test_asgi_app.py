@@ -20,6 +20,7 @@ import pytest
 from pyserve import create_app
 from pyserve.server_args import ServerArgs
 from tests.conftest import free_port
+from tests.slow import slow
 
 
 def chat_through(client: openai.OpenAI) -> tuple[str, list[str]]:
@@ -140,7 +141,7 @@ def app_module(tmp_path, tiny_llama_dir) -> None:
     """))
 
 
-@pytest.mark.parametrize("asgi_server", ["uvicorn", "hypercorn"])
+@pytest.mark.parametrize("asgi_server", ["uvicorn", pytest.param("hypercorn", marks=slow)])
 def test_served_by_another_asgi_server(asgi_server, tiny_llama_dir, tmp_path):
     app_module(tmp_path, tiny_llama_dir)
     port = free_port()

@@ -17,6 +17,7 @@ import torch
 
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.step_plan import StepPlan
+from tests.slow import slow
 from tests.test_attention_torch import step_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,6 +154,8 @@ def test_chunked_prefill_over_cached_prefixes(backend):
         assert_close(out, expected)
 
 
+# Triton's interpreter takes its time over these lengths: slow (its other window tests run by default).
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=slow)])
 def test_decode_rows_of_different_lengths(backend):
     """Rows shorter than, equal to and far longer than the window; on
     Triton the windowed rows span several decode splits."""

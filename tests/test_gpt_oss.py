@@ -208,6 +208,7 @@ def test_mxfp4_checkpoint_loads_to_the_same_tokens(tmp_path, gpt_oss_dir):
     assert torch.equal(ours_from_mxfp4, ours_from_float)  # the dequantized weights are exactly the float ones
 
 
+@slow_test  # the experts' slices on two ranks run by default in test_moe_families (qwen3_moe)
 def test_mxfp4_checkpoint_on_two_ranks_generates_what_the_float_one_does_on_one(tmp_path, gpt_oss_dir):
     """Each rank dequantizes every expert and keeps its half of it."""
     float_dir, mxfp4_dir = write_mxfp4_pair(tmp_path, gpt_oss_dir)

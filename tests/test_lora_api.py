@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.slow import slow_test
 from tests.test_lora import make_adapter, reference_tokens
 
 openai = pytest.importorskip("openai")
@@ -79,6 +80,7 @@ def test_openai_client_picks_adapters_by_model_name(lora_server):
     assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
 
 
+@slow_test  # a server of its own for one refusal
 def test_lora_path_is_an_unknown_field_without_enable_lora(tiny_llama_dir):
     srv = ServerProcess("--model-path", str(tiny_llama_dir))
     try:

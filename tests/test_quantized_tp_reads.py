@@ -278,6 +278,7 @@ def test_an_act_order_part_holds_its_inputs_codes_and_the_groups_they_name(tmp_p
     assert inputs_cut == 2 * 2 * config.num_hidden_layers  # o_proj and down_proj, each rank
 
 
+@slow_test  # act-order's parts generate on two ranks by default, unquantized (above)
 def test_two_act_order_ranks_in_the_4bit_mode_generate_what_one_does(tmp_path, default_model_dir):
     """Under auto (the CPU's 4-bit mode) act-order groups are requantized
     from the dequantized weight; a rank's part of the inputs read alone

@@ -112,6 +112,7 @@ def test_ngram_with_overlap_and_retraction_is_greedy_identical(tiny_llama_dir, l
     assert "retracting" in caplog.text
 
 
+@slow_test  # stops in accepted runs: by default in test_speculative, without overlap
 def test_ngram_with_overlap_on_the_embedded_model_with_stops_in_accepted_runs(default_model_dir, late_steps):
     metrics = assert_identical_on_the_embedded_model(default_model_dir, SPEC, {"torchao_config": "none", **OVERLAP},
                                                      1e-4)

@@ -200,7 +200,8 @@ TINY_MODELS = [
     pytest.param("llama", {}, id="llama-gqa"),
     # one KV head: both ranks hold it and split its query heads; an odd
     # vocabulary leaves the last rank's shard a padded row
-    pytest.param("qwen2", {"num_key_value_heads": 1, "vocab_size": 49153}, id="qwen2-bias-replicated-kv"),
+    pytest.param("qwen2", {"num_key_value_heads": 1, "vocab_size": 49153}, id="qwen2-bias-replicated-kv",
+                 marks=slow),
     # slow: q/k norms per head (each rank's own) and tied embeddings, split as an untied head
     pytest.param("qwen3", {"tie_word_embeddings": True}, id="qwen3-qk-norm-tied", marks=slow),
     # slow: Phi-3's fused qkv/gate_up read apart per rank (by default in
