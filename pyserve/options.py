@@ -9,12 +9,12 @@ field's, and its flags, help and choices are in the field's metadata
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from pyserve.completion_template import CHOICES as COMPLETION_TEMPLATES
 from pyserve.model.quantized.scheme import CHOICES as CHECKPOINT_QUANTIZATIONS
-from pyserve.option_fields import option
+from pyserve.option_fields import flags_of, option
 
 
 @dataclass(frozen=True)
@@ -222,6 +222,11 @@ class EngineOptions:
         "prefill", choices=["prefill", "decode"],
         help="SGLang's pick between its prefill and decode attention backends for verify and draft steps; pyserve "
              "attends with --attention-backend in both phases, so both modes run the same")
+
+    def speculative_flags_given(self) -> list[str]:
+        """The --speculative-* options set to other than their defaults."""
+        return [flags_of(f)[0] for f in fields(EngineOptions)
+                if f.name.startswith("speculative_") and getattr(self, f.name) != f.default]
 
 
 @dataclass(frozen=True)

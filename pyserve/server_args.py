@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pyserve.model.hub import check_revision, local_model_dir
-from pyserve.option_fields import add_arguments, comma_list, flags_of
+from pyserve.option_fields import add_arguments, comma_list
 from pyserve.options import EngineOptions, ModelOptions, Options, ServerOptions
 
 
@@ -177,8 +177,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         from pyserve.speculative_config import speculative_options
 
         values = speculative_options(self.speculative_config, self.tp_size)
-        given = [flags_of(f)[0] for f in fields(EngineOptions) if f.name.startswith("speculative_")
-                 and f.name != "speculative_config" and getattr(self, f.name) != f.default]
+        given = [flag for flag in self.speculative_flags_given() if flag != "--speculative-config"]
         if given:
             raise ValueError(f"--speculative-config says what {', '.join(given)} would: give one or the other")
         return replace(self, speculative_config=None, **values)

@@ -134,7 +134,7 @@ class Engine:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
-        self._abort_all()
+        self.abort_all("error")
         self.runner.shutdown()
         if self.grammars is not None:
             self.grammars.shutdown()
@@ -236,9 +236,9 @@ class Engine:
         """The requests in the engine now, waiting or running."""
         return list(self.scheduler.requests)
 
-    def _abort_all(self) -> None:
+    def abort_all(self, reason: str = "abort") -> None:
         for rid in self.request_ids:
-            self.abort(rid, "error")
+            self.abort(rid, reason)
 
     # -- the step loop -------------------------------------------------------
 
@@ -273,7 +273,7 @@ class Engine:
         except BaseException:
             # Whatever stopped the loop (shutdown or a bug), no caller is left
             # waiting forever.
-            self._abort_all()
+            self.abort_all("error")
             raise
 
     async def _idle(self) -> None:

@@ -131,8 +131,8 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
         if not batch:
             engine.check_queue_room()
         for p, ids in enumerate(prompts):
-            fitted = fit_context(ids, params, engine.context_len) if ctx.allow_auto_truncate else (ids, params)
-            ids, prompt_params = fitted
+            ids, prompt_params = fit_context(ids, params, engine.context_len) if ctx.allow_auto_truncate \
+                else (ids, params)
             base = f"{rid}-{p}" if len(prompts) > 1 else rid
             for i in range(n):
                 choice = prompt_params if params.seed is None or i == 0 else \

@@ -14,8 +14,6 @@ from pyserve.engine.speculative.corpora import ExternalCorpora
 from pyserve.http.errors import APIError, bad_request
 
 
-
-
 def _corpora(ctx: ServingContext) -> ExternalCorpora:
     corpora = ctx.engine.external_corpora
     if corpora is None:

@@ -143,10 +143,13 @@ def abort_request(ctx: ServingContext, req: AbortRequest) -> Response:
     request has is no error (it may have just ended)."""
     if not req.rid and not req.abort_all:
         raise bad_request("give the rid of the request to abort, or abort_all: true", "rid")
-    of_rid = re.compile(re.escape(req.rid) + r"(-\d+){0,2}")
-    for rid in ctx.engine.request_ids:
-        if req.abort_all or of_rid.fullmatch(rid):
-            ctx.engine.abort(rid)
+    if req.abort_all:
+        ctx.engine.abort_all()
+    else:
+        of_rid = re.compile(re.escape(req.rid) + r"(-\d+){0,2}")
+        for rid in ctx.engine.request_ids:
+            if of_rid.fullmatch(rid):
+                ctx.engine.abort(rid)
     return Response(200, b"", "text/plain; charset=utf-8")
 
 

@@ -42,8 +42,7 @@ async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsReques
     engine = ctx.engine
     async with ctx.weights.closed():
         if req.abort_all_requests:
-            for rid in engine.request_ids:
-                engine.abort(rid)
+            engine.abort_all()
         while engine.num_running or engine.num_waiting:
             await asyncio.sleep(0.02)
         if req.flush_cache:

@@ -31,7 +31,7 @@ import torch
 
 from pyserve.engine.runner.profiler import StepProfiler
 from pyserve.engine.runner.rank_model import RankModel
-from pyserve.engine.runner.weight_swap import check_fits, copy_weights
+from pyserve.engine.runner.weight_swap import copy_weights, paired_tensors
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
@@ -189,12 +189,11 @@ class ModelRunner:
         the steps queued so far; ValueError where it does not fit the served
         model, found on rank 0 before any rank copies."""
         def swap() -> None:
-            read = self.rank_model.read_checkpoint(model_dir)
-            check_fits(self.rank_model.model, read)
+            pairs = paired_tensors(self.rank_model.model, self.rank_model.read_checkpoint(model_dir))
             if self.ranks is not None:
                 self.ranks.check()
                 self.ranks.channel.send_weight_swap(str(model_dir))  # each rank reads its own shard
-            copy_weights(self.rank_model.model, read)
+            copy_weights(pairs)
 
         return asyncio.get_running_loop().run_in_executor(self.executor, swap)
 

@@ -26,10 +26,6 @@ class StepProfiler:
         self._path: Path | None = None
         self._steps_left: int | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
-
     def start(self, output_dir: Path, profile_id: str, activities: list[str], num_steps: int | None,
               record_shapes: bool, with_stack: bool, profile_memory: bool) -> None:
         if self._profile is not None:

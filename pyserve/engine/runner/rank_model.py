@@ -119,7 +119,7 @@ class RankModel:
 
     def read_checkpoint(self, model_dir: Path):
         """Another checkpoint's model, built as this one was (its dtype,
-        device, quantized mode and tensor-parallel shard), for weight_swap.copy_weights."""
+        device, quantized mode and tensor-parallel shard), for weight_swap.paired_tensors."""
         options = self.options
         model, _ = load_model(model_dir, self.dtype, self.device, self.quant, self.model.shard.tp,
                               lm_head=not options.is_embedding, quantization=options.quantization,

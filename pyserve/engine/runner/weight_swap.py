@@ -23,11 +23,12 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def check_fits(served: nn.Module, read: nn.Module) -> None:
-    """ValueError when `read`'s tensors do not pair up with `served`'s in
-    name, shape and dtype (another architecture, size or quantization).
-    The served model may hold more (LoRA slots)."""
-    targets = _tensors(served)
+def paired_tensors(served: nn.Module, read: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the served model's tensor, the read one's) for each of `read`'s;
+    ValueError when they do not pair up in name, shape and dtype (another
+    architecture, size or quantization). The served model may hold more
+    (LoRA slots)."""
+    targets, pairs = _tensors(served), []
     for name, source in _tensors(read).items():
         target = targets.get(name)
         if target is None:
@@ -35,12 +36,12 @@ def check_fits(served: nn.Module, read: nn.Module) -> None:
         if target.shape != source.shape or target.dtype != source.dtype:
             raise ValueError(f"{name} is {tuple(source.shape)} {source.dtype} in the checkpoint but "
                              f"{tuple(target.shape)} {target.dtype} in the served model: another size or quantization")
+        pairs.append((target, source))
+    return pairs
 
 
-def copy_weights(served: nn.Module, read: nn.Module) -> None:
-    """Copy `read`'s tensors into `served`'s, checked first (check_fits)."""
-    check_fits(served, read)
-    targets, sources = _tensors(served), _tensors(read)
+def copy_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each pair's read tensor into its served one (paired_tensors)."""
     with torch.no_grad():
-        for name, source in sources.items():
-            targets[name].copy_(source)
+        for target, source in pairs:
+            target.copy_(source)

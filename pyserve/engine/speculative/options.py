@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +14,6 @@ from pyserve.engine.speculative.ngram import NgramDrafter, NgramTreeDrafter
 from pyserve.engine.speculative.rejection import Acceptance
 from pyserve.engine.speculative.tree import TreeShape
 from pyserve.model.config import read_config_files
-from pyserve.option_fields import flags_of
 from pyserve.options import EngineOptions, ModelOptions
 
 if TYPE_CHECKING:
@@ -215,8 +214,7 @@ def _acceptance(options: EngineOptions) -> Acceptance:
 def _refuse_options_without_speculation(options: EngineOptions) -> None:
     """A --speculative-* option given without --speculative-algorithm would
     change nothing: refused, so that no one believes speculation is on."""
-    given = [flags_of(f)[0] for f in fields(EngineOptions)
-             if f.name.startswith("speculative_") and getattr(options, f.name) != f.default]
+    given = options.speculative_flags_given()
     if given:
         raise ValueError(f"{', '.join(given)}: for speculative decoding, which is off without "
                          "--speculative-algorithm")

@@ -22,7 +22,7 @@ import torch
 
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
-from pyserve.engine.runner.weight_swap import copy_weights
+from pyserve.engine.runner.weight_swap import copy_weights, paired_tensors
 from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel, WeightSwap
 from pyserve.lora.adapter import read_adapter
 from pyserve.model.hub import local_model_dir
@@ -54,7 +54,7 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
                     model.lora.load(message.slot, read_adapter(local, options.max_lora_rank))
                 elif isinstance(message, WeightSwap):
                     local = local_model_dir(message.path, None, options.download_dir, "model_path")
-                    copy_weights(model.model, model.read_checkpoint(Path(local)))
+                    copy_weights(paired_tensors(model.model, model.read_checkpoint(Path(local))))
                 elif isinstance(message, SlotCopies):
                     model.kv_buffer.copy_slots(message)
                 else:
