@@ -191,61 +191,59 @@ def test_config_overrides_serve_the_model_transformers_runs_with_them(tmp_path, 
         asyncio.run(served({}))
 
 
-def test_dummy_weights_serve_a_config_without_its_checkpoint(tiny_llama_dir, tmp_path):
-    """--load-format dummy (SGLang's): speed and memory measured from
-    config.json and the tokenizer alone, the same weights on every run."""
+def _without_weights(model_dir: Path, out: Path) -> Path:
+    """`out` with `model_dir`'s config and tokenizer files and no checkpoint."""
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out
+
+
+def _greedy_tokens(model_dir: Path, n: int, **options) -> list[int]:
+    """The engine's `n` greedy tokens after [5, 6, 7], started on `model_dir` with `options`."""
     import asyncio
-    import json
-    import shutil
 
     from tests.test_engine import collect, started_engine
 
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_llama_dir / name, tmp_path / name)
-
-    async def tokens(**options):
-        engine = await started_engine(tmp_path, **options)
+    async def run():
+        engine = await started_engine(model_dir, **options)
         try:
-            return (await collect(engine, [5, 6, 7], max_new_tokens=6, temperature=0, ignore_eos=True))[1]
+            return (await collect(engine, [5, 6, 7], max_new_tokens=n, temperature=0, ignore_eos=True))[1]
         finally:
             await engine.shutdown()
 
-    first = asyncio.run(tokens(load_format="dummy"))
-    assert len(first) == 6 and asyncio.run(tokens(load_format="dummy")) == first
+    return asyncio.run(run())
+
+
+def test_dummy_weights_serve_a_config_without_its_checkpoint(tiny_llama_dir, tmp_path):
+    """--load-format dummy (SGLang's): speed and memory measured from
+    config.json and the tokenizer alone, the same weights on every run."""
+    import json
+
+    bare = _without_weights(tiny_llama_dir, tmp_path)
+    first = _greedy_tokens(bare, 6, load_format="dummy")
+    assert len(first) == 6 and _greedy_tokens(bare, 6, load_format="dummy") == first
     with pytest.raises(ValueError, match="model.safetensors"):
-        asyncio.run(tokens())  # the checkpoint is not there to read
-    config = json.loads((tmp_path / "config.json").read_text())
+        _greedy_tokens(bare, 6)  # the checkpoint is not there to read
+    config = json.loads((bare / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (bare / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="--load-format dummy draws float weights"):
-        asyncio.run(tokens(load_format="dummy"))
+        _greedy_tokens(bare, 6, load_format="dummy")
     # What the refusal says to do: the float model of that config.
-    assert len(asyncio.run(tokens(load_format="dummy", json_model_override_args='{"quantization_config": null}'))) == 6
+    float_model = {"load_format": "dummy", "json_model_override_args": '{"quantization_config": null}'}
+    assert len(_greedy_tokens(bare, 6, **float_model)) == 6
 
 
 def test_a_dummy_draft_model_beside_a_real_target(tiny_llama_dir, tmp_path):
     """--speculative-draft-load-format dummy: a STANDALONE draft drawn from
     its config alone; verification keeps the target's greedy tokens."""
-    import asyncio
-    import shutil
-
-    from tests.test_engine import collect, started_engine
-
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_llama_dir / name, tmp_path / name)
-
-    async def tokens(**options):
-        engine = await started_engine(tiny_llama_dir, **options)
-        try:
-            return (await collect(engine, [5, 6, 7], max_new_tokens=8, temperature=0, ignore_eos=True))[1]
-        finally:
-            await engine.shutdown()
-
-    draft = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tmp_path),
+    draft = {"speculative_algorithm": "STANDALONE",
+             "speculative_draft_model_path": str(_without_weights(tiny_llama_dir, tmp_path)),
              "speculative_num_draft_tokens": 3}
-    assert asyncio.run(tokens(**draft, speculative_draft_load_format="dummy")) == asyncio.run(tokens())
+    plain = _greedy_tokens(tiny_llama_dir, 8)
+    assert _greedy_tokens(tiny_llama_dir, 8, **draft, speculative_draft_load_format="dummy") == plain
     with pytest.raises(ValueError, match="model.safetensors"):
-        asyncio.run(tokens(**draft))  # the target's format, whose checkpoint the draft's directory lacks
+        _greedy_tokens(tiny_llama_dir, 8, **draft)  # the target's format, whose checkpoint the draft's directory lacks
 
 
 @pytest.mark.parametrize("algorithm, binaries", [("EAGLE3", True), ("STANDALONE", False)])
