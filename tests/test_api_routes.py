@@ -61,6 +61,34 @@ def test_native_generate(http):
                                             "sampling_params": {"max_new_tokens": 2, "n": 2}}).json()) == 2
 
 
+def test_native_generate_takes_a_setting_per_prompt(http):
+    """SGLang's batch form: sampling_params, rid and the logprob options as
+    lists of one per prompt; each prompt answers as it would alone."""
+    prompts = ["The sky is", "Paris is"]
+    each = [{"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+            {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}]
+    batch = http.post("/generate", json={"text": prompts, "sampling_params": each, "rid": ["sky", "paris"],
+                                         "return_logprob": [True, False]}).json()
+    alone = [http.post("/generate", json={"text": t, "sampling_params": p}).json() for t, p in zip(prompts, each)]
+    assert [o["text"] for o in batch] == [o["text"] for o in alone]
+    assert [o["meta_info"]["completion_tokens"] for o in batch] == [2, 5]
+    assert [o["meta_info"]["id"] for o in batch] == ["sky", "paris"]
+    assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 2
+    assert "output_token_logprobs" not in batch[1]["meta_info"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]}, "sampling_params"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 1}]}, "sampling_params"),
+    ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
+    ({"text": "a", "rid": ["x", "y"]}, "rid"),
+    ({"text": ["a", "b"], "top_logprobs_num": [1, 2, 3], "return_logprob": True}, "top_logprobs_num"),
+])
+def test_native_generate_refuses_lists_that_do_not_fit_the_prompts(http, body, param):
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 def test_native_generate_streams_cumulative_text(http):
     body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     with http.stream("POST", "/generate", json=body) as r:

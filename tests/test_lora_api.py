@@ -68,6 +68,12 @@ def test_openai_client_picks_adapters_by_model_name(lora_server):
         "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["text"] == beta.text
+    # A batch names one adapter per prompt (None: the base model).
+    r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": [PROMPT] * 3, "lora_path": ["beta", None, "alpha"],
+                                                     "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                         "ignore_eos": True}}, timeout=60)
+    assert [o["output_ids"] for o in r.json()] == [beta.token_ids, reference_tokens(model_dir, None, PROMPT, 8),
+                                                   reference_tokens(model_dir, adapters["alpha"], PROMPT, 8)]
 
     assert httpx.post(f"{srv.base_url}/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
     with pytest.raises(openai.NotFoundError):

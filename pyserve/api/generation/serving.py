@@ -106,17 +106,20 @@ def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True)
     raise bad_request(f"{param} must be {shapes}", param)
 
 
-async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams, n: int, rid: str,
-                  param_names: Mapping[str, str], *, batch: bool = False, priority: int | None = None,
-                  cache_salt: str | None = None, lora: str | None = None) -> list[GenerateRequest]:
+async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                  n: int, rid: str | list[str], param_names: Mapping[str, str], *, batch: bool = False,
+                  priority: int | None = None, cache_salt: str | None = None,
+                  lora: str | list[str | None] | None = None) -> list[GenerateRequest]:
     """n requests per prompt: request p * n + i is prompt p's choice i, as
     OpenAI numbers choices (rid, then `-p` with several prompts, `-i` with
     n > 1). With a seed, choice i uses seed + i, so the choices differ yet
     stay reproducible. Each is a batch job or not (`batch`) and carries the
     body's `priority`, `cache_salt` and LoRA adapter (`lora`, see adapter_name).
+    `params`, `rid` and `lora` are one for every prompt or a list of one
+    each (SGLang's /generate batches); a listed rid is its prompt's own.
 
     With --allow-auto-truncate a prompt too long for the context is cut
-    first (truncation.fit_context). The engine validates each prompt once, and compiles the constraint
+    first (truncation.fit_context). The engine validates each prompt once, and compiles each constraint
     once, here, before anything streams, so a refusal is still a plain
     400; `param_names` maps the engine's field ("prompt", "max_new_tokens",
     "constraint") and "n" to the route's parameter name.
@@ -126,22 +129,24 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     _check_sequences(ctx.max_sequences_per_request, len(prompts), n, param_names)
     await ctx.weights.passed()
     engine = ctx.engine
+    each_params = params if isinstance(params, list) else [params] * len(prompts)
     requests = []
     try:
         if not batch:
             engine.check_queue_room()
         for p, ids in enumerate(prompts):
-            ids, prompt_params = fit_context(ids, params, engine.context_len) if ctx.allow_auto_truncate \
-                else (ids, params)
-            base = f"{rid}-{p}" if len(prompts) > 1 else rid
+            ids, prompt_params = fit_context(ids, each_params[p], engine.context_len) if ctx.allow_auto_truncate \
+                else (ids, each_params[p])
+            base = rid[p] if isinstance(rid, list) else f"{rid}-{p}" if len(prompts) > 1 else rid
             for i in range(n):
-                choice = prompt_params if params.seed is None or i == 0 else \
-                    replace(prompt_params, seed=params.seed + i)
+                choice = prompt_params if prompt_params.seed is None or i == 0 else \
+                    replace(prompt_params, seed=prompt_params.seed + i)
                 requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
-                                                priority=priority, cache_salt=cache_salt, lora=lora))
+                                                priority=priority, cache_salt=cache_salt,
+                                                lora=lora[p] if isinstance(lora, list) else lora))
             engine.validate(requests[p * n])
-        if params.constraint is not None:
-            await engine.compile_grammar(params.constraint)
+        for constraint in dict.fromkeys(c.constraint for c in each_params if c.constraint is not None):
+            await engine.compile_grammar(constraint)
     except RequestError as e:
         raise refusal(e, param_names) from None
     return requests

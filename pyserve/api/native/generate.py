@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from pyserve.api.generation.constraints import request_constraint
+from pyserve.api.generation.logprobs import TokenTexts
 from pyserve.http.errors import bad_request
 from pyserve.api.protocol.native import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.generation.sampling import sampling_params
@@ -39,45 +40,78 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.text, "text")
     else:
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.input_ids, "input_ids", text=False)
-    fields = req.sampling_params or NativeSamplingParams()
-    constrained = request_constraint(fields, "sampling_params.")
-    params = sampling_params(
+    batch = _Batch(req, len(prompts))
+    constraints = [request_constraint(f, "sampling_params.") for f in batch.fields]
+    params = [sampling_params(
         fields, fields.max_new_tokens, ctx.engine.vocab_size,
-        top_logprobs=req.top_logprobs_num if req.return_logprob else None, top_logprobs_param="top_logprobs_num",
-        prompt_logprobs=req.return_logprob and req.logprob_start_len >= 0,
-        constraint=constrained and constrained.constraint, defaults=ctx.sampling_defaults,
-    )
+        top_logprobs=top if wanted else None, top_logprobs_param="top_logprobs_num",
+        prompt_logprobs=wanted and start >= 0, constraint=constrained and constrained.constraint,
+        defaults=ctx.sampling_defaults,
+    ) for fields, constrained, wanted, start, top in zip(batch.fields, constraints, batch.return_logprob,
+                                                          batch.logprob_start_len, batch.top_logprobs_num)]
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
-             "stop": "sampling_params.stop", "constraint": constrained and constrained.param}
-    requests = await fan_out(ctx, prompts, params, fields.n, req.rid or new_id(""), names, priority=req.priority,
-                             cache_salt=req.cache_salt, lora=adapter_name(ctx, req.model, req.lora_path))
-    _check_logprob_start(req, prompts)  # after the engine refused an empty prompt
+             "stop": "sampling_params.stop",
+             "constraint": next((c.param for c in constraints if c is not None), None)}
+    n = batch.fields[0].n
+    requests = await fan_out(ctx, prompts, params, n, req.rid if isinstance(req.rid, list) else req.rid or new_id(""),
+                             names, priority=req.priority, cache_salt=req.cache_salt,
+                             lora=[adapter_name(ctx, req.model, path) for path in batch.lora_path])
+    for ids, wanted, start in zip(prompts, batch.return_logprob, batch.logprob_start_len):
+        _check_logprob_start(wanted, start, ids)  # after the engine refused an empty prompt
     started = time.perf_counter()
-    logprobs = [MetaLogprobs(ctx, req, r.input_ids) for r in requests] if req.return_logprob else None
+    texts = ctx.token_texts if req.return_text_in_logprobs else None
+    logprobs = [MetaLogprobs(texts, batch.logprob_start_len[p], r.input_ids) if batch.return_logprob[p] else None
+                for p, r in ((k // n, r) for k, r in enumerate(requests))]
     if req.stream:
         return _stream(ctx, requests, started, logprobs, has_text)
     results = []
     for i, result in enumerate(await collect(ctx.engine, requests)):
-        if logprobs:
+        if logprobs[i]:
             logprobs[i].add(result.prompt_logprobs, result.logprobs)
         results.append({**({"text": result.text} if has_text else {}), "output_ids": result.token_ids,
-                        "meta_info": _meta(requests[i].rid, result.final, started, logprobs and logprobs[i])})
+                        "meta_info": _meta(requests[i].rid, result.final, started, logprobs[i])})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
-    return results[0] if single and fields.n == 1 else results
+    return results[0] if single and n == 1 else results
 
 
-def _check_logprob_start(req: NativeGenerateRequest, prompts: list[list[int]]) -> None:
+class _Batch:
+    """The body's per-prompt fields: SGLang takes each as one value for
+    every prompt or a list of one per prompt."""
+
+    def __init__(self, req: NativeGenerateRequest, prompts: int):
+        self.prompts = prompts
+        self.fields = self._each(req.sampling_params or NativeSamplingParams(), "sampling_params")
+        if any(f.n != self.fields[0].n for f in self.fields):
+            raise bad_request("every prompt's sampling_params must ask for the same n", "sampling_params")
+        if isinstance(req.rid, list):
+            self._each(req.rid, "rid")
+            if len(set(req.rid)) < prompts:
+                raise bad_request("the rid list names a request twice: give each prompt its own", "rid")
+        self.lora_path = self._each(req.lora_path, "lora_path")
+        self.return_logprob = self._each(req.return_logprob, "return_logprob")
+        self.logprob_start_len = self._each(req.logprob_start_len, "logprob_start_len")
+        self.top_logprobs_num = self._each(req.top_logprobs_num, "top_logprobs_num")
+
+    def _each(self, value, name: str) -> list:
+        if not isinstance(value, list):
+            return [value] * self.prompts
+        if len(value) != self.prompts:
+            raise bad_request(f"{name} is a list of {len(value)} for {self.prompts} prompt"
+                              f"{'s' if self.prompts != 1 else ''}: give one value for all, or one per prompt", name)
+        return value
+
+
+def _check_logprob_start(wanted: bool, start: int, prompt: list[int]) -> None:
     """With return_logprob, the prompt's logprobs start inside the prompt
     (-1: none of it), as SGLang checks; without it the options are unused."""
-    shortest = min(len(ids) for ids in prompts)
-    if req.return_logprob and not -1 <= req.logprob_start_len < shortest:
-        length = f"{shortest} token{'s' if shortest != 1 else ''}" + (" in the shortest" if len(prompts) > 1 else "")
-        raise bad_request(f"logprob_start_len {req.logprob_start_len} is outside the prompt ({length}): give -1 "
-                          f"for no prompt logprobs, or a position from 0 to {shortest - 1}", "logprob_start_len")
+    if wanted and not -1 <= start < len(prompt):
+        length = f"{len(prompt)} token{'s' if len(prompt) != 1 else ''}"
+        raise bad_request(f"logprob_start_len {start} is outside the prompt ({length}): give -1 "
+                          f"for no prompt logprobs, or a position from 0 to {len(prompt) - 1}", "logprob_start_len")
 
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
-                  logprobs: list[MetaLogprobs] | None, has_text: bool) -> AsyncIterator[dict]:
+                  logprobs: list[MetaLogprobs | None], has_text: bool) -> AsyncIterator[dict]:
     """SGLang streams the whole text (and token ids) so far in every event;
     with no tokenizer, the token ids alone."""
     texts = [""] * len(requests)
@@ -85,10 +119,10 @@ async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started:
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
         ids[i] += out.token_ids
-        if logprobs:
+        if logprobs[i]:
             logprobs[i].add(out.prompt_logprobs or [], out.logprobs or [])
         event = {**({"text": texts[i]} if has_text else {}), "output_ids": list(ids[i]),
-                 "meta_info": _meta(requests[i].rid, out, started, logprobs and logprobs[i])}
+                 "meta_info": _meta(requests[i].rid, out, started, logprobs[i])}
         if len(requests) > 1:
             event["index"] = i
         yield event
@@ -128,9 +162,9 @@ class MetaLogprobs:
     """SGLang's meta_info logprob lists for one request, built up as its
     outputs arrive: entries are [logprob, token_id, text or None]."""
 
-    def __init__(self, ctx: ServingContext, req: NativeGenerateRequest, prompt_ids: list[int]):
-        self.texts = ctx.token_texts if req.return_text_in_logprobs else None
-        self.start = req.logprob_start_len
+    def __init__(self, texts: TokenTexts | None, start: int, prompt_ids: list[int]):
+        self.texts = texts  # None: entries carry no text
+        self.start = start
         self.prompt_ids = prompt_ids
         self.input: list = []
         self.input_top: list = []

@@ -51,9 +51,17 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     # Token ids, or a list of token id lists. msgspec takes one array type
     # per union, so the items are typed and generate.py refuses a mix.
     input_ids: list[int | list[int]] | None = None
-    sampling_params: NativeSamplingParams | None = None
+    # These fields take one value for every prompt, or a list of one per
+    # prompt (a batch's prompts, each with its own settings).
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None  # SGLang: the LoRA adapter, by name (with --enable-lora)
+    return_logprob: bool | list[bool] = False
+    # SGLang's logprob options: output tokens' logprobs, and the prompt's
+    # from position logprob_start_len on (-1: none of the prompt).
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
     stream: bool = False
-    rid: str | None = None
     # The smg gateway adds these to every /generate it routes, at SGLang's
     # defaults: the model's name (any is accepted, as on the OpenAI routes)
     # and switches pyserve accepts only at those defaults (generate.py).
@@ -63,17 +71,11 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     no_logs: bool = False
     return_bytes: bool = False
     return_entropy: bool = False
-    # SGLang's logprob options: output tokens' logprobs, and the prompt's
-    # from position logprob_start_len on (-1: none of the prompt).
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     # As on the OpenAI routes: the request's priority (with
     # --enable-priority-scheduling) and the salt of the prefixes it shares.
     priority: int | None = None
     cache_salt: str | None = None
-    lora_path: str | None = None  # SGLang: the LoRA adapter, by name (with --enable-lora)
 
 
 class AbortRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
