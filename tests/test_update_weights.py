@@ -152,3 +152,45 @@ def test_every_tensor_parallel_rank_takes_its_shard(checkpoints, tmp_path):
     assert refused == 400  # found on rank 0, before any rank copied
     reference = transformers.AutoModelForCausalLM.from_pretrained(second, torch_dtype=torch.float32)
     assert tokens == hf_greedy(reference, PROMPT, 8)
+
+
+def test_a_paused_engine_takes_new_weights_without_waiting_for_its_requests(checkpoints, tmp_path):
+    """RL trainers' cycle: /pause_generation (retract), update, then
+    /continue_generation. The paused request recomputes its KV on the new
+    weights and goes on from the tokens it had; one paused in place keeps
+    KV that a flush cannot drop, so only flush_cache false updates it."""
+    first, second, _ = checkpoints
+    long = {**GREEDY, "max_tokens": 60}
+
+    async def go():
+        app = await _serve(first, tmp_path, dtype="float32", torchao_config="none")
+        try:
+            running = asyncio.create_task(call(app, "POST", "/v1/completions", long))
+            while not app._engine.request_ids or len(app._engine.scheduler.requests[
+                    app._engine.request_ids[0]].output_ids) < 3:
+                await asyncio.sleep(0.002)
+            assert (await call(app, "POST", "/pause_generation", {"mode": "retract"}))[0] == 200
+            held = len(app._engine.scheduler.requests[app._engine.request_ids[0]].output_ids)
+            status, _, raw = await call(app, "POST", "/update_weights_from_disk", {"model_path": str(second)})
+            assert status == 200, raw
+            assert (await call(app, "POST", "/continue_generation", {}))[0] == 200
+            tokens = _tokens((await running)[2])
+            in_place = asyncio.create_task(call(app, "POST", "/v1/completions", long))
+            while app._engine.num_running < 1:
+                await asyncio.sleep(0.002)
+            await call(app, "POST", "/pause_generation", {"mode": "in_place"})
+            refused = await call(app, "POST", "/update_weights_from_disk", {"model_path": str(first)})
+            kept = await call(app, "POST", "/update_weights_from_disk",
+                              {"model_path": str(first), "flush_cache": False})
+            await call(app, "POST", "/continue_generation", {})
+            return held, tokens, refused, kept[0], json.loads((await in_place)[2])
+        finally:
+            await app.shutdown()
+
+    held, tokens, (refused, _, raw), kept, finished = asyncio.run(go())
+    old = transformers.AutoModelForCausalLM.from_pretrained(first, torch_dtype=torch.float32)
+    new = transformers.AutoModelForCausalLM.from_pretrained(second, torch_dtype=torch.float32)
+    assert 3 <= held < 60 and tokens[:held] == hf_greedy(old, PROMPT, held)
+    assert tokens[held:] == hf_greedy(new, PROMPT + tokens[:held], 60 - held)
+    assert refused == 400 and json.loads(raw)["success"] is False and "flush_cache" in json.loads(raw)["message"]
+    assert kept == 200 and finished["usage"]["completion_tokens"] == 60

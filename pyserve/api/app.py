@@ -27,7 +27,7 @@ import msgspec
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import (
-    adapters, corpora, generate, operations, parsers, profile, rerank, score, tokenize, weights,
+    adapters, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, weights,
 )
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -119,6 +119,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/separate_reasoning"): Route(parsers.separate_reasoning, parsers.SeparateReasoningRequest),
     ("POST", "/start_profile"): Route(profile.start_profile, raw=True),
     ("POST", "/stop_profile"): Route(profile.stop_profile, raw=True),
+    ("POST", "/pause_generation"): Route(pause.pause_generation, raw=True, dialect=SGLANG_CONTROL),
+    ("POST", "/continue_generation"): Route(pause.continue_generation, raw=True, dialect=SGLANG_CONTROL),
     ("POST", "/update_weights_from_disk"): Route(weights.update_weights_from_disk, weights.UpdateWeightsRequest,
                                                  dialect=SGLANG_CONTROL),
     ("GET", "/version"): Route(operations.version),

@@ -11,14 +11,13 @@ A request has three records, each with one owner: its Sequence
 engine's `_outputs`), both on the event loop, and its SamplingState
 (generator, grammar matcher, penalty history), which the engine builds
 and hands to the forward thread, which alone touches it until it drops it
-(ModelRunner.admit / release). A constrained request (SamplingParams.
-constraint) has its grammar compiled off the loop (engine/grammar.py)
-before it is queued.
+(ModelRunner.admit / release). A constrained request's grammar is compiled
+off the loop (engine/grammar.py) before the request is queued.
 """
-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -105,6 +104,7 @@ class Engine:
         self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
         self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval, self.metrics)
         self._wakeup = asyncio.Event()
+        self._stopped_stepping = asyncio.Event()  # set while paused, once no step is in flight
         self._loop_task: asyncio.Task | None = None
         self.overlap = not options.disable_overlap_schedule
         # --enable-lora: the adapters requests pick by name; None: the base model alone.
@@ -129,10 +129,8 @@ class Engine:
     async def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
             self._loop_task = None
         self.abort_all("error")
         self.runner.shutdown()
@@ -177,11 +175,6 @@ class Engine:
             raise RequestError(GRAMMARS_OFF, "constraint")
         await self.grammars.compile(constraint)
 
-    def _max_new_tokens(self, req: GenerateRequest) -> int:
-        """What the request may generate: its own limit or the server's default, within the context."""
-        wanted = req.params.max_new_tokens or self.default_max_tokens or self.context_len
-        return min(wanted, self.context_len - len(req.input_ids))
-
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Yields output deltas; the last one has finished=True."""
         self.validate(req)
@@ -189,7 +182,9 @@ class Engine:
             raise RuntimeError("the engine is not started")
         if req.rid in self.scheduler.requests:
             raise RequestError(f"request id {req.rid} is already running", "rid")
-        params = replace(req.params, max_new_tokens=self._max_new_tokens(req),
+        # What the request may generate: its own limit or the server's default, within the context.
+        wanted = req.params.max_new_tokens or self.default_max_tokens or self.context_len
+        params = replace(req.params, max_new_tokens=min(wanted, self.context_len - len(req.input_ids)),
                          pooling=self.pooling.mode if req.embedding else None)
         seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, batch=req.batch,
                        priority=req.priority or 0, cache_salt=req.cache_salt, arrival=time.monotonic(),
@@ -199,7 +194,10 @@ class Engine:
         else:
             output = OutputProcessor(seq, self.tokenizer, self.eos_token_ids, self.context_len,
                                      speculative=self.drafter is not None, stream_interval=self.stream_interval)
-            self.runner.admit(await self._sampling_state(seq, frozenset(output.stop_ids)))
+            constraint = params.constraint
+            grammar = constraint and self.grammars.new_state(await self.grammars.compile(constraint), constraint.after)
+            generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+            self.runner.admit(SamplingState(seq, generator, grammar, frozenset(output.stop_ids)))
             self._outputs[seq] = output
         self.scheduler.add(seq)
         self.request_log.received(seq)
@@ -213,17 +211,6 @@ class Engine:
         finally:
             if not seq.finished:
                 self.abort(seq.rid)
-
-    async def _sampling_state(self, seq: Sequence, stop_ids: frozenset[int]) -> SamplingState:
-        """What the forward thread needs to sample the request's tokens."""
-        params = seq.params
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        grammar = None
-        if params.constraint is not None:
-            constraint = params.constraint
-            compiled = self.grammars.cached(constraint) or await self.grammars.compile(constraint)
-            grammar = self.grammars.new_state(compiled, constraint.after)
-        return SamplingState(seq, generator, grammar, stop_ids)
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         """Stop a request now, freeing what it holds: "abort" (a client asked), "error" (the server cannot go on)."""
@@ -239,6 +226,19 @@ class Engine:
     def abort_all(self, reason: str = "abort") -> None:
         for rid in self.request_ids:
             self.abort(rid, reason)
+
+    async def pause(self, retract: bool) -> None:
+        """/pause_generation: no step starts after the one in flight until resume(); with
+        `retract`, running requests give their KV back (to the prefix cache) and wait."""
+        self._stopped_stepping.clear()
+        self.scheduler.pause(retract)
+        self._wakeup.set()
+        await self._stopped_stepping.wait()
+
+    def resume(self) -> None:
+        self.scheduler.paused = False
+        self._stopped_stepping.set()  # a pause() still waiting returns
+        self._wakeup.set()
 
     # -- the step loop -------------------------------------------------------
 
@@ -277,21 +277,21 @@ class Engine:
             raise
 
     async def _idle(self) -> None:
-        """Nothing to schedule: unstick sequences that hold pages but cannot
-        advance, or wait for a request."""
-        if self.scheduler.holders():
-            self._unstick()
+        """Nothing to schedule: settle a pause; make one sequence that holds
+        pages but cannot advance wait, or end the lone one that cannot grow
+        even with the whole pool; or wait for a request."""
+        if self.scheduler.paused:
+            self.scheduler.settle_pause()
+            self._stopped_stepping.set()
+        elif self.scheduler.holders():
+            if not self.scheduler.retract_one():
+                for seq in self.scheduler.holders():
+                    self._finish(seq, self._outputs[seq].out_of_memory())
             return
-        self.kv.check_when_idle()
+        else:
+            self.kv.check_when_idle()
         self._wakeup.clear()
         await self._wakeup.wait()
-
-    def _unstick(self) -> None:
-        """Make one sequence wait, or end the lone one that cannot grow even
-        with the whole pool."""
-        if not self.scheduler.retract_one():
-            for seq in self.scheduler.holders():
-                self._finish(seq, self._outputs[seq].out_of_memory())
 
     async def _process(self, in_flight: tuple[ScheduledStep, asyncio.Future]) -> None:
         """Wait for a launched step's ids and hand them to their requests."""
@@ -363,8 +363,8 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix, and what the drafter learned from
-        requests; refused (False) while requests run."""
-        if self.scheduler.requests:
+        requests; refused (False) while requests hold KV."""
+        if self.scheduler.holders():
             return False
         self.kv.evict_all()
         if self.drafter is not None:

@@ -97,6 +97,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.jump_forward = False  # whether constrained requests jump forward (the engine sets it)
         self.order = WaitingOrder("fcfs", kv)  # --schedule-policy (the engine sets it)
+        self.paused = False  # /pause_generation: no step is scheduled until resumed
+        self._retract_on_pause = False
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.rid] = seq
@@ -148,6 +150,8 @@ class Scheduler:
         return seq.batch, -(seq.priority + seq.waited_steps // AGING_STEPS)
 
     def schedule(self) -> ScheduledStep | None:
+        if self.paused:
+            return None
         for seq in self.holders():  # sliding pages their next steps no longer read
             self.kv.slide(seq)
         if self.priority_scheduling:
@@ -371,6 +375,16 @@ class Scheduler:
         self.kv.release(seq)
         (self.running if seq in self.running else self.prefilling).remove(seq)
         self.waiting.appendleft(seq)
+
+    def pause(self, retract: bool) -> None:
+        self.paused, self._retract_on_pause = True, retract
+
+    def settle_pause(self) -> None:
+        """Once no step is in flight: a retracting pause makes every holder
+        wait, in admission order at the head of the queue."""
+        if self._retract_on_pause:
+            for seq in reversed(self.holders()):
+                self._retract(seq)
 
     def holders(self) -> list[Sequence]:
         """Sequences holding KV: running, or in the middle of their prompt."""

@@ -23,7 +23,7 @@ from pyserve._rust import Tokenizer
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import TokenIdTexts, TokenTexts
 from pyserve.api.generation.truncation import fit_context
-from pyserve.api.generation.weight_gate import WeightGate
+from pyserve.api.generation.admission_gate import AdmissionGate
 from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.completion_template import CompletionTemplate
@@ -54,8 +54,8 @@ class ServingContext:
     completion_template: CompletionTemplate | None = None
     # --allow-auto-truncate: prompts too long for the context are cut (api/generation/truncation.py).
     allow_auto_truncate: bool = False
-    # Closed while /update_weights_from_disk replaces the weights: requests wait at it.
-    weights: WeightGate = field(default_factory=WeightGate)
+    # Closed during a weight update and a pause: requests wait at it.
+    gate: AdmissionGate = field(default_factory=AdmissionGate)
 
     @cached_property
     def token_texts(self) -> TokenTexts:
@@ -127,7 +127,7 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     One request asks for at most --max-sequences-per-request sequences
     (prompts x n), so that it cannot fill the engine's queue alone."""
     _check_sequences(ctx.max_sequences_per_request, len(prompts), n, param_names)
-    await ctx.weights.passed()
+    await ctx.gate.passed()
     engine = ctx.engine
     each_params = params if isinstance(params, list) else [params] * len(prompts)
     requests = []

@@ -133,8 +133,8 @@ def _meta(rid: str, out: GenerateOutput, started: float, logprobs: MetaLogprobs 
         reason = {"type": "stop", "matched": out.matched_stop}
     elif out.finish_reason == "length":
         reason = {"type": "length", "length": out.completion_tokens}
-    elif out.finish_reason == "abort":  # /abort_request named it
-        reason = {"type": "abort", "message": "aborted by /abort_request"}
+    elif out.finish_reason == "abort":  # /abort_request or /pause_generation stopped it
+        reason = {"type": "abort", "message": "aborted by the server's operator"}
     else:
         reason = None
     return {

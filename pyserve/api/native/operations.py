@@ -55,6 +55,8 @@ def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
 
 async def health_generate(ctx: ServingContext) -> None:
     """SGLang's deep health check: the engine generates one token in time."""
+    if ctx.gate.pause_mode is not None:
+        raise APIError("generation is paused: POST /continue_generation resumes it", 503, "server_error")
     tokenizer = ctx.engine.tokenizer
     ids = tokenizer.encode("Hello", add_special_tokens=True) if tokenizer is not None else [0]  # 0: any token
     req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"),
@@ -82,7 +84,7 @@ def model_info(ctx: ServingContext) -> dict:
         "architecture": ctx.engine.model_config.architecture,
         "context_length": ctx.engine.context_len,
         "preferred_sampling_params": json.loads(preferred) if preferred else None,
-        "weight_version": ctx.weights.version,
+        "weight_version": ctx.gate.version,
         "version": __version__,
     }
 

@@ -3,10 +3,11 @@ same model (a new fine-tune, a training step's weights) without a
 restart.
 
 The gate closes (new requests wait at it); the requests in the engine
-finish, or stop at once with `abort_all_requests`; the prefix cache is
-dropped (unless `flush_cache` is false); then the forward thread reads the
-checkpoint as the served model was read and copies it into the served
-model's tensors (engine/runner/weight_swap.py), and the gate opens. The
+finish, or stop at once with `abort_all_requests`, or, in an engine that
+/pause_generation stopped, stay; the prefix cache is dropped (unless
+`flush_cache` is false); then the forward thread reads the checkpoint as
+the served model was read and copies it into the served model's tensors
+(engine/runner/weight_swap.py), and the gate opens (unless paused). The
 tokenizer and the options stay. What does not fit the served model
 (another architecture, size or quantization) is a 400 that leaves the
 weights as they were."""
@@ -40,16 +41,20 @@ async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsReques
     except ValueError as e:
         raise bad_request(str(e), "model_path") from None
     engine = ctx.engine
-    async with ctx.weights.closed():
+    async with ctx.gate.updating():
         if req.abort_all_requests:
             engine.abort_all()
-        while engine.num_running or engine.num_waiting:
+        # A paused engine's requests stay, and resume on the new weights.
+        while (engine.num_running or engine.num_waiting) and ctx.gate.pause_mode is None:
             await asyncio.sleep(0.02)
-        if req.flush_cache:
-            engine.flush_cache()  # before the swap: no prefix of the old weights is matched after it
+        # Before the swap: no prefix of the old weights is matched after it.
+        if req.flush_cache and not engine.flush_cache():
+            raise bad_request("requests paused in place hold KV the served weights computed, which a flush cannot "
+                              "drop: pause with mode retract or abort, or update with flush_cache false",
+                              "flush_cache")
         try:
             await engine.runner.swap_weights(model_dir)
         except (ValueError, OSError) as e:
             raise bad_request(f"{model_dir}: {e}", "model_path") from None
-        ctx.weights.version = req.weight_version or ctx.weights.version
+        ctx.gate.version = req.weight_version or ctx.gate.version
     return {"success": True, "message": f"Succeeded to update model weights from {model_dir}."}

@@ -75,7 +75,7 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
     params = SamplingParams(max_new_tokens=None)
     if ctx.allow_auto_truncate:
         prompts = [fit_context(ids, params, engine.context_len)[0] for ids in prompts]
-    await ctx.weights.passed()
+    await ctx.gate.passed()
     rid = new_id("embd-")
     requests = [GenerateRequest(ids, params, f"{rid}-{i}", embedding=True) for i, ids in enumerate(prompts)]
     try:
