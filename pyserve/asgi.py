@@ -96,18 +96,18 @@ class PyserveApp:
         engine = Engine(engine_options, model_options)
         text = engine.tokenizer is not None  # not with --skip-tokenizer-init
         template = ChatTemplate.for_model(engine.tokenizer_dir, server.chat_template) if text else None
-        name = server.served_model_name or DEFAULT_MODEL_NAME
+        names = comma_list(server.served_model_name) if server.served_model_name else [DEFAULT_MODEL_NAME]
         defaults = engine.model_config.sampling_defaults if server.sampling_defaults == "model" else {}
         if defaults:
             logger.info("Requests that leave them out sample with generation_config.json's %s "
                         "(--sampling-defaults openai: OpenAI's defaults)", defaults)
         defaults = {**defaults, **server.preferred_sampling()}
-        ctx = ServingContext(engine, name, template, server.reasoning_parser, server.tool_call_parser,
+        ctx = ServingContext(engine, names[0], template, server.reasoning_parser, server.tool_call_parser,
                              max_sequences_per_request=server.max_sequences_per_request,
                              server_args=args.reported(), sampling_defaults=defaults,
                              completion_template=completion_template(engine.tokenizer, server.completion_template)
                              if text else None,
-                             allow_auto_truncate=server.allow_auto_truncate)
+                             allow_auto_truncate=server.allow_auto_truncate, other_model_names=tuple(names[1:]))
         files = FileStore(server.file_storage_path, server.max_upload_size)
         batches = BatchManager(ctx, files, BatchStore(server.file_storage_path), server.batch_concurrency)
         responses = ResponseManager(ctx, ResponseStore(server.file_storage_path, StoredResponse))
@@ -118,7 +118,7 @@ class PyserveApp:
                         cors=CORS(comma_list(server.allowed_origins)),
                         proxies=TrustedProxies(comma_list(server.forwarded_allow_ips)),
                         max_body_bytes=server.max_payload_size)
-        logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, name, time.perf_counter() - started)
+        logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, names[0], time.perf_counter() - started)
 
     def begin_drain(self) -> None:
         """Stop taking work: new requests get a 503, batches take no new

@@ -237,7 +237,10 @@ class ServerOptions:
     host: str = option("127.0.0.1", help="address to listen on")
     port: int = option(30000, help="port to listen on")
     log_level: str = option("info", choices=["debug", "info", "warning", "error"], help="log level")
-    served_model_name: str | None = option(None, help="model name reported by the API (default: the model path)")
+    served_model_name: str | None = option(None, items=True,
+                                           help="model name reported by the API (default: the model path); given "
+                                                "several, space-separated, the server answers to each and reports "
+                                                "the first")
     chat_template: str | None = option(
         None, help="jinja2 chat template file, or a name from templates/ (chatml, llama3, ...)")
     completion_template: str = option(

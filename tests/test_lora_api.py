@@ -6,10 +6,15 @@ the base model, adapters load and unload at run time, an unknown one is a
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import pytest
 
+from pyserve.asgi import create_app
 from tests.conftest import ServerProcess
+from tests.test_api_handlers import call
 from tests.slow import slow_test
 from tests.test_lora import make_adapter, reference_tokens
 
@@ -126,3 +131,31 @@ def test_responses_and_messages_take_the_adapter_from_model(lora_server):
     assert r.status_code == 404 and r.json()["type"] == "error" and "alpha" in r.json()["error"]["message"]
     r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "gamma", "input": "Say hello"})
     assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
+
+
+def test_every_served_name_reaches_the_base_model_and_responses_report_the_first(tiny_llama_dir, tmp_path):
+    """vLLM's --served-model-name with several names, on a server whose
+    other `model` names pick adapters: none of them is taken for one."""
+    async def go():
+        app = create_app(model_path=str(tiny_llama_dir), file_storage_path=str(tmp_path), enable_lora=True,
+                         served_model_name="tiny,org/tiny")
+        await app.startup()
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+            answers = [await call(app, "POST", "/v1/completions", {**body, "model": m}) for m in ("tiny", "org/tiny")]
+            listed = json.loads((await call(app, "GET", "/v1/models"))[2])
+            retrieved = await call(app, "GET", "/v1/models/org/tiny")
+            unknown = await call(app, "POST", "/v1/completions", {**body, "model": "other"})
+            taken = await call(app, "POST", "/load_lora_adapter", {"lora_name": "org/tiny", "lora_path": "/x"})
+            return answers, listed, retrieved[0], unknown[0], taken
+        finally:
+            await app.shutdown()
+
+    answers, listed, retrieved, unknown, (status, _, raw) = asyncio.run(go())
+    (s1, _, first), (s2, _, second) = answers
+    assert s1 == s2 == 200
+    assert [json.loads(a)["model"] for a in (first, second)] == ["tiny", "tiny"]
+    assert json.loads(first)["choices"] == json.loads(second)["choices"]
+    assert [c["id"] for c in listed["data"]] == ["tiny", "org/tiny"] and retrieved == 200
+    assert unknown == 404  # an adapter name no adapter has
+    assert status == 400 and "base model" in json.loads(raw)["error"]["message"]

@@ -58,6 +58,7 @@ def test_a_vllm_launch_line_reads_as_the_same_options():
     ])
     assert vllm == ServerArgs(**{**vars(sglang), "enable_auto_tool_choice": True})
     assert ServerArgs.from_cli(["-tp", "2", "--tool-call-parser", "openai"]).tool_call_parser == "gpt-oss"
+    assert ServerArgs.from_cli(["--served-model-name", "mine", "org/mine"]).served_model_name == "mine,org/mine"
     assert ServerArgs.from_cli(["--no-enable-prefix-caching", "--enable-prefix-caching"]).disable_radix_cache is False
     assert ServerArgs.from_cli(["--runner", "pooling", "--enable-log-requests"]) == \
         ServerArgs(is_embedding=True, log_requests=True)

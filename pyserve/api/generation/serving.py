@@ -38,7 +38,7 @@ class ServingContext:
     model routes need, and batches run their requests with."""
 
     engine: Engine
-    served_model_name: str
+    served_model_name: str  # the name responses report
     chat_template: ChatTemplate | None
     reasoning_parser: str | None = None  # a --reasoning-parser name
     tool_call_parser: str | None = None  # a --tool-call-parser name
@@ -56,6 +56,12 @@ class ServingContext:
     allow_auto_truncate: bool = False
     # Closed during a weight update and a pause: requests wait at it.
     gate: AdmissionGate = field(default_factory=AdmissionGate)
+    # Other names the base model answers to (--served-model-name's after the first).
+    other_model_names: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_name, *self.other_model_names
 
     @cached_property
     def token_texts(self) -> TokenTexts:
@@ -165,10 +171,10 @@ def refusal(e: RequestError, param_names: Mapping[str, str]) -> APIError:
 
 def adapter_name(ctx: ServingContext, model: str | None, lora_path: str | None) -> str | None:
     """The LoRA adapter a body picks: SGLang's `lora_path`, else, on a server
-    with --enable-lora, a `model` other than the base model's name (vLLM's way)."""
+    with --enable-lora, a `model` other than the base model's names (vLLM's way)."""
     if lora_path is not None:
         return lora_path
-    if ctx.engine.adapters is not None and model and model != ctx.served_model_name:
+    if ctx.engine.adapters is not None and model and model not in ctx.model_names:
         return model
     return None
 

@@ -16,8 +16,8 @@ def _adapters(ctx: ServingContext):
 
 
 async def load(ctx: ServingContext, req: LoadLoraAdapterRequest) -> Response:
-    if req.lora_name == ctx.served_model_name:  # `model` must still reach the base model
-        raise bad_request(f"lora_name {req.lora_name!r} is the base model's name", "lora_name")
+    if req.lora_name in ctx.model_names:  # `model` must still reach the base model
+        raise bad_request(f"lora_name {req.lora_name!r} is a name of the base model", "lora_name")
     try:
         await _adapters(ctx).load(req.lora_name, req.lora_path)
     except ValueError as e:

@@ -28,9 +28,10 @@ from pyserve.options import ServerOptions
 HEALTH_GENERATE_TIMEOUT = 20.0  # seconds
 
 
-def _model_card(ctx: ServingContext) -> ModelCard:
-    name = ctx.served_model_name
-    return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.engine.context_len)
+def _model_cards(ctx: ServingContext) -> list[ModelCard]:
+    """The base model, under each of its names (vLLM lists them so)."""
+    return [ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.engine.context_len)
+            for name in ctx.model_names]
 
 
 def _adapter_cards(ctx: ServingContext) -> list[ModelCard]:
@@ -43,7 +44,7 @@ def _adapter_cards(ctx: ServingContext) -> list[ModelCard]:
 
 
 def models(ctx: ServingContext) -> ModelList:
-    return ModelList(data=[_model_card(ctx), *_adapter_cards(ctx)])
+    return ModelList(data=[*_model_cards(ctx), *_adapter_cards(ctx)])
 
 
 def retrieve_model(ctx: ServingContext, model: str) -> ModelCard:
