@@ -4,14 +4,17 @@ behind (vLLM's test_abort_metrics_reset), on a real server."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
 import httpx
 import pytest
 
+from pyserve.asgi import create_app
 from pyserve.engine.metrics import EngineMetrics
 from tests.conftest import ServerProcess
+from tests.test_api_handlers import call
 
 SERIES = re.compile(r"^([a-z_]+:[a-z_]+)(\{[^}]*\})? (\S+)$")
 
@@ -102,15 +105,19 @@ def _abort_streams(metrics_server, http):
     assert s[f"vllm:kv_cache_usage_perc{label}"] == 0
 
 
-def test_one_family_alone(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", "256", "--max-total-tokens", "4096",
-                        "--metrics-names", "vllm")
-    try:
-        text = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
-        names = {m[1].split(":")[0] for line in text.splitlines() if (m := SERIES.match(line))}
-        assert names == {"vllm"}
-    finally:
-        srv.stop()
+def test_one_family_alone(tiny_llama_dir, tmp_path):
+    async def scraped() -> str:
+        app = create_app(model_path=str(tiny_llama_dir), file_storage_path=str(tmp_path), max_total_tokens=4096,
+                         metrics_names="vllm")
+        await app.startup()
+        try:
+            return (await call(app, "GET", "/metrics"))[2].decode()
+        finally:
+            await app.shutdown()
+
+    text = asyncio.run(scraped())
+    names = {m[1].split(":")[0] for line in text.splitlines() if (m := SERIES.match(line))}
+    assert names == {"vllm"}
 
 
 def test_a_bad_family_is_refused_at_start_up():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pyserve.engine.request import GenerateRequest, RequestError, SamplingParams
+from tests.slow import slow
 from tests.test_engine import started_engine
 
 peft = pytest.importorskip("peft")
@@ -192,7 +193,9 @@ def speculative_setup(tmp_path_factory, eagle3_target, eagle3_heads):
     return eagle3_target, adapters, eagle3_heads["random"]
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "NGRAM-tree", "STANDALONE", "EAGLE3-tree"])
+# NGRAM chains and EAGLE3 trees verify under adapters as the other two do: those are slow.
+@pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("NGRAM-tree", marks=slow),
+                                       pytest.param("STANDALONE", marks=slow), "EAGLE3-tree"])
 def test_speculative_decoding_verifies_under_each_requests_adapter(speculative_setup, algorithm):
     """Adapters and the base model in one batch, drafted: greedy tokens and
     logprobs as without speculation. The drafts come from the base model

@@ -178,9 +178,14 @@ def test_the_head_reads_the_targets_last_hidden_state_and_computes_what_the_form
     assert torch.allclose(got_chained[0], chained, atol=1e-4)
 
 
-@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 2, "speculative_num_steps": 3,
-                                       "speculative_num_draft_tokens": 6}], ids=["chain", "tree"])
-@pytest.mark.parametrize("which", ["random", "fitted"])
+_TREE = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 6}
+
+
+# Each head and each shape by default; their other two pairings are slow.
+@pytest.mark.parametrize("which, tree", [
+    pytest.param("random", {}, id="random-chain"), pytest.param("fitted", _TREE, id="fitted-tree"),
+    pytest.param("fitted", {}, id="fitted-chain", marks=slow),
+    pytest.param("random", _TREE, id="random-tree", marks=slow)])
 def test_greedy_identical_and_a_fitted_head_gets_its_drafts_kept(eagle3_target, eagle_heads, which, tree):
     texts = eagle_heads["texts"]
     requests = [(texts[0][:len(PROMPTS[0])], {**GREEDY, "max_new_tokens": 30}),

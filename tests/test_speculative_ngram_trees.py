@@ -37,9 +37,14 @@ def tree_rows(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
-@pytest.mark.parametrize("engine_args", [{"page_size": 1}, {"page_size": 4, "disable_overlap_schedule": False}],
-                         ids=["page1", "page4-overlap"])
+PAGE1, PAGE4_OVERLAP = {"page_size": 1}, {"page_size": 4, "disable_overlap_schedule": False}
+
+
+# Each match type and each layout by default; their other two pairings are slow.
+@pytest.mark.parametrize("match_type, engine_args", [
+    pytest.param("BFS", PAGE1, id="page1-BFS"), pytest.param("PROB", PAGE4_OVERLAP, id="page4-overlap-PROB"),
+    pytest.param("PROB", PAGE1, id="page1-PROB", marks=slow),
+    pytest.param("BFS", PAGE4_OVERLAP, id="page4-overlap-BFS", marks=slow)])
 def test_ngram_trees_are_greedy_identical(tiny_llama_dir, match_type, engine_args):
     """Requests one after the other, each drafting from the earlier ones'
     tokens: the same tokens, logprobs and finish as without speculation,

@@ -204,7 +204,7 @@ def test_a_seeded_sampled_request_is_drafted_and_reproducible(tiny_llama_dir, de
     assert different != alone
 
 
-def kept_first(draft: int, q: torch.Tensor | None, acceptance: Acceptance, n: int = 20000) -> float:
+def kept_first(draft: int, q: torch.Tensor | None, acceptance: Acceptance, n: int = 5000) -> float:
     """How often a verify step of one draft at position 0 keeps it."""
     g = torch.Generator().manual_seed(1)
     kept = 0
@@ -226,10 +226,10 @@ def kept_first(draft: int, q: torch.Tensor | None, acceptance: Acceptance, n: in
 ])
 def test_a_chains_drafts_are_kept_as_often_as_the_thresholds_say(acceptance, draft, point, expected):
     """P[0] = (0.05, 0.40, 0.30, 0.15, 0.10), Q[0] = (.5, .05, .05, .2, .2):
-    within 4.5 standard deviations of 20000 steps."""
+    within 4.5 standard deviations of 5000 steps (0.03 at 0.3)."""
     got = kept_first(draft, None if point else Q[:1], acceptance)
     expected = min(1.0, expected)
-    assert abs(got - expected) <= 4.5 * math.sqrt(max(expected * (1 - expected), 1e-4) / 20000) + 1e-9, got
+    assert abs(got - expected) <= 4.5 * math.sqrt(max(expected * (1 - expected), 1e-4) / 5000) + 1e-9, got
 
 
 @slow_test  # 20000 walks; chains' thresholds: the test above

@@ -98,7 +98,7 @@ def test_greedy_identical_with_a_draft_model(tiny_llama_dir, drafts, page_size, 
 TREE = {"speculative_eagle_topk": 2, "speculative_num_steps": 4, "speculative_num_draft_tokens": 7}
 
 
-@pytest.mark.parametrize("draft, page_size", [("same", 1), ("noisy", 4), ("small", 1),
+@pytest.mark.parametrize("draft, page_size", [pytest.param("same", 1, marks=slow), ("noisy", 4), ("small", 1),
                                               pytest.param("same", 4, marks=slow), pytest.param("noisy", 1, marks=slow),
                                               pytest.param("small", 4, marks=slow)])
 def test_greedy_identical_with_draft_trees(tiny_llama_dir, drafts, draft, page_size):
