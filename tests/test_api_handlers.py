@@ -87,8 +87,9 @@ async def call(app, method: str, path: str, body=None, headers: dict | None = No
                disconnect_after: float | None = None, raw: bytes | None = None):
     """One HTTP exchange: (status, headers, body bytes)."""
     payload = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
+    path, _, query = path.partition("?")
     scope = {
-        "type": "http", "method": method, "path": path, "query_string": b"", "http_version": "1.1",
+        "type": "http", "method": method, "path": path, "query_string": query.encode(), "http_version": "1.1",
         "client": ("127.0.0.1", 5555),
         "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
     }

@@ -3,7 +3,8 @@ no token is generated, new requests wait, /health_generate says so, and
 the requests in flight end (mode abort) or stay to finish after
 /continue_generation with the tokens they would have had unpaused (mode
 in_place keeps their KV; retract gives it to the prefix cache, which a
-flush may drop, and they recompute it)."""
+flush may drop, and they recompute it). vLLM's /pause, /resume and
+/is_paused are the same pause, with vLLM's "wait" mode besides."""
 
 from __future__ import annotations
 
@@ -96,3 +97,46 @@ def test_abort_mode_ends_the_requests_in_flight_and_later_ones_wait(tiny_llama_d
     assert waited and late == reference and kv["in_use"] == 0
     status, _, raw = refused
     assert status == 400 and json.loads(raw)["success"] is False and "mode" in json.loads(raw)["message"]
+
+
+def test_vllms_pause_keeps_waits_for_or_aborts_the_requests_in_flight(tiny_llama_dir, tmp_path):
+    short = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}
+
+    async def go():
+        app = await serve(tiny_llama_dir, tmp_path)
+        try:
+            reference = output_ids((await call(app, "POST", "/generate", LONG))[2])
+            kept = asyncio.create_task(call(app, "POST", "/generate", LONG))
+            seq = await generating(app)
+            assert json.loads((await call(app, "POST", "/pause?mode=keep"))[2]) == {"status": "paused"}
+            held = len(seq.output_ids)
+            await asyncio.sleep(0.3)
+            frozen = (len(seq.output_ids) == held, json.loads((await call(app, "GET", "/is_paused"))[2]))
+            assert json.loads((await call(app, "POST", "/resume"))[2]) == {"status": "resumed"}
+            kept = output_ids((await kept)[2])
+            # wait: what runs finishes first; then new requests wait
+            running = asyncio.create_task(call(app, "POST", "/generate", short))
+            await generating(app, 1)
+            await call(app, "POST", "/pause?wait_for_inflight_requests=true&clear_cache=true")
+            finished = json.loads((await running)[2])["meta_info"]["finish_reason"]
+            late = asyncio.create_task(call(app, "POST", "/generate", short))
+            await asyncio.sleep(0.3)
+            waited, cache = not late.done(), app._engine.kv_usage()["cached"]
+            await call(app, "POST", "/resume")
+            late = json.loads((await late)[2])["meta_info"]["finish_reason"]
+            aborting = asyncio.create_task(call(app, "POST", "/generate", LONG))
+            await generating(app)
+            await call(app, "POST", "/pause")
+            aborted = json.loads((await aborting)[2])["meta_info"]["finish_reason"]["type"]
+            refusals = [(await call(app, "POST", f"/pause?{q}"))[0] for q in ("mode=later", "clear_cache=maybe")]
+            await call(app, "POST", "/resume")
+            paused_after = json.loads((await call(app, "GET", "/is_paused"))[2])
+            return reference, kept, frozen, finished, waited, cache, late, aborted, refusals, paused_after
+        finally:
+            await app.shutdown()
+
+    reference, kept, frozen, finished, waited, cache, late, aborted, refusals, paused_after = asyncio.run(go())
+    assert kept == reference and frozen == (True, {"is_paused": True})
+    assert finished == {"type": "length", "length": 30} and waited and cache == 0
+    assert late["type"] == "length" and aborted == "abort"
+    assert refusals == [400, 400] and paused_after == {"is_paused": False}

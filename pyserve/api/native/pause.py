@@ -8,16 +8,24 @@ was generated so far; "retract" puts the running requests back in the
 queue with their KV given to the prefix cache, so a flush may drop it
 and they recompute it; "in_place" keeps everything. While
 paused, /update_weights_from_disk does not wait for the requests in the
-engine. /continue_generation opens the gate and the engine goes on."""
+engine. /continue_generation opens the gate and the engine goes on.
+
+vLLM's POST /pause (query `mode`: abort, wait for the requests in the
+engine to finish, or keep them frozen; `clear_cache`, default true,
+flushes the prefix cache unless keeping), POST /resume and GET /is_paused
+are the same pause."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 import msgspec
 import torch
 
 from pyserve.api.generation.serving import ServingContext
+from pyserve.engine.engine import Engine
+from pyserve.http.errors import bad_request
 from pyserve.http.io import Request, decode_json
 from pyserve.http.strict import convert_strict
 
@@ -54,3 +62,47 @@ async def continue_generation(ctx: ServingContext, request: Request) -> dict:
     ctx.engine.resume()
     ctx.gate.resume()
     return {"status": "ok", "message": "Generation continued."}
+
+
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _query_flag(query: dict[str, str], name: str, default: bool) -> bool:
+    if name not in query:
+        return default
+    if query[name].lower() not in _BOOLEANS:
+        raise bad_request(f"{name} must be true or false, not {query[name]!r}", name)
+    return _BOOLEANS[query[name].lower()]
+
+
+async def _drained_then_paused(engine: Engine) -> None:
+    """vLLM's wait: the requests in the engine finish, then it stops."""
+    while engine.num_running or engine.num_waiting:
+        await asyncio.sleep(0.02)
+    await engine.pause(retract=False)
+
+
+async def vllm_pause(ctx: ServingContext, request: Request) -> dict:
+    query = request.query()
+    mode = "wait" if _query_flag(query, "wait_for_inflight_requests", False) else query.get("mode", "abort")
+    if mode not in ("abort", "wait", "keep"):
+        raise bad_request(f"mode {mode!r}: expected abort, wait or keep", "mode")
+    clear_cache = _query_flag(query, "clear_cache", True)
+    engine = ctx.engine
+    stop = _drained_then_paused(engine) if mode == "wait" else engine.pause(retract=False)
+    await ctx.gate.pause({"keep": "in_place"}.get(mode, mode), stop)
+    if mode == "abort":
+        engine.abort_all()
+    if clear_cache and mode != "keep":
+        engine.flush_cache()
+    return {"status": "paused"}
+
+
+def vllm_resume(ctx: ServingContext) -> dict:
+    ctx.engine.resume()
+    ctx.gate.resume()
+    return {"status": "resumed"}
+
+
+def vllm_is_paused(ctx: ServingContext) -> dict:
+    return {"is_paused": ctx.gate.pause_mode is not None}
