@@ -221,3 +221,34 @@ def test_native_generate_returns_sglang_logprobs(http):
     # logprob_start_len -1 (the default): output tokens only
     out_only = http.post("/generate", json={**body, "logprob_start_len": -1}).json()["meta_info"]
     assert out_only["input_token_logprobs"] == [] and len(out_only["output_token_logprobs"]) == 4
+
+
+def test_sagemakers_routes_answer_as_the_routes_their_bodies_are_for(http, model_name):
+    """vLLM's /ping and /invocations, which SageMaker's containers call."""
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+    chat = {"model": model_name, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 5,
+            "temperature": 0}
+    direct = http.post("/v1/chat/completions", json=chat).json()
+    invoked = http.post("/invocations", json=chat).json()
+    assert invoked["object"] == "chat.completion" and invoked["choices"] == direct["choices"]
+    completion = http.post("/invocations", json={"model": model_name, "prompt": "Hello", "max_tokens": 2}).json()
+    assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 2
+    with http.stream("POST", "/invocations", json={**chat, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == \
+        direct["choices"][0]["message"]["content"]
+    r = http.post("/invocations", json={"question": "?"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_weight_version_routes_and_vllms_cache_reset(http):
+    assert http.get("/get_weight_version").json() == {"weight_version": "default"}
+    r = http.post("/update_weight_version", json={"new_version": "step-7"})
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert http.get("/get_model_info").json()["weight_version"] == "step-7"
+    assert http.get("/get_weight_version").json() == {"weight_version": "step-7"}
+    assert http.post("/update_weight_version", json={"new_version": "default"}).status_code == 200
+    r = http.post("/update_weight_version", json={})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert http.post("/reset_prefix_cache").status_code == 200

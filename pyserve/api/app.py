@@ -64,6 +64,37 @@ class Route:
     # (BatchManager) or responses (ResponseManager).
     service: str = "ctx"
     dialect: Dialect = OPENAI  # how its errors and streams are written (auth and body errors included)
+    forwards: bool = False  # the handler reads the request and names the path whose route answers it
+
+
+# SageMaker's one route (vLLM serves it): the body's shape names the route.
+_INVOCATION_ROUTES = (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions"),
+                      ("documents", "/v1/rerank"), ("input", "/v1/embeddings"))
+
+
+async def _invocation_path(request: Request) -> str:
+    """The route a POST /invocations body is for; that route then reads the
+    body as if sent to it."""
+    body = await request.body()
+    try:
+        fields = msgspec.json.decode(body) if body.strip() else {}
+    except msgspec.DecodeError:
+        fields = None
+    path = next((p for key, p in _INVOCATION_ROUTES if isinstance(fields, dict) and key in fields), None)
+    if path is None:
+        raise APIError("POST /invocations takes a chat (messages), completion (prompt), rerank (query, documents) "
+                       "or embedding (input) request body", 400, param="body")
+    receive, replayed = request.receive, False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    request.receive = replay
+    return path
 
 
 # Path segments in braces are handed to the handler as keyword arguments;
@@ -114,6 +145,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/loads"): Route(operations.loads),
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
+    ("POST", "/reset_prefix_cache"): Route(operations.flush_cache),
     ("POST", "/abort_request"): Route(operations.abort_request, AbortRequest),
     ("POST", "/parse_function_call"): Route(parsers.parse_function_call, parsers.ParseFunctionCallRequest),
     ("POST", "/separate_reasoning"): Route(parsers.separate_reasoning, parsers.SeparateReasoningRequest),
@@ -124,10 +156,16 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/pause"): Route(pause.vllm_pause, raw=True),
     ("POST", "/resume"): Route(pause.vllm_resume),
     ("GET", "/is_paused"): Route(pause.vllm_is_paused),
+    ("POST", "/update_weight_version"): Route(weights.update_weight_version, weights.UpdateWeightVersionRequest,
+                                              dialect=SGLANG_CONTROL),
+    ("GET", "/get_weight_version"): Route(weights.weight_version),
     ("POST", "/update_weights_from_disk"): Route(weights.update_weights_from_disk, weights.UpdateWeightsRequest,
                                                  dialect=SGLANG_CONTROL),
     ("GET", "/version"): Route(operations.version),
     ("GET", "/health"): Route(operations.health, public=True),
+    ("GET", "/ping"): Route(operations.health, public=True),
+    ("POST", "/invocations"): Route(_invocation_path, forwards=True),
+    ("POST", "/ping"): Route(operations.health, public=True),
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 # Routes that generate text: an --is-embedding server answers them 400.
@@ -204,18 +242,9 @@ class App:
             await self._respond(request, response, send)
 
     async def _dispatch(self, request: Request):
-        route, params, path_known = None, {}, False
-        for (method, pattern), candidate in ROUTES.items():
-            found = match_path(pattern, request.path)
-            if found is not None:
-                path_known = True
-                if method == request.method:
-                    route, params = candidate, found
-                    break
-        if route is None:
-            if path_known:
-                raise APIError(f"method {request.method} is not allowed on {request.path}", 405)
-            raise APIError(f"no route {request.method} {request.path}", 404, code="not_found")
+        route, params = _match(request.method, request.path)
+        if route.forwards:
+            route, params = _match(request.method, await route.handler(request))
         try:
             return await self._run(request, route, params)
         except APIError as err:
@@ -282,6 +311,19 @@ class App:
 
     def _client(self, request: Request) -> str:
         return self.proxies.client(request.scope, request.headers)
+
+
+def _match(method: str, path: str) -> tuple[Route, dict[str, str]]:
+    path_known = False
+    for (route_method, pattern), route in ROUTES.items():
+        found = match_path(pattern, path)
+        if found is not None:
+            path_known = True
+            if route_method == method:
+                return route, found
+    if path_known:
+        raise APIError(f"method {method} is not allowed on {path}", 405)
+    raise APIError(f"no route {method} {path}", 404, code="not_found")
 
 
 def to_response(result):

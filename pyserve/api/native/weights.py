@@ -58,3 +58,21 @@ async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsReques
             raise bad_request(f"{model_dir}: {e}", "model_path") from None
         ctx.gate.version = req.weight_version or ctx.gate.version
     return {"success": True, "message": f"Succeeded to update model weights from {model_dir}."}
+
+
+class UpdateWeightVersionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+def update_weight_version(ctx: ServingContext, req: UpdateWeightVersionRequest) -> dict:
+    """SGLang's: name the served weights' version (weights a trainer wrote
+    in place), reported by /get_model_info and /get_weight_version."""
+    if req.abort_all_requests:
+        ctx.engine.abort_all()
+    ctx.gate.version = req.new_version
+    return {"success": True, "message": f"Weight version updated to {req.new_version}."}
+
+
+def weight_version(ctx: ServingContext) -> dict:
+    return {"weight_version": ctx.gate.version}
