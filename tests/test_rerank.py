@@ -1,7 +1,8 @@
 """SGLang's /v1/rerank on a causal LM, scored as SGLang scores
 Qwen3-Reranker (P(yes) against P(no) after the judging prompt), checked
-against transformers on the same tiny weights; and /v1/score's and
-/v1/rerank's refusals."""
+against transformers on the same tiny weights; vLLM's /rerank and
+/v2/rerank (Jina's and Cohere's shape) with the same scores; and
+/v1/score's and /v1/rerank's refusals."""
 
 from __future__ import annotations
 
@@ -56,6 +57,24 @@ def test_rerank_scores_match_transformers_best_first(http, tiny_llama_dir):
     want = hf_scores(tiny_llama_dir, DOCS)
     for item in ranked:
         assert abs(item["score"] - want[item["index"]]) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v2/rerank"])
+def test_vllms_rerank_shape_carries_the_same_scores(http, tiny_llama_dir, path):
+    sglang = {item["index"]: item["score"] for item in
+              http.post("/v1/rerank", json={"query": QUERY, "documents": DOCS}).json()}
+    r = http.post(path, json={"model": "reranker", "query": QUERY, "documents": DOCS, "top_n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "reranker" and body["id"].startswith("rerank-") and body["usage"]["total_tokens"] > 0
+    best = sorted(sglang, key=lambda i: -sglang[i])[:2]
+    assert [item["index"] for item in body["results"]] == best
+    for item in body["results"]:
+        assert item["relevance_score"] == sglang[item["index"]] and item["document"] == {"text": DOCS[item["index"]]}
+    every = http.post(path, json={"query": QUERY, "documents": DOCS, "return_documents": False}).json()["results"]
+    assert len(every) == 3 and all("document" not in item for item in every)
+    r = http.post(path, json={"query": QUERY, "documents": DOCS, "top_n": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"
 
 
 def test_rerank_top_n_and_no_documents(http):

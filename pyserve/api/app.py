@@ -138,6 +138,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("POST", "/v1/score"): Route(score.score, dict),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
+    ("POST", "/rerank"): Route(rerank.scored_rerank, dict),
+    ("POST", "/v2/rerank"): Route(rerank.scored_rerank, dict),
     ("GET", "/get_model_info"): Route(operations.model_info),
     ("GET", "/model_info"): Route(operations.model_info),
     ("GET", "/get_server_info"): Route(operations.server_info),
@@ -170,11 +172,11 @@ ROUTES: dict[tuple[str, str], Route] = {
 }
 # Routes that generate text: an --is-embedding server answers them 400.
 GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score,
-                       messages.create, rerank.rerank)
+                       messages.create, rerank.rerank, rerank.scored_rerank)
 # Routes that read or write text (/generate checks its own fields): refused under --skip-tokenizer-init.
 TEXT_HANDLERS = (chat.create, completions.create, embeddings.create, responses.create, score.score, messages.create,
-                 messages.count_tokens, rerank.rerank, tokenize.tokenize, tokenize.detokenize, tokenize.tokenizer_info,
-                 batches.create)
+                 messages.count_tokens, rerank.rerank, rerank.scored_rerank, tokenize.tokenize, tokenize.detokenize,
+                 tokenize.tokenizer_info, batches.create)
 
 
 def match_path(pattern: str, path: str) -> dict[str, str] | None:

@@ -1,5 +1,6 @@
-"""POST /v1/rerank in SGLang's shape: a query and documents in, the
-documents' relevance scores out, best first.
+"""POST /v1/rerank in SGLang's shape, and POST /rerank and /v2/rerank in
+vLLM's (Jina's and Cohere's clients send it): a query and documents in,
+the documents' relevance scores out, best first.
 
 A causal LM reranks as SGLang's decoder-only path scores Qwen3-Reranker:
 each document goes into the reranker's judging prompt (a system turn that
@@ -60,19 +61,48 @@ def _labels(ctx: ServingContext) -> tuple[int, int]:
     return labels[0][0], labels[1][0]
 
 
-async def rerank(ctx: ServingContext, body: dict) -> list[dict]:
-    req = convert_strict(body, RerankRequest, "/v1/rerank")
-    if not req.documents:
+class ScoredRerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's body (Jina's and Cohere's): top_n 0 keeps every document."""
+
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int = 0
+    return_documents: bool = True
+
+
+async def _scores(ctx: ServingContext, query: str, documents: list[str], instruct: str) -> tuple[list[float], int]:
+    """Each document's relevance, and the judging prompts' tokens."""
+    if not documents:
         raise bad_request("documents must not be empty", "documents")
-    if req.top_n is not None and req.top_n < 1:
-        raise bad_request("top_n must be at least 1", "top_n")
     no, yes = _labels(ctx)
-    instruct = req.instruct or _DEFAULT_INSTRUCT
-    prompts = ctx.engine.tokenizer.encode_batch([judging_prompt(instruct, req.query, d) for d in req.documents])
+    prompts = ctx.engine.tokenizer.encode_batch([judging_prompt(instruct, query, d) for d in documents])
     requests = await fan_out(ctx, [ids + [label] for ids in prompts for label in (no, yes)], _PARAMS, 1,
                              new_id("rerank-"), {"prompt": "documents", "max_new_tokens": "documents"})
     logprobs = [result.prompt_logprobs[-1].logprob for result in await collect(ctx.engine, requests)]
     scores = [1.0 / (1.0 + math.exp(logprobs[i] - logprobs[i + 1])) for i in range(0, len(logprobs), 2)]
-    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
+    return scores, sum(len(ids) for ids in prompts)
+
+
+def _best_first(scores: list[float], top_n: int | None) -> list[int]:
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
+
+
+async def rerank(ctx: ServingContext, body: dict) -> list[dict]:
+    req = convert_strict(body, RerankRequest, "/v1/rerank")
+    if req.top_n is not None and req.top_n < 1:
+        raise bad_request("top_n must be at least 1", "top_n")
+    scores, _ = await _scores(ctx, req.query, req.documents, req.instruct or _DEFAULT_INSTRUCT)
     return [{"score": scores[i], **({"document": req.documents[i]} if req.return_documents else {}), "index": i}
-            for i in ranked]
+            for i in _best_first(scores, req.top_n)]
+
+
+async def scored_rerank(ctx: ServingContext, body: dict) -> dict:
+    req = convert_strict(body, ScoredRerankRequest, "/rerank")
+    if req.top_n < 0:
+        raise bad_request("top_n must be 0 (every document) or more", "top_n")
+    scores, tokens = await _scores(ctx, req.query, req.documents, _DEFAULT_INSTRUCT)
+    results = [{"index": i, **({"document": {"text": req.documents[i]}} if req.return_documents else {}),
+                "relevance_score": scores[i]} for i in _best_first(scores, req.top_n or None)]
+    return {"id": new_id("rerank-"), "model": req.model or ctx.served_model_name, "usage": {"total_tokens": tokens},
+            "results": results}
