@@ -85,6 +85,8 @@ def shared(after: str | None) -> dict:
         "presence_penalty": engine(0.5, {"presence_penalty": 0.5}),
         "frequency_penalty": engine(0.5, {"frequency_penalty": 0.5}),
         "logit_bias": engine({"5": 1.0}, {"logit_bias": {5: 1.0}}),
+        "allowed_token_ids": engine([6, 5], {"allowed_token_ids": (5, 6)}),
+        "bad_words": engine(["sea"], {"banned_sequences": lambda banned: len(banned) >= 1}),
         "seed": engine(3, {"seed": 3}),
         "top_k": engine(5, {"top_k": 5}),
         "min_p": engine(0.1, {"min_p": 0.1}),

@@ -1,8 +1,8 @@
 """SGLang's and vLLM's extensions, sent as their users send them (the
 official openai client, extras in `extra_body`), against a real server on
 a tiny random Llama with a short context: prompt_logprobs, assistant
-prefill, token ids out, sampling extras on /v1/responses, the peers'
-error phrases, and a 413 the client can read.
+prefill, token ids out, allowed_token_ids and bad_words, sampling extras
+on /v1/responses, the peers' error phrases, and a 413 the client can read.
 
 The deliberate differences from the peers that README lists are pinned
 at the end."""
@@ -173,6 +173,54 @@ def test_streamed_logprob_tokens_as_token_ids(oai):
 
 
 # -- sampling extras on /v1/responses (SGLang, vLLM) --------------------------------
+
+
+# -- allowed_token_ids and bad_words (vLLM) ------------------------------------
+
+
+def _greedy_ids(oai, **extra) -> list[int]:
+    r = oai.completions.create(model="m", prompt="Once upon a time", max_tokens=12, temperature=0,
+                               extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+    return r.choices[0].model_extra["token_ids"]
+
+
+def test_allowed_token_ids_pick_the_best_of_those_ids(oai):
+    """Greedy among the allowed ids is greedy under a +100 bias on them (a
+    separate code path); sampled tokens never leave the set."""
+    allowed = [262, 284, 290, 314, 338, 1450]
+    assert _greedy_ids(oai, allowed_token_ids=allowed) == \
+        _greedy_ids(oai, logit_bias={str(t): 100 for t in allowed})
+    r = oai.completions.create(model="m", prompt="Hi", max_tokens=16, temperature=1.0, n=3,
+                               extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True})
+    assert all(set(c.model_extra["token_ids"]) <= set(allowed) for c in r.choices)
+
+
+def test_bad_words_are_never_written(oai, http):
+    """A two-token word of the free greedy output, banned: the output is
+    the same up to its first token, then goes another way, and never
+    holds either spelling of the word."""
+    free = _greedy_ids(oai)
+
+    def spellings(word: str) -> list[list[int]]:
+        return [tokenize(http, prompt=w, add_special_tokens=False) for w in (word.lstrip(), " " + word.lstrip())]
+
+    def text(ids: list[int]) -> str:
+        return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    at, word = next((i, w) for i in range(len(free) - 1) if free[i:i + 2] in spellings(w := text(free[i:i + 2])))
+    banned = _greedy_ids(oai, bad_words=[word])
+    assert banned[:at + 1] == free[:at + 1] and banned[at + 1] != free[at + 1]
+    assert not any(banned[i:i + len(s)] == s for s in spellings(word) for i in range(len(banned)))
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"), ({"bad_words": ["x"], "regex": "a+"}, "bad_words"),
+])
+def test_token_rules_that_cannot_hold_are_400s(oai, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="m", prompt="Hi", max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param
 
 
 def test_responses_take_the_peers_sampling_extras(oai):

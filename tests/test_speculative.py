@@ -321,10 +321,16 @@ def test_greedy_identical_on_a_tiny_checkpoint(tiny_llama_dir, page_size):
         (repetitive(33), {**greedy, "max_new_tokens": 7, "logprobs": True, "top_logprobs": 3}),
         ([5, 17, 99], {**greedy, "max_new_tokens": 12}),
         (repetitive(), {**greedy, "max_new_tokens": 20, "presence_penalty": 0.5}),
+        # vLLM's bad_words and allowed_token_ids: a drafted 204 after 203 is rejected.
+        (repetitive(), {**greedy, "max_new_tokens": 20, "banned_sequences": ((203, 204),)}),
+        (repetitive(), {**greedy, "max_new_tokens": 20, "allowed_token_ids": tuple(range(200, 230, 2))}),
     ]
     plain, spec, verify_steps = outputs(tiny_llama_dir, requests, {"page_size": page_size})
     same(plain, spec)
     assert verify_steps > 0
+    banned, allowed = plain[4][1], plain[5][1]
+    assert not any(banned[i:i + 2] == [203, 204] for i in range(len(banned)))
+    assert set(allowed) <= set(range(200, 230, 2))
 
 
 SCHEMA = '{"type": "object", "properties": {"text": {"type": "string", "maxLength": 30}}, "required": ["text"]}'

@@ -1,6 +1,8 @@
 """The logit adjustments before sampling, for a whole batch at once:
-repetition, frequency and presence penalties, logit bias, and the stop
-tokens a request may not end with yet (min_new_tokens).
+repetition, frequency and presence penalties, logit bias, the tokens a
+request allows (allowed_token_ids) or bans after what it wrote (bad
+words), and the stop tokens a request may not end with yet
+(min_new_tokens).
 
 Only the entries of tokens a row has seen change, so each adjustment is
 one gather or scatter over those entries, never a pass over [batch,
@@ -22,8 +24,9 @@ from pyserve.engine.sampling_state import SamplingState, joined
 
 
 def reads_history(p: SamplingParams) -> bool:
-    """Penalties depend on every token generated so far."""
-    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+    """Penalties, and bad words of several tokens, depend on the tokens generated so far."""
+    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                or any(len(banned) > 1 for banned in p.banned_sequences))
 
 
 def ends_too_soon(state: SamplingState, drafted: int = 0) -> bool:
@@ -34,7 +37,9 @@ def ends_too_soon(state: SamplingState, drafted: int = 0) -> bool:
 
 
 def adjusts_logits(state: SamplingState) -> bool:
-    return reads_history(state.params) or bool(state.params.logit_bias) or ends_too_soon(state)
+    p = state.params
+    return (reads_history(p) or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.banned_sequences)
+            or ends_too_soon(state))
 
 
 def _entries(parts: list[torch.Tensor], rows: list[int], device: torch.device
@@ -79,9 +84,31 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState], after: list
         logits.index_put_((rows, ids), _per_entry([-seqs[i].params.presence_penalty for i in counted], which),
                           accumulate=True)
     vocab = logits.shape[-1]
+    _keep_only(logits, [(i, s.params.allowed_token_ids) for i, s in enumerate(seqs)
+                        if s.params.allowed_token_ids is not None])
+    _add_at(logits, [(i, banned[-1], float("-inf")) for i, s in enumerate(seqs) for banned in s.params.banned_sequences
+                     if _ends_with(s.output_ids, after[i], banned[:-1])])
     _add_at(logits, [(i, token, bias) for i, s in enumerate(seqs) for token, bias in s.params.logit_bias.items()])
     _add_at(logits, [(i, token, float("-inf")) for i, s in enumerate(states) if ends_too_soon(s, len(after[i]))
                      for token in s.stop_ids if token < vocab])
+
+
+def _ends_with(output: list[int], after: list[int], ids: tuple[int, ...]) -> bool:
+    """Whether the output, then `after`, ends with `ids` (always, for none)."""
+    if not ids:
+        return True
+    tail = (output[-len(ids):] + after)[-len(ids):] if len(after) < len(ids) else after[-len(ids):]
+    return tuple(tail) == ids
+
+
+def _keep_only(logits: torch.Tensor, allowed: list[tuple[int, tuple[int, ...]]]) -> None:
+    """Each listed row keeps the logits of its allowed ids; the rest are -inf."""
+    if allowed:
+        which, rows, ids = _entries([torch.tensor(a, dtype=torch.long) for _, a in allowed],
+                                    [i for i, _ in allowed], logits.device)
+        kept = logits[rows, ids]
+        logits[torch.tensor([i for i, _ in allowed], device=logits.device)] = float("-inf")
+        logits[rows, ids] = kept
 
 
 def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:

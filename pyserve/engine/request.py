@@ -58,6 +58,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: only these may be sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words, as token id sequences: the last id of each is masked
+    # where the output so far ends with the ids before it.
+    banned_sequences: tuple[tuple[int, ...], ...] = ()
     logprobs: bool = False  # report each sampled token's log-probability
     top_logprobs: int = 0  # ... and this many most likely alternatives
     # Also the log-probability of every prompt token after the first (the

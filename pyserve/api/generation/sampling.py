@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pyserve._rust import StopMatcher
+from pyserve._rust import StopMatcher, Tokenizer
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol.native import NativeSamplingParams
@@ -59,6 +59,24 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
+def _vllm_token_rules(f, vocab_size: int, tokenizer: Tokenizer | None, constraint: Constraint | None
+                      ) -> tuple[tuple[int, ...] | None, tuple[tuple[int, ...], ...]]:
+    """vLLM's allowed_token_ids, and its bad_words as token id sequences:
+    each word alone and after a space, as the tokenizer spells them."""
+    allowed, words = getattr(f, "allowed_token_ids", None), getattr(f, "bad_words", None) or []
+    if allowed is not None:
+        _check(bool(allowed) and all(0 <= t < vocab_size for t in allowed),
+               "allowed_token_ids must be a non-empty list of ids in the vocabulary", "allowed_token_ids")
+    if constraint is not None and (allowed is not None or words):
+        raise bad_request("allowed_token_ids and bad_words cannot be combined with a structured output: the "
+                          "grammar may need what they forbid", "allowed_token_ids" if allowed is not None
+                          else "bad_words")
+    _check(all(word.strip() for word in words), "bad_words must not be empty or blank", "bad_words")
+    banned = {tuple(tokenizer.encode(spelling, add_special_tokens=False))
+              for word in words for spelling in (word.lstrip(), " " + word.lstrip())}
+    return (tuple(sorted(set(allowed))) if allowed is not None else None), tuple(sorted(banned))
+
+
 def preferred_defaults(values) -> dict[str, float]:
     """--preferred-sampling-params, checked as a request's settings are:
     ValueError naming what is wrong."""
@@ -97,6 +115,7 @@ def sampling_params(
     prompt_top_logprobs: int | None = None,
     constraint: Constraint | None = None,
     defaults: Mapping[str, float] = OPENAI_DEFAULTS,
+    tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
     """`max_new_tokens`: the route's own limit field (None leaves it to the
     engine: --default-max-tokens, else up to the context). `top_logprobs`:
@@ -105,7 +124,8 @@ def sampling_params(
     with `prompt_top_logprobs` alternatives (None: as many as top_logprobs).
     `constraint`: what the output must match (api/constraints.py).
     `defaults`: the model's settings (ModelConfig.sampling_defaults) for
-    those of OPENAI_DEFAULTS the request leaves out, else OpenAI's."""
+    those of OPENAI_DEFAULTS the request leaves out, else OpenAI's.
+    `tokenizer` spells vLLM's bad_words (the OpenAI routes' field)."""
     f = fields
 
     def setting(name: str):  # the request's, else the model's recommendation, else OpenAI's default
@@ -136,6 +156,7 @@ def sampling_params(
     min_tokens = getattr(f, min_name)
     _check(min_tokens == 0 or (min_tokens > 0 and (max_new_tokens is None or min_tokens <= max_new_tokens)),
            f"{min_name} must be between 0 and the most new tokens", min_name)
+    allowed, banned = _vllm_token_rules(f, vocab_size, tokenizer, constraint)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -154,6 +175,8 @@ def sampling_params(
         ignore_eos=f.ignore_eos,
         skip_special_tokens=f.skip_special_tokens,
         logit_bias=bias,
+        allowed_token_ids=allowed,
+        banned_sequences=banned,
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
         prompt_logprobs=prompt_logprobs,

@@ -156,7 +156,8 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
     params = sampling_params(req, max_tokens, ctx.engine.vocab_size,
                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              prompt_logprobs=prompt_k is not None, prompt_top_logprobs=prompt_k,
-                             constraint=constrained and constrained.constraint, defaults=ctx.sampling_defaults)
+                             constraint=constrained and constrained.constraint, defaults=ctx.sampling_defaults,
+                             tokenizer=ctx.engine.tokenizer)
     if reads_harmony(ctx.reasoning_parser, ctx.tool_call_parser):
         params = replace(params, skip_special_tokens=False)  # Harmony's markers are special tokens
     return prompt_ids, params, calling, constrained and constrained.param

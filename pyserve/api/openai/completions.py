@@ -34,7 +34,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
                              top_logprobs_param="logprobs",
                              prompt_logprobs=(req.echo and req.logprobs is not None) or prompt_k is not None,
                              prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint,
-                             defaults=ctx.sampling_defaults)
+                             defaults=ctx.sampling_defaults, tokenizer=ctx.engine.tokenizer)
     rid = req.rid or new_id("cmpl-")
     names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
     requests = await fan_out(ctx, prompts, params, req.n, rid, names, batch=batch, priority=req.priority,

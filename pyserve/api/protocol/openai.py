@@ -136,6 +136,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM: words never written (each as the tokenizer spells it)
     # NO_OP_FIELDS: metadata about the caller, for OpenAI's own records
     user: str | None = None
     metadata: dict[str, str] | None = None
