@@ -37,6 +37,9 @@ _CLASSES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    # Sequence classifiers (reward models): the decoder and a score head.
+    "llama-classifier": ("LlamaConfig", "LlamaForSequenceClassification"),
+    "qwen3-classifier": ("Qwen3Config", "Qwen3ForSequenceClassification"),
     # Gemma 3's image-text checkpoint: the text model's config nested with a tiny vision tower.
     "gemma3-multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
 }

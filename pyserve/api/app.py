@@ -27,7 +27,7 @@ import msgspec
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import (
-    adapters, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, weights,
+    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, weights,
 )
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -137,6 +137,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/detokenize"): Route(tokenize.detokenize, dict),
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("POST", "/v1/score"): Route(score.score, dict),
+    ("POST", "/classify"): Route(classify.classify, classify.ClassifyRequest),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
     ("POST", "/rerank"): Route(rerank.scored_rerank, dict),
     ("POST", "/v2/rerank"): Route(rerank.scored_rerank, dict),
@@ -173,7 +174,8 @@ ROUTES: dict[tuple[str, str], Route] = {
 # Routes that generate text: an --is-embedding server answers them 400.
 GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score,
                        messages.create, rerank.rerank, rerank.scored_rerank)
-# Routes that read or write text (/generate checks its own fields): refused under --skip-tokenizer-init.
+# Routes that read or write text (/generate and /classify check their own fields): refused under
+# --skip-tokenizer-init.
 TEXT_HANDLERS = (chat.create, completions.create, embeddings.create, responses.create, score.score, messages.create,
                  messages.count_tokens, rerank.rerank, rerank.scored_rerank, tokenize.tokenize, tokenize.detokenize,
                  tokenize.tokenizer_info, batches.create)

@@ -150,6 +150,8 @@ def pieces(hf_name: str, config: ModelConfig, shard: ModelShard, names: Checkpoi
     name = ".".join(names.renames.get(part, part) for part in hf_name.removeprefix("model.").split("."))
     if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
         return []
+    if name == "score.weight":  # a sequence classifier's head, which its pooling applies (model/pooling.py)
+        return []
     layer = _LAYER.match(name)
     if layer and names.skipped_layers and int(layer.group(1)) in names.skipped_layers(config):
         return []

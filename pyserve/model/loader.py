@@ -246,6 +246,9 @@ def load_model(
     model_dir = Path(model_dir)
     device = torch.device(device)
     raw, generation = read_config_files(model_dir, config_overrides)
+    if lm_head and any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
+        raise ValueError(f"{model_dir} is a sequence classifier (a reward model), which scores prompts and "
+                         "generates nothing: serve it with --is-embedding")
     config = parse_config(raw, generation, str(model_dir)) if part is None else part.config
     scheme = detect(raw, quantization)
     if dummy and scheme is not None:

@@ -18,16 +18,23 @@ requests are computed whole (engine/kv/manager.py `can_share`).
 Matryoshka (`dimensions`): allowed when config.json says so, as vLLM and
 SGLang read it: `matryoshka_dimensions` (the sizes allowed) or
 `is_matryoshka: true` (any size up to the hidden size).
+
+A sequence classifier (config.json's architecture ends in
+ForSequenceClassification: reward models such as
+Skywork-Reward-Llama-3.1-8B) pools its last token, as transformers does
+for an unpadded prompt, through its `score` head: the vector is the
+labels' scores, not normalised.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 # sentence-transformers' names (Pooling.pooling_mode) -> ours.
 _ST_MODES = {"lasttoken": "last", "cls": "cls", "mean": "mean"}
@@ -50,12 +57,17 @@ class PoolingConfig:
     # Sizes `dimensions` may ask for: None when the model declares no
     # Matryoshka training (only its own size then), () for any size.
     matryoshka_dims: tuple[int, ...] | None = None
+    # A sequence classifier's score head, float32 [labels, hidden]; None for an embedding model.
+    head: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, hidden_size: int) -> PoolingConfig:
         """The model directory's pooling; ValueError naming the file for
         one pyserve cannot apply."""
         model_dir = Path(model_dir)
+        if is_classifier(model_dir):
+            head = _score_head(model_dir, hidden_size)
+            return cls("last", False, head.shape[0], None, head)
         mode, normalize = "last", True
         modules_file = model_dir / "modules.json"
         if modules_file.is_file():
@@ -81,6 +93,8 @@ class PoolingConfig:
     def finish(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """The embedding from the float32 sum of the pooled hidden states."""
         vector = total / count if self.mode == "mean" else total
+        if self.head is not None:
+            return self.head @ vector
         return F.normalize(vector, dim=-1) if self.normalize else vector
 
     def truncate(self, vector: torch.Tensor, dimensions: int) -> torch.Tensor:
@@ -107,6 +121,25 @@ def sum_spans(hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     spans = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(hidden.device)
     out = torch.zeros(len(counts), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, spans, hidden.float())
+
+
+def is_classifier(model_dir: str | Path) -> bool:
+    """Whether config.json names a sequence classifier (a reward model)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+def _score_head(model_dir: Path, hidden_size: int) -> torch.Tensor:
+    from pyserve.model.loader import checkpoint_files
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if "score.weight" in f.keys():
+                head = f.get_tensor("score.weight").float()
+                if head.ndim != 2 or head.shape[1] != hidden_size:
+                    raise ValueError(f"{path}: score.weight is {list(head.shape)}, not [labels, {hidden_size}]")
+                return head
+    raise ValueError(f"{model_dir}: a sequence classifier's checkpoint without its score.weight head")
 
 
 def _read_modules(model_dir: Path, modules: list[dict]) -> tuple[str, bool]:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
+import torch
 
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.truncation import fit_context, keep_last_tokens
@@ -72,6 +73,19 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
             raise bad_request(problem, "dimensions")
     prompts, _ = prompt_id_lists(engine.tokenizer, req.input, "input")
     prompts = keep_last_tokens(prompts, req.truncate_prompt_tokens, engine.context_len)
+    data = []
+    for i, vector in enumerate(await pooled_vectors(ctx, prompts, "input")):
+        vector = vector if req.dimensions is None else engine.pooling.truncate(vector, req.dimensions)
+        data.append(Embedding(index=i, embedding=_encode(vector.numpy(), req.encoding_format)))
+    tokens = sum(len(ids) for ids in prompts)
+    return EmbeddingResponse(data=data, model=ctx.served_model_name,
+                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+async def pooled_vectors(ctx: ServingContext, prompts: list[list[int]], param: str) -> list[torch.Tensor]:
+    """Each prompt's pooled vector, from one embedding request each, the
+    whole lot refused (naming `param`) before any runs."""
+    engine = ctx.engine
     params = SamplingParams(max_new_tokens=None)
     if ctx.allow_auto_truncate:
         prompts = [fit_context(ids, params, engine.context_len)[0] for ids in prompts]
@@ -83,14 +97,11 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
         for r in requests:
             engine.validate(r)
     except RequestError as e:
-        raise refusal(e, {"prompt": "input"}) from None
-    data: list[Embedding | None] = [None] * len(requests)
+        raise refusal(e, {"prompt": param}) from None
+    vectors: list[torch.Tensor | None] = [None] * len(requests)
     async for i, out in merged_outputs(engine, requests):  # an aborted request raises there
-        vector = out.embedding if req.dimensions is None else engine.pooling.truncate(out.embedding, req.dimensions)
-        data[i] = Embedding(index=i, embedding=_encode(vector.numpy(), req.encoding_format))
-    tokens = sum(len(ids) for ids in prompts)
-    return EmbeddingResponse(data=data, model=ctx.served_model_name,
-                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        vectors[i] = out.embedding
+    return vectors
 
 
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:

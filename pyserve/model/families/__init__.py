@@ -26,14 +26,21 @@ def family_of(architecture: str) -> Family:
     return _BY_ARCHITECTURE[architecture]
 
 
+def causal_architecture(architecture: str) -> str:
+    """The causal LM whose decoder a sequence classifier (a reward model,
+    LlamaForSequenceClassification) runs: its config is that model's."""
+    return architecture.replace("ForSequenceClassification", "ForCausalLM")
+
+
 def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> ModelConfig:
     """The config of a served architecture, from parsed config.json (and
     generation_config.json) contents; ValueError naming what is served otherwise."""
-    archs = cfg.get("architectures") or []
+    archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
     arch = next((a for a in archs if a in _BY_ARCHITECTURE), None)
     if arch is None:
         raise ValueError(f"{source}: unsupported architecture {archs or cfg.get('model_type')}; "
-                         f"pyserve serves {list(SERVED_ARCHITECTURES)}")
+                         f"pyserve serves {list(SERVED_ARCHITECTURES)}, and their ForSequenceClassification "
+                         "reward models with --is-embedding")
     family = _BY_ARCHITECTURE[arch]
     cfg = family.text_config(cfg)
     fields = base_fields(cfg, gen or {}, source)

@@ -1,0 +1,69 @@
+"""Sequence classifiers (reward models such as
+Skywork-Reward-Llama-3.1-8B, LlamaForSequenceClassification) served with
+--is-embedding, as SGLang serves them: SGLang's /classify and
+/v1/embeddings answer each prompt's label scores, checked against
+transformers' own classifier on the same tiny weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from pyserve.asgi import create_app
+from tests.test_api_handlers import call
+from tests.tiny_models import build_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["The answer is 4.", "I think the capital of France is Paris.", "No."]
+
+
+def hf_scores(model_dir) -> list[list[float]]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model(**tokenizer(text, return_tensors="pt")).logits[0].tolist() for text in TEXTS]
+
+
+async def serve(model_dir, tmp_path, **options):
+    app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path), max_total_tokens=4096,
+                     dtype="float32", torchao_config="none", **options)
+    await app.startup()
+    return app
+
+
+@pytest.mark.parametrize("arch, labels", [("llama-classifier", 1), ("qwen3-classifier", 3)])
+def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_model_dir, arch, labels):
+    model_dir = build_tiny_model(tmp_path / "model", arch, tokenizer_dir=default_model_dir, num_labels=labels)
+
+    async def go():
+        app = await serve(model_dir, tmp_path, is_embedding=True)
+        try:
+            batch = json.loads((await call(app, "POST", "/classify", {"text": TEXTS}))[2])
+            one = json.loads((await call(app, "POST", "/classify", {"model": "rm", "text": TEXTS[1]}))[2])
+            embedded = json.loads((await call(app, "POST", "/v1/embeddings", {"input": TEXTS}))[2])
+            refusals = [await call(app, "POST", "/classify", body)
+                        for body in ({"text": "a", "input_ids": [1]}, {"text": "a", "top_k": 1})]
+            cut = await call(app, "POST", "/v1/embeddings", {"input": "a", "dimensions": labels + 1})
+            return batch, one, embedded, refusals, cut
+        finally:
+            await app.shutdown()
+
+    batch, one, embedded, refusals, cut = asyncio.run(go())
+    want = hf_scores(model_dir)
+    assert len(batch) == len(TEXTS) and one["embedding"] == pytest.approx(batch[1]["embedding"], abs=1e-4)
+    for got, ref, vector in zip(batch, want, embedded["data"]):
+        assert len(got["embedding"]) == labels and got["meta_info"]["prompt_tokens"] > 0
+        assert got["embedding"] == pytest.approx(ref, abs=1e-4)
+        assert vector["embedding"] == pytest.approx(got["embedding"], abs=1e-4)
+    assert [status for status, _, _ in refusals] == [400, 400] and cut[0] == 400
+
+
+def test_a_classifier_served_to_generate_is_refused_at_start_naming_the_flag(tmp_path, default_model_dir):
+    model_dir = build_tiny_model(tmp_path / "model", "llama-classifier", tokenizer_dir=default_model_dir,
+                                 num_labels=1)
+    with pytest.raises(ValueError, match="--is-embedding"):
+        asyncio.run(serve(model_dir, tmp_path))
