@@ -1,7 +1,8 @@
 """Sequence classifiers (reward models such as
 Skywork-Reward-Llama-3.1-8B, LlamaForSequenceClassification) served with
 --is-embedding, as SGLang serves them: SGLang's /classify and
-/v1/embeddings answer each prompt's label scores, checked against
+/v1/embeddings answer each prompt's label scores, and vLLM's /classify
+body their probabilities and likeliest label, checked against
 transformers' own classifier on the same tiny weights."""
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
             batch = json.loads((await call(app, "POST", "/classify", {"text": TEXTS}))[2])
             one = json.loads((await call(app, "POST", "/classify", {"model": "rm", "text": TEXTS[1]}))[2])
             embedded = json.loads((await call(app, "POST", "/v1/embeddings", {"input": TEXTS}))[2])
+            vllm = json.loads((await call(app, "POST", "/classify", {"model": "rm", "input": TEXTS}))[2])
             refusals = [await call(app, "POST", "/classify", body)
                         for body in ({"text": "a", "input_ids": [1]}, {"text": "a", "top_k": 1})]
             cut = await call(app, "POST", "/v1/embeddings", {"input": "a", "dimensions": labels + 1})
-            return batch, one, embedded, refusals, cut
+            return batch, one, embedded, vllm, refusals, cut
         finally:
             await app.shutdown()
 
-    batch, one, embedded, refusals, cut = asyncio.run(go())
+    batch, one, embedded, vllm, refusals, cut = asyncio.run(go())
     want = hf_scores(model_dir)
     assert len(batch) == len(TEXTS) and one["embedding"] == pytest.approx(batch[1]["embedding"], abs=1e-4)
     for got, ref, vector in zip(batch, want, embedded["data"]):
@@ -60,6 +62,12 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
         assert got["embedding"] == pytest.approx(ref, abs=1e-4)
         assert vector["embedding"] == pytest.approx(got["embedding"], abs=1e-4)
     assert [status for status, _, _ in refusals] == [400, 400] and cut[0] == 400
+    assert vllm["model"] == "rm" and vllm["usage"]["prompt_tokens"] == sum(b["meta_info"]["prompt_tokens"]
+                                                                           for b in batch)
+    for entry, ref in zip(vllm["data"], want):
+        probs = torch.tensor(ref).sigmoid() if labels == 1 else torch.tensor(ref).softmax(-1)
+        assert entry["probs"] == pytest.approx(probs.tolist(), abs=1e-4) and entry["num_classes"] == labels
+        assert entry["label"] == f"LABEL_{int(probs.argmax())}"
 
 
 def test_a_classifier_served_to_generate_is_refused_at_start_naming_the_flag(tmp_path, default_model_dir):

@@ -137,7 +137,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/detokenize"): Route(tokenize.detokenize, dict),
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("POST", "/v1/score"): Route(score.score, dict),
-    ("POST", "/classify"): Route(classify.classify, classify.ClassifyRequest),
+    ("POST", "/classify"): Route(classify.classify, dict),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
     ("POST", "/rerank"): Route(rerank.scored_rerank, dict),
     ("POST", "/v2/rerank"): Route(rerank.scored_rerank, dict),

@@ -59,6 +59,7 @@ class PoolingConfig:
     matryoshka_dims: tuple[int, ...] | None = None
     # A sequence classifier's score head, float32 [labels, hidden]; None for an embedding model.
     head: torch.Tensor | None = field(default=None, compare=False)
+    labels: tuple[str, ...] = ()  # its labels' names (config.json id2label)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, hidden_size: int) -> PoolingConfig:
@@ -67,7 +68,9 @@ class PoolingConfig:
         model_dir = Path(model_dir)
         if is_classifier(model_dir):
             head = _score_head(model_dir, hidden_size)
-            return cls("last", False, head.shape[0], None, head)
+            names = json.loads((model_dir / "config.json").read_text()).get("id2label") or {}
+            labels = tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(head.shape[0]))
+            return cls("last", False, head.shape[0], None, head, labels)
         mode, normalize = "last", True
         modules_file = model_dir / "modules.json"
         if modules_file.is_file():

@@ -1,38 +1,72 @@
-"""SGLang's POST /classify, on an --is-embedding server of a sequence
-classifier (a reward model: model/pooling.py): `text` or `input_ids`, one
-prompt or a list, each answered as SGLang does, with its labels' scores
-as `embedding` (a reward model's one score: `embedding[0]`) and
-`meta_info`; a list for a list."""
+"""POST /classify on an --is-embedding server of a sequence classifier
+(a reward model: model/pooling.py), in the shape of the body:
+
+- SGLang's, `text` or `input_ids`, one prompt or a list: each prompt's
+  label scores as `embedding` (a reward model's one score: `embedding[0]`)
+  with `meta_info`; a list for a list.
+- vLLM's, `input` (a text, texts, token ids or lists of them): `data` of
+  `{"index", "label", "probs", "num_classes"}`, the probabilities a
+  sigmoid (one label) or softmax of the scores, the label the likeliest.
+"""
 
 from __future__ import annotations
 
 import msgspec
+import torch
 
-from pyserve.api.generation.serving import ServingContext, prompt_id_lists
+from pyserve.api.generation.serving import ServingContext, new_id, now, prompt_id_lists
 from pyserve.api.openai.embeddings import pooled_vectors, serves_embeddings
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.http.errors import bad_request
+from pyserve.http.strict import convert_strict
 
 
 class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's body."""
+
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None
     model: str | None = None
 
 
-async def classify(ctx: ServingContext, req: ClassifyRequest) -> dict | list[dict]:
+class ClassificationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's body."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+
+
+async def classify(ctx: ServingContext, body: dict) -> dict | list[dict]:
     if not serves_embeddings(ctx):
         raise bad_request(embedding_mismatch(True))
     if ctx.engine.pooling.head is None:
         raise bad_request("this server's model embeds and classifies nothing: /classify serves sequence "
                           "classifiers (reward models); its vectors are at /v1/embeddings")
+    if "input" in body:
+        return await _vllm(ctx, convert_strict(body, ClassificationRequest, "/classify"))
+    req = convert_strict(body, ClassifyRequest, "/classify")
     if (req.text is None) == (req.input_ids is None):
-        raise bad_request("give exactly one of text and input_ids", "text")
+        raise bad_request("give exactly one of text and input_ids (SGLang's body), or input (vLLM's)", "text")
     param = "text" if req.text is not None else "input_ids"
     if req.text is not None and ctx.engine.tokenizer is None:
         raise bad_request("this server runs with --skip-tokenizer-init: send input_ids", "text")
     prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.text if req.text is not None else req.input_ids,
                                       param, text=req.text is not None)
-    answers = [{"embedding": vector.tolist(), "meta_info": {"prompt_tokens": len(ids)}}
-               for ids, vector in zip(prompts, await pooled_vectors(ctx, prompts, param))]
+    answers = [{"embedding": scores.tolist(), "meta_info": {"prompt_tokens": len(ids)}}
+               for ids, scores in zip(prompts, await pooled_vectors(ctx, prompts, param))]
     return answers[0] if single else answers
+
+
+async def _vllm(ctx: ServingContext, req: ClassificationRequest) -> dict:
+    if ctx.engine.tokenizer is None and (isinstance(req.input, str) or any(isinstance(p, str) for p in req.input)):
+        raise bad_request("this server runs with --skip-tokenizer-init: send token ids", "input")
+    prompts, _ = prompt_id_lists(ctx.engine.tokenizer, req.input, "input")
+    labels = ctx.engine.pooling.labels
+    data = []
+    for i, scores in enumerate(await pooled_vectors(ctx, prompts, "input")):
+        probs = torch.sigmoid(scores) if len(labels) == 1 else torch.softmax(scores, -1)
+        data.append({"index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(),
+                     "num_classes": len(labels)})
+    tokens = sum(len(ids) for ids in prompts)
+    return {"id": new_id("classify-"), "object": "list", "created": now(), "model": req.model or ctx.served_model_name,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
