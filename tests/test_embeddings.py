@@ -259,6 +259,17 @@ def test_every_input_shape_and_usage(embed_client):
     assert many.usage.prompt_tokens == many.usage.total_tokens > one.usage.prompt_tokens > 0
 
 
+def test_sglangs_encode_answers_the_same_vectors(embed_server, embed_client):
+    """SGLang's native /encode: one object for a text, a list for a list."""
+    openai_vectors = vectors(embed_client.embeddings.create(model="m", input=TEXTS[:2], encoding_format="float"))
+    many = httpx.post(f"{embed_server.base_url}/encode", json={"text": TEXTS[:2]}, timeout=30).json()
+    one = httpx.post(f"{embed_server.base_url}/encode", json={"input_ids": [5, 6, 7]}, timeout=30).json()
+    torch.testing.assert_close(torch.tensor([m["embedding"] for m in many]), openai_vectors, atol=TOL, rtol=0)
+    assert len(one["embedding"]) == openai_vectors.shape[1] and one["meta_info"]["prompt_tokens"] == 3
+    r = httpx.post(f"{embed_server.base_url}/classify", json={"text": "x"}, timeout=30)
+    assert r.status_code == 400 and "/encode" in r.json()["error"]["message"]  # no classifier head
+
+
 def test_dimensions_cut_and_normalise_again(embed_client):
     full = vectors(embed_client.embeddings.create(model="m", input=TEXTS, encoding_format="float"))
     cut = vectors(embed_client.embeddings.create(model="m", input=TEXTS, dimensions=16))

@@ -138,6 +138,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("POST", "/v1/score"): Route(score.score, dict),
     ("POST", "/classify"): Route(classify.classify, dict),
+    ("POST", "/encode"): Route(classify.encode, classify.ClassifyRequest),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
     ("POST", "/rerank"): Route(rerank.scored_rerank, dict),
     ("POST", "/v2/rerank"): Route(rerank.scored_rerank, dict),

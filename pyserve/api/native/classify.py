@@ -1,12 +1,13 @@
-"""POST /classify on an --is-embedding server of a sequence classifier
-(a reward model: model/pooling.py), in the shape of the body:
+"""SGLang's POST /encode, and POST /classify on a server of a sequence
+classifier (a reward model: model/pooling.py), on an --is-embedding server.
 
-- SGLang's, `text` or `input_ids`, one prompt or a list: each prompt's
-  label scores as `embedding` (a reward model's one score: `embedding[0]`)
-  with `meta_info`; a list for a list.
-- vLLM's, `input` (a text, texts, token ids or lists of them): `data` of
-  `{"index", "label", "probs", "num_classes"}`, the probabilities a
-  sigmoid (one label) or softmax of the scores, the label the likeliest.
+/encode takes SGLang's body, `text` or `input_ids`, one prompt or a list,
+and answers each prompt's vector as `embedding` with `meta_info`; a list
+for a list. /classify takes that body too (a classifier's vector is its
+label scores: a reward model's one score is `embedding[0]`), or vLLM's,
+`input` (a text, texts, token ids or lists of them), answered with `data`
+of `{"index", "label", "probs", "num_classes"}`: the probabilities a
+sigmoid (one label) or softmax of the scores, the label the likeliest.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pyserve.http.strict import convert_strict
 
 
 class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """SGLang's body."""
+    """SGLang's body (/encode's and /classify's)."""
 
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None
@@ -36,24 +37,36 @@ class ClassificationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     model: str | None = None
 
 
-async def classify(ctx: ServingContext, body: dict) -> dict | list[dict]:
+def _check_server(ctx: ServingContext) -> None:
     if not serves_embeddings(ctx):
         raise bad_request(embedding_mismatch(True))
+
+
+async def encode(ctx: ServingContext, req: ClassifyRequest) -> dict | list[dict]:
+    _check_server(ctx)
+    return await _sglang(ctx, req)
+
+
+async def classify(ctx: ServingContext, body: dict) -> dict | list[dict]:
+    _check_server(ctx)
     if ctx.engine.pooling.head is None:
         raise bad_request("this server's model embeds and classifies nothing: /classify serves sequence "
-                          "classifiers (reward models); its vectors are at /v1/embeddings")
+                          "classifiers (reward models); its vectors are at /v1/embeddings and /encode")
     if "input" in body:
         return await _vllm(ctx, convert_strict(body, ClassificationRequest, "/classify"))
-    req = convert_strict(body, ClassifyRequest, "/classify")
+    return await _sglang(ctx, convert_strict(body, ClassifyRequest, "/classify"))
+
+
+async def _sglang(ctx: ServingContext, req: ClassifyRequest) -> dict | list[dict]:
     if (req.text is None) == (req.input_ids is None):
-        raise bad_request("give exactly one of text and input_ids (SGLang's body), or input (vLLM's)", "text")
+        raise bad_request("give exactly one of text and input_ids", "text")
     param = "text" if req.text is not None else "input_ids"
     if req.text is not None and ctx.engine.tokenizer is None:
         raise bad_request("this server runs with --skip-tokenizer-init: send input_ids", "text")
     prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.text if req.text is not None else req.input_ids,
                                       param, text=req.text is not None)
-    answers = [{"embedding": scores.tolist(), "meta_info": {"prompt_tokens": len(ids)}}
-               for ids, scores in zip(prompts, await pooled_vectors(ctx, prompts, param))]
+    answers = [{"embedding": vector.tolist(), "meta_info": {"prompt_tokens": len(ids)}}
+               for ids, vector in zip(prompts, await pooled_vectors(ctx, prompts, param))]
     return answers[0] if single else answers
 
 
