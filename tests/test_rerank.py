@@ -6,12 +6,12 @@ against transformers on the same tiny weights; vLLM's /rerank and
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
+from starlette.testclient import TestClient
 
 from pyserve.api.native.rerank import judging_prompt
-from tests.conftest import ServerProcess
+from pyserve.asgi import create_app
 
 QUERY = "What is the capital of China?"
 DOCS = ["The capital of China is Beijing.", "Horses and cows are both animals.", "Paris is in France."]
@@ -19,16 +19,11 @@ INSTRUCT = "Given a web search query, retrieve relevant passages that answer the
 
 
 @pytest.fixture(scope="module")
-def rerank_server(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", "512", "--max-total-tokens", "4096",
-                        "--torchao-config", "none", "--dtype", "float32")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(rerank_server):
-    with httpx.Client(base_url=rerank_server.base_url, timeout=120) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    """The app in process: these routes' answers, not the server process, are checked."""
+    app = create_app(model_path=str(tiny_llama_dir), context_length=512, max_total_tokens=4096,
+                     torchao_config="none", dtype="float32", file_storage_path=str(tmp_path_factory.mktemp("rerank")))
+    with TestClient(app) as c:
         yield c
 
 

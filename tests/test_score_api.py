@@ -1,4 +1,4 @@
-"""POST /v1/score (SGLang's shape) through a real server, on a tiny random
+"""POST /v1/score (SGLang's shape) through the app in process, on a tiny random
 model in float32: each probability is checked against the same next-token
 distribution read another way, SGLang's /generate top logprobs after
 query + item."""
@@ -16,8 +16,8 @@ ITEMS = [" yes", " no, it is green", " maybe"]
 
 
 @pytest.fixture(scope="module")
-def http(tiny_llama_dir):
-    with tiny_server_http(tiny_llama_dir) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("score")) as c:
         yield c
 
 

@@ -1,6 +1,7 @@
-"""POST /tokenize, POST /detokenize and GET /tokenizer_info through a real
-server (a tiny random model with the default model's real tokenizer: what
-is checked is the tokenizer's round trips, not any answer)."""
+"""POST /tokenize, POST /detokenize and GET /tokenizer_info through the
+app, in process (a tiny random model with the default model's real
+tokenizer: what is checked is the tokenizer's round trips, not any
+answer)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,25 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
-from tests.conftest import ServerProcess
+from pyserve.asgi import create_app
 
 TEXT = "Hello, world! Ünïcödé and   spaces\nand a new line."
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a city."}]
 
 
 @contextmanager
-def tiny_server_http(model_dir) -> Iterator[httpx.Client]:
-    """A server on the tiny model and an HTTP client of it, for a module."""
-    srv = ServerProcess("--model", str(model_dir))
-    try:
-        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
-            yield c
-    finally:
-        srv.stop()
+def tiny_server_http(model_dir, tmp_path) -> Iterator[httpx.Client]:
+    """The app on the tiny model, in process, and an HTTP client of it, for
+    a module: these routes' answers, not the server process, are checked."""
+    with TestClient(create_app(model_path=str(model_dir), file_storage_path=str(tmp_path))) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def http(tiny_llama_dir):
-    with tiny_server_http(tiny_llama_dir) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("tokenize")) as c:
         yield c
 
 
