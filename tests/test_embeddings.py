@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
+from starlette.testclient import TestClient
 
 from pyserve.api.app import App
+from pyserve.asgi import create_app
 from pyserve.api.generation.serving import ServingContext
 from pyserve.engine.engine import Engine
 from pyserve.engine.request import GenerateRequest, SamplingParams
 from pyserve.server_args import ServerArgs
-from tests.conftest import ServerProcess
 from tests.tiny_models import ST_POOLINGS, build_tiny_embedding_model
 
 TOL = 1e-5
@@ -225,15 +226,17 @@ def test_generation_options_are_refused_with_is_embedding(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def embed_server(model_dirs):
-    srv = ServerProcess("--is-embedding", "--model", str(model_dirs["lasttoken"]), "--served-model-name", "tiny-embed")
-    yield srv
-    srv.stop()
+def embed_server(model_dirs, tmp_path_factory):
+    """The app in process, and an HTTP client of it: the routes' answers are checked, not the process."""
+    app = create_app(is_embedding=True, model_path=str(model_dirs["lasttoken"]), served_model_name="tiny-embed",
+                     file_storage_path=str(tmp_path_factory.mktemp("embed")))
+    with TestClient(app) as http:
+        yield http
 
 
 @pytest.fixture(scope="module")
 def embed_client(embed_server):
-    return openai.OpenAI(api_key="EMPTY", base_url=f"{embed_server.base_url}/v1", timeout=60)
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{embed_server.base_url}/v1", http_client=embed_server)
 
 
 def vectors(response) -> torch.Tensor:
@@ -262,11 +265,11 @@ def test_every_input_shape_and_usage(embed_client):
 def test_sglangs_encode_answers_the_same_vectors(embed_server, embed_client):
     """SGLang's native /encode: one object for a text, a list for a list."""
     openai_vectors = vectors(embed_client.embeddings.create(model="m", input=TEXTS[:2], encoding_format="float"))
-    many = httpx.post(f"{embed_server.base_url}/encode", json={"text": TEXTS[:2]}, timeout=30).json()
-    one = httpx.post(f"{embed_server.base_url}/encode", json={"input_ids": [5, 6, 7]}, timeout=30).json()
+    many = embed_server.post("/encode", json={"text": TEXTS[:2]}).json()
+    one = embed_server.post("/encode", json={"input_ids": [5, 6, 7]}).json()
     torch.testing.assert_close(torch.tensor([m["embedding"] for m in many]), openai_vectors, atol=TOL, rtol=0)
     assert len(one["embedding"]) == openai_vectors.shape[1] and one["meta_info"]["prompt_tokens"] == 3
-    r = httpx.post(f"{embed_server.base_url}/classify", json={"text": "x"}, timeout=30)
+    r = embed_server.post("/classify", json={"text": "x"})
     assert r.status_code == 400 and "/encode" in r.json()["error"]["message"]  # no classifier head
 
 
@@ -283,13 +286,13 @@ def test_dimensions_cut_and_normalise_again(embed_client):
 
 
 def test_bad_embedding_requests_are_400s(embed_server):
-    url = f"{embed_server.base_url}/v1/embeddings"
+    url = "/v1/embeddings"
     for body, param in [({"input": []}, "input"), ({"input": [[5, 10**9]]}, "input"),
                         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "x", "dimensions": 0}, "dimensions")]:
-        r = httpx.post(url, json={"model": "m", **body}, timeout=30)
+        r = embed_server.post(url, json={"model": "m", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-    assert httpx.get(f"{embed_server.base_url}/health_generate", timeout=30).status_code == 200
+    assert embed_server.get("/health_generate").status_code == 200
 
 
 @pytest.mark.parametrize("path, body", [
@@ -298,7 +301,7 @@ def test_bad_embedding_requests_are_400s(embed_server):
     ("/generate", {"text": "hi"}),
 ])
 def test_generation_routes_answer_400_on_an_embedding_server(embed_server, path, body):
-    r = httpx.post(embed_server.base_url + path, json=body, timeout=30)
+    r = embed_server.post(path, json=body)
     assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"]
 
 
