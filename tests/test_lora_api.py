@@ -1,8 +1,8 @@
-"""LoRA adapters through a real server: the openai client picks one by
+"""LoRA adapters through the app: the openai client picks one by
 `model`, /generate by SGLang's `lora_path`, /v1/models lists them beside
 the base model, adapters load and unload at run time, an unknown one is a
 404 naming those loaded, and a server without --enable-lora refuses
-`lora_path` as an unknown field."""
+`lora_path` as an unknown field (a server process of its own)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from pyserve.asgi import create_app
 from tests.conftest import ServerProcess
@@ -29,10 +30,11 @@ def lora_server(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("lora-api")
     adapters = {"alpha": make_adapter(tiny_llama_dir, root / "alpha", 1),
                 "beta": make_adapter(tiny_llama_dir, root / "beta", 2, r=8, targets=["q_proj", "down_proj"])}
-    srv = ServerProcess("--model-path", str(tiny_llama_dir), "--enable-lora", "--lora-paths",
-                        f"alpha={adapters['alpha']}", "--max-lora-rank", "8", "--max-loras-per-batch", "2")
-    yield srv, tiny_llama_dir, adapters
-    srv.stop()
+    # The app in process: the routes' answers are checked, not the server process.
+    app = create_app(model_path=str(tiny_llama_dir), enable_lora=True, lora_paths=f"alpha={adapters['alpha']}",
+                     max_lora_rank=8, max_loras_per_batch=2, file_storage_path=str(root / "storage"))
+    with TestClient(app) as http:
+        yield http, tiny_llama_dir, adapters
 
 
 def completion(client, model):
@@ -47,7 +49,7 @@ def completion_tokens(client, model):
 
 def test_openai_client_picks_adapters_by_model_name(lora_server):
     srv, model_dir, adapters = lora_server
-    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", http_client=srv)
     cards = {m.id: m for m in client.models.list().data}
     base_name = next(name for name, card in cards.items() if card.parent is None)
     assert set(cards) == {base_name, "alpha"} and cards["alpha"].parent == base_name
@@ -59,7 +61,7 @@ def test_openai_client_picks_adapters_by_model_name(lora_server):
         completion_tokens(client, "beta")
     assert "alpha" in str(e.value)
 
-    r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": adapters["beta"]})
+    r = srv.post("/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": adapters["beta"]})
     assert r.status_code == 200, r.text
     assert "beta" in {m.id for m in client.models.list().data}
     beta = completion(client, "beta")
@@ -69,25 +71,25 @@ def test_openai_client_picks_adapters_by_model_name(lora_server):
     assert {c.model for c in chunks} == {"beta"}
     assert client.completions.create(model=base_name, prompt=PROMPT, max_tokens=2).model == base_name
     # SGLang's field on /generate names it too.
-    r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": PROMPT, "lora_path": "beta", "sampling_params": {
+    r = srv.post("/generate", json={"input_ids": PROMPT, "lora_path": "beta", "sampling_params": {
         "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["text"] == beta.text
     # A batch names one adapter per prompt (None: the base model).
-    r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": [PROMPT] * 3, "lora_path": ["beta", None, "alpha"],
+    r = srv.post("/generate", json={"input_ids": [PROMPT] * 3, "lora_path": ["beta", None, "alpha"],
                                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0,
                                                                          "ignore_eos": True}}, timeout=60)
     assert [o["output_ids"] for o in r.json()] == [beta.token_ids, reference_tokens(model_dir, None, PROMPT, 8),
                                                    reference_tokens(model_dir, adapters["alpha"], PROMPT, 8)]
 
-    assert httpx.post(f"{srv.base_url}/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+    assert srv.post("/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         completion_tokens(client, "beta")
-    r = httpx.post(f"{srv.base_url}/v1/unload_lora_adapter", json={"lora_name": "beta"})
+    r = srv.post("/v1/unload_lora_adapter", json={"lora_name": "beta"})
     assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
-    r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(model_dir)})
+    r = srv.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(model_dir)})
     assert r.status_code == 400 and "adapter" in r.json()["error"]["message"]
-    r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": base_name, "lora_path": adapters["beta"]})
+    r = srv.post("/load_lora_adapter", json={"lora_name": base_name, "lora_path": adapters["beta"]})
     assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
 
 
@@ -106,7 +108,7 @@ def test_lora_path_is_an_unknown_field_without_enable_lora(tiny_llama_dir):
 
 def test_responses_and_messages_take_the_adapter_from_model(lora_server):
     srv, _, _ = lora_server
-    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", http_client=srv)
     base_name = next(m.id for m in client.models.list().data if m.parent is None)
     ask = [{"role": "user", "content": "Say hello"}]
 
@@ -117,19 +119,19 @@ def test_responses_and_messages_take_the_adapter_from_model(lora_server):
 
     under_alpha = chat("alpha")
     assert under_alpha and under_alpha != chat(base_name)
-    r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "alpha", "max_tokens": 8, "messages": ask,
+    r = srv.post("/v1/messages", json={"model": "alpha", "max_tokens": 8, "messages": ask,
                                                         "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["content"][0]["text"] == under_alpha and r.json()["model"] == "alpha"
-    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "alpha", "input": ask, "max_output_tokens": 8,
+    r = srv.post("/v1/responses", json={"model": "alpha", "input": ask, "max_output_tokens": 8,
                                                          "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "alpha" and r.json()["output"][0]["content"][0]["text"] == under_alpha
-    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": base_name, "input": ask, "max_output_tokens": 8})
+    r = srv.post("/v1/responses", json={"model": base_name, "input": ask, "max_output_tokens": 8})
     assert r.status_code == 200 and r.json()["model"] == base_name, r.text
-    r = httpx.post(f"{srv.base_url}/v1/messages", json={"model": "gamma", "max_tokens": 8, "messages": ask})
+    r = srv.post("/v1/messages", json={"model": "gamma", "max_tokens": 8, "messages": ask})
     assert r.status_code == 404 and r.json()["type"] == "error" and "alpha" in r.json()["error"]["message"]
-    r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "gamma", "input": "Say hello"})
+    r = srv.post("/v1/responses", json={"model": "gamma", "input": "Say hello"})
     assert r.status_code == 404 and "alpha" in r.json()["error"]["message"]
 
 
