@@ -14,6 +14,7 @@ and hands to the forward thread, which alone touches it until it drops it
 (ModelRunner.admit / release). A constrained request's grammar is compiled
 off the loop (engine/grammar.py) before the request is queued.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -228,8 +229,7 @@ class Engine:
             self.abort(rid, reason)
 
     async def pause(self, retract: bool) -> None:
-        """/pause_generation: no step starts after the one in flight until resume(); with
-        `retract`, running requests give their KV back (to the prefix cache) and wait."""
+        """No step after the one in flight until resume(); `retract`: running requests give their KV back."""
         self._stopped_stepping.clear()
         self.scheduler.pause(retract)
         self._wakeup.set()

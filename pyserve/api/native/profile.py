@@ -15,8 +15,8 @@ import msgspec
 
 from pyserve.api.generation.serving import ServingContext
 from pyserve.http.errors import bad_request
-from pyserve.http.io import Request, Response, decode_json
-from pyserve.http.strict import convert_strict
+from pyserve.http.io import Request, Response
+from pyserve.http.strict import read_strict
 
 
 class StartProfileRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -38,9 +38,7 @@ def _text(message: str) -> Response:
 
 
 async def start_profile(ctx: ServingContext, request: Request) -> Response:
-    raw = await request.body()
-    body = decode_json(msgspec.json.Decoder(dict), raw) if raw.strip() else {}
-    req = convert_strict(body, StartProfileRequest, "/start_profile")
+    req = await read_strict(request, StartProfileRequest, "/start_profile")
     if req.start_step is not None or req.profile_by_stage:
         raise bad_request("profiles start at once and cover whole steps: start_step and profile_by_stage are not "
                           "supported", "start_step" if req.start_step is not None else "profile_by_stage")
