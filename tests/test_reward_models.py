@@ -47,14 +47,21 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
             one = json.loads((await call(app, "POST", "/classify", {"model": "rm", "text": TEXTS[1]}))[2])
             embedded = json.loads((await call(app, "POST", "/v1/embeddings", {"input": TEXTS}))[2])
             vllm = json.loads((await call(app, "POST", "/classify", {"model": "rm", "input": TEXTS}))[2])
+            # A conversation (a reward model's usual input), rendered by the chat template.
+            chat = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": TEXTS[0]}]
+            ids = json.loads((await call(app, "POST", "/tokenize", {"messages": chat,
+                                                                    "add_generation_prompt": False}))[2])["tokens"]
+            conversation = [json.loads((await call(app, "POST", path, body))[2]) for path, body in (
+                ("/classify", {"messages": chat}), ("/v1/embeddings", {"messages": chat}),
+                ("/classify", {"input_ids": ids}))]
             refusals = [await call(app, "POST", "/classify", body)
                         for body in ({"text": "a", "input_ids": [1]}, {"text": "a", "top_k": 1})]
             cut = await call(app, "POST", "/v1/embeddings", {"input": "a", "dimensions": labels + 1})
-            return batch, one, embedded, vllm, refusals, cut
+            return batch, one, embedded, vllm, conversation, refusals, cut
         finally:
             await app.shutdown()
 
-    batch, one, embedded, vllm, refusals, cut = asyncio.run(go())
+    batch, one, embedded, vllm, conversation, refusals, cut = asyncio.run(go())
     want = hf_scores(model_dir)
     assert len(batch) == len(TEXTS) and one["embedding"] == pytest.approx(batch[1]["embedding"], abs=1e-4)
     for got, ref, vector in zip(batch, want, embedded["data"]):
@@ -68,6 +75,11 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
         probs = torch.tensor(ref).sigmoid() if labels == 1 else torch.tensor(ref).softmax(-1)
         assert entry["probs"] == pytest.approx(probs.tolist(), abs=1e-4) and entry["num_classes"] == labels
         assert entry["label"] == f"LABEL_{int(probs.argmax())}"
+    by_messages, embedded_messages, by_ids = conversation
+    scores = torch.tensor(by_ids["embedding"])
+    want_probs = scores.sigmoid() if labels == 1 else scores.softmax(-1)
+    assert by_messages["data"][0]["probs"] == pytest.approx(want_probs.tolist(), abs=1e-5)
+    assert embedded_messages["data"][0]["embedding"] == pytest.approx(by_ids["embedding"], abs=1e-5)
 
 
 def test_a_classifier_served_to_generate_is_refused_at_start_naming_the_flag(tmp_path, default_model_dir):

@@ -5,18 +5,22 @@ classifier (a reward model: model/pooling.py), on an --is-embedding server.
 and answers each prompt's vector as `embedding` with `meta_info`; a list
 for a list. /classify takes that body too (a classifier's vector is its
 label scores: a reward model's one score is `embedding[0]`), or vLLM's,
-`input` (a text, texts, token ids or lists of them), answered with `data`
-of `{"index", "label", "probs", "num_classes"}`: the probabilities a
-sigmoid (one label) or softmax of the scores, the label the likeliest.
+`input` (a text, texts, token ids or lists of them) or one conversation as
+`messages` (rendered by the chat template), answered with `data` of
+`{"index", "label", "probs", "num_classes"}`: the probabilities a sigmoid
+(one label) or softmax of the scores, the label the likeliest.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 import torch
 
 from pyserve.api.generation.serving import ServingContext, new_id, now, prompt_id_lists
-from pyserve.api.openai.embeddings import pooled_vectors, serves_embeddings
+from pyserve.api.openai.embeddings import pooled_vectors, prompts_of, serves_embeddings
+from pyserve.api.protocol.openai import ChatMessage
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.http.errors import bad_request
 from pyserve.http.strict import convert_strict
@@ -31,9 +35,13 @@ class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ClassificationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's body."""
+    """vLLM's body: `input`, or one conversation as `messages`."""
 
-    input: str | list[str | int | list[int]]
+    input: str | list[str | int | list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
 
 
@@ -52,7 +60,7 @@ async def classify(ctx: ServingContext, body: dict) -> dict | list[dict]:
     if ctx.engine.pooling.head is None:
         raise bad_request("this server's model embeds and classifies nothing: /classify serves sequence "
                           "classifiers (reward models); its vectors are at /v1/embeddings and /encode")
-    if "input" in body:
+    if "input" in body or "messages" in body:
         return await _vllm(ctx, convert_strict(body, ClassificationRequest, "/classify"))
     return await _sglang(ctx, convert_strict(body, ClassifyRequest, "/classify"))
 
@@ -71,9 +79,10 @@ async def _sglang(ctx: ServingContext, req: ClassifyRequest) -> dict | list[dict
 
 
 async def _vllm(ctx: ServingContext, req: ClassificationRequest) -> dict:
-    if ctx.engine.tokenizer is None and (isinstance(req.input, str) or any(isinstance(p, str) for p in req.input)):
+    texts = req.messages is not None or isinstance(req.input, str) or any(isinstance(p, str) for p in req.input or [])
+    if ctx.engine.tokenizer is None and texts:
         raise bad_request("this server runs with --skip-tokenizer-init: send token ids", "input")
-    prompts, _ = prompt_id_lists(ctx.engine.tokenizer, req.input, "input")
+    prompts = prompts_of(ctx, req)
     labels = ctx.engine.pooling.labels
     data = []
     for i, scores in enumerate(await pooled_vectors(ctx, prompts, "input")):

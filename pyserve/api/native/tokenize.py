@@ -19,7 +19,7 @@ import msgspec
 
 from pyserve.api.openai import chat
 from pyserve.http.errors import bad_request
-from pyserve.api.protocol.openai import ChatCompletionRequest, ChatMessage
+from pyserve.api.protocol.openai import ChatMessage
 from pyserve.api.generation.serving import ServingContext
 from pyserve.http.strict import convert_strict
 
@@ -75,12 +75,9 @@ def _chat_prompt(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
     if req.chat_template is not None:
         raise bad_request("a per-request chat_template is not supported: the server's template renders messages",
                           "chat_template")
-    chat_req = ChatCompletionRequest(messages=req.messages, tools=req.tools,
-                                     chat_template_kwargs=req.chat_template_kwargs,
-                                     continue_final_message=req.continue_final_message,
-                                     add_generation_prompt=req.add_generation_prompt)
-    ids, _, _, _ = chat.prepare(ctx, chat_req)
-    return ids
+    return chat.conversation_ids(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message, tools=req.tools,
+                                 chat_template_kwargs=req.chat_template_kwargs)
 
 
 def _token_strs(ctx: ServingContext, ids: list[int]) -> list[str]:

@@ -16,7 +16,7 @@ from pyserve.api.generation.constraints import RequestConstraint, only_one, requ
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import PendingLogprobs, chat_logprobs, prompt_logprobs
 from pyserve.api.protocol.openai import (
-    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
     ChatStreamChoice, CompletionTokensDetails, Delta, FunctionCallDelta, ToolCallDelta, Usage,
 )
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
@@ -161,6 +161,17 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
     if reads_harmony(ctx.reasoning_parser, ctx.tool_call_parser):
         params = replace(params, skip_special_tokens=False)  # Harmony's markers are special tokens
     return prompt_ids, params, calling, constrained and constrained.param
+
+
+def conversation_ids(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tools: list[dict] | None = None,
+                     chat_template_kwargs: dict | None = None) -> list[int]:
+    """The prompt ids a chat request with these messages would run: for
+    /tokenize, and for embedding or classifying a conversation."""
+    ids, _, _, _ = prepare(ctx, ChatCompletionRequest(
+        messages=messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+        continue_final_message=continue_final_message, add_generation_prompt=add_generation_prompt))
+    return ids
 
 
 def _echo(req: ChatCompletionRequest) -> str:

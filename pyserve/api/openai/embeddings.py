@@ -20,12 +20,19 @@ import torch
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.truncation import fit_context, keep_last_tokens
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id, prompt_id_lists, refusal
+from pyserve.api.openai.chat import conversation_ids
+from pyserve.api.protocol.openai import ChatMessage
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.engine.request import GenerateRequest, RequestError, SamplingParams
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: Any  # str | list[str] | list[int] | list[list[int]]
+    input: Any = None  # str | list[str] | list[int] | list[list[int]]
+    # vLLM's: a conversation, rendered by the chat template, as the one input.
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -71,7 +78,7 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
         problem = engine.pooling.check_dimensions(req.dimensions)
         if problem is not None:
             raise bad_request(problem, "dimensions")
-    prompts, _ = prompt_id_lists(engine.tokenizer, req.input, "input")
+    prompts = prompts_of(ctx, req)
     prompts = keep_last_tokens(prompts, req.truncate_prompt_tokens, engine.context_len)
     data = []
     for i, vector in enumerate(await pooled_vectors(ctx, prompts, "input")):
@@ -80,6 +87,18 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
     tokens = sum(len(ids) for ids in prompts)
     return EmbeddingResponse(data=data, model=ctx.served_model_name,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def prompts_of(ctx: ServingContext, req) -> list[list[int]]:
+    """The prompts of a body with vLLM's `input` or `messages` (one
+    conversation, rendered by the chat template)."""
+    if (req.input is None) == (req.messages is None):
+        raise bad_request("give exactly one of input and messages", "input")
+    if req.messages is None:
+        return prompt_id_lists(ctx.engine.tokenizer, req.input, "input")[0]
+    return [conversation_ids(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             chat_template_kwargs=req.chat_template_kwargs)]
 
 
 async def pooled_vectors(ctx: ServingContext, prompts: list[list[int]], param: str) -> list[torch.Tensor]:
