@@ -39,14 +39,20 @@ def output_ids(raw: bytes) -> list[int]:
     return json.loads(raw)["output_ids"]
 
 
+async def alone_then_running(app):
+    """LONG's greedy tokens run alone, then LONG running: (those tokens,
+    its task, its sequence once it has a few tokens)."""
+    reference = output_ids((await call(app, "POST", "/generate", LONG))[2])
+    running = asyncio.create_task(call(app, "POST", "/generate", LONG))
+    return reference, running, await generating(app)
+
+
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_paused_requests_finish_as_unpaused_ones_after_continue(tiny_llama_dir, tmp_path, mode):
     async def go():
         app = await serve(tiny_llama_dir, tmp_path)
         try:
-            reference = output_ids((await call(app, "POST", "/generate", LONG))[2])
-            running = asyncio.create_task(call(app, "POST", "/generate", LONG))
-            seq = await generating(app)
+            reference, running, seq = await alone_then_running(app)
             paused = await call(app, "POST", "/pause_generation", {"mode": mode})
             held = len(seq.output_ids)
             late = asyncio.create_task(call(app, "POST", "/generate", LONG))
@@ -77,9 +83,7 @@ def test_abort_mode_ends_the_requests_in_flight_and_later_ones_wait(tiny_llama_d
     async def go():
         app = await serve(tiny_llama_dir, tmp_path)
         try:
-            reference = output_ids((await call(app, "POST", "/generate", LONG))[2])
-            running = asyncio.create_task(call(app, "POST", "/generate", LONG))
-            await generating(app)
+            reference, running, _ = await alone_then_running(app)
             assert (await call(app, "POST", "/pause_generation", raw=b""))[0] == 200  # mode abort, by default
             aborted = json.loads((await running)[2])
             late = asyncio.create_task(call(app, "POST", "/generate", LONG))
@@ -105,9 +109,7 @@ def test_vllms_pause_keeps_waits_for_or_aborts_the_requests_in_flight(tiny_llama
     async def go():
         app = await serve(tiny_llama_dir, tmp_path)
         try:
-            reference = output_ids((await call(app, "POST", "/generate", LONG))[2])
-            kept = asyncio.create_task(call(app, "POST", "/generate", LONG))
-            seq = await generating(app)
+            reference, kept, seq = await alone_then_running(app)
             assert json.loads((await call(app, "POST", "/pause?mode=keep"))[2]) == {"status": "paused"}
             held = len(seq.output_ids)
             await asyncio.sleep(0.3)

@@ -16,6 +16,7 @@ import torch
 from pyserve.asgi import create_app
 from tests.test_api_handlers import call
 from tests.test_engine_vs_hf import hf_greedy
+from tests.test_pause_generation import generating
 from tests.slow import slow, slow_test
 from tests.tiny_models import build_tiny_model
 
@@ -166,11 +167,9 @@ def test_a_paused_engine_takes_new_weights_without_waiting_for_its_requests(chec
         app = await _serve(first, tmp_path, dtype="float32", torchao_config="none")
         try:
             running = asyncio.create_task(call(app, "POST", "/v1/completions", long))
-            while not app._engine.request_ids or len(app._engine.scheduler.requests[
-                    app._engine.request_ids[0]].output_ids) < 3:
-                await asyncio.sleep(0.002)
+            seq = await generating(app)
             assert (await call(app, "POST", "/pause_generation", {"mode": "retract"}))[0] == 200
-            held = len(app._engine.scheduler.requests[app._engine.request_ids[0]].output_ids)
+            held = len(seq.output_ids)
             status, _, raw = await call(app, "POST", "/update_weights_from_disk", {"model_path": str(second)})
             assert status == 200, raw
             assert (await call(app, "POST", "/continue_generation", {}))[0] == 200

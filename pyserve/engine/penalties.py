@@ -95,10 +95,7 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState], after: list
 
 def _ends_with(output: list[int], after: list[int], ids: tuple[int, ...]) -> bool:
     """Whether the output, then `after`, ends with `ids` (always, for none)."""
-    if not ids:
-        return True
-    tail = (output[-len(ids):] + after)[-len(ids):] if len(after) < len(ids) else after[-len(ids):]
-    return tuple(tail) == ids
+    return not ids or tuple((output[-len(ids):] + after)[-len(ids):]) == ids
 
 
 def _keep_only(logits: torch.Tensor, allowed: list[tuple[int, tuple[int, ...]]]) -> None:

@@ -165,6 +165,15 @@ def sliding_window_fields(cfg: dict, window: int | None, default_sliding) -> dic
     return dict(sliding_window=int(window), sliding_layers=sliding)
 
 
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"  # the architecture suffix of reward models and classifiers
+
+
+def is_sequence_classifier(cfg: dict) -> bool:
+    """Whether config.json names a sequence classifier (a reward model:
+    its family's decoder, then a score head; model/pooling.py)."""
+    return any(a.endswith(SEQUENCE_CLASSIFIER) for a in cfg.get("architectures") or [])
+
+
 def read_config_files(model_dir: str | Path, overrides: dict | None = None) -> tuple[dict, dict]:
     """(config.json, generation_config.json or {}) of a model directory;
     `overrides` (--json-model-override-args) replace config.json's keys."""

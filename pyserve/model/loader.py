@@ -46,7 +46,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
-from pyserve.model.config import ModelConfig, read_config_files
+from pyserve.model.config import ModelConfig, is_sequence_classifier, read_config_files
 from pyserve.model.families import family_of, parse_config
 from pyserve.model.families.family import Family
 from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
@@ -246,7 +246,7 @@ def load_model(
     model_dir = Path(model_dir)
     device = torch.device(device)
     raw, generation = read_config_files(model_dir, config_overrides)
-    if lm_head and any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
+    if lm_head and is_sequence_classifier(raw):
         raise ValueError(f"{model_dir} is a sequence classifier (a reward model), which scores prompts and "
                          "generates nothing: serve it with --is-embedding")
     config = parse_config(raw, generation, str(model_dir)) if part is None else part.config

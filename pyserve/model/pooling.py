@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from pyserve.model.config import is_sequence_classifier
+
 # sentence-transformers' names (Pooling.pooling_mode) -> ours.
 _ST_MODES = {"lasttoken": "last", "cls": "cls", "mean": "mean"}
 # Its older config spelled the mode as one boolean per mode.
@@ -66,16 +68,16 @@ class PoolingConfig:
         """The model directory's pooling; ValueError naming the file for
         one pyserve cannot apply."""
         model_dir = Path(model_dir)
-        if is_classifier(model_dir):
+        config = json.loads((model_dir / "config.json").read_text())
+        if is_sequence_classifier(config):
             head = _score_head(model_dir, hidden_size)
-            names = json.loads((model_dir / "config.json").read_text()).get("id2label") or {}
+            names = config.get("id2label") or {}
             labels = tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(head.shape[0]))
             return cls("last", False, head.shape[0], None, head, labels)
         mode, normalize = "last", True
         modules_file = model_dir / "modules.json"
         if modules_file.is_file():
             mode, normalize = _read_modules(model_dir, json.loads(modules_file.read_text()))
-        config = json.loads((model_dir / "config.json").read_text())
         dims = config.get("matryoshka_dimensions")
         matryoshka = tuple(int(d) for d in dims) if dims else (() if config.get("is_matryoshka") else None)
         return cls(mode, normalize, hidden_size, matryoshka)
@@ -124,12 +126,6 @@ def sum_spans(hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     spans = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(hidden.device)
     out = torch.zeros(len(counts), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, spans, hidden.float())
-
-
-def is_classifier(model_dir: str | Path) -> bool:
-    """Whether config.json names a sequence classifier (a reward model)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
 
 
 def _score_head(model_dir: Path, hidden_size: int) -> torch.Tensor:

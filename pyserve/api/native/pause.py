@@ -53,9 +53,14 @@ async def continue_generation(ctx: ServingContext, request: Request) -> dict:
     req = await read_strict(request, ContinueGenerationRequest, "/continue_generation")
     if req.torch_empty_cache and ctx.engine.runner.device.type == "cuda":
         torch.cuda.empty_cache()
+    _resume(ctx)
+    return {"status": "ok", "message": "Generation continued."}
+
+
+def _resume(ctx: ServingContext) -> None:
+    """The engine steps again, then the gate lets the waiting requests in."""
     ctx.engine.resume()
     ctx.gate.resume()
-    return {"status": "ok", "message": "Generation continued."}
 
 
 _BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
@@ -93,8 +98,7 @@ async def vllm_pause(ctx: ServingContext, request: Request) -> dict:
 
 
 def vllm_resume(ctx: ServingContext) -> dict:
-    ctx.engine.resume()
-    ctx.gate.resume()
+    _resume(ctx)
     return {"status": "resumed"}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyserve.model.config import ModelConfig, base_fields, read_config_files
+from pyserve.model.config import SEQUENCE_CLASSIFIER, ModelConfig, base_fields, read_config_files
 from pyserve.model.families import (deepseek, gemma, glm4, glm4_moe, gpt_oss, granite, llama, minimax_m2, mixtral,
                                    olmo2, phi3, qwen, qwen_moe, smollm3)
 from pyserve.model.families.family import Family
@@ -29,7 +29,7 @@ def family_of(architecture: str) -> Family:
 def causal_architecture(architecture: str) -> str:
     """The causal LM whose decoder a sequence classifier (a reward model,
     LlamaForSequenceClassification) runs: its config is that model's."""
-    return architecture.replace("ForSequenceClassification", "ForCausalLM")
+    return architecture.replace(SEQUENCE_CLASSIFIER, "ForCausalLM")
 
 
 def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> ModelConfig:
