@@ -33,6 +33,10 @@ class Tokenizer:
         """Encode one text; the GIL is released while the crate works."""
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         """Encode many texts in parallel; the GIL is released meanwhile."""
+    def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[list[int]]:
+        """Encode each (first, second) pair as one input, with the special
+        tokens the tokenizer puts around and between them (a cross-encoder's
+        `[CLS] first [SEP] second [SEP]`)."""
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, id: int) -> str | None: ...

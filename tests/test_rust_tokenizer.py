@@ -41,6 +41,14 @@ def test_encode_batch_matches_reference(pair):
     assert tok.encode_batch([]) == []
 
 
+def test_encode_pairs_matches_reference(pair):
+    """A (query, document) pair as one input, the post-processor's special tokens around and between."""
+    tok, ref = pair
+    pairs = list(zip(CORPUS, reversed(CORPUS))) + [("", "")]
+    assert tok.encode_pairs(pairs) == [ref.encode(a, b, add_special_tokens=True).ids for a, b in pairs]
+    assert tok.encode_pairs([]) == []
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_decode_matches_reference(pair, skip_special_tokens):
     tok, ref = pair

@@ -137,6 +137,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/detokenize"): Route(tokenize.detokenize, dict),
     ("GET", "/tokenizer_info"): Route(tokenize.tokenizer_info),
     ("POST", "/v1/score"): Route(score.score, dict),
+    ("POST", "/score"): Route(score.score, dict),
     ("POST", "/classify"): Route(classify.classify, dict),
     ("POST", "/encode"): Route(classify.encode, classify.ClassifyRequest),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
@@ -173,8 +174,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 # Routes that generate text: an --is-embedding server answers them 400.
-GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, score.score,
-                       messages.create, rerank.rerank, rerank.scored_rerank)
+# (/v1/score and the rerank routes answer by the model they find.)
+GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, messages.create)
 # Routes that read or write text (/generate and /classify check their own fields): refused under
 # --skip-tokenizer-init.
 TEXT_HANDLERS = (chat.create, completions.create, embeddings.create, responses.create, score.score, messages.create,

@@ -78,9 +78,8 @@ class Engine:
         self.model_config: ModelConfig = self.runner.rank_model.config
         self.context_len: int = self.runner.rank_model.context_len
         self.eos_token_ids, self.vocab_size = self.model_config.eos_token_ids, self.model_config.vocab_size
-        self.default_max_tokens = options.default_max_tokens
+        self.default_max_tokens, self.watchdog_timeout = options.default_max_tokens, options.watchdog_timeout
         self.max_queued_requests, self.stream_interval = options.max_queued_requests, options.stream_interval
-        self.watchdog_timeout = options.watchdog_timeout
         self.grammars = None  # --grammar-backend none: constrained requests are refused
         # --is-embedding: how prompts become vectors; None on a generation server.
         self.pooling = PoolingConfig.from_dir(self.model_dir, self.model_config.hidden_size) \
@@ -89,9 +88,10 @@ class Engine:
             info = tokenizer_info(self.tokenizer, (self.tokenizer_dir / "tokenizer.json").read_text(),
                                   self.vocab_size, self.eos_token_ids)
             self.grammars = GrammarBackend(info, None if options.disable_jump_forward else self.tokenizer)
+        causal = self.model_config.causal  # an encoder computes prompts whole: no cached prefix, no chunks
         self.kv = KVManager(page_allocator(self.runner.rank_model.kv_buffer, self.model_config.sliding_window),
-                            use_radix_cache=not options.disable_radix_cache)
-        chunk = self.kv.fit_chunk(options.chunked_prefill_size if options.chunked_prefill_size > 0 else None)
+                            use_radix_cache=causal and not options.disable_radix_cache)
+        chunk = self.kv.fit_chunk(options.chunked_prefill_size if causal and options.chunked_prefill_size > 0 else None)
         self.prompt_capacity = self.kv.prompt_capacity(chunk)
         # None unless --speculative-algorithm; STANDALONE's draft model goes to the runner.
         self.drafter = drafter_of(options, model_options, self.model_dir, self.runner, self.tokenizer, self.tokenizer_dir)

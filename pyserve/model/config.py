@@ -106,6 +106,9 @@ class ModelConfig:
     # sees the `sliding_window` latest keys, itself included.
     sliding_window: int | None = None
     sliding_layers: frozenset[int] = frozenset()
+    # Each token attends to those before it; False: to its whole prompt (an
+    # encoder, model/encoder.py, whose prompts are computed whole).
+    causal: bool = True
 
     @property
     def rotary_dim(self) -> int:

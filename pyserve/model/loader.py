@@ -1,4 +1,5 @@
-"""Load Hugging Face safetensors weights into a model family's CausalLM.
+"""Load Hugging Face safetensors weights into a model family's CausalLM
+(or an encoder's model: model/encoder.py loads those).
 
 The model is built on the meta device and then given uninitialised storage
 on the target device in the target dtype, so no throwaway random weights
@@ -47,6 +48,7 @@ from tqdm import tqdm
 
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
 from pyserve.model.config import ModelConfig, is_sequence_classifier, read_config_files
+from pyserve.model.encoder import is_encoder, load_encoder, parse_encoder_config
 from pyserve.model.families import family_of, parse_config
 from pyserve.model.families.family import Family
 from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
@@ -249,8 +251,20 @@ def load_model(
     if lm_head and is_sequence_classifier(raw):
         raise ValueError(f"{model_dir} is a sequence classifier (a reward model), which scores prompts and "
                          "generates nothing: serve it with --is-embedding")
-    config = parse_config(raw, generation, str(model_dir)) if part is None else part.config
     scheme = detect(raw, quantization)
+    if is_encoder(raw):
+        if lm_head:
+            raise ValueError(f"{model_dir} is an encoder model, which embeds and scores prompts and generates "
+                             "nothing: serve it with --is-embedding")
+        refused = [flag for flag, given in (("--tp-size above 1", tp.size > 1), ("--load-format dummy", dummy),
+                                            ("a quantized mode", quant is not None or scheme is not None)) if given]
+        if refused:
+            raise ValueError(f"{model_dir} is an encoder model, which runs whole and in float from its checkpoint: "
+                             f"not with {', '.join(refused)}")
+        model = load_encoder(model_dir, parse_encoder_config(raw, str(model_dir)), dtype, device,
+                             checkpoint_files(model_dir))
+        return model, model.config
+    config = parse_config(raw, generation, str(model_dir)) if part is None else part.config
     if dummy and scheme is not None:
         raise ValueError(f"--load-format dummy draws float weights; {model_dir}'s config.json says its checkpoint is "
                          f"{scheme.name}-quantized (--json-model-override-args '{{\"quantization_config\": null}}' measures "

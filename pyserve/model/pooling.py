@@ -19,11 +19,18 @@ Matryoshka (`dimensions`): allowed when config.json says so, as vLLM and
 SGLang read it: `matryoshka_dimensions` (the sizes allowed) or
 `is_matryoshka: true` (any size up to the hidden size).
 
+An encoder (model/encoder.py) without modules.json pools its first
+token, the [CLS] token its pooler reads.
+
 A sequence classifier (config.json's architecture ends in
-ForSequenceClassification: reward models such as
-Skywork-Reward-Llama-3.1-8B) pools its last token, as transformers does
-for an unpadded prompt, through its `score` head: the vector is the
-labels' scores, not normalised.
+ForSequenceClassification) pools one token through its head (ScoreHead):
+the vector is the labels' scores, not normalised. A decoder's (reward
+models such as Skywork-Reward-Llama-3.1-8B) pools its last token, as
+transformers does for an unpadded prompt, through its `score` layer; an
+encoder's (a cross-encoder reranker such as bge-reranker-v2-m3) pools its
+first, through its pooler's or classification head's dense layer and tanh,
+then the labels' projection. A cross-encoder reads a (query, document)
+pair encoded together as one prompt.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from pyserve.model.config import is_sequence_classifier
+from pyserve.model.encoder import classifier_head_names, is_encoder
 
 # sentence-transformers' names (Pooling.pooling_mode) -> ours.
 _ST_MODES = {"lasttoken": "last", "cls": "cls", "mean": "mean"}
@@ -52,6 +60,21 @@ _ST_LEGACY_KEYS = {
 
 
 @dataclass(frozen=True)
+class ScoreHead:
+    """A sequence classifier's head over its pooled hidden state, in float32:
+    a dense layer and tanh first where it has one, then the labels' projection."""
+
+    weight: torch.Tensor  # [labels, hidden]
+    bias: torch.Tensor | None = None
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, bias)
+
+    def __call__(self, vector: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            vector = torch.tanh(F.linear(vector, *self.dense))
+        return F.linear(vector, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
 class PoolingConfig:
     mode: str = "last"
     normalize: bool = True
@@ -59,9 +82,9 @@ class PoolingConfig:
     # Sizes `dimensions` may ask for: None when the model declares no
     # Matryoshka training (only its own size then), () for any size.
     matryoshka_dims: tuple[int, ...] | None = None
-    # A sequence classifier's score head, float32 [labels, hidden]; None for an embedding model.
-    head: torch.Tensor | None = field(default=None, compare=False)
+    head: ScoreHead | None = field(default=None, compare=False)  # a sequence classifier's; None for an embedding model
     labels: tuple[str, ...] = ()  # its labels' names (config.json id2label)
+    cross_encoder: bool = False  # scores a (query, document) pair encoded as one prompt
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, hidden_size: int) -> PoolingConfig:
@@ -69,12 +92,14 @@ class PoolingConfig:
         one pyserve cannot apply."""
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
+        encoder = is_encoder(config)
         if is_sequence_classifier(config):
-            head = _score_head(model_dir, hidden_size)
+            head = _score_head(model_dir, hidden_size, classifier_head_names(config) if encoder else (None, "score"))
+            count = head.weight.shape[0]
             names = config.get("id2label") or {}
-            labels = tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(head.shape[0]))
-            return cls("last", False, head.shape[0], None, head, labels)
-        mode, normalize = "last", True
+            labels = tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(count))
+            return cls("cls" if encoder else "last", False, count, None, head, labels, cross_encoder=encoder)
+        mode, normalize = "cls" if encoder else "last", True
         modules_file = model_dir / "modules.json"
         if modules_file.is_file():
             mode, normalize = _read_modules(model_dir, json.loads(modules_file.read_text()))
@@ -99,7 +124,7 @@ class PoolingConfig:
         """The embedding from the float32 sum of the pooled hidden states."""
         vector = total / count if self.mode == "mean" else total
         if self.head is not None:
-            return self.head @ vector
+            return self.head(vector)
         return F.normalize(vector, dim=-1) if self.normalize else vector
 
     def truncate(self, vector: torch.Tensor, dimensions: int) -> torch.Tensor:
@@ -128,17 +153,25 @@ def sum_spans(hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return out.index_add_(0, spans, hidden.float())
 
 
-def _score_head(model_dir: Path, hidden_size: int) -> torch.Tensor:
+def _score_head(model_dir: Path, hidden_size: int, names: tuple[str | None, str]) -> ScoreHead:
+    """The head whose (dense layer, labels' projection) tensors are named
+    `names` (no dense layer: None), in float32."""
     from pyserve.model.loader import checkpoint_files
 
+    dense, projection = names
+    wanted = {f"{layer}.{part}" for layer in names if layer for part in ("weight", "bias")}
+    found = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            if "score.weight" in f.keys():
-                head = f.get_tensor("score.weight").float()
-                if head.ndim != 2 or head.shape[1] != hidden_size:
-                    raise ValueError(f"{path}: score.weight is {list(head.shape)}, not [labels, {hidden_size}]")
-                return head
-    raise ValueError(f"{model_dir}: a sequence classifier's checkpoint without its score.weight head")
+            found.update({key: f.get_tensor(key).float() for key in wanted & set(f.keys())})
+    weight = found.get(projection + ".weight")
+    if weight is None or (dense is not None and dense + ".weight" not in found):
+        absent = [n for n in (dense, projection) if n and n + ".weight" not in found]
+        raise ValueError(f"{model_dir}: a sequence classifier's checkpoint without its head's {absent[0]}.weight")
+    if weight.ndim != 2 or weight.shape[1] != hidden_size:
+        raise ValueError(f"{model_dir}: {projection}.weight is {list(weight.shape)}, not [labels, {hidden_size}]")
+    return ScoreHead(weight, found.get(projection + ".bias"),
+                     None if dense is None else (found[dense + ".weight"], found.get(dense + ".bias")))
 
 
 def _read_modules(model_dir: Path, modules: list[dict]) -> tuple[str, bool]:

@@ -58,6 +58,10 @@ impl PyTokenizer {
         py.allow_threads(|| self.inner.encode_batch(&texts, add_special_tokens)).map_err(value_error)
     }
 
+    fn encode_pairs(&self, py: Python<'_>, pairs: Vec<(String, String)>) -> PyResult<Vec<Vec<u32>>> {
+        py.allow_threads(|| self.inner.encode_pairs(&pairs)).map_err(value_error)
+    }
+
     #[pyo3(signature = (ids, skip_special_tokens = true))]
     fn decode(&self, py: Python<'_>, ids: Vec<i64>, skip_special_tokens: bool) -> PyResult<String> {
         let ids = token_ids(ids)?;

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 
-use tokenizers::Tokenizer as HfTokenizer;
+use tokenizers::{EncodeInput, Tokenizer as HfTokenizer};
 
 use crate::text::byte_level::ByteLevelDecoder;
 
@@ -64,6 +64,20 @@ impl Tokenizer {
         let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
         let encodings = self.inner.encode_batch_fast(inputs, add_special_tokens).map_err(|e| e.to_string())?;
         Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+
+    /// Each (first, second) pair encoded as one input, with the special
+    /// tokens the tokenizer's post-processor puts around and between them
+    /// (a cross-encoder's `[CLS] first [SEP] second [SEP]`).
+    pub fn encode_pairs(&self, pairs: &[(String, String)]) -> Result<Vec<Vec<u32>>, String> {
+        let inputs: Vec<EncodeInput> =
+            pairs.iter().map(|(a, b)| EncodeInput::Dual(a.as_str().into(), b.as_str().into())).collect();
+        let encodings = if may_use_threads() {
+            self.inner.encode_batch_fast(inputs, true)
+        } else {
+            inputs.into_iter().map(|i| self.inner.encode_fast(i, true)).collect()
+        };
+        Ok(encodings.map_err(|e| e.to_string())?.iter().map(|e| e.get_ids().to_vec()).collect())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, String> {

@@ -10,8 +10,10 @@ P(yes) / (P(yes) + P(no)) for the next token. Both probabilities come from
 the engine's prompt logprobs, the label appended to the prompt as /v1/score
 reads them. A model whose tokenizer lacks the prompt's chat markers or
 single "yes"/"no" tokens cannot be scored this way: a 400 says so.
-Cross-encoder rerankers (SGLang's --is-embedding rerank models) are not
-served: an embedding server answers this route with a 400.
+On an --is-embedding server the documents are scored as vLLM scores
+them (pair_scores.py): by a cross-encoder reranker (bge-reranker-v2-m3,
+SGLang's --is-embedding rerank models), or by the cosine similarity of an
+embedding model's vectors.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import math
 import msgspec
 
 from pyserve.api.generation.serving import ServingContext, collect, fan_out, new_id
+from pyserve.api.native.pair_scores import relevance
+from pyserve.api.openai.embeddings import serves_embeddings
 from pyserve.engine.request import SamplingParams
 from pyserve.http.errors import bad_request
 from pyserve.http.strict import convert_strict
@@ -72,9 +76,11 @@ class ScoredRerankRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
 
 
 async def _scores(ctx: ServingContext, query: str, documents: list[str], instruct: str) -> tuple[list[float], int]:
-    """Each document's relevance, and the judging prompts' tokens."""
+    """Each document's relevance, and the tokens of the prompts computed."""
     if not documents:
         raise bad_request("documents must not be empty", "documents")
+    if serves_embeddings(ctx):
+        return await relevance(ctx, [(query, document) for document in documents], "documents")
     no, yes = _labels(ctx)
     prompts = ctx.engine.tokenizer.encode_batch([judging_prompt(instruct, query, d) for d in documents])
     requests = await fan_out(ctx, [ids + [label] for ids in prompts for label in (no, yes)], _PARAMS, 1,
@@ -92,6 +98,9 @@ async def rerank(ctx: ServingContext, body: dict) -> list[dict]:
     req = convert_strict(body, RerankRequest, "/v1/rerank")
     if req.top_n is not None and req.top_n < 1:
         raise bad_request("top_n must be at least 1", "top_n")
+    if req.instruct is not None and serves_embeddings(ctx):
+        raise bad_request("instruct goes into a generation model's judging prompt; this server scores with an "
+                          "--is-embedding model, which takes the query and documents alone", "instruct")
     scores, _ = await _scores(ctx, req.query, req.documents, req.instruct or _DEFAULT_INSTRUCT)
     return [{"score": scores[i], **({"document": req.documents[i]} if req.return_documents else {}), "index": i}
             for i in _best_first(scores, req.top_n)]

@@ -12,9 +12,11 @@ prefix), so a request costs items x labels prefills of query + item. A
 continuation score reads the item's own positions of the prompt query +
 item: one request per item.
 
-vLLM's /score (`text_1`, `text_2`) needs a cross-encoder or embedding
-model; vLLM has none for a generation model, and neither has this server:
-such a body is refused with a 400 that says what to send instead.
+vLLM's /score body (`text_1`, `text_2`) is for a cross-encoder or an
+embedding model: an --is-embedding server answers it (pair_scores.py); a
+generation server refuses it with a 400 that says what to send instead,
+as vLLM has no such score for a generation model either. SGLang's body
+needs a generation model: an --is-embedding server refuses it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from pyserve.api.native.pair_scores import score_pairs
+from pyserve.api.openai.embeddings import refuse_generation, serves_embeddings
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.serving import ServingContext, collect, fan_out, new_id, prompt_id_lists
 from pyserve.http.strict import convert_strict
@@ -45,10 +49,13 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 async def score(ctx: ServingContext, body: dict) -> dict:
     vllm_fields = [name for name in _VLLM_FIELDS if name in body]
+    if vllm_fields and serves_embeddings(ctx):
+        return await score_pairs(ctx, body)
     if vllm_fields:
         raise bad_request(f"{vllm_fields[0]!r} is vLLM's score shape, which needs a cross-encoder or embedding "
-                          "model; this server scores with a generation model: send query, items and "
-                          "label_token_ids (SGLang's shape)", vllm_fields[0], "unsupported_parameter")
+                          "model served with --is-embedding; this server scores with a generation model: send "
+                          "query, items and label_token_ids (SGLang's shape)", vllm_fields[0], "unsupported_parameter")
+    refuse_generation(ctx)
     req = convert_strict(body, ScoreRequest, "/v1/score")
     if req.label_token_ids is None:
         return await _continuations(ctx, req)

@@ -105,6 +105,8 @@ class RankModel:
                                               config_overrides=overrides,
                                               dummy=options.load_format == "dummy")
         self.context_len = options.context_length or self.config.max_position_embeddings
+        if not self.config.causal and options.enable_lora:
+            raise ValueError("--enable-lora: adapters attach to decoder models; this is an encoder")
         # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
         self.lora = LoraSlots(self.model, options.max_loras_per_batch, options.max_lora_rank, self.dtype, device) \
             if options.enable_lora else None
@@ -211,7 +213,7 @@ class RankModel:
         adapters run eagerly (their hooks pick their tokens on the host each step)."""
         options = self.options  # cuda_graph_max_bs resolved: at most --max-running-requests
         if (self.device.type != "cuda" or options.disable_cuda_graph or options.cuda_graph_max_bs <= 0
-                or self.lora is not None):
+                or self.lora is not None or not self.config.causal):
             return False
         # Imported here: a CPU server never loads Triton (whose bindings report leaks at exit).
         from pyserve.model.attention.triton_backend import TritonAttention

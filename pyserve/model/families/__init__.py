@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyserve.model.config import SEQUENCE_CLASSIFIER, ModelConfig, base_fields, read_config_files
+from pyserve.model.encoder import ENCODER_ARCHITECTURES
 from pyserve.model.families import (deepseek, gemma, glm4, glm4_moe, gpt_oss, granite, llama, minimax_m2, mixtral,
                                    olmo2, phi3, qwen, qwen_moe, smollm3)
 from pyserve.model.families.family import Family
@@ -39,8 +40,8 @@ def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> 
     arch = next((a for a in archs if a in _BY_ARCHITECTURE), None)
     if arch is None:
         raise ValueError(f"{source}: unsupported architecture {archs or cfg.get('model_type')}; "
-                         f"pyserve serves {list(SERVED_ARCHITECTURES)}, and their ForSequenceClassification "
-                         "reward models with --is-embedding")
+                         f"pyserve serves {list(SERVED_ARCHITECTURES)}, and with --is-embedding their "
+                         f"ForSequenceClassification reward models and the encoders {list(ENCODER_ARCHITECTURES)}")
     family = _BY_ARCHITECTURE[arch]
     cfg = family.text_config(cfg)
     fields = base_fields(cfg, gen or {}, source)

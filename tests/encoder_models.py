@@ -1,0 +1,85 @@
+"""Tiny encoder checkpoints (BERT, XLM-RoBERTa) built with transformers'
+own classes and a tokenizer built with the `tokenizers` library, laid out
+as the hub ships them: a sentence-embedding model (all-MiniLM, bge-m3)
+with sentence-transformers' modules.json, or a cross-encoder reranker
+(ms-marco-MiniLM, bge-reranker) as a ForSequenceClassification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WORDS = ("the a is of and to in what which where who capital city country paris france berlin germany tokyo japan "
+         "river rome italy big small cat dog sat on mat answer question fish bird blue sky red sun").split()
+FAMILIES = ("bert", "xlm-roberta")
+
+
+def _tokenizer(family: str):
+    """The family's tokenizer: WordPiece with BERT's [CLS] a [SEP] b [SEP]
+    pair template and segment ids, or RoBERTa's <s> a </s></s> b </s>."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if family == "bert":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        vocab = {token: i for i, token in enumerate(specials + list(WORDS))}
+        tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+        names = dict(cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
+                     model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    else:
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        vocab = {token: i for i, token in enumerate(specials + list(WORDS))}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+        names = dict(bos_token="<s>", eos_token="</s>", cls_token="<s>", sep_token="</s>", pad_token="<pad>",
+                     unk_token="<unk>", mask_token="<mask>")
+    for token in specials:
+        tok.add_special_tokens([token])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **names), len(vocab)
+
+
+def build_tiny_encoder(out_dir: str | Path, family: str, num_labels: int | None = None, pooling: str = "cls",
+                       seed: int = 0) -> Path:
+    """A tiny `family` (one of FAMILIES) checkpoint in `out_dir`: a
+    sentence-embedding model pooling by `pooling` ("cls" or "mean") and
+    normalising, or with `num_labels` a cross-encoder classifier. Weights
+    drawn wider than transformers' default initialisation, so texts differ."""
+    import transformers
+
+    out = Path(out_dir)
+    tokenizer, vocab_size = _tokenizer(family)
+    shape = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, initializer_range=0.3)
+    if family == "bert":
+        config = transformers.BertConfig(max_position_embeddings=64, type_vocab_size=2, **shape)
+    else:
+        config = transformers.XLMRobertaConfig(max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
+                                               bos_token_id=0, eos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    if num_labels is None:
+        model = transformers.AutoModel.from_config(config)
+    else:
+        config.num_labels = num_labels
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+    model.eval().save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if num_labels is None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+        (out / "modules.json").write_text(json.dumps(modules))
+        (out / "1_Pooling").mkdir(exist_ok=True)
+        (out / "2_Normalize").mkdir(exist_ok=True)
+        (out / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+             "pooling_mode_mean_tokens": pooling == "mean"}))
+    return out
