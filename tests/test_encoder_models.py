@@ -9,8 +9,10 @@ pairs. Float32; vectors and scores within 1e-4."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -114,7 +116,7 @@ def test_cross_encoder_scores_match_transformers(tmp_path, family):
 
 
 def test_bi_encoder_scores_pairs_by_cosine_similarity(tmp_path):
-    """vLLM's /score and /rerank on an embedding model: the cosine of the texts' vectors."""
+    """vLLM's /score and /rerank on an embedding model: the cosine of the texts' vectors; its /pooling."""
     model_dir = build_tiny_encoder(tmp_path / "model", "bert", pooling="mean")
 
     async def go():
@@ -124,11 +126,18 @@ def test_bi_encoder_scores_pairs_by_cosine_similarity(tmp_path):
             vectors = json.loads((await call(app, "POST", "/v1/embeddings", {"input": [QUERY] + DOCUMENTS}))[2])
             scored = json.loads((await call(app, "POST", "/score", {"text_1": QUERY, "text_2": DOCUMENTS}))[2])
             ranked = json.loads((await call(app, "POST", "/rerank", {"query": QUERY, "documents": DOCUMENTS}))[2])
-            return vectors, scored, ranked
+            pooled = [json.loads((await call(app, "POST", "/pooling", {"input": [QUERY], "encoding_format": form}))[2])
+                      for form in ("float", "base64")]
+            return vectors, scored, ranked, pooled
         finally:
             await app.shutdown()
 
-    vectors, scored, ranked = asyncio.run(go())
+    vectors, scored, ranked, (floats, packed) = asyncio.run(go())
+    # vLLM's /pooling: the same vector as /v1/embeddings, as floats or base64 float32.
+    assert floats["data"][0]["object"] == "pooling" and floats["usage"]["prompt_tokens"] > 0
+    assert floats["data"][0]["data"] == pytest.approx(vectors["data"][0]["embedding"], abs=TOL)
+    unpacked = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4")
+    assert unpacked.tolist() == pytest.approx(floats["data"][0]["data"], abs=1e-7)
     query, *documents = (torch.tensor(entry["embedding"]) for entry in vectors["data"])
     want = [torch.nn.functional.cosine_similarity(query, d, dim=0).item() for d in documents]
     assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=TOL)

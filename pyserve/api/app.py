@@ -140,6 +140,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/score"): Route(score.score, dict),
     ("POST", "/classify"): Route(classify.classify, dict),
     ("POST", "/encode"): Route(classify.encode, classify.ClassifyRequest),
+    ("POST", "/pooling"): Route(classify.pooling, classify.PoolingRequest),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),
     ("POST", "/rerank"): Route(rerank.scored_rerank, dict),
     ("POST", "/v2/rerank"): Route(rerank.scored_rerank, dict),

@@ -1,5 +1,6 @@
-"""SGLang's POST /encode, and POST /classify on a server of a sequence
-classifier (a reward model: model/pooling.py), on an --is-embedding server.
+"""SGLang's POST /encode, POST /classify on a server of a sequence
+classifier (a reward model: model/pooling.py), and vLLM's POST /pooling,
+on an --is-embedding server.
 
 /encode takes SGLang's body, `text` or `input_ids`, one prompt or a list,
 and answers each prompt's vector as `embedding` with `meta_info`; a list
@@ -8,18 +9,21 @@ label scores: a reward model's one score is `embedding[0]`), or vLLM's,
 `input` (a text, texts, token ids or lists of them) or one conversation as
 `messages` (rendered by the chat template), answered with `data` of
 `{"index", "label", "probs", "num_classes"}`: the probabilities a sigmoid
-(one label) or softmax of the scores, the label the likeliest.
+(one label) or softmax of the scores, the label the likeliest. /pooling
+takes vLLM's body (and `encoding_format`) and answers each prompt's
+vector as /v1/embeddings computes it (a classifier's: its label scores)
+as `data` of `{"index", "object": "pooling", "data"}`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
 
 from pyserve.api.generation.serving import ServingContext, new_id, now, prompt_id_lists
-from pyserve.api.openai.embeddings import pooled_vectors, prompts_of, serves_embeddings
+from pyserve.api.openai.embeddings import encode_vector, pooled_vectors, prompts_of, serves_embeddings
 from pyserve.api.protocol.openai import ChatMessage
 from pyserve.engine.embedding import embedding_mismatch
 from pyserve.http.errors import bad_request
@@ -43,6 +47,10 @@ class ClassificationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
+
+
+class PoolingRequest(ClassificationRequest, kw_only=True, forbid_unknown_fields=True):
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 def _check_server(ctx: ServingContext) -> None:
@@ -78,17 +86,34 @@ async def _sglang(ctx: ServingContext, req: ClassifyRequest) -> dict | list[dict
     return answers[0] if single else answers
 
 
-async def _vllm(ctx: ServingContext, req: ClassificationRequest) -> dict:
+def _vllm_prompts(ctx: ServingContext, req: ClassificationRequest) -> list[list[int]]:
     texts = req.messages is not None or isinstance(req.input, str) or any(isinstance(p, str) for p in req.input or [])
     if ctx.engine.tokenizer is None and texts:
         raise bad_request("this server runs with --skip-tokenizer-init: send token ids", "input")
-    prompts = prompts_of(ctx, req)
+    return prompts_of(ctx, req)
+
+
+def _vllm_response(ctx: ServingContext, req: ClassificationRequest, kind: str, data: list[dict],
+                   prompts: list[list[int]]) -> dict:
+    tokens = sum(len(ids) for ids in prompts)
+    return {"id": new_id(kind + "-"), "object": "list", "created": now(), "model": req.model or ctx.served_model_name,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def _vllm(ctx: ServingContext, req: ClassificationRequest) -> dict:
+    prompts = _vllm_prompts(ctx, req)
     labels = ctx.engine.pooling.labels
     data = []
     for i, scores in enumerate(await pooled_vectors(ctx, prompts, "input")):
         probs = torch.sigmoid(scores) if len(labels) == 1 else torch.softmax(scores, -1)
         data.append({"index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(),
                      "num_classes": len(labels)})
-    tokens = sum(len(ids) for ids in prompts)
-    return {"id": new_id("classify-"), "object": "list", "created": now(), "model": req.model or ctx.served_model_name,
-            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return _vllm_response(ctx, req, "classify", data, prompts)
+
+
+async def pooling(ctx: ServingContext, req: PoolingRequest) -> dict:
+    _check_server(ctx)
+    prompts = _vllm_prompts(ctx, req)
+    data = [{"index": i, "object": "pooling", "data": encode_vector(vector.numpy(), req.encoding_format)}
+            for i, vector in enumerate(await pooled_vectors(ctx, prompts, "input"))]
+    return _vllm_response(ctx, req, "pool", data, prompts)

@@ -83,7 +83,7 @@ async def create(ctx: ServingContext, req: EmbeddingRequest) -> EmbeddingRespons
     data = []
     for i, vector in enumerate(await pooled_vectors(ctx, prompts, "input")):
         vector = vector if req.dimensions is None else engine.pooling.truncate(vector, req.dimensions)
-        data.append(Embedding(index=i, embedding=_encode(vector.numpy(), req.encoding_format)))
+        data.append(Embedding(index=i, embedding=encode_vector(vector.numpy(), req.encoding_format)))
     tokens = sum(len(ids) for ids in prompts)
     return EmbeddingResponse(data=data, model=ctx.served_model_name,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
@@ -123,7 +123,7 @@ async def pooled_vectors(ctx: ServingContext, prompts: list[list[int]], param: s
     return vectors
 
 
-def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
