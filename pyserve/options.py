@@ -33,7 +33,8 @@ class ModelOptions:
     trust_remote_code: bool = option(False, help="accepted from SGLang's launch lines: pyserve runs no repository code")
     download_dir: str | None = option(None, help="the Hugging Face cache Hub ids are found in and downloaded to")
     is_embedding: bool = option(False, help="serve /v1/embeddings from an embedding model (pooling from its "
-                                "sentence-transformers files) instead of generating text",
+                                "sentence-transformers files) instead of generating text; on by itself for a model "
+                                "that cannot generate (an encoder, a sequence classifier)",
                                 alias=("--runner", {"generate": False, "pooling": True},
                                        "vLLM's name: pooling is --is-embedding"))
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -12,6 +12,7 @@ import json
 import re
 import typing
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from pyserve.model.hub import check_revision, local_model_dir
@@ -114,7 +115,8 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         given = [name for name in self._GENERATION_ONLY if getattr(self, name) not in (None, False)]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise ValueError(f"{flags}: generation options make no sense with --is-embedding")
+            raise ValueError(f"{flags}: generation options make no sense with --is-embedding (a model that embeds "
+                             "or scores)")
 
     def _validate_tensor_parallel(self) -> None:
         if self.dp_size != 1:
@@ -143,7 +145,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
     def resolved(self) -> ServerArgs:
         """A copy with every "auto" made concrete for this machine: device
         ("cpu" or "cuda"), dtype, attention backend and overlap scheduling
-        (a bool); the CUDA graphs' largest batch, which every rank
+        (a bool); --is-embedding for a model that cannot generate; the CUDA graphs' largest batch, which every rank
         captures alike, capped by the running batch; Hub ids as local directories; and the speculative
         draft's shape, which the model's architecture decides where left out. Resolving a resolved
         copy changes nothing. Start-up resolves once, then splits."""
@@ -157,6 +159,9 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
             device = "cuda" if cuda_available else "cpu"
         on_cuda = device == "cuda"
         located = self._expanded()._located()
+        if not located.is_embedding and located._scores_only():
+            located = replace(located, is_embedding=True)
+            located._validate_embedding()
         return replace(
             located,
             device=device,
@@ -194,6 +199,18 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
                                          torch_binaries=self.speculative_algorithm in ("EAGLE", "EAGLE3"))
         return replace(self, model_path=model_path, tokenizer_path=tokenizer_path, speculative_draft_model_path=draft_path,
                        served_model_name=self.served_model_name or self.model_path)
+
+    def _scores_only(self) -> bool:
+        """Whether the model embeds or scores and cannot generate (an encoder,
+        a sequence classifier), so that it is served as --is-embedding
+        asks, as SGLang and vLLM tell by its architecture."""
+        from pyserve.model.config import is_sequence_classifier, read_config_files
+        from pyserve.model.encoder import is_encoder
+
+        if not self.model_path or not (Path(self.model_path) / "config.json").is_file():
+            return False
+        config, _ = read_config_files(self.model_path, self.config_overrides)
+        return is_encoder(config) or is_sequence_classifier(config)
 
     def _draft_shape(self, on_cuda: bool) -> dict[str, int | None]:
         """--speculative-num-steps, -eagle-topk and -num-draft-tokens, made

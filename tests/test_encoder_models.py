@@ -1,4 +1,4 @@
-"""Encoder models (BERT, XLM-RoBERTa) served with --is-embedding, on tiny
+"""Encoder models (BERT, XLM-RoBERTa) served as embedding models, on tiny
 checkpoints built with transformers' own classes (tests/encoder_models.py):
 sentence-embedding models through the openai client, checked against
 sentence-transformers on the same weights, and cross-encoder rerankers
@@ -34,10 +34,10 @@ DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat", "berlin
 
 
 def serve(model_dir, tmp_path, **options):
-    """The app, started, for `call`; chunks of 8 tokens, which an encoder's prompts must ignore."""
-    app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path / "files"), dtype="float32",
-                     is_embedding=True, chunked_prefill_size=8, **options)
-    return app
+    """The app (not yet started), served without --is-embedding, which an encoder turns on by itself;
+    chunks of 8 tokens, which an encoder's prompts must ignore."""
+    return create_app(model_path=str(model_dir), file_storage_path=str(tmp_path / "files"), dtype="float32",
+                      chunked_prefill_size=8, **options)
 
 
 @pytest.mark.parametrize("family, pooling", [("bert", "mean"), ("xlm-roberta", "cls")])
@@ -144,11 +144,18 @@ def test_bi_encoder_scores_pairs_by_cosine_similarity(tmp_path):
     assert [r["index"] for r in ranked["results"]] == sorted(range(len(want)), key=lambda i: -want[i])
 
 
-def test_encoder_needs_is_embedding(tmp_path):
+def test_encoder_refuses_what_it_cannot_run(tmp_path):
+    """An encoder loaded to generate (by the loader, where the server would turn --is-embedding on),
+    or with an option it cannot take, is refused at start, naming what."""
+    from pyserve.model.loader import load_model
+
     model_dir = build_tiny_encoder(tmp_path / "model", "bert")
-    app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path / "files"), dtype="float32")
     with pytest.raises(ValueError, match="encoder model.*--is-embedding"):
-        asyncio.run(app.startup())
+        load_model(model_dir, torch.float32, "cpu")
+    for option, match in (({"enable_lora": True}, "--enable-lora"), ({"torchao_config": "int8wo"}, "quantized mode")):
+        app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path / "files"), **option)
+        with pytest.raises(ValueError, match=match):
+            asyncio.run(app.startup())
 
 
 def test_separator_is_read_from_each_post_processor_shape():

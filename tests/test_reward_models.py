@@ -82,8 +82,22 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
     assert embedded_messages["data"][0]["embedding"] == pytest.approx(by_ids["embedding"], abs=1e-5)
 
 
-def test_a_classifier_served_to_generate_is_refused_at_start_naming_the_flag(tmp_path, default_model_dir):
+def test_a_classifier_is_served_as_one_without_the_flag(tmp_path, default_model_dir):
+    """As SGLang and vLLM tell by the architecture: /classify answers, generation is a 400 naming the flag,
+    and a generation option is refused at start."""
     model_dir = build_tiny_model(tmp_path / "model", "llama-classifier", tokenizer_dir=default_model_dir,
                                  num_labels=1)
-    with pytest.raises(ValueError, match="--is-embedding"):
-        asyncio.run(serve(model_dir, tmp_path))
+
+    async def go():
+        app = await serve(model_dir, tmp_path)
+        try:
+            return [await call(app, "POST", path, body) for path, body in (
+                ("/classify", {"text": TEXTS[0]}), ("/v1/completions", {"prompt": TEXTS[0]}))]
+        finally:
+            await app.shutdown()
+
+    (classified, _, body), (refused, _, error) = asyncio.run(go())
+    assert classified == 200 and len(json.loads(body)["embedding"]) == 1
+    assert refused == 400 and "--is-embedding" in json.loads(error)["error"]["message"]
+    with pytest.raises(ValueError, match="--reasoning-parser.*--is-embedding"):
+        asyncio.run(serve(model_dir, tmp_path, reasoning_parser="qwen3"))

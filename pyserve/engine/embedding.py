@@ -56,4 +56,5 @@ def embedding_mismatch(wants_embedding: bool) -> str:
     if wants_embedding:
         return ("this server generates text; embeddings need a server started with --is-embedding "
                 "on an embedding model")
-    return "this server was started with --is-embedding: it serves /v1/embeddings only, not generation"
+    return ("this server serves a model that embeds or scores (--is-embedding): it answers /v1/embeddings, "
+            "/classify, /rerank and /score, not generation")
