@@ -6,8 +6,8 @@ Every token attends to every token of its own prompt, those after it
 too, so an encoder's prompt is computed whole in one step and never
 starts from a cached prefix: the engine runs it unchunked and without the
 prefix cache (ModelConfig.causal). Its KV slots are held for that step as
-any prompt's are, but nothing writes or reads them: attention runs over
-the step's own rows, one prompt at a time. The blocks are post-LN
+any prompt's are, but hold no memory (the cache keeps no layer of an
+encoder): attention runs over the step's own rows, one prompt at a time. The blocks are post-LN
 (LayerNorm(x + attention(x)), then LayerNorm(x + MLP(x))); positions are
 learned and absolute, RoBERTa's counted from past its padding id.
 

@@ -137,7 +137,14 @@ class RankModel:
         heads = len(self.model.shard.kv_heads) if kv_heads is None else kv_heads
         sliding = len(self.window_layers())
         per_layer = KVBuffer.bytes_per_token(1, heads, c.head_dim, self.kv_dtype)
-        return int(per_layer * (c.num_hidden_layers - sliding + sliding * self.options.swa_full_tokens_ratio))
+        return int(per_layer * (self.kv_layers - sliding + sliding * self.options.swa_full_tokens_ratio))
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose K/V the cache holds: none for an encoder, whose
+        attention reads its step's own rows (model/encoder.py); its slots
+        only count the tokens a step holds."""
+        return self.config.num_hidden_layers if self.config.causal else 0
 
     def window_layers(self) -> frozenset[int]:
         """The sliding layers that get a pool of their own: those of a window
@@ -165,6 +172,8 @@ class RankModel:
             return self.options.max_total_tokens
         # What the rank with the most KV heads needs per token (shares may be uneven).
         per_rank = self.kv_bytes_per_token(largest_kv_share(self.config, self.model.shard.tp.size))
+        if per_rank == 0:  # an encoder's slots have no memory behind them: the steps' token budget decides
+            return _CPU_KV_MAX_SLOTS
         if self.device.type == "cuda":
             # Weights are loaded: the KV cache gets what is left of the
             # static share, minus room for activations and CUDA graphs.
@@ -189,7 +198,7 @@ class RankModel:
         as the options and the machine allow."""
         options = self.options
         window_pages = self.window_pages(num_pages) if window_pool else None
-        self.kv_buffer = KVBuffer(self.config.num_hidden_layers, num_pages, len(self.model.shard.kv_heads),
+        self.kv_buffer = KVBuffer(self.kv_layers, num_pages, len(self.model.shard.kv_heads),
                                   self.config.head_dim, self.dtype, self.device, page_size=options.page_size,
                                   window_layers=self.window_layers() if window_pages else frozenset(),
                                   window_pages=window_pages, cache_dtype=self.kv_dtype)
