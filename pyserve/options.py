@@ -118,6 +118,9 @@ class EngineOptions:
     disable_radix_cache: bool = option(False, "--disable-radix-cache", "--no-enable-prefix-caching",
                                        help="do not reuse the KV of shared prompt prefixes",
                                        inverse=("--enable-prefix-caching", "vLLM's: reuse them (the default)"))
+    enable_return_hidden_states: bool = option(
+        False, help="serve requests' return_hidden_states (SGLang's): the final-norm hidden state of every token "
+                    "the model reads, their prompts computed whole")
     # SGLang's flag; vLLM's --scheduling-policy priority means the same.
     enable_priority_scheduling: bool = option(
         False, help="order waiting requests by their `priority` field (larger first, as SGLang; aged so that none "

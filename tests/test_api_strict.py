@@ -156,7 +156,7 @@ BAD_GENERATE_BODIES = {
                       "unknown_parameter"),
     "image_data": ({"image_data": "http://example.com/a.png"}, "image_data", "unknown_parameter"),
     "lora_path": ({"lora_path": "adapter"}, "lora_path", "unknown_parameter"),
-    "return_hidden_states": ({"return_hidden_states": True}, "return_hidden_states", "unknown_parameter"),
+    "return_hidden_states without its flag": ({"return_hidden_states": True}, "return_hidden_states", None),
     "return_logprob a string": ({"return_logprob": "true"}, "return_logprob", "invalid_type"),
     "stream a number": ({"stream": 1}, "stream", "invalid_type"),
     "input_ids a string": ({"input_ids": "504 3575"}, "input_ids", "invalid_type"),

@@ -39,9 +39,23 @@ def check_prompt(req: GenerateRequest, vocab_size: int, context_len: int, kv_cap
         raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {kv_capacity}", "prompt")
 
 
-def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: bool, has_text: bool = True) -> None:
+def hidden_states_refusal(enabled: bool, drafter) -> str | None:
+    """Why this server refuses return_hidden_states; None where it serves it."""
+    if not enabled:
+        return ("return_hidden_states needs a server started with --enable-return-hidden-states (each such "
+                "request's prompt is computed whole, without the prefix cache)")
+    if drafter is not None:
+        return "return_hidden_states is not served with speculative decoding: the verify steps read drafts"
+    return None
+
+
+def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: bool, has_text: bool = True,
+                 hidden_states_refused: str | None = None) -> None:
     """The request's fields that need the server's options (`has_text`:
-    whether it has a tokenizer, without --skip-tokenizer-init)."""
+    whether it has a tokenizer, without --skip-tokenizer-init;
+    `hidden_states_refused`: why return_hidden_states is not served, if it is not)."""
+    if req.params.return_hidden_states and hidden_states_refused is not None:
+        raise RequestError(hidden_states_refused, "return_hidden_states")
     if not has_text and (req.params.stop or req.params.stop_regex or req.params.constraint is not None):
         field = "constraint" if req.params.constraint is not None else "stop"
         raise RequestError(f"this server runs with --skip-tokenizer-init: with no text, {field}s cannot be read "

@@ -6,13 +6,11 @@ and sample on the worker thread -> turn tokens into text -> hand outputs to
 each request's channel. A caller that stops listening aborts its request,
 which gives back every KV slot at once.
 
-A request has three records, each with one owner: its Sequence
-(scheduling, KV, tokens) and its output side (text, stops, logprobs; the
-engine's `_outputs`), both on the event loop, and its SamplingState
-(generator, grammar matcher, penalty history), which the engine builds
-and hands to the forward thread, which alone touches it until it drops it
-(ModelRunner.admit / release). A constrained request's grammar is compiled
-off the loop (engine/grammar.py) before the request is queued.
+A request has three records, each with one owner: its Sequence (scheduling, KV, tokens) and its output side
+(text, stops, logprobs; the engine's `_outputs`), both on the event loop, and its SamplingState (generator,
+grammar matcher, penalty history), which the engine builds and hands to the forward thread, which alone touches
+it until it drops it (ModelRunner.admit / release). A constrained request's grammar is compiled off the loop
+(engine/grammar.py) before the request is queued.
 """
 
 from __future__ import annotations
@@ -29,14 +27,14 @@ import torch
 
 from pyserve._rust import Tokenizer
 from pyserve.engine.adapters import Adapters, adapter_of
-from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt, check_queue
+from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt, check_queue, hidden_states_refusal
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.jump_forward import emitted_tokens
 from pyserve.engine.kv.manager import KVManager
 from pyserve.engine.metrics import EngineMetrics
 from pyserve.engine.runner.model_runner import ModelRunner
-from pyserve.engine.output_processor import OutputProcessor, prompt_logprobs, sampled_logprobs
+from pyserve.engine.output_processor import OutputProcessor, hidden_states, prompt_logprobs, sampled_logprobs
 from pyserve.engine.kv.window_pages import page_allocator
 from pyserve.engine.request import Constraint, GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from pyserve.engine import watchdog
@@ -98,6 +96,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, options.max_running_requests, options.max_prefill_tokens, chunk,
                                    priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
+        self.hidden_states_refused = hidden_states_refusal(options.enable_return_hidden_states, self.drafter)
         self.scheduler.order = WaitingOrder(options.schedule_policy, self.kv, model_options.random_seed)
         self.metrics = EngineMetrics()
         self.request_log = RequestLog(options.log_requests_level if options.log_requests else None, self.tokenizer)
@@ -153,10 +152,11 @@ class Engine:
         return self.scheduler.max_running
 
     def validate(self, req: GenerateRequest) -> None:
-        """Raise RequestError for a request the engine cannot run. The one
-        place these checks live: the API asks here before it answers."""
+        """Raise RequestError for a request the engine cannot run. The one place these checks live: the API
+        asks here before it answers."""
         check_prompt(req, self.vocab_size, self.context_len, self.prompt_capacity)
-        check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling, self.tokenizer is not None)
+        check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling, self.tokenizer is not None,
+                     self.hidden_states_refused)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
         adapter_of(req, self.adapters)
@@ -243,13 +243,9 @@ class Engine:
     # -- the step loop -------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        """Schedule, launch, then finish the previous step while this one runs.
-
-        With overlap the loop schedules and launches step N+1 before it
-        turns step N's ids into text, so the device never waits for the CPU
-        work in between. Without it, each step is finished before the next
-        is scheduled.
-        """
+        """Schedule, launch, then finish the previous step while this one runs. With overlap the loop
+        schedules and launches step N+1 before it turns step N's ids into text, so the device never waits
+        for the CPU work in between; without it, each step is finished before the next is scheduled."""
         in_flight: tuple[ScheduledStep, asyncio.Future] | None = None
         try:
             while True:
@@ -300,7 +296,7 @@ class Engine:
             output = await watchdog.within(self.runner.wait(launched), self.watchdog_timeout)
             next_ids = output.ids.tolist()
             logprobs = sampled_logprobs(output, row_sequences(step, output.drafted), next_ids)
-            prompt = prompt_logprobs(output, step)
+            prompt, states = prompt_logprobs(output, step), hidden_states(output, step)
         except Exception:
             self._on_failed_step(step)
             return
@@ -312,6 +308,9 @@ class Engine:
         for seq, entries in prompt:
             if not seq.finished:
                 self._outputs[seq].add_prompt_logprobs(entries)
+        for seq, rows in states:
+            if not seq.finished:
+                self._outputs[seq].add_hidden_states(rows)
         for seq, token_ids, entries in emitted_tokens(step, output, next_ids, logprobs, self.kv, self.drafter,
                                                       self.metrics):
             self._on_token(seq, token_ids, entries)

@@ -56,6 +56,14 @@ def prompt_logprobs(output: StepOutput, step: ScheduledStep) -> list[tuple[Seque
     return out
 
 
+def hidden_states(output: StepOutput, step: ScheduledStep) -> list[tuple[Sequence, torch.Tensor]]:
+    """The step's returned hidden states (return_hidden_states), split by sequence."""
+    if output.hidden_states is None:
+        return []
+    return list(zip([seq for seq, _ in step.state_spans],
+                    output.hidden_states.split([len(kept) for _, kept in step.state_spans])))
+
+
 class _NoText:
     """The detokenizer of a server without a tokenizer: tokens have no text."""
 
@@ -92,6 +100,7 @@ class OutputProcessor:
         self.logprobs: list[TokenLogprob] | None = [] if p.logprobs or p.top_logprobs else None
         # The prompt's, gathered over its chunks; sent with the first output.
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if p.prompt_logprobs else None
+        self.hidden_states: list[torch.Tensor] = []  # return_hidden_states: those not yet sent
 
     def _output(self, text: str, **finish) -> GenerateOutput:
         seq = self.seq
@@ -99,6 +108,7 @@ class OutputProcessor:
         new_ids = seq.output_ids[self.sent_tokens :]
         logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        states, self.hidden_states = torch.cat(self.hidden_states) if self.hidden_states else None, []
         self.sent_tokens = len(seq.output_ids)
         return GenerateOutput(
             rid=seq.rid,
@@ -109,12 +119,16 @@ class OutputProcessor:
             cached_tokens=seq.cache_hit or 0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            hidden_states=states,
             speculation=SpeculationCounts(seq.verify_steps, seq.drafted, seq.accepted) if self.speculative else None,
             **finish,
         )
 
     def add_prompt_logprobs(self, entries: list[TokenLogprob]) -> None:
         self.prompt_logprobs += entries
+
+    def add_hidden_states(self, rows: torch.Tensor) -> None:
+        self.hidden_states.append(rows)
 
     def extend(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> GenerateOutput | None:
         """Record a step's tokens for this request (a sampled one, an

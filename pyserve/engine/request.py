@@ -75,6 +75,11 @@ class SamplingParams:
     # Set by the engine on an embedding request: how its prompt's hidden
     # states are pooled (model/pooling.py); it ends after its prefill.
     pooling: str | None = None
+    # SGLang's: the final-norm hidden state of every token the model reads
+    # (the prompt's, then each output token's but the last) comes back with
+    # the outputs (GenerateOutput.hidden_states). The prompt is then
+    # computed whole, as with prompt_logprobs.
+    return_hidden_states: bool = False
 
 
 def prompt_alternatives(p: SamplingParams) -> int:
@@ -168,4 +173,7 @@ class GenerateOutput:
     # On the first output, when asked for: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: torch.Tensor | None = None  # an embedding request's vector (float32, CPU), on its last output
+    # With return_hidden_states: the hidden states [tokens, hidden] (float32,
+    # CPU) computed since the previous output, in position order.
+    hidden_states: torch.Tensor | None = None
     speculation: SpeculationCounts | None = None  # with --speculative-algorithm

@@ -172,6 +172,8 @@ class Scheduler:
                     step.late_drafts[row.sampled] = late
         for seq, scored in step.prompt_spans:
             seq.next_prompt_logprob = scored.stop + 1
+        for seq, kept in step.state_spans:
+            seq.next_hidden_state = kept.stop
         for seq in prefill.seqs:
             if seq.kv_len == seq.num_tokens:  # its whole prompt is in: it decodes from now on
                 self.prefilling.remove(seq)

@@ -67,6 +67,9 @@ class Sequence:
     # Next prompt position whose log-probability is still to be computed
     # (prompt_logprobs); survives retraction, so none is computed twice.
     next_prompt_logprob: int = 1
+    # Next position whose hidden state is still to be returned
+    # (return_hidden_states); survives retraction, so none comes twice.
+    next_hidden_state: int = 0
 
     # Speculative decoding (engine/speculative/): the scheduler writes the
     # drafts its next step verifies; the engine counts what was accepted and

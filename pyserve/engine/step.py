@@ -90,6 +90,10 @@ class ScheduledStep:
     embed_rows: list[int] = field(default_factory=list)
     embed_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)
+    # return_hidden_states: the token rows whose hidden states go back to
+    # their requests, and (sequence, rows) per sequence that has some.
+    state_rows: list[int] = field(default_factory=list)
+    state_spans: list[tuple[Sequence, range]] = field(default_factory=list)
     # The rows (indices into seqs) a draft model runs after the target, its
     # KV at every slot they write: those of drafting sequences; None, all.
     draft_rows: list[int] | None = None
@@ -120,6 +124,8 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     embed_rows: list[int] = []
     embed_spans: list[tuple[Sequence, int, int]] = []
     embedded: list[Sequence] = []
+    state_rows: list[int] = []
+    state_spans: list[tuple[Sequence, range]] = []
     seqs = prefill.seqs + decode.seqs
     lengths = prefill.lengths + decode.lengths
     new_slots = prefill.new_slots + decode.new_slots
@@ -142,6 +148,12 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
             if pooled:
                 embed_rows += [len(input_ids) + p - start for p in pooled]
                 embed_spans.append((seq, start, len(pooled)))
+        if seq.params.return_hidden_states:
+            # Not a draft's: those the verify step rejects were never read.
+            kept = range(max(start, seq.next_hidden_state), min(start + n, seq.num_total))
+            if kept:
+                state_rows += [len(input_ids) + p - start for p in kept]
+                state_spans.append((seq, kept))
         input_ids.extend(new)
         positions.extend(range(start, start + n))
         kv.append_slots(seq, slots)
@@ -168,6 +180,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         num_prefill_tokens=sum(prefill.lengths), num_cached_tokens=cached_tokens,
         following=following, prompt_targets=prompt_targets, prompt_spans=prompt_spans,
         embed_rows=embed_rows, embed_spans=embed_spans, embedded=embedded,
+        state_rows=state_rows, state_spans=state_spans,
     )
 
 

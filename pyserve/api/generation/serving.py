@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+import torch
 from msgspec import UNSET, UnsetType
 
 from pyserve._rust import Tokenizer
@@ -243,6 +244,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # return_hidden_states: each output's rows
     final: GenerateOutput | None = None  # the last output: finish reason, matched stop, token counts
 
 
@@ -255,6 +257,8 @@ async def collect(engine: Engine, requests: list[GenerateRequest]) -> list[Choic
         result.token_ids += out.token_ids
         result.logprobs += out.logprobs or []
         result.prompt_logprobs += out.prompt_logprobs or []
+        if out.hidden_states is not None:
+            result.hidden_states.append(out.hidden_states)
         if out.finished:
             result.final = out
     return results

@@ -1,11 +1,17 @@
 """SGLang's native POST /generate: `text` or `input_ids`, `sampling_params`,
 `stream`; answers `text`, `output_ids` (the generated tokens) and
-`meta_info`, with SGLang's logprob lists when `return_logprob` is set."""
+`meta_info`, with SGLang's logprob lists when `return_logprob` is set, and
+its hidden states when `return_hidden_states` is: `hidden_states[0]` the
+prompt's rows, then one row per output token the model read (each but the
+last), as SGLang lists them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import torch
 
 from pyserve.api.generation.constraints import request_constraint
 from pyserve.api.generation.logprobs import TokenTexts
@@ -49,6 +55,7 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         defaults=ctx.sampling_defaults,
     ) for fields, constrained, wanted, start, top in zip(batch.fields, constraints, batch.return_logprob,
                                                           batch.logprob_start_len, batch.top_logprobs_num)]
+    params = [replace(p, return_hidden_states=wanted) for p, wanted in zip(params, batch.return_hidden_states)]
     names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "stop": "sampling_params.stop",
              "constraint": next((c.param for c in constraints if c is not None), None)}
@@ -68,8 +75,11 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     for i, result in enumerate(await collect(ctx.engine, requests)):
         if logprobs[i]:
             logprobs[i].add(result.prompt_logprobs, result.logprobs)
+        meta = _meta(requests[i].rid, result.final, started, logprobs[i])
+        if requests[i].params.return_hidden_states:
+            meta["hidden_states"] = _hidden_states_meta(result.hidden_states, len(requests[i].input_ids))
         results.append({**({"text": result.text} if has_text else {}), "output_ids": result.token_ids,
-                        "meta_info": _meta(requests[i].rid, result.final, started, logprobs[i])})
+                        "meta_info": meta})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
     return results[0] if single and n == 1 else results
 
@@ -91,6 +101,7 @@ class _Batch:
         self.return_logprob = self._each(req.return_logprob, "return_logprob")
         self.logprob_start_len = self._each(req.logprob_start_len, "logprob_start_len")
         self.top_logprobs_num = self._each(req.top_logprobs_num, "top_logprobs_num")
+        self.return_hidden_states = self._each(req.return_hidden_states, "return_hidden_states")
 
     def _each(self, value, name: str) -> list:
         if not isinstance(value, list):
@@ -116,13 +127,18 @@ async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started:
     with no tokenizer, the token ids alone."""
     texts = [""] * len(requests)
     ids: list[list[int]] = [[] for _ in requests]
+    states: list[list[torch.Tensor]] = [[] for _ in requests]
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
         ids[i] += out.token_ids
         if logprobs[i]:
             logprobs[i].add(out.prompt_logprobs or [], out.logprobs or [])
-        event = {**({"text": texts[i]} if has_text else {}), "output_ids": list(ids[i]),
-                 "meta_info": _meta(requests[i].rid, out, started, logprobs[i])}
+        meta = _meta(requests[i].rid, out, started, logprobs[i])
+        if out.hidden_states is not None:
+            states[i].append(out.hidden_states)
+        if requests[i].params.return_hidden_states:  # all so far, as the text and ids
+            meta["hidden_states"] = _hidden_states_meta(states[i], len(requests[i].input_ids))
+        event = {**({"text": texts[i]} if has_text else {}), "output_ids": list(ids[i]), "meta_info": meta}
         if len(requests) > 1:
             event["index"] = i
         yield event
@@ -147,6 +163,13 @@ def _meta(rid: str, out: GenerateOutput, started: float, logprobs: MetaLogprobs 
         **(logprobs.meta() if logprobs else {}),
         **(_speculation_meta(out.speculation) if out.speculation is not None else {}),
     }
+
+
+def _hidden_states_meta(outputs: list[torch.Tensor], prompt_tokens: int) -> list:
+    """SGLang's meta_info.hidden_states: the prompt's rows as one list, then
+    each output token's row, from the rows the outputs brought in order."""
+    rows = torch.cat(outputs).tolist() if outputs else []
+    return [rows[:prompt_tokens], *rows[prompt_tokens:]] if rows else []
 
 
 def _speculation_meta(c: SpeculationCounts) -> dict:

@@ -61,6 +61,8 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     # from position logprob_start_len on (-1: none of the prompt).
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    # SGLang's: meta_info.hidden_states (with --enable-return-hidden-states).
+    return_hidden_states: bool | list[bool] = False
     stream: bool = False
     # The smg gateway adds these to every /generate it routes, at SGLang's
     # defaults: the model's name (any is accepted, as on the OpenAI routes)

@@ -5,17 +5,14 @@ code that sets a sequence's KV fields (`slots`, `shared_len`,
 `prefix_node`, `cache_hit`). The scheduler asks it for room and slots and
 decides nothing about pages itself; the engine and the API read its figures.
 
-Every page is exactly one of: free, owned by the radix cache (any salt's
-tree), or held by one running sequence (its slots past the shared prefix).
-`integrity_problem` checks exactly that.
+Every page is exactly one of: free, owned by the radix cache (any salt's tree), or held by one running
+sequence (its slots past the shared prefix). `integrity_problem` checks exactly that.
 
-A model with sliding-window layers has a second, smaller pool for them
-(window_pages.py): a page keeps its sliding K/V only while some layer may
-read it. Before each step a sequence gives back the sliding pages of its
-own tokens that its next token no longer sees (`slide`); cached prefixes
-give theirs back when the sliding pool runs short, except where a running
-sequence or a pending hit still reads them; and a prefix hit is cut back
-to where the `window - 1` tokens before its end still have theirs.
+A model with sliding-window layers has a second, smaller pool for them (window_pages.py): a page keeps its
+sliding K/V only while some layer may read it. Before each step a sequence gives back the sliding pages of its
+own tokens that its next token no longer sees (`slide`); cached prefixes give theirs back when the sliding pool
+runs short, except where a running sequence or a pending hit still reads them; and a prefix hit is cut back to
+where the `window - 1` tokens before its end still have theirs.
 """
 
 from __future__ import annotations
@@ -188,10 +185,12 @@ class KVManager:
     # -- prefixes ------------------------------------------------------------
 
     def can_share(self, seq: Sequence) -> bool:
-        """Whether `seq` may start from a cached prefix (one cached under its
-        own cache_salt): not when the cache is off, nor when it wants the logits of every prompt position, nor
-        when it is an embedding pooled from the first position on."""
-        return self.cache is not None and not seq.params.prompt_logprobs and seq.params.pooling in (None, "last")
+        """Whether `seq` may start from a cached prefix (one cached under its own cache_salt): not when the cache
+        is off, nor when it wants the logits or hidden states of every prompt position, nor when it is an
+        embedding pooled from the first position on."""
+        p = seq.params
+        whole = p.prompt_logprobs or p.return_hidden_states or p.pooling not in (None, "last")
+        return self.cache is not None and not whole
 
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The longest cached prefix of `seq` that `can_share` allows,

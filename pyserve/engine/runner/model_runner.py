@@ -63,6 +63,8 @@ class StepOutput:
     # Embedding requests: per step.embed_spans entry, the float32 sum of its
     # pooled rows' final-norm hidden states [spans, hidden].
     pooled: torch.Tensor | None = None
+    # return_hidden_states: float32 [len(step.state_rows), hidden], those rows' final-norm hidden states.
+    hidden_states: torch.Tensor | None = None
     # Sampled sequences whose grammar refused the token they sampled the
     # step before (a bug): the engine ends them.
     refused: list[Sequence] = field(default_factory=list)
@@ -253,7 +255,7 @@ class ModelRunner:
                     capture = self.draft.capture()
                 # Tree rows run as one row per token (speculative/tree.py).
                 target_batch = batch if not trees else tree.expand(step, batch, trees)
-                all_logits, pooled = self._forward_on_every_rank(target_batch, step, capture)
+                all_logits, pooled, hidden_states = self._forward_on_every_rank(target_batch, step, capture)
                 num_rows = len(seqs) + sum(len(d) for d in step.drafts)
                 logits = all_logits[:num_rows]
                 if drafts:
@@ -278,14 +280,17 @@ class ModelRunner:
                     prompt_logprobs = token_logprobs(all_logits[num_rows:], targets, step.prompt_top_logprobs)
                 self._last_runs = StepRuns.of(next_ids.to(self.device), drafts, counts, scheduled.drafts)
                 if self.device.type != "cuda":
-                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, refused, counts, forced,
-                                      drafted)
+                    return StepOutput(next_ids.cpu(), logprobs, None, prompt_logprobs, pooled, hidden_states, refused,
+                                      counts, forced, drafted)
 
                 def to_host(parts):
                     return tuple(_pinned_copy(t) for t in parts) if parts is not None else None
 
+                def one_to_host(t):
+                    return _pinned_copy(t) if t is not None else None
+
                 output = StepOutput(_pinned_copy(next_ids), to_host(logprobs), torch.cuda.Event(),
-                                    to_host(prompt_logprobs), _pinned_copy(pooled) if pooled is not None else None,
+                                    to_host(prompt_logprobs), one_to_host(pooled), one_to_host(hidden_states),
                                     refused, counts, forced, drafted)
                 output.ready.record()
                 return output
@@ -294,8 +299,8 @@ class ModelRunner:
             raise
 
     def _forward_on_every_rank(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's logits (and pooled sums), the other tensor-parallel ranks
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The step's logits (and pooled sums, and returned hidden states), the other tensor-parallel ranks
         given the same batch. `capture`: hidden states rank 0 keeps (the
         residual stream is whole on every rank)."""
         with self._on_every_rank("a tensor-parallel step") as channel:
@@ -325,19 +330,22 @@ class ModelRunner:
             raise
 
     def _forward(self, batch: ForwardBatch, step: ScheduledStep, capture: AuxCapture | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Logits of the batch's logits rows and, for a step with embedding
-        rows, StepOutput.pooled, in one pass through the layers. The other
-        ranks run a plain forward: the same collectives, since the pooled
-        rows' final norm is local and the vocabulary gather sees the same
-        logits rows."""
-        if not step.embed_rows:
-            return self.forward(batch, capture), None
-        wanted = len(batch.logits_indices)
-        rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows, device=self.device)])
-        hidden = self.rank_model.model.hidden_states(batch, self.rank_model.attention, rows, capture=capture)
-        pooled = sum_spans(hidden[wanted:], [count for _, _, count in step.embed_spans])
-        return self.rank_model.model.logits(hidden[:wanted]), pooled
+        rows or hidden states to return, StepOutput.pooled and
+        .hidden_states, in one pass through the layers (eager: no CUDA
+        graph hands back other rows). The other ranks run a plain forward:
+        the same collectives, since the extra rows' final norm is local and
+        the vocabulary gather sees the same logits rows."""
+        if not step.embed_rows and not step.state_rows:
+            return self.forward(batch, capture), None, None
+        wanted, pooled_rows = len(batch.logits_indices), len(step.embed_rows)
+        rows = torch.cat([batch.logits_indices, torch.tensor(step.embed_rows + step.state_rows, device=self.device)])
+        hidden = self.rank_model.hidden_states(batch, rows, capture)
+        pooled = sum_spans(hidden[wanted : wanted + pooled_rows], [count for _, _, count in step.embed_spans]) \
+            if step.embed_rows else None
+        states = hidden[wanted + pooled_rows :].float() if step.state_rows else None
+        return self.rank_model.model.logits(hidden[:wanted]), pooled, states
 
     def shutdown(self) -> None:
         """Stop the forward thread, then every other rank. RuntimeError when a

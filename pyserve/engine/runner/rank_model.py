@@ -316,6 +316,13 @@ class RankModel:
         with threads:
             return self.model(batch, self.attention, plan, self.native_layers, capture)
 
+    def hidden_states(self, batch: ForwardBatch, rows: torch.Tensor, capture: AuxCapture | None = None) -> torch.Tensor:
+        """Final-norm hidden states of the token rows `rows`
+        (CausalLM.hidden_states), by the torch layers, under the batch's adapters."""
+        if self.lora is not None:
+            self.lora.current = batch.lora
+        return self.model.hidden_states(batch, self.attention, rows, capture=capture)
+
     def plan(self, batch: ForwardBatch) -> StepPlan:
         """How `batch` runs: which layers, on how many torch threads, with
         which attention kernel. The block kernels' threads spin between
