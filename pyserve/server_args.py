@@ -205,7 +205,7 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         a sequence classifier), so that it is served as --is-embedding
         asks, as SGLang and vLLM tell by its architecture."""
         from pyserve.model.config import is_sequence_classifier, read_config_files
-        from pyserve.model.encoder import is_encoder
+        from pyserve.model.encoders import is_encoder
 
         if not self.model_path or not (Path(self.model_path) / "config.json").is_file():
             return False

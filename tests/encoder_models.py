@@ -1,8 +1,9 @@
-"""Tiny encoder checkpoints (BERT, XLM-RoBERTa) built with transformers'
-own classes and a tokenizer built with the `tokenizers` library, laid out
-as the hub ships them: a sentence-embedding model (all-MiniLM, bge-m3)
-with sentence-transformers' modules.json, or a cross-encoder reranker
-(ms-marco-MiniLM, bge-reranker) as a ForSequenceClassification."""
+"""Tiny encoder checkpoints (BERT, XLM-RoBERTa, ModernBERT) built with
+transformers' own classes and a tokenizer built with the `tokenizers`
+library, laid out as the hub ships them: a sentence-embedding model
+(all-MiniLM, bge-m3, gte-modernbert) with sentence-transformers'
+modules.json, or a cross-encoder reranker (ms-marco-MiniLM, bge-reranker,
+gte-reranker-modernbert) as a ForSequenceClassification."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 WORDS = ("the a is of and to in what which where who capital city country paris france berlin germany tokyo japan "
          "river rome italy big small cat dog sat on mat answer question fish bird blue sky red sun").split()
-FAMILIES = ("bert", "xlm-roberta")
+FAMILIES = ("bert", "xlm-roberta", "modernbert")
 
 
 def _tokenizer(family: str):
@@ -22,7 +23,7 @@ def _tokenizer(family: str):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    if family == "bert":
+    if family in ("bert", "modernbert"):
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         vocab = {token: i for i, token in enumerate(specials + list(WORDS))}
         tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
@@ -31,8 +32,10 @@ def _tokenizer(family: str):
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
             special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+        # BERT's segments are a model input; ModernBERT has none.
+        inputs = ["input_ids", "token_type_ids", "attention_mask"] if family == "bert" else ["input_ids", "attention_mask"]
         names = dict(cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
-                     model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+                     model_input_names=inputs)
     else:
         specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
         vocab = {token: i for i, token in enumerate(specials + list(WORDS))}
@@ -51,8 +54,10 @@ def build_tiny_encoder(out_dir: str | Path, family: str, num_labels: int | None 
                        seed: int = 0) -> Path:
     """A tiny `family` (one of FAMILIES) checkpoint in `out_dir`: a
     sentence-embedding model pooling by `pooling` ("cls" or "mean") and
-    normalising, or with `num_labels` a cross-encoder classifier. Weights
-    drawn wider than transformers' default initialisation, so texts differ."""
+    normalising, or with `num_labels` a cross-encoder classifier (a
+    ModernBERT one pooling by `pooling`). Weights drawn wider than
+    transformers' default initialisation, so texts differ. ModernBERT's
+    local layers see 4 tokens either side, fewer than a long text has."""
     import transformers
 
     out = Path(out_dir)
@@ -61,6 +66,11 @@ def build_tiny_encoder(out_dir: str | Path, family: str, num_labels: int | None 
                  intermediate_size=64, initializer_range=0.3)
     if family == "bert":
         config = transformers.BertConfig(max_position_embeddings=64, type_vocab_size=2, **shape)
+    elif family == "modernbert":
+        config = transformers.ModernBertConfig(
+            max_position_embeddings=64, local_attention=8, classifier_pooling=pooling,
+            pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
+            **{**shape, "num_hidden_layers": 4})
     else:
         config = transformers.XLMRobertaConfig(max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
                                                bos_token_id=0, eos_token_id=2, **shape)

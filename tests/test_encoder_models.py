@@ -1,4 +1,4 @@
-"""Encoder models (BERT, XLM-RoBERTa) served as embedding models, on tiny
+"""Encoder models (BERT, XLM-RoBERTa, ModernBERT) served as embedding models, on tiny
 checkpoints built with transformers' own classes (tests/encoder_models.py):
 sentence-embedding models through the openai client, checked against
 sentence-transformers on the same weights, and cross-encoder rerankers
@@ -19,7 +19,7 @@ import torch
 from starlette.testclient import TestClient
 
 from pyserve.asgi import create_app
-from pyserve.model.encoder import _separator_of
+from pyserve.model.encoders.bert import separator_of
 from tests.encoder_models import build_tiny_encoder
 from tests.test_api_handlers import call
 
@@ -40,7 +40,7 @@ def serve(model_dir, tmp_path, **options):
                       chunked_prefill_size=8, **options)
 
 
-@pytest.mark.parametrize("family, pooling", [("bert", "mean"), ("xlm-roberta", "cls")])
+@pytest.mark.parametrize("family, pooling", [("bert", "mean"), ("xlm-roberta", "cls"), ("modernbert", "mean")])
 def test_embeddings_match_sentence_transformers(tmp_path, family, pooling):
     from sentence_transformers import SentenceTransformer
 
@@ -71,9 +71,9 @@ def hf_relevance(model_dir, pairs: list[tuple[str, str]]) -> list[float]:
         return model(**inputs).logits[:, 0].sigmoid().tolist()
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
-def test_cross_encoder_scores_match_transformers(tmp_path, family):
-    model_dir = build_tiny_encoder(tmp_path / "model", family, num_labels=1)
+@pytest.mark.parametrize("family, pooling", [("bert", "cls"), ("xlm-roberta", "cls"), ("modernbert", "mean")])
+def test_cross_encoder_scores_match_transformers(tmp_path, family, pooling):
+    model_dir = build_tiny_encoder(tmp_path / "model", family, num_labels=1, pooling=pooling)
     want = hf_relevance(model_dir, [(QUERY, d) for d in DOCUMENTS])
     paired = hf_relevance(model_dir, list(zip(DOCUMENTS, reversed(DOCUMENTS))))
 
@@ -165,6 +165,6 @@ def test_separator_is_read_from_each_post_processor_shape():
                 "pair": [{"SpecialToken": {"id": "[CLS]"}}, {"Sequence": {"id": "A"}}, {"SpecialToken": {"id": "[SEP]"}},
                          {"Sequence": {"id": "B"}}, {"SpecialToken": {"id": "[SEP]"}}],
                 "special_tokens": {"[SEP]": {"ids": [3]}, "[CLS]": {"ids": [2]}}}
-    assert _separator_of(bert) == 102 and _separator_of(template) == 3
-    assert _separator_of({"type": "Sequence", "processors": [{"type": "ByteLevel"}, template]}) == 3
-    assert _separator_of({"type": "ByteLevel"}) is None and _separator_of(None) is None
+    assert separator_of(bert) == 102 and separator_of(template) == 3
+    assert separator_of({"type": "Sequence", "processors": [{"type": "ByteLevel"}, template]}) == 3
+    assert separator_of({"type": "ByteLevel"}) is None and separator_of(None) is None

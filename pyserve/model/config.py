@@ -107,7 +107,7 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: frozenset[int] = frozenset()
     # Each token attends to those before it; False: to its whole prompt (an
-    # encoder, model/encoder.py, whose prompts are computed whole).
+    # encoder, model/encoders/, whose prompts are computed whole).
     causal: bool = True
 
     @property

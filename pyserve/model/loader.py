@@ -1,5 +1,5 @@
 """Load Hugging Face safetensors weights into a model family's CausalLM
-(or an encoder's model: model/encoder.py loads those).
+(or an encoder's model: model/encoders/ loads those).
 
 The model is built on the meta device and then given uninitialised storage
 on the target device in the target dtype, so no throwaway random weights
@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
 from pyserve.model.config import ModelConfig, is_sequence_classifier, read_config_files
-from pyserve.model.encoder import is_encoder, load_encoder, parse_encoder_config
+from pyserve.model.encoders import is_encoder, load_encoder, parse_encoder_config
 from pyserve.model.families import family_of, parse_config
 from pyserve.model.families.family import Family
 from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
@@ -261,7 +261,7 @@ def load_model(
         if refused:
             raise ValueError(f"{model_dir} is an encoder model, which runs whole and in float from its checkpoint: "
                              f"not with {', '.join(refused)}")
-        model = load_encoder(model_dir, parse_encoder_config(raw, str(model_dir)), dtype, device,
+        model = load_encoder(model_dir, parse_encoder_config(raw, model_dir), dtype, device,
                              checkpoint_files(model_dir))
         return model, model.config
     config = parse_config(raw, generation, str(model_dir)) if part is None else part.config

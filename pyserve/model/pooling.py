@@ -19,7 +19,7 @@ Matryoshka (`dimensions`): allowed when config.json says so, as vLLM and
 SGLang read it: `matryoshka_dimensions` (the sizes allowed) or
 `is_matryoshka: true` (any size up to the hidden size).
 
-An encoder (model/encoder.py) without modules.json pools its first
+An encoder (model/encoders/) without modules.json pools its first
 token, the [CLS] token its pooler reads.
 
 A sequence classifier (config.json's architecture ends in
@@ -28,8 +28,9 @@ the vector is the labels' scores, not normalised. A decoder's (reward
 models such as Skywork-Reward-Llama-3.1-8B) pools its last token, as
 transformers does for an unpadded prompt, through its `score` layer; an
 encoder's (a cross-encoder reranker such as bge-reranker-v2-m3) pools its
-first, through its pooler's or classification head's dense layer and tanh,
-then the labels' projection. A cross-encoder reads a (query, document)
+first token (or, as ModernBERT's config may say, the mean of all) through
+its pooler's or classification head's dense layer and activation (and
+LayerNorm, ModernBERT's), then the labels' projection. A cross-encoder reads a (query, document)
 pair encoded together as one prompt.
 """
 
@@ -44,7 +45,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from pyserve.model.config import is_sequence_classifier
-from pyserve.model.encoder import classifier_head_names, is_encoder
+from pyserve.model.encoders import classifier_head, is_encoder
+from pyserve.model.encoders.base import ACTIVATIONS, HeadNames
 
 # sentence-transformers' names (Pooling.pooling_mode) -> ours.
 _ST_MODES = {"lasttoken": "last", "cls": "cls", "mean": "mean"}
@@ -62,15 +64,21 @@ _ST_LEGACY_KEYS = {
 @dataclass(frozen=True)
 class ScoreHead:
     """A sequence classifier's head over its pooled hidden state, in float32:
-    a dense layer and tanh first where it has one, then the labels' projection."""
+    a dense layer and its activation first where it has one, then a
+    LayerNorm where it has one, then the labels' projection."""
 
     weight: torch.Tensor  # [labels, hidden]
     bias: torch.Tensor | None = None
-    dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, bias)
+    dense: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight, bias)
+    activation: str = "tanh"
+    norm: tuple[torch.Tensor, torch.Tensor | None, float] | None = None  # (weight, bias, eps)
 
     def __call__(self, vector: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
-            vector = torch.tanh(F.linear(vector, *self.dense))
+            vector = ACTIVATIONS[self.activation](F.linear(vector, *self.dense))
+        if self.norm is not None:
+            weight, bias, eps = self.norm
+            vector = F.layer_norm(vector, weight.shape, weight, bias, eps)
         return F.linear(vector, self.weight, self.bias)
 
 
@@ -94,11 +102,12 @@ class PoolingConfig:
         config = json.loads((model_dir / "config.json").read_text())
         encoder = is_encoder(config)
         if is_sequence_classifier(config):
-            head = _score_head(model_dir, hidden_size, classifier_head_names(config) if encoder else (None, "score"))
+            names = classifier_head(config) if encoder else None
+            head = _score_head(model_dir, hidden_size, names)
             count = head.weight.shape[0]
-            names = config.get("id2label") or {}
-            labels = tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(count))
-            return cls("cls" if encoder else "last", False, count, None, head, labels, cross_encoder=encoder)
+            ids = config.get("id2label") or {}
+            labels = tuple(str(ids.get(str(i), f"LABEL_{i}")) for i in range(count))
+            return cls(names.pooling if encoder else "last", False, count, None, head, labels, cross_encoder=encoder)
         mode, normalize = "cls" if encoder else "last", True
         modules_file = model_dir / "modules.json"
         if modules_file.is_file():
@@ -153,25 +162,29 @@ def sum_spans(hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return out.index_add_(0, spans, hidden.float())
 
 
-def _score_head(model_dir: Path, hidden_size: int, names: tuple[str | None, str]) -> ScoreHead:
-    """The head whose (dense layer, labels' projection) tensors are named
-    `names` (no dense layer: None), in float32."""
+def _score_head(model_dir: Path, hidden_size: int, names: HeadNames | None) -> ScoreHead:
+    """The head an encoder classifier's `names` say, or (None) a decoder's
+    `score` projection, in float32."""
     from pyserve.model.loader import checkpoint_files
 
-    dense, projection = names
-    wanted = {f"{layer}.{part}" for layer in names if layer for part in ("weight", "bias")}
+    layers = (None, "score", None) if names is None else (names.dense, names.projection, names.norm)
+    wanted = {f"{layer}.{part}" for layer in layers if layer for part in ("weight", "bias")}
     found = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             found.update({key: f.get_tensor(key).float() for key in wanted & set(f.keys())})
-    weight = found.get(projection + ".weight")
-    if weight is None or (dense is not None and dense + ".weight" not in found):
-        absent = [n for n in (dense, projection) if n and n + ".weight" not in found]
+    absent = [layer for layer in layers if layer and layer + ".weight" not in found]
+    if absent:
         raise ValueError(f"{model_dir}: a sequence classifier's checkpoint without its head's {absent[0]}.weight")
+    dense, projection, norm = layers
+    weight = found[projection + ".weight"]
     if weight.ndim != 2 or weight.shape[1] != hidden_size:
         raise ValueError(f"{model_dir}: {projection}.weight is {list(weight.shape)}, not [labels, {hidden_size}]")
-    return ScoreHead(weight, found.get(projection + ".bias"),
-                     None if dense is None else (found[dense + ".weight"], found.get(dense + ".bias")))
+    bias = found.get(projection + ".bias")
+    if names is None:
+        return ScoreHead(weight, bias)
+    norm_layer = None if norm is None else (found[norm + ".weight"], found.get(norm + ".bias"), names.norm_eps)
+    return ScoreHead(weight, bias, (found[dense + ".weight"], found.get(dense + ".bias")), names.activation, norm_layer)
 
 
 def _read_modules(model_dir: Path, modules: list[dict]) -> tuple[str, bool]:

@@ -142,7 +142,7 @@ class RankModel:
     @property
     def kv_layers(self) -> int:
         """Layers whose K/V the cache holds: none for an encoder, whose
-        attention reads its step's own rows (model/encoder.py); its slots
+        attention reads its step's own rows (model/encoders/); its slots
         only count the tokens a step holds."""
         return self.config.num_hidden_layers if self.config.causal else 0
 

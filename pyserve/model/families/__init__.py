@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyserve.model.config import SEQUENCE_CLASSIFIER, ModelConfig, base_fields, read_config_files
-from pyserve.model.encoder import ENCODER_ARCHITECTURES
+from pyserve.model.encoders import ENCODER_ARCHITECTURES
 from pyserve.model.families import (deepseek, gemma, glm4, glm4_moe, gpt_oss, granite, llama, minimax_m2, mixtral,
                                    olmo2, phi3, qwen, qwen_moe, smollm3)
 from pyserve.model.families.family import Family
