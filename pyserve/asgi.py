@@ -170,7 +170,9 @@ class PyserveApp:
                 except Exception as e:  # a bad model or option: the server reports it and exits
                     logger.error("pyserve failed to start: %s", e)
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
-                    return
+                    # Raised on, as starlette's apps do: a server that waits for the
+                    # lifespan to end (starlette's TestClient) then fails at once.
+                    raise
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shutdown()

@@ -93,3 +93,33 @@ def build_tiny_encoder(out_dir: str | Path, family: str, num_labels: int | None 
             {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
              "pooling_mode_mean_tokens": pooling == "mean"}))
     return out
+
+
+def build_tiny_embedding_gemma(out_dir: str | Path, tokenizer_dir: str | Path) -> Path:
+    """A tiny EmbeddingGemma, saved by sentence-transformers as the hub
+    ships it: a Gemma 3 decoder trained to attend both ways
+    (Gemma3TextModel, use_bidirectional_attention; sliding layers of a
+    window of 8, 4 tokens either side, shorter than a long text), mean
+    pooling, two Dense layers, Normalize. `tokenizer_dir`'s tokenizer, without its chat template."""
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    out = Path(out_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    # Without a chat template, which sentence-transformers would wrap each text in.
+    tokenizer.chat_template = None
+    config = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8, max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], use_bidirectional_attention=True,
+        initializer_range=0.2, pad_token_id=tokenizer.pad_token_id or 0, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.Gemma3TextModel(config).eval().save_pretrained(out / "decoder", safe_serialization=True)
+    tokenizer.save_pretrained(out / "decoder")
+    identity = torch.nn.Identity()
+    modules = [models.Transformer(str(out / "decoder")), models.Pooling(32, "mean"),
+               models.Dense(32, 64, bias=False, activation_function=identity),
+               models.Dense(64, 32, bias=True, activation_function=identity), models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(out / "model"))
+    return out / "model"

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from pyserve.asgi import create_app
 from pyserve.model.encoders.bert import separator_of
-from tests.encoder_models import build_tiny_encoder
+from tests.encoder_models import build_tiny_embedding_gemma, build_tiny_encoder
 from tests.test_api_handlers import call
 
 transformers = pytest.importorskip("transformers")
@@ -168,3 +168,17 @@ def test_separator_is_read_from_each_post_processor_shape():
     assert separator_of(bert) == 102 and separator_of(template) == 3
     assert separator_of({"type": "Sequence", "processors": [{"type": "ByteLevel"}, template]}) == 3
     assert separator_of({"type": "ByteLevel"}) is None and separator_of(None) is None
+
+
+def test_embedding_gemma_matches_sentence_transformers(tmp_path, default_model_dir):
+    """A decoder trained to attend both ways (EmbeddingGemma: Gemma3TextModel,
+    use_bidirectional_attention, sliding layers seeing 4 tokens either side)
+    with Dense layers after its mean pooling, served without --is-embedding."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = build_tiny_embedding_gemma(tmp_path / "gemma", default_model_dir)
+    want = SentenceTransformer(str(model_dir), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    with TestClient(serve(model_dir, tmp_path)) as http:
+        client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="x", http_client=http)
+        got = torch.tensor([entry.embedding for entry in client.embeddings.create(model="m", input=TEXTS).data])
+    assert got.shape == want.shape and (got - want).abs().max() < TOL

@@ -121,7 +121,8 @@ def test_gemma3_published_multimodal_config():
 def test_gemma3_sliding_window_pattern_and_refusals():
     base = {**BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6}
     assert parse_config({**base, "sliding_window_pattern": 3}).sliding_layers == {0, 1, 3, 4}
-    with pytest.raises(ValueError, match="bidirectional"):
-        parse_config({**base, "use_bidirectional_attention": True})
+    # EmbeddingGemma's: attending both ways (tests/test_encoder_models.py serves one).
+    assert parse_config({**base, "use_bidirectional_attention": True}).causal is False
+    assert parse_config(base).causal is True
     with pytest.raises(ValueError, match="layer_types"):
         parse_config({**base, "layer_types": ["sliding_attention"] * 5})

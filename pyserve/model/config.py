@@ -107,7 +107,8 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: frozenset[int] = frozenset()
     # Each token attends to those before it; False: to its whole prompt (an
-    # encoder, model/encoders/, whose prompts are computed whole).
+    # encoder, model/encoders/, or a decoder trained so; its prompts are
+    # computed whole, attention/bidirectional.py).
     causal: bool = True
 
     @property
@@ -148,6 +149,7 @@ def base_fields(cfg: dict, gen: dict, source: str) -> dict:
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         sampling_defaults={k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None},
+        causal=not cfg.get("use_bidirectional_attention", False),  # EmbeddingGemma's is trained both ways
     )
 
 

@@ -248,14 +248,14 @@ def load_model(
     model_dir = Path(model_dir)
     device = torch.device(device)
     raw, generation = read_config_files(model_dir, config_overrides)
-    if lm_head and is_sequence_classifier(raw):
-        raise ValueError(f"{model_dir} is a sequence classifier (a reward model), which scores prompts and "
-                         "generates nothing: serve it with --is-embedding")
+    scores_only = ("a sequence classifier (a reward model)" if is_sequence_classifier(raw) else "an encoder model"
+                   if is_encoder(raw) else "a model attending both ways" if raw.get("use_bidirectional_attention")
+                   else None)
+    if lm_head and scores_only:
+        raise ValueError(f"{model_dir} is {scores_only}, which embeds or scores prompts and generates nothing: "
+                         "serve it with --is-embedding")
     scheme = detect(raw, quantization)
     if is_encoder(raw):
-        if lm_head:
-            raise ValueError(f"{model_dir} is an encoder model, which embeds and scores prompts and generates "
-                             "nothing: serve it with --is-embedding")
         refused = [flag for flag, given in (("--tp-size above 1", tp.size > 1), ("--load-format dummy", dummy),
                                             ("a quantized mode", quant is not None or scheme is not None)) if given]
         if refused:

@@ -2,7 +2,8 @@
 
 The rule is read from the model directory, as sentence-transformers reads
 it: modules.json lists the modules after the transformer (a Pooling module
-whose config.json names the pooling, then optionally Normalize). Without
+whose config.json names the pooling, then optionally Dense layers, as
+EmbeddingGemma has, and Normalize). Without
 modules.json: last-token pooling and L2 normalisation, what decoder
 embedding models such as Qwen3-Embedding are trained with. A module
 pyserve does not apply (Dense, a pooling it does not implement) is refused
@@ -93,6 +94,8 @@ class PoolingConfig:
     head: ScoreHead | None = field(default=None, compare=False)  # a sequence classifier's; None for an embedding model
     labels: tuple[str, ...] = ()  # its labels' names (config.json id2label)
     cross_encoder: bool = False  # scores a (query, document) pair encoded as one prompt
+    # sentence-transformers' Dense modules after the pooling, in order: (weight, bias, activation), float32.
+    dense: tuple[tuple[torch.Tensor, torch.Tensor | None, str | None], ...] = field(default=(), compare=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, hidden_size: int) -> PoolingConfig:
@@ -108,13 +111,14 @@ class PoolingConfig:
             ids = config.get("id2label") or {}
             labels = tuple(str(ids.get(str(i), f"LABEL_{i}")) for i in range(count))
             return cls(names.pooling if encoder else "last", False, count, None, head, labels, cross_encoder=encoder)
-        mode, normalize = "cls" if encoder else "last", True
+        mode, normalize, dense = "cls" if encoder else "last", True, ()
         modules_file = model_dir / "modules.json"
         if modules_file.is_file():
-            mode, normalize = _read_modules(model_dir, json.loads(modules_file.read_text()))
+            mode, normalize, dense = _read_modules(model_dir, json.loads(modules_file.read_text()))
+            hidden_size = dense[-1][0].shape[0] if dense else hidden_size
         dims = config.get("matryoshka_dimensions")
         matryoshka = tuple(int(d) for d in dims) if dims else (() if config.get("is_matryoshka") else None)
-        return cls(mode, normalize, hidden_size, matryoshka)
+        return cls(mode, normalize, hidden_size, matryoshka, dense=dense)
 
     def check_dimensions(self, dimensions: int) -> str | None:
         """None when vectors may be cut to `dimensions`; else why not."""
@@ -134,6 +138,9 @@ class PoolingConfig:
         vector = total / count if self.mode == "mean" else total
         if self.head is not None:
             return self.head(vector)
+        for weight, bias, activation in self.dense:
+            vector = F.linear(vector, weight, bias)
+            vector = vector if activation is None else ACTIVATIONS[activation](vector)
         return F.normalize(vector, dim=-1) if self.normalize else vector
 
     def truncate(self, vector: torch.Tensor, dimensions: int) -> torch.Tensor:
@@ -187,23 +194,50 @@ def _score_head(model_dir: Path, hidden_size: int, names: HeadNames | None) -> S
     return ScoreHead(weight, bias, (found[dense + ".weight"], found.get(dense + ".bias")), names.activation, norm_layer)
 
 
-def _read_modules(model_dir: Path, modules: list[dict]) -> tuple[str, bool]:
-    """(mode, normalize) from sentence-transformers' module list."""
-    mode, normalize = None, False
+def _read_modules(model_dir: Path, modules: list[dict]) -> tuple[str, bool, tuple]:
+    """(mode, normalize, Dense layers) from sentence-transformers' module list."""
+    mode, normalize, dense = None, False, []
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         if kind == "Transformer":
             continue
         if kind == "Pooling" and mode is None:
             mode = _read_pooling(model_dir / module.get("path", "") / "config.json")
+        elif kind == "Dense" and mode is not None and not normalize:
+            dense.append(_read_dense(model_dir / module.get("path", "")))
         elif kind == "Normalize":
             normalize = True
         else:
-            raise ValueError(f"{model_dir / 'modules.json'}: module {module.get('type')!r} is not supported "
-                             "(pyserve applies Transformer, Pooling and Normalize)")
+            raise ValueError(f"{model_dir / 'modules.json'}: module {module.get('type')!r} is not supported there "
+                             "(pyserve applies Transformer, Pooling, Dense and Normalize, in that order)")
     if mode is None:
         raise ValueError(f"{model_dir / 'modules.json'} has no Pooling module")
-    return mode, normalize
+    return mode, normalize, tuple(dense)
+
+
+# sentence-transformers' Dense activations pyserve applies (None: identity).
+_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": None, "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+def _read_dense(path: Path) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+    """A Dense module's (weight, bias, activation), float32."""
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if name not in _DENSE_ACTIVATIONS:
+        raise ValueError(f"{path / 'config.json'}: Dense activation {name!r} is not supported; pyserve applies "
+                         f"{list(_DENSE_ACTIVATIONS)}")
+    if (path / "model.safetensors").is_file():
+        with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    elif (path / "pytorch_model.bin").is_file():
+        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{path}: a Dense module without its weights (model.safetensors or pytorch_model.bin)")
+    weight = tensors["linear.weight"].float()
+    if list(weight.shape) != [config["out_features"], config["in_features"]]:
+        raise ValueError(f"{path}: linear.weight is {list(weight.shape)}, not [out_features, in_features]")
+    bias = tensors.get("linear.bias")
+    return weight, None if bias is None else bias.float(), _DENSE_ACTIVATIONS[name]
 
 
 def _read_pooling(path: Path) -> str:

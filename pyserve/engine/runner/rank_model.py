@@ -23,8 +23,10 @@ from pyserve.lora.slots import LoraSlots
 from pyserve.model.cpu import blocks, extend_attention
 from pyserve.model.cpu.native_layers import NativeDecode, unfit_reason
 from pyserve.model.attention.base import AttentionBackend
+from pyserve.model.attention.bidirectional import BidirectionalAttention
 from pyserve.model.attention.torch_backend import TorchAttention
 from pyserve.model.forward_batch import ForwardBatch
+from pyserve.model.encoders.base import Encoder
 from pyserve.model.kv_buffer import KV_CACHE_DTYPES, KVBuffer
 from pyserve.model.layers.causal_lm import AuxCapture
 from pyserve.model.loader import load_model
@@ -105,7 +107,7 @@ class RankModel:
                                               config_overrides=overrides,
                                               dummy=options.load_format == "dummy")
         self.context_len = options.context_length or self.config.max_position_embeddings
-        if not self.config.causal and options.enable_lora:
+        if isinstance(self.model, Encoder) and options.enable_lora:
             raise ValueError("--enable-lora: adapters attach to decoder models; this is an encoder")
         # --enable-lora: adapter slots on every adapted projection (lora/slots.py).
         self.lora = LoraSlots(self.model, options.max_loras_per_batch, options.max_lora_rank, self.dtype, device) \
@@ -141,16 +143,16 @@ class RankModel:
 
     @property
     def kv_layers(self) -> int:
-        """Layers whose K/V the cache holds: none for an encoder, whose
-        attention reads its step's own rows (model/encoders/); its slots
-        only count the tokens a step holds."""
+        """Layers whose K/V the cache holds: none for a model attending both
+        ways (an encoder), whose attention reads its step's own rows
+        (attention/bidirectional.py); its slots only count the tokens a step holds."""
         return self.config.num_hidden_layers if self.config.causal else 0
 
     def window_layers(self) -> frozenset[int]:
         """The sliding layers that get a pool of their own: those of a window
         shorter than the context (a longer one never leaves a page behind)."""
         c = self.config
-        if c.sliding_window is None or c.sliding_window >= self.context_len:
+        if c.sliding_window is None or c.sliding_window >= self.context_len or not self.kv_layers:
             return frozenset()
         return frozenset(c.sliding_layers)
 
@@ -266,6 +268,8 @@ class RankModel:
         return self.device.type == "cpu" and self.quant is not None and self.quant.int8_activations
 
     def _make_attention(self, name: str) -> AttentionBackend:
+        if not self.config.causal:
+            return BidirectionalAttention(self.kv_buffer)
         if name == "triton":
             from pyserve.model.attention.triton_backend import TritonAttention
 

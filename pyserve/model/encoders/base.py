@@ -94,18 +94,3 @@ class Encoder(nn.Module):
             raise ValueError("an encoder model has no vocabulary projection")
         return x.new_zeros(0, self.config.vocab_size, dtype=torch.float32)
 
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-           window: int | None = None) -> torch.Tensor:
-    """Attention [tokens, heads * head_dim] of [heads, tokens, head_dim]
-    q, k, v, each prompt over all of its own rows, or (`window`) those at
-    most `window` positions away on either side."""
-    out = []
-    for qs, ks, vs in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1)):
-        mask = None
-        if window is not None and qs.shape[1] > window + 1:
-            at = torch.arange(qs.shape[1], device=qs.device)
-            mask = (at[:, None] - at[None, :]).abs() <= window
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask))
-    out = torch.cat(out, dim=1)
-    return out.transpose(0, 1).reshape(out.shape[1], -1)

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pyserve.model.encoders.base import ACTIVATIONS, Encoder, EncoderConfig, EncoderFamily, HeadNames, attend
+from pyserve.model.attention.bidirectional import attend_within
+from pyserve.model.encoders.base import ACTIVATIONS, Encoder, EncoderConfig, EncoderFamily, HeadNames
 
 # Tensors of the checkpoint the encoder does not hold: the classifier head
 # the pooling reads, a masked-LM head.
@@ -88,9 +89,8 @@ class _Attention(nn.Module):
         self.output = _Output(c, c.hidden_size)
 
     def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        q, k, v = (proj(x).view(-1, self.heads, self.head_dim).transpose(0, 1)
-                   for proj in (self.query, self.key, self.value))
-        return self.output(attend(q, k, v, lengths), x)
+        q, k, v = (proj(x).view(-1, self.heads, self.head_dim) for proj in (self.query, self.key, self.value))
+        return self.output(attend_within(q, k, v, lengths).reshape(x.shape), x)
 
 
 class _Layer(nn.Module):

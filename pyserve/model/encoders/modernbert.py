@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pyserve.model.encoders.base import ACTIVATIONS, Encoder, EncoderConfig, EncoderFamily, HeadNames, attend
+from pyserve.model.attention.bidirectional import attend_within
+from pyserve.model.encoders.base import ACTIVATIONS, Encoder, EncoderConfig, EncoderFamily, HeadNames
 
 _NOT_THE_ENCODERS = ("head.", "classifier.", "decoder.")
 
@@ -70,7 +71,7 @@ def _norm(c: ModernBertConfig) -> nn.LayerNorm:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [heads, tokens, head_dim] turned by its positions' angles (halves paired)."""
+    """x [tokens, heads, head_dim] turned by its positions' angles (halves paired)."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
@@ -103,8 +104,9 @@ class _Layer(nn.Module):
     def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.attn
         h = x if self.attn_norm is None else self.attn_norm(x)
-        q, k, v = a.Wqkv(h).view(-1, 3, a.heads, a.head_dim).permute(1, 2, 0, 3)
-        x = x + a.Wo(attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, lengths, self.window))
+        q, k, v = a.Wqkv(h).view(-1, 3, a.heads, a.head_dim).unbind(1)
+        out = attend_within(_rotate(q, cos, sin), _rotate(k, cos, sin), v, lengths, reach=self.window)
+        x = x + a.Wo(out.reshape(x.shape))
         gated, gate = self.mlp.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.mlp.Wo(self.act(gated) * gate)
 
@@ -124,7 +126,7 @@ class ModernBertEncoder(Encoder):
         d = self.config.head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float, device=positions.device) / d))
         freqs = positions.float()[:, None] * inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [tokens, 1, head_dim]: every head alike
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:

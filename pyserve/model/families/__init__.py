@@ -27,10 +27,27 @@ def family_of(architecture: str) -> Family:
     return _BY_ARCHITECTURE[architecture]
 
 
+# Base-model names that are not <name>Model beside <name>ForCausalLM.
+_BASE_MODELS = {"Gemma3TextModel": "Gemma3ForCausalLM"}
+
+
 def causal_architecture(architecture: str) -> str:
     """The causal LM whose decoder a sequence classifier (a reward model,
-    LlamaForSequenceClassification) runs: its config is that model's."""
-    return architecture.replace(SEQUENCE_CLASSIFIER, "ForCausalLM")
+    LlamaForSequenceClassification) or a base model (an embedding model
+    saved without its vocabulary projection: MistralModel, Gemma3TextModel)
+    runs: its config is that model's."""
+    if architecture.endswith(SEQUENCE_CLASSIFIER):
+        return architecture.replace(SEQUENCE_CLASSIFIER, "ForCausalLM")
+    if architecture in _BASE_MODELS:
+        return _BASE_MODELS[architecture]
+    return architecture.removesuffix("Model") + "ForCausalLM" if architecture.endswith("Model") else architecture
+
+
+def is_base_model(cfg: dict) -> bool:
+    """Whether config.json names a served family's base model, which has no
+    vocabulary projection to generate with (an embedding model)."""
+    archs = cfg.get("architectures") or []
+    return any(a.endswith("Model") and causal_architecture(a) in _BY_ARCHITECTURE for a in archs)
 
 
 def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> ModelConfig:
@@ -40,8 +57,9 @@ def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> 
     arch = next((a for a in archs if a in _BY_ARCHITECTURE), None)
     if arch is None:
         raise ValueError(f"{source}: unsupported architecture {archs or cfg.get('model_type')}; "
-                         f"pyserve serves {list(SERVED_ARCHITECTURES)}, and with --is-embedding their "
-                         f"ForSequenceClassification reward models and the encoders {list(ENCODER_ARCHITECTURES)}")
+                         f"pyserve serves {list(SERVED_ARCHITECTURES)}, and with --is-embedding their base models "
+                         f"(<name>Model), their ForSequenceClassification reward models and the encoders "
+                         f"{list(ENCODER_ARCHITECTURES)}")
     family = _BY_ARCHITECTURE[arch]
     cfg = family.text_config(cfg)
     fields = base_fields(cfg, gen or {}, source)

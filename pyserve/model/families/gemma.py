@@ -11,6 +11,10 @@ attention scores; Gemma 3 normalizes q and k per head and rotates its
 sliding layers by their own rope base (`rope_local_base_freq`), its global
 layers by `rope_theta` with its scaling.
 
+A Gemma 3 trained to attend both ways (`use_bidirectional_attention`:
+EmbeddingGemma, saved as `Gemma3TextModel`) is an embedding model whose
+prompts attend both ways (attention/bidirectional.py).
+
 Gemma 3's multimodal checkpoint nests the language model's config under
 `text_config` and prefixes its tensors (`language_model.model.` as
 published, `model.language_model.` as transformers 5 saves it): the
@@ -103,8 +107,6 @@ def _gemma3_ropes(cfg: dict) -> dict:
 
 
 def _config_fields(cfg: dict, arch: str) -> dict:
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("bidirectional attention (an embedding model's) is not served")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_activation {act!r} is not supported; pyserve supports {ACTIVATIONS}")
