@@ -51,29 +51,30 @@ def _tokenizer(family: str):
 
 
 def build_tiny_encoder(out_dir: str | Path, family: str, num_labels: int | None = None, pooling: str = "cls",
-                       seed: int = 0) -> Path:
+                       seed: int = 0, **shape) -> Path:
     """A tiny `family` (one of FAMILIES) checkpoint in `out_dir`: a
     sentence-embedding model pooling by `pooling` ("cls" or "mean") and
     normalising, or with `num_labels` a cross-encoder classifier (a
     ModernBERT one pooling by `pooling`). Weights drawn wider than
     transformers' default initialisation, so texts differ. ModernBERT's
-    local layers see 4 tokens either side, fewer than a long text has."""
+    local layers see 4 tokens either side, fewer than a long text has.
+    `shape`: config fields instead of the tiny ones (hidden_size, ...)."""
     import transformers
 
     out = Path(out_dir)
     tokenizer, vocab_size = _tokenizer(family)
-    shape = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=64, initializer_range=0.3)
+    tiny = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4 if family == "modernbert" else 2,
+                num_attention_heads=4, intermediate_size=64, initializer_range=0.3,
+                max_position_embeddings=66 if family == "xlm-roberta" else 64)
+    shape = {**tiny, **shape}
     if family == "bert":
-        config = transformers.BertConfig(max_position_embeddings=64, type_vocab_size=2, **shape)
+        config = transformers.BertConfig(type_vocab_size=2, **shape)
     elif family == "modernbert":
-        config = transformers.ModernBertConfig(
-            max_position_embeddings=64, local_attention=8, classifier_pooling=pooling,
-            pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
-            **{**shape, "num_hidden_layers": 4})
+        config = transformers.ModernBertConfig(local_attention=8, classifier_pooling=pooling, pad_token_id=0,
+                                               cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3, **shape)
     else:
-        config = transformers.XLMRobertaConfig(max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
-                                               bos_token_id=0, eos_token_id=2, **shape)
+        config = transformers.XLMRobertaConfig(type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                               **shape)
     torch.manual_seed(seed)
     if num_labels is None:
         model = transformers.AutoModel.from_config(config)

@@ -224,7 +224,7 @@ class RankModel:
         adapters run eagerly (their hooks pick their tokens on the host each step)."""
         options = self.options  # cuda_graph_max_bs resolved: at most --max-running-requests
         if (self.device.type != "cuda" or options.disable_cuda_graph or options.cuda_graph_max_bs <= 0
-                or self.lora is not None or not self.config.causal):
+                or self.lora is not None):
             return False
         # Imported here: a CPU server never loads Triton (whose bindings report leaks at exit).
         from pyserve.model.attention.triton_backend import TritonAttention
