@@ -85,3 +85,41 @@ def test_hidden_states_need_the_flag(tmp_path, default_model_dir):
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == "return_hidden_states"
     assert "--enable-return-hidden-states" in error["message"]
+
+
+def test_openai_routes_answer_the_last_hidden_state(tmp_path, default_model_dir):
+    """SGLang's return_hidden_states on chat and completions: each choice's
+    hidden_states is the last row /generate lists (the last output token
+    read), on the choice, and on a stream's finish chunk."""
+    import openai
+    from starlette.testclient import TestClient
+
+    model_dir = build_tiny_model(tmp_path / "model", "llama", tokenizer_dir=default_model_dir)
+    app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path / "files"), dtype="float32",
+                     enable_return_hidden_states=True)
+    extra = {"return_hidden_states": True, "ignore_eos": True}
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="x", http_client=http)
+        completion = client.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                               extra_body=extra)
+        streamed = [c for c in client.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                                         stream=True, extra_body=extra)]
+        chat = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                              extra_body=extra)
+        chat_chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_NEW,
+                                                          temperature=0, stream=True, extra_body=extra))
+        chat_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        native = [http.post("/generate", json=generate_body(input_ids=ids, return_hidden_states=True)).json()
+                  for ids in (PROMPT, chat_ids)]
+        one_token = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, extra_body=extra)
+        plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=2)
+    want = [torch.tensor(answer["meta_info"]["hidden_states"][-1]) for answer in native]
+    got = [completion.choices[0].model_extra["hidden_states"], streamed[-1].choices[0].model_extra["hidden_states"],
+           chat.choices[0].model_extra["hidden_states"],
+           chat_chunks[-1].choices[0].delta.model_extra["hidden_states"]]
+    for vector, reference in zip(got, [want[0], want[0], want[1], want[1]]):
+        assert (torch.tensor(vector) - reference).abs().max() < 1e-5
+    # One token generated: no output token was read.
+    assert one_token.choices[0].model_extra["hidden_states"] == []
+    assert "hidden_states" not in plain.choices[0].model_extra

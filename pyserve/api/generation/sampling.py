@@ -182,4 +182,5 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         prompt_top_logprobs=prompt_top_logprobs,
         constraint=constraint,
+        return_hidden_states=getattr(f, "return_hidden_states", False),
     )

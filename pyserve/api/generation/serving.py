@@ -248,6 +248,13 @@ class ChoiceResult:
     final: GenerateOutput | None = None  # the last output: finish reason, matched stop, token counts
 
 
+def last_hidden_state(rows: list[torch.Tensor], prompt_tokens: int) -> list[float]:
+    """An OpenAI choice's `hidden_states`, as SGLang answers it: the final-norm
+    hidden state of the last output token the model read, from the rows a
+    request's outputs brought; [] when it read none (one token generated)."""
+    return rows[-1][-1].tolist() if sum(len(r) for r in rows) > prompt_tokens else []
+
+
 async def collect(engine: Engine, requests: list[GenerateRequest]) -> list[ChoiceResult]:
     """Every request run to its end, its outputs gathered."""
     results = [ChoiceResult() for _ in requests]

@@ -23,7 +23,7 @@ from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprob
 from pyserve.api.generation.truncation import keep_last_tokens
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
-    merged_outputs, new_id, now, usage,
+    last_hidden_state, merged_outputs, new_id, now, usage,
 )
 from pyserve.api.generation.tool_grammar import CallDelta, new_call_id, with_strict_calls
 from pyserve.api.generation.tools import HARMONY, ToolCalling, plan, whole_calls
@@ -280,6 +280,8 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, output: _ChoiceOutp
         finish_reason=output.finish_reason(result.final.finish_reason),
         matched_stop=result.final.matched_stop,
         token_ids=result.token_ids if req.return_token_ids else UNSET,
+        hidden_states=last_hidden_state(result.hidden_states, result.final.prompt_tokens)
+        if req.return_hidden_states else UNSET,
     )
 
 
@@ -293,6 +295,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
     pending = PendingLogprobs(len(requests))
     stream_usage = StreamUsage(req.stream_options, requests, req.n)
     held_ids: list[list[int]] = [[] for _ in requests]  # tokens whose text is not out yet
+    states: list[list] = [[] for _ in requests]  # return_hidden_states: each choice's rows so far
 
     def choice(i: int, delta: Delta, **fields) -> ChatStreamChoice:
         entries = pending.take(i)
@@ -312,13 +315,16 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, requests: lis
         stream_usage.note(i, out)
         pending.add(i, out.logprobs or [])
         held_ids[i] += out.token_ids
+        if out.hidden_states is not None:
+            states[i].append(out.hidden_states)
         reasoning, content, calls = outputs[i].feed(out.text, out.finished)
         if reasoning or content or calls:
             deltas = [_call_delta(*call) for call in calls]
             delta = Delta(content=content or UNSET, reasoning_content=reasoning or None, tool_calls=deltas or UNSET)
             yield chunk([choice(i, delta)], stream_usage.on_chunk())
         if out.finished:
-            yield chunk([choice(i, Delta(), finish_reason=outputs[i].finish_reason(out.finish_reason),
+            last = last_hidden_state(states[i], out.prompt_tokens) if req.return_hidden_states else UNSET
+            yield chunk([choice(i, Delta(hidden_states=last), finish_reason=outputs[i].finish_reason(out.finish_reason),
                                 matched_stop=out.matched_stop)], stream_usage.on_chunk())
     if stream_usage.at_end:
         yield chunk([], _with_reasoning_tokens(ctx, stream_usage.so_far(), outputs))

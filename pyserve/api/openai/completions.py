@@ -12,7 +12,7 @@ from pyserve.api.generation.truncation import keep_last_tokens
 from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
-    merged_outputs, new_id, now, prompt_id_lists, usage,
+    last_hidden_state, merged_outputs, new_id, now, prompt_id_lists, usage,
 )
 from pyserve.engine.request import GenerateRequest
 
@@ -76,6 +76,8 @@ def _choice(ctx: ServingContext, req: CompletionRequest, index: int, request: Ge
         choice.prompt_logprobs = prompt_logprobs(ctx.texts_for(req), result.prompt_logprobs)
     if req.return_token_ids:
         choice.prompt_token_ids, choice.token_ids = request.input_ids, result.token_ids
+    if req.return_hidden_states:
+        choice.hidden_states = last_hidden_state(result.hidden_states, result.final.prompt_tokens)
     return choice
 
 
@@ -104,6 +106,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[Ge
     offsets = [0] * len(requests)
     held_ids: list[list[int]] = [[] for _ in requests]  # tokens whose text is not out yet
     token_ids_sent = [False] * len(requests)
+    states: list[list] = [[] for _ in requests]  # return_hidden_states: each choice's rows so far
 
     def logprobs_of(i: int):
         if req.logprobs is None:
@@ -121,6 +124,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[Ge
                         stream_usage.on_chunk())
         pending.add(i, out.logprobs or [])
         held_ids[i] += out.token_ids
+        if out.hidden_states is not None:
+            states[i].append(out.hidden_states)
         if out.text or out.finished:
             choice = CompletionChoice(index=i, text=out.text, logprobs=logprobs_of(i),
                                       finish_reason=out.finish_reason, matched_stop=out.matched_stop)
@@ -128,6 +133,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[Ge
                 choice.token_ids, held_ids[i] = held_ids[i], []
                 if not token_ids_sent[i]:
                     choice.prompt_token_ids, token_ids_sent[i] = requests[i].input_ids, True
+            if out.finished and req.return_hidden_states:
+                choice.hidden_states = last_hidden_state(states[i], out.prompt_tokens)
             yield chunk([choice], stream_usage.on_chunk())
     if stream_usage.at_end:
         yield chunk([], stream_usage.so_far())

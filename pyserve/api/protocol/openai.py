@@ -162,6 +162,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     no_stop_trim: bool = False
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    # SGLang: each choice's hidden_states (with --enable-return-hidden-states; generation.hidden_states).
+    return_hidden_states: bool = False
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, with this many alternatives
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens (-1: the context's worth)
@@ -273,6 +275,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None
     matched_stop: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET  # return_token_ids
+    hidden_states: list[float] | UnsetType = UNSET  # return_hidden_states
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -294,6 +297,7 @@ class Delta(msgspec.Struct, kw_only=True):
     content: str | UnsetType = UNSET
     reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+    hidden_states: list[float] | UnsetType = UNSET  # return_hidden_states: on a choice's finish chunk
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):
@@ -326,6 +330,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     # return_token_ids (streamed: the prompt's on a choice's first chunk, then each chunk's tokens)
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    hidden_states: list[float] | UnsetType = UNSET  # return_hidden_states (streamed: on the finish chunk)
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
