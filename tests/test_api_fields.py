@@ -100,6 +100,8 @@ def shared(after: str | None) -> dict:
         "no_stop_trim": engine(True, {"keep_stop": True}),
         "include_stop_str_in_output": engine(True, {"keep_stop": True}),
         "return_token_ids": probe(RESPONSE, True),
+        # The scripted engine takes it; a real one without the flag refuses it (tests/test_hidden_states.py).
+        "return_hidden_states": engine(True, {"return_hidden_states": True}),
         "prompt_logprobs": engine(1, {"prompt_logprobs": True, "prompt_top_logprobs": 1}),
         "response_format": engine({"type": "json_object"},
                                   {"constraint": Constraint("json_schema", '{"type": "object"}', after)}),

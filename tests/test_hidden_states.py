@@ -77,14 +77,16 @@ def test_hidden_states_need_the_flag(tmp_path, default_model_dir):
         app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path / "files"), dtype="float32")
         await app.startup()
         try:
-            return await call(app, "POST", "/generate", generate_body(input_ids=PROMPT, return_hidden_states=True))
+            return [await call(app, "POST", path, body) for path, body in (
+                ("/generate", generate_body(input_ids=PROMPT, return_hidden_states=True)),
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "return_hidden_states": True}))]
         finally:
             await app.shutdown()
 
-    status, _, body = asyncio.run(go())
-    error = json.loads(body)["error"]
-    assert status == 400 and error["param"] == "return_hidden_states"
-    assert "--enable-return-hidden-states" in error["message"]
+    for status, _, body in asyncio.run(go()):
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == "return_hidden_states"
+        assert "--enable-return-hidden-states" in error["message"]
 
 
 def test_openai_routes_answer_the_last_hidden_state(tmp_path, default_model_dir):
