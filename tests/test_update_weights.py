@@ -112,7 +112,8 @@ def test_requests_in_flight_finish_or_stop_and_arrivals_wait(checkpoints, tmp_pa
             while app._engine.num_running < 1:
                 await asyncio.sleep(0.01)
             update = asyncio.create_task(call(app, "POST", "/update_weights_from_disk", {"model_path": str(second)}))
-            await asyncio.sleep(0.05)
+            while app.http.ctx.gate.is_open:  # until the update closes it: arrivals then wait
+                await asyncio.sleep(0.01)
             arriving = asyncio.create_task(call(app, "POST", "/v1/completions", GREEDY))
             finished = json.loads((await running)[2])
             assert (await update)[0] == 200

@@ -21,6 +21,11 @@ class AdmissionGate:
         self.pause_mode: str | None = None  # its mode, once the engine stopped
         self.version = "default"  # the weights' version, as the last update named it
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a request passes now, or waits for an update or a pause to end."""
+        return self._open.is_set()
+
     async def passed(self) -> None:
         await self._open.wait()
 

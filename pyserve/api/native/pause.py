@@ -18,6 +18,7 @@ are the same pause."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -74,10 +75,15 @@ def _query_flag(query: dict[str, str], name: str, default: bool) -> bool:
     return _BOOLEANS[query[name].lower()]
 
 
+async def engine_emptied(engine: Engine, stop: Callable[[], bool] = lambda: False) -> None:
+    """Return once the engine holds no request, running or waiting (or once `stop()`)."""
+    while (engine.num_running or engine.num_waiting) and not stop():
+        await asyncio.sleep(0.02)
+
+
 async def _drained_then_paused(engine: Engine) -> None:
     """vLLM's wait: the requests in the engine finish, then it stops."""
-    while engine.num_running or engine.num_waiting:
-        await asyncio.sleep(0.02)
+    await engine_emptied(engine)
     await engine.pause(retract=False)
 
 

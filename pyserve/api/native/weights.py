@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from pyserve.api.generation.serving import ServingContext
+from pyserve.api.native.pause import engine_emptied
 from pyserve.http.errors import bad_request
 from pyserve.model.hub import local_model_dir
 
@@ -45,8 +46,7 @@ async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsReques
         if req.abort_all_requests:
             engine.abort_all()
         # A paused engine's requests stay, and resume on the new weights.
-        while (engine.num_running or engine.num_waiting) and ctx.gate.pause_mode is None:
-            await asyncio.sleep(0.02)
+        await engine_emptied(engine, stop=lambda: ctx.gate.pause_mode is not None)
         # Before the swap: no prefix of the old weights is matched after it.
         if req.flush_cache and not engine.flush_cache():
             raise bad_request("requests paused in place hold KV the served weights computed, which a flush cannot "
