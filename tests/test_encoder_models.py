@@ -182,3 +182,31 @@ def test_embedding_gemma_matches_sentence_transformers(tmp_path, default_model_d
         client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="x", http_client=http)
         got = torch.tensor([entry.embedding for entry in client.embeddings.create(model="m", input=TEXTS).data])
     assert got.shape == want.shape and (got - want).abs().max() < TOL
+
+
+def test_encoder_classifier_of_several_labels(tmp_path):
+    """A BERT sequence classifier of three labels (a sentiment model): /classify answers transformers'
+    probabilities and its id2label name; the rerank routes, which read one label's score, refuse it."""
+    model_dir = build_tiny_encoder(tmp_path / "model", "bert", num_labels=3)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["id2label"] = {"0": "negative", "1": "neutral", "2": "positive"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [model(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1) for text in TEXTS[:3]]
+
+    async def go():
+        app = serve(model_dir, tmp_path)
+        await app.startup()
+        try:
+            classified = json.loads((await call(app, "POST", "/classify", {"input": TEXTS[:3]}))[2])
+            return classified, await call(app, "POST", "/rerank", {"query": QUERY, "documents": DOCUMENTS})
+        finally:
+            await app.shutdown()
+
+    classified, (status, _, body) = asyncio.run(go())
+    for entry, probs in zip(classified["data"], want):
+        assert entry["probs"] == pytest.approx(probs.tolist(), abs=TOL)
+        assert entry["label"] == ["negative", "neutral", "positive"][int(probs.argmax())]
+    assert status == 400 and "3 labels" in json.loads(body)["error"]["message"]
