@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -118,6 +119,22 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
+
+
+@contextlib.contextmanager
+def app_of_cli(*args: str):
+    """The app `pyserve *args` serves (its options parsed by
+    ServerArgs.from_cli, then pyserve.asgi.create_app, as the command
+    does), started in process, and an HTTP client of it (starlette's
+    TestClient, also an openai client's http_client): for tests of what
+    the app answers, not of the server process or its sockets."""
+    from starlette.testclient import TestClient
+
+    from pyserve.asgi import create_app
+    from pyserve.server_args import ServerArgs
+
+    with TestClient(create_app(ServerArgs.from_cli(list(args)))) as http:
+        yield http
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Bad input gets a 4xx with an OpenAI error body, and the server keeps serving.
 
-The server is the real one on a tiny random model with a short context,
-so the context-length checks have small, exact numbers.
+The app runs in process on a tiny random model with a short context, so
+the context-length checks have small, exact numbers: what is checked is
+the routes' answers (a 413 over a real socket is test_api_peer's).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.test_tokenize_api import tiny_server_http
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -19,17 +20,9 @@ MAX_PAYLOAD = 256 << 10
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", str(CONTEXT),
-                        "--max-total-tokens", "4096", "--reasoning-parser", "qwen3",
-                        "--max-payload-size", str(MAX_PAYLOAD))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(tiny_server):
-    with httpx.Client(base_url=tiny_server.base_url, timeout=60) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("errors"), context_length=CONTEXT,
+                          max_total_tokens=4096, reasoning_parser="qwen3", max_payload_size=MAX_PAYLOAD) as c:
         yield c
 
 
@@ -198,26 +191,22 @@ def test_server_keeps_serving_after_bad_input(http):
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
 
 
-def test_api_key_is_enforced(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--api-key", "sekrit", "--max-total-tokens", "2048")
-    try:
-        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
-            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "sekrit"},
-                            {"Authorization": "Bearer sekrït".encode("latin-1")}):
-                error = assert_error(c.post(CHAT, json={"messages": MSG}, headers=headers), 401)
-                assert error["type"] == "authentication_error"
-            assert_error(c.get("/v1/models"), 401)
-            ok = c.post(CHAT, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"})
-            assert ok.status_code == 200
-            assert c.get("/health").status_code == 200  # load balancers probe without a key
-    finally:
-        srv.stop()
+def test_api_key_is_enforced(tiny_llama_dir, tmp_path):
+    with tiny_server_http(tiny_llama_dir, tmp_path, api_key="sekrit", max_total_tokens=2048) as c:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "sekrit"},
+                        {"Authorization": "Bearer sekrït".encode("latin-1")}):
+            error = assert_error(c.post(CHAT, json={"messages": MSG}, headers=headers), 401)
+            assert error["type"] == "authentication_error"
+        assert_error(c.get("/v1/models"), 401)
+        ok = c.post(CHAT, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+        assert c.get("/health").status_code == 200  # load balancers probe without a key
 
 
-def test_a_body_over_max_payload_size_is_a_413_with_an_openai_body(tiny_server, http):
+def test_a_body_over_max_payload_size_is_a_413_with_an_openai_body(http):
     import openai
 
-    client = openai.OpenAI(api_key="EMPTY", base_url=f"{tiny_server.base_url}/v1", max_retries=0)
+    client = openai.OpenAI(api_key="EMPTY", base_url=f"{http.base_url}/v1", http_client=http, max_retries=0)
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model="m", prompt="x" * MAX_PAYLOAD, max_tokens=1)
     assert e.value.status_code == 413 and e.value.body["code"] == "payload_too_large"

@@ -1,8 +1,10 @@
 """SGLang's and vLLM's extensions, sent as their users send them (the
-official openai client, extras in `extra_body`), against a real server on
-a tiny random Llama with a short context: prompt_logprobs, assistant
-prefill, token ids out, allowed_token_ids and bad_words, sampling extras
-on /v1/responses, the peers' error phrases, and a 413 the client can read.
+official openai client, extras in `extra_body`), against the app on a tiny
+random Llama with a short context, in process (the answers are checked,
+not the server process): prompt_logprobs, assistant prefill, token ids
+out, allowed_token_ids and bad_words, sampling extras on /v1/responses,
+the peers' error phrases, and a 413 the client can read over a real
+socket (the shared server's).
 
 The deliberate differences from the peers that README lists are pinned
 at the end."""
@@ -15,29 +17,23 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.test_tokenize_api import tiny_server_http
 
 CONTEXT = 256
 USER = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
-def peer_server(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", str(CONTEXT),
-                        "--max-total-tokens", "4096")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(peer_server):
-    return openai.OpenAI(api_key="EMPTY", base_url=f"{peer_server.base_url}/v1", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(peer_server):
-    with httpx.Client(base_url=peer_server.base_url, timeout=120) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("peer"), context_length=CONTEXT,
+                          max_total_tokens=4096) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def oai(http):
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{http.base_url}/v1", http_client=http, max_retries=0,
+                         timeout=120)
 
 
 def tokenize(http, **body) -> list[int]:
@@ -265,11 +261,15 @@ def test_error_messages_carry_the_peers_phrases(oai):
         assert e.value.body["type"] == "invalid_request_error"
 
 
-def test_a_65_mib_body_is_a_413_the_client_reads(oai, http):
+def test_a_65_mib_body_is_a_413_the_client_reads(server):
+    """Over a real socket (the shared server's, whose limit is the default
+    64 MiB): the server answers before reading the whole body, and the
+    client still reads the 413, not a reset connection."""
+    oai = openai.OpenAI(api_key="EMPTY", base_url=f"{server.base_url}/v1", max_retries=0, timeout=120)
     with pytest.raises(openai.APIStatusError) as e:
         oai.completions.create(model="m", prompt="x" * (65 << 20), max_tokens=1)
     assert e.value.status_code == 413 and e.value.body["code"] == "payload_too_large"
-    assert http.get("/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
 
 
 # -- deliberate differences (README, "Where pyserve differs from its peers") ------------

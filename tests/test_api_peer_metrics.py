@@ -1,6 +1,7 @@
 """/metrics under the names SGLang's and vLLM's dashboards query
-(--metrics-names), and aborted requests leave no running or waiting count
-behind (vLLM's test_abort_metrics_reset), on a real server."""
+(--metrics-names), through the app in process, and aborted requests leave
+no running or waiting count behind (vLLM's test_abort_metrics_reset), on
+the shared real server, whose clients close their sockets."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 
 from pyserve.asgi import create_app
 from pyserve.engine.metrics import EngineMetrics
-from tests.conftest import ServerProcess
 from tests.test_api_handlers import call
+from tests.test_disconnect import wait_idle
+from tests.test_tokenize_api import tiny_server_http
 
 SERIES = re.compile(r"^([a-z_]+:[a-z_]+)(\{[^}]*\})? (\S+)$")
 
@@ -29,16 +31,9 @@ def scrape(http) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def metrics_server(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--context-length", "4096", "--max-total-tokens", "16384",
-                        "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(metrics_server):
-    with httpx.Client(base_url=metrics_server.base_url, timeout=120) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("metrics"), context_length=4096,
+                          max_total_tokens=16384, served_model_name="tiny") as c:
         yield c
 
 
@@ -66,19 +61,17 @@ def test_every_family_by_default_with_the_same_values(http):
     assert s['vllm:iteration_tokens_total_sum{model_name="tiny"}'] >= steps
 
 
-def test_aborted_requests_leave_no_running_or_waiting_count():
-    # The embedded model, which decodes slowly enough on a CPU that the
-    # streams are still running when they are cut (the tiny model would
-    # finish 4,000 tokens first on an idle machine).
-    srv = ServerProcess("--served-model-name", "tiny", "--max-total-tokens", "16384")
-    try:
-        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
-            _abort_streams(srv, http)
-    finally:
-        srv.stop()
+def test_aborted_requests_leave_no_running_or_waiting_count(server):
+    # The shared server on the embedded model, which decodes slowly enough
+    # on a CPU that the streams are still running when they are cut (the
+    # tiny model would finish 4,000 tokens first on an idle machine).
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        wait_idle(http)  # nothing of an earlier test's still counted
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        _abort_streams(server, http, f'{{model_name="{model}"}}')
 
 
-def _abort_streams(metrics_server, http):
+def _abort_streams(metrics_server, http, label: str):
     body = {"prompt": "Count on and on:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     clients = [httpx.Client(base_url=metrics_server.base_url, timeout=60) for _ in range(4)]
     streams = [c.stream("POST", "/v1/completions", json=body) for c in clients]
@@ -87,13 +80,11 @@ def _abort_streams(metrics_server, http):
     for it in lines:
         next(it)  # started
     started = scrape(http)
-    in_engine = started['vllm:num_requests_running{model_name="tiny"}'] + \
-        started['vllm:num_requests_waiting{model_name="tiny"}']
+    in_engine = started[f"vllm:num_requests_running{label}"] + started[f"vllm:num_requests_waiting{label}"]
     for s, c in zip(streams, clients):
         s.__exit__(None, None, None)
         c.close()
     assert in_engine == len(streams)
-    label = '{model_name="tiny"}'
     deadline = time.time() + 30
     while time.time() < deadline:
         s = scrape(http)

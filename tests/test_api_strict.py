@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.test_tokenize_api import tiny_server_http
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -222,12 +222,11 @@ CAP = 8
 
 
 @pytest.fixture(scope="module")
-def capped(tiny_llama_dir):
-    srv = ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "4096",
-                        "--max-sequences-per-request", str(CAP))
-    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+def capped(tiny_llama_dir, tmp_path_factory):
+    """The app on the tiny model under a cap of its own, in process: the cap's answers are checked."""
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("capped"), max_total_tokens=4096,
+                          max_sequences_per_request=CAP) as c:
         yield c
-    srv.stop()
 
 
 @pytest.mark.parametrize("path, over, under, param", [

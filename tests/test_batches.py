@@ -1,5 +1,8 @@
-"""Files and Batches with the official openai client against a real server:
-the seeds' three batch scenarios, bad input, cancel, restart, pagination."""
+"""Files and Batches with the official openai client against the app in
+process (its answers are checked, not the server process): the seeds'
+three batch scenarios, bad input, cancel, pagination. Path traversal is
+tried on the shared real server (its HTTP server decodes the path); the
+slow tests restart and kill -9 real servers."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, app_of_cli
 from tests.slow import slow_test
 
 JOKE = {"model": "m", "messages": [{"role": "user", "content": "Tell me a joke about programming"}],
@@ -41,14 +44,15 @@ def storage(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batch_server(storage):
-    srv = ServerProcess("--file-storage-path", str(storage), "--max-total-tokens", "8192")
-    yield srv
-    srv.stop()
+    """The app on the embedded model, in process, and a TestClient of it."""
+    with app_of_cli("--file-storage-path", str(storage), "--max-total-tokens", "8192") as http:
+        yield http
 
 
 @pytest.fixture(scope="module")
 def bclient(batch_server):
-    return openai.OpenAI(api_key="EMPTY", base_url=f"{batch_server.base_url}/v1", timeout=60)
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{batch_server.base_url}/v1", http_client=batch_server,
+                         timeout=60)
 
 
 def upload(client, data: bytes, name="batch_requests.jsonl"):
@@ -130,7 +134,7 @@ def test_seed_cancel_large_batch(bclient, batch_server):
     assert final.request_counts.total == 5000 and final.request_counts.completed < 5000
     if final.request_counts.completed:
         assert len(read_lines(bclient, final.output_file_id)) == final.request_counts.completed
-    info = httpx.get(f"{batch_server.base_url}/get_server_info").json()
+    info = batch_server.get("/get_server_info").json()
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     assert info["kv_tokens_in_use"] == 0
     assert info["kv_tokens_cached"] == info["kv_tokens_cached_evictable"]
@@ -218,8 +222,8 @@ def test_file_list_pagination(bclient):
     "/v1/files/..%2F..%2Fetc%2Fpasswd", "/v1/files/file-..%2F..%2Fpasswd/content",
     "/v1/files/%2Fetc%2Fpasswd/content", "/v1/batches/..%2Fbatches%2Fx",
 ])
-def test_path_traversal_is_rejected(batch_server, path):
-    r = httpx.get(batch_server.base_url + path)
+def test_path_traversal_is_rejected(server, path):
+    r = httpx.get(server.base_url + path)
     # the decoded path matches no route, or an id that is not of our shape
     assert r.status_code == 404
     assert r.json()["error"]["code"] in ("not_found", "file_not_found", "batch_not_found")
@@ -227,9 +231,9 @@ def test_path_traversal_is_rejected(batch_server, path):
 
 
 def test_upload_needs_a_purpose_and_a_file(batch_server):
-    r = httpx.post(f"{batch_server.base_url}/v1/files", files={"file": ("a.jsonl", b"{}\n")})
+    r = batch_server.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")})
     assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
-    r = httpx.post(f"{batch_server.base_url}/v1/files", data={"purpose": "batch"}, files={"other": ("a", b"x")})
+    r = batch_server.post("/v1/files", data={"purpose": "batch"}, files={"other": ("a", b"x")})
     assert r.status_code == 400
 
 

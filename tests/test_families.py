@@ -12,7 +12,7 @@ from pyserve.model.cpu import native_layers
 from pyserve.model.families import parse_config
 from pyserve.model.loader import load_model
 from pyserve.model.quant import parse_quant
-from tests.conftest import ServerProcess
+from tests.conftest import app_of_cli
 from tests.slow import slow
 from tests.test_engine_vs_hf import hf_greedy as hf_cached_greedy
 from tests.test_model_vs_hf import hf_greedy, pyserve_greedy, random_prompts
@@ -108,17 +108,17 @@ def test_native_cpu_layer_takes_llama_shaped_families_only(tmp_path, arch, reaso
 
 
 def assert_served_like_transformers(model_dir, prompts: list[list[int]], *options: str) -> None:
-    """`pyserve --model model_dir` (plus `options`): greedy completions of
-    `prompts` and their logprobs, through the official openai client, as
-    transformers' on the same weights."""
+    """The app of `pyserve --model model_dir` (plus `options`), in process
+    (app_of_cli): greedy completions of `prompts` and their logprobs,
+    through the official openai client, as transformers' on the same
+    weights."""
     import openai
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    srv = ServerProcess("--model", str(model_dir), "--max-total-tokens", "2048", "--dtype", "float32", *options)
-    try:
-        client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+    with app_of_cli("--model", str(model_dir), "--max-total-tokens", "2048", "--dtype", "float32", *options) as srv:
+        client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", http_client=srv, timeout=120)
         model = client.models.list().data[0].id
         for prompt in prompts:
             expected = hf_cached_greedy(hf, prompt, 8)
@@ -129,8 +129,6 @@ def assert_served_like_transformers(model_dir, prompts: list[list[int]], *option
                                                logprobs=1, extra_body={"ignore_eos": True}).choices[0]
             assert choice.text == tokenizer.decode(expected)
             assert choice.logprobs.token_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("arch", ["olmo2", pytest.param("gemma3-multimodal", marks=slow)])

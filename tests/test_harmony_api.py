@@ -3,8 +3,9 @@
 content and tool_calls, whole and streamed.
 
 The handler tests drive the ASGI app against a scripted engine that writes
-Harmony text in awkward pieces. The last test runs a real `pyserve --model
-DIR` on a tiny Llama with gpt-oss's special tokens and chat template, whose
+Harmony text in awkward pieces. The last test runs the whole app (the
+engine too) in process on a tiny Llama with gpt-oss's special tokens and
+chat template, through the official openai client, whose
 output a request's regex forces to be Harmony text (with thinking off, so
 the constraint holds from the first token) and whose logit_bias rules out
 every ordinary token holding `<` or `|`: the markers can only be written as
@@ -23,12 +24,12 @@ from pyserve._rust import Tokenizer
 from pyserve.api.app import App
 from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
-from tests.conftest import ServerProcess
 from tests.harmony_model import SPECIAL, build_harmony_tokenizer
 from tests.test_api_handlers import ScriptedEngine
 from tests.test_api_tools import chat as tools_chat
 from tests.test_api_tools import chat_stream as tools_chat_stream
 from tests.test_api_tools import rebuilt_by_openai
+from tests.test_tokenize_api import tiny_server_http
 from tests.tiny_models import build_tiny_model
 
 CHAT = "/v1/chat/completions"
@@ -138,7 +139,7 @@ def test_strict_tools_are_refused(harmony_dir):
     assert status == 400 and data["error"]["param"] == "tools[0].function.strict" and engine.requests == []
 
 
-# -- a real server -----------------------------------------------------------
+# -- the whole app, in process ------------------------------------------------
 
 FORCED = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary'
           '<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather '
@@ -146,22 +147,22 @@ FORCED = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assist
 
 
 @pytest.fixture(scope="module")
-def harmony_server(tmp_path_factory, harmony_dir):
+def harmony_http(tmp_path_factory, harmony_dir):
     model = build_tiny_model(tmp_path_factory.mktemp("gpt-oss-tiny"), "llama", tokenizer_dir=harmony_dir)
-    srv = ServerProcess("--model", str(model), "--reasoning-parser", "gpt-oss", "--tool-call-parser", "gpt-oss",
-                        "--torchao-config", "none")
-    yield srv
-    srv.stop()
+    with tiny_server_http(model, tmp_path_factory.mktemp("gpt-oss-storage"), reasoning_parser="gpt-oss",
+                          tool_call_parser="gpt-oss", torchao_config="none") as http:
+        yield http
 
 
-def test_openai_client_gets_reasoning_content_and_tool_calls_from_a_real_server(harmony_server, harmony_dir):
+def test_openai_client_gets_reasoning_content_and_tool_calls_from_the_model(harmony_http, harmony_dir):
     import openai
 
     tokenizer = Tokenizer.from_file(str(harmony_dir / "tokenizer.json"))
     special = {tokenizer.token_to_id(t) for t in SPECIAL}
     ordinary = [i for i in range(tokenizer.vocab_size)
                 if i not in special and any(c in (tokenizer.id_to_token(i) or "") for c in "<|")]
-    client = openai.OpenAI(api_key="EMPTY", base_url=f"{harmony_server.base_url}/v1", timeout=120)
+    client = openai.OpenAI(api_key="EMPTY", base_url=f"{harmony_http.base_url}/v1", http_client=harmony_http,
+                           timeout=120)
     kwargs = dict(model="gpt-oss-tiny", messages=MSG, tools=TOOLS, temperature=0, max_tokens=160,
                   logit_bias={str(i): -100 for i in ordinary},
                   extra_body={"regex": re.escape(FORCED), "chat_template_kwargs": {"enable_thinking": False},

@@ -1,10 +1,13 @@
-"""Anthropic's Messages API through real servers with the official anthropic SDK.
+"""Anthropic's Messages API through the app with the official anthropic SDK.
 
-The servers run a tiny random model (float32, so greedy answers repeat
-exactly): what is checked is the API's behaviour, not the answers' sense.
-Forced tool calls and output_config.format schemas hold any model's output
-to a shape, which makes those answers complete. The main server requires
-an API key, which the SDK sends as `x-api-key`.
+The app runs in process (its answers are checked, not the server process;
+starlette's TestClient is the SDK's http_client) on a tiny random model
+(float32, so greedy answers repeat exactly): what is checked is the API's
+behaviour, not the answers' sense. Forced tool calls and
+output_config.format schemas hold any model's output to a shape, which
+makes those answers complete. The main app requires an API key, which the
+SDK sends as `x-api-key`. A client closing its socket mid-stream is
+checked on the shared real server.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.protocol.anthropic import Ping
 from pyserve.http.errors import APIError
 from pyserve.http.sse import EventStream
-from tests.conftest import ServerProcess
 from tests.test_disconnect import wait_idle
+from tests.test_tokenize_api import tiny_server_http
 
 KEY = "sk-messages-test"
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -41,24 +44,25 @@ def blocks(message) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_llama_dir):
-    server = ServerProcess("--model", str(tiny_llama_dir), "--tool-call-parser", "qwen25", "--api-key", KEY)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return anthropic.Anthropic(api_key=KEY, base_url=srv.base_url, timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.base_url, timeout=60, headers={"x-api-key": KEY}) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    """The app and an HTTP client of it that sends the key (an SDK over it sends its own)."""
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("messages"), tool_call_parser="qwen25",
+                          api_key=KEY) as c:
+        c.headers["x-api-key"] = KEY
         yield c
 
 
-def test_a_message_is_the_chat_routes_answer(client, srv):
+def sdk(http: httpx.Client, api_key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(api_key=api_key, base_url=str(http.base_url), http_client=http, timeout=120,
+                               max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return sdk(http)
+
+
+def test_a_message_is_the_chat_routes_answer(client, http):
     system = "Answer briefly."
     m = client.messages.create(model="m", system=system, messages=ASK, max_tokens=12, metadata={"user_id": "u1"},
                                extra_body=GREEDY)
@@ -66,7 +70,7 @@ def test_a_message_is_the_chat_routes_answer(client, srv):
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
     [block] = m.content
     assert block.type == "text" and block.text
-    oai = openai.OpenAI(api_key=KEY, base_url=f"{srv.base_url}/v1", max_retries=0)
+    oai = openai.OpenAI(api_key=KEY, base_url=f"{http.base_url}/v1", http_client=http, max_retries=0)
     chat = oai.chat.completions.create(model="m", messages=[{"role": "system", "content": system}, *ASK],
                                        max_tokens=12, temperature=0)
     assert block.text == chat.choices[0].message.content.lstrip()
@@ -166,16 +170,20 @@ def test_output_config_format(client):
     assert set(json.loads(m.content[0].text)) == {"name", "country"}
 
 
-def test_a_client_leaving_a_stream_frees_its_request(http):
-    body = {"model": "m", "messages": ASK, "max_tokens": 1900, "stream": True, **GREEDY}
-    with http.stream("POST", "/v1/messages", json=body) as r:
-        deltas = 0
-        for line in r.iter_lines():
-            deltas += line == "event: content_block_delta"
-            if deltas >= 4:
-                break
-    assert deltas == 4
-    wait_idle(http)
+def test_a_client_leaving_a_stream_frees_its_request(server):
+    """Over the shared server's real socket, closed mid-stream: the
+    embedded model's greedy count runs past a hundred tokens."""
+    count = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
+    body = {"model": "m", "messages": count, "max_tokens": 1900, "stream": True, **GREEDY}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/messages", json=body) as r:
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line == "event: content_block_delta"
+                if deltas >= 4:
+                    break
+        assert deltas == 4
+        wait_idle(http)
 
 
 BAD_BODIES = {
@@ -209,12 +217,12 @@ def test_bad_requests_are_anthropic_400s(http, name):
     assert named in error["error"]["message"], error
 
 
-def test_errors_through_the_sdk(client, srv, http):
+def test_errors_through_the_sdk(client, http):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     with pytest.raises(anthropic.BadRequestError, match="image") as e:
         client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    wrong = anthropic.Anthropic(api_key="wrong", base_url=srv.base_url, max_retries=0)
+    wrong = sdk(http, "wrong")  # its x-api-key header replaces the one the client sends by default
     with pytest.raises(anthropic.AuthenticationError) as e:
         wrong.messages.create(model="m", max_tokens=4, messages=ASK)
     assert e.value.status_code == 401 and e.value.body["type"] == "error"
@@ -242,10 +250,9 @@ def thinking_client(tiny_llama_dir, tmp_path_factory):
     that the tiny model writes (it never closes the block) is thinking."""
     template = tmp_path_factory.mktemp("template") / "showing.jinja"
     template.write_text(SHOWING)
-    server = ServerProcess("--model", str(tiny_llama_dir), "--reasoning-parser", "deepseek-r1",
-                           "--chat-template", str(template))
-    yield anthropic.Anthropic(api_key="EMPTY", base_url=server.base_url, timeout=120, max_retries=0)
-    server.stop()
+    with tiny_server_http(tiny_llama_dir, tmp_path_factory.mktemp("thinking"), reasoning_parser="deepseek-r1",
+                          chat_template=str(template)) as c:
+        yield sdk(c, "EMPTY")
 
 
 def test_thinking_blocks_out_and_in(thinking_client):

@@ -12,11 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pyserve.server_args import ServerArgs
-from tests.conftest import ServerProcess
+from tests.conftest import app_of_cli
 from tests.test_lora import make_adapter, reference_tokens
 
 openai = pytest.importorskip("openai")
@@ -65,7 +64,7 @@ def hub_cache(tmp_path_factory, tiny_llama_dir) -> Path:
 def offline(monkeypatch):
     import huggingface_hub.constants
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for servers started here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for processes started here
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
@@ -76,15 +75,15 @@ def snapshot(cache: Path, commit: str) -> str:
 def test_a_hub_id_serves_its_snapshot_under_its_own_name(hub_cache, tiny_llama_dir, offline):
     from transformers import AutoTokenizer
 
-    srv = ServerProcess("--model", "tiny-org/tiny-llama", "--tokenizer-path", "tiny-org/tokenizer",
-                        "--download-dir", str(hub_cache), "--enable-lora", "--lora-paths", "alpha=tiny-org/alpha-lora",
-                        "--max-total-tokens", "2048")
-    try:
-        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+    # The app these arguments make, in process: where its files came from is checked, not the server process.
+    with app_of_cli("--model", "tiny-org/tiny-llama", "--tokenizer-path", "tiny-org/tokenizer",
+                    "--download-dir", str(hub_cache), "--enable-lora", "--lora-paths", "alpha=tiny-org/alpha-lora",
+                    "--max-total-tokens", "2048") as srv:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", http_client=srv)
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {"tiny-org/tiny-llama", "alpha"} and cards["alpha"].parent == "tiny-org/tiny-llama"
         assert cards["alpha"].root == "tiny-org/alpha-lora"  # the name it was loaded by
-        info = httpx.get(f"{srv.base_url}/get_model_info").json()
+        info = srv.get("/get_model_info").json()
         assert info["model_path"] == snapshot(hub_cache, MAIN)
         assert info["tokenizer_path"] == str(hub_cache / "models--tiny-org--tokenizer" / "snapshots" / MAIN)
         # The chat template is the tokenizer repository's.
@@ -101,15 +100,11 @@ def test_a_hub_id_serves_its_snapshot_under_its_own_name(hub_cache, tiny_llama_d
 
         assert tokens("tiny-org/tiny-llama") == reference_tokens(tiny_llama_dir, None, PROMPT, 8)
         beta = hub_cache / "models--tiny-org--beta-lora" / "snapshots" / MAIN
-        r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": "beta",
-                                                                   "lora_path": "tiny-org/beta-lora"})
+        r = srv.post("/load_lora_adapter", json={"lora_name": "beta", "lora_path": "tiny-org/beta-lora"})
         assert r.status_code == 200, r.text
         assert tokens("beta") == reference_tokens(tiny_llama_dir, beta, PROMPT, 8)
-        r = httpx.post(f"{srv.base_url}/load_lora_adapter", json={"lora_name": "gamma",
-                                                                   "lora_path": "tiny-org/gamma-lora"})
+        r = srv.post("/load_lora_adapter", json={"lora_name": "gamma", "lora_path": "tiny-org/gamma-lora"})
         assert r.status_code == 400 and "tiny-org/gamma-lora" in r.json()["error"]["message"]
-    finally:
-        srv.stop()
 
 
 def test_revisions_pick_a_branch_tag_or_commit(hub_cache, tiny_llama_dir, offline):

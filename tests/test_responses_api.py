@@ -1,10 +1,13 @@
-"""The Responses API through real servers with the official openai client.
+"""The Responses API with the official openai client.
 
-Most tests run a tiny random model (float32, so greedy answers repeat
-exactly): what is checked is the API's behaviour, not the answers' sense.
-Forced tool calls and `text.format` schemas hold any model's output to a
-shape, which makes those responses complete. One test asks the embedded
-model a real question.
+Most tests run the app in process (its answers are checked, not the
+server process; starlette's TestClient is the client's http_client) on a
+tiny random model (float32, so greedy answers repeat exactly): what is
+checked is the API's behaviour, not the answers' sense. Forced tool calls
+and `text.format` schemas hold any model's output to a shape, which makes
+those responses complete. On the shared real server, the embedded model
+answers a real question and a client closes its socket mid-stream; the
+slow suite restarts a server over its stored responses.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pydantic import BaseModel
 from tests.conftest import ServerProcess
 from tests.slow import slow_test
 from tests.test_disconnect import wait_idle
+from tests.test_tokenize_api import tiny_server_http
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -44,26 +48,27 @@ def tiny_server(model_dir, storage, *options: str) -> ServerProcess:
                          "--tool-call-parser", "qwen25", *options)
 
 
-def client_of(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120, max_retries=0)
+def client_of(srv) -> openai.OpenAI:
+    """The openai client of a server process, or of the app in process through its TestClient."""
+    http_client = None if isinstance(srv, ServerProcess) else srv
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", http_client=http_client, timeout=120,
+                         max_retries=0)
+
+
+def tiny_app(model_dir, storage, **options):
+    """tiny_server's app, in process: a TestClient of it."""
+    return tiny_server_http(model_dir, storage, tool_call_parser="qwen25", **options)
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_llama_dir, tmp_path_factory):
-    server = tiny_server(tiny_llama_dir, tmp_path_factory.mktemp("responses"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return client_of(srv)
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+def http(tiny_llama_dir, tmp_path_factory):
+    with tiny_app(tiny_llama_dir, tmp_path_factory.mktemp("responses")) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return client_of(http)
 
 
 def wait_until_done(client, response_id: str, timeout: float = 120.0):
@@ -212,15 +217,20 @@ def test_not_stored(client):
         client.responses.retrieve(r.id)
 
 
-def test_a_client_leaving_a_stream_frees_its_request(srv, http):
-    body = {"model": "m", "input": "Tell a long story.", "stream": True, "temperature": 0, "max_output_tokens": LONG}
-    with http.stream("POST", "/v1/responses", json=body) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events >= 8:
-                break
-    wait_idle(http)
+def test_a_client_leaving_a_stream_frees_its_request(server):
+    """Over the shared server's real socket, closed mid-stream: the
+    embedded model's greedy count runs past a hundred tokens."""
+    body = {"model": "m", "input": "Count from 1 to 1000, one number per line.", "stream": True, "temperature": 0,
+            "max_output_tokens": LONG}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/responses", json=body) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 8:
+                    break
+        assert events == 8
+        wait_idle(http)
 
 
 BAD_BODIES = {
@@ -314,8 +324,7 @@ def test_stored_responses_survive_a_restart(tiny_llama_dir, tmp_path):
 def test_reasoning_items_and_reasoning_tokens(tiny_llama_dir, tmp_path):
     """With deepseek-r1's parser the template opens the reasoning block, so
     everything the tiny model writes (it never closes the block) is reasoning."""
-    srv = tiny_server(tiny_llama_dir, tmp_path, "--reasoning-parser", "deepseek-r1")
-    try:
+    with tiny_app(tiny_llama_dir, tmp_path, reasoning_parser="deepseek-r1") as srv:
         client = client_of(srv)
         r = client.responses.create(model="m", input="Think.", max_output_tokens=16, temperature=0)
         [reasoning] = r.output
@@ -330,8 +339,6 @@ def test_reasoning_items_and_reasoning_tokens(tiny_llama_dir, tmp_path):
         # An effort is chat's reasoning_effort: taken, and echoed as OpenAI does.
         effort = client.responses.create(model="m", input="Think.", max_output_tokens=2, reasoning={"effort": "low"})
         assert effort.reasoning.effort == "low"
-    finally:
-        srv.stop()
 
 
 def test_the_embedded_model_answers(server):

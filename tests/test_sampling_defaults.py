@@ -7,13 +7,13 @@ defaults."""
 from __future__ import annotations
 
 import json
+import logging
 
-import httpx
 import pytest
 
 from pyserve.api.generation.sampling import sampling_params
 from pyserve.api.protocol.openai import ChatCompletionRequest
-from tests.conftest import ServerProcess
+from tests.test_tokenize_api import tiny_server_http
 from tests.tiny_models import build_tiny_model
 
 openai = pytest.importorskip("openai")
@@ -31,10 +31,11 @@ def recommending_model(tmp_path_factory, default_model_dir):
     return model_dir
 
 
-def test_requests_that_leave_settings_out_take_the_models(recommending_model):
-    srv = ServerProcess("--model", str(recommending_model), "--max-total-tokens", "2048")
-    try:
-        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+def test_requests_that_leave_settings_out_take_the_models(recommending_model, tmp_path, caplog):
+    # The app in process: the routes' sampling is checked, not the server process.
+    with caplog.at_level(logging.INFO, logger="pyserve"), \
+            tiny_server_http(recommending_model, tmp_path, max_total_tokens=2048) as srv:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", http_client=srv)
 
         def chat(**extra):
             return client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16,
@@ -44,14 +45,12 @@ def test_requests_that_leave_settings_out_take_the_models(recommending_model):
         assert chat(seed=1) == chat(seed=2) == greedy  # top_k 1, the model's
         free = {chat(seed=s, extra_body={"top_k": -1}) for s in range(3)}  # the request's own top_k wins
         assert free != {greedy}
-        r = httpx.post(f"{srv.base_url}/generate", json={"text": "Say something.", "sampling_params": {
-            "max_new_tokens": 16, "seed": 3}}, timeout=60)
-        g = httpx.post(f"{srv.base_url}/generate", json={"text": "Say something.", "sampling_params": {
-            "max_new_tokens": 16, "temperature": 0}}, timeout=60)
+        r = srv.post("/generate", json={"text": "Say something.", "sampling_params": {
+            "max_new_tokens": 16, "seed": 3}})
+        g = srv.post("/generate", json={"text": "Say something.", "sampling_params": {
+            "max_new_tokens": 16, "temperature": 0}})
         assert r.json()["text"] == g.json()["text"]
-        assert "generation_config.json's {'temperature': 0.8, 'top_k': 1}" in srv.log()
-    finally:
-        srv.stop()
+    assert "generation_config.json's {'temperature': 0.8, 'top_k': 1}" in caplog.text
 
 
 def test_openai_defaults_where_the_model_recommends_none_or_openai_is_asked():

@@ -286,7 +286,7 @@ def test_what_cannot_run_is_refused_at_start(target, heads, tmp_path, default_mo
         drafter_of(options.engine, options.model, target, None, None)
 
 
-def test_a_real_server_with_an_eagle3_head_answers_the_openai_client(target, heads):
+def test_the_app_with_an_eagle3_head_answers_the_openai_client(target, heads):
     """`pyserve --model T --speculative-algorithm EAGLE3
     --speculative-draft-model-path HEAD` (assert_served_like_without)."""
     from tests.test_speculative_standalone import assert_served_like_without

@@ -153,7 +153,7 @@ def test_what_cannot_run_is_refused_at_start(tiny_llama_dir, options, message):
 
 
 @slow_test
-def test_a_real_server_with_ngram_trees_answers_the_openai_client(tiny_llama_dir):
+def test_the_app_with_ngram_trees_answers_the_openai_client(tiny_llama_dir):
     """`pyserve --model M --speculative-algorithm NGRAM
     --speculative-ngram-max-bfs-breadth 4` (assert_served_like_without):
     the requests after the first draft from its answer."""

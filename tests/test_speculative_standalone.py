@@ -376,29 +376,28 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_llama_dir, draf
 
 
 def assert_served_like_without(model_dir, *speculative: str) -> None:
-    """`pyserve --model model_dir` with the `speculative` arguments, through
-    the openai client: streamed text equals the non-streamed text, n=2
-    gives two identical greedy choices, verify steps ran (in /metrics and
-    in the native route's meta_info), the KV is whole, and the answers
-    equal a server without speculation."""
-    import httpx
+    """The app of `pyserve --model model_dir` with the `speculative`
+    arguments, in process (app_of_cli), through the openai client: streamed
+    text equals the non-streamed text, n=2 gives two identical greedy
+    choices, verify steps ran (in /metrics and in the native route's
+    meta_info), the KV is whole, and the answers equal the app's without
+    speculation."""
     import openai
 
-    from tests.conftest import ServerProcess
+    from tests.conftest import app_of_cli
 
     base = ("--model", str(model_dir), "--max-total-tokens", "4096", "--torchao-config", "none")
     prompt = "one two three four five one two three four five one two three four"
 
     def answers(*args: str):
-        srv = ServerProcess(*base, *args)
-        try:
-            client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", timeout=120)
+        with app_of_cli(*base, *args) as srv:
+            client = openai.OpenAI(api_key="EMPTY", base_url=f"{srv.base_url}/v1", http_client=srv, timeout=120)
             model = client.models.list().data[0].id
             whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, n=2)
             stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
             streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
             # SGLang's native route reports each request's verify steps and kept drafts.
-            meta = httpx.post(f"{srv.base_url}/generate", timeout=120, json={
+            meta = srv.post("/generate", json={
                 "text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}).json()["meta_info"]
             assert ("spec_verify_ct" in meta) == bool(args)
             if args:
@@ -406,17 +405,15 @@ def assert_served_like_without(model_dir, *speculative: str) -> None:
                 assert 0 < steps <= 24 and 0 <= kept <= drafted
                 assert meta["spec_accept_length"] == pytest.approx((steps + kept) / steps)
                 assert meta["spec_accept_rate"] == pytest.approx(kept / drafted)
-            info = httpx.get(f"{srv.base_url}/get_server_info", timeout=30).json()
+            info = srv.get("/get_server_info").json()
             assert info["kv_integrity"] == "ok", info["kv_integrity"]
-            metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+            metrics = srv.get("/metrics").text
             # Where SGLang's tests read the accept length: only with speculation on.
             accept_length = info["internal_states"][0].get("avg_spec_accept_length")
             assert (accept_length is None) == (not args)
             if args:
                 assert accept_length >= 1.0 and f"pyserve:spec_accept_length {accept_length}" in metrics
             return [c.text for c in whole.choices], streamed, whole.usage.completion_tokens, metrics
-        finally:
-            srv.stop()
 
     texts, streamed, tokens, metrics = answers(*speculative)
     plain_texts, _, _, _ = answers()
@@ -428,7 +425,7 @@ def assert_served_like_without(model_dir, *speculative: str) -> None:
 
 
 @slow_test
-def test_a_real_server_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
+def test_the_app_with_a_draft_model_answers_the_openai_client(tiny_llama_dir, drafts):
     """`pyserve --model T --speculative-algorithm STANDALONE
     --speculative-draft-model-path D` (assert_served_like_without)."""
     assert_served_like_without(tiny_llama_dir, "--speculative-algorithm", "STANDALONE",

@@ -19,10 +19,11 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @contextmanager
-def tiny_server_http(model_dir, tmp_path) -> Iterator[httpx.Client]:
-    """The app on the tiny model, in process, and an HTTP client of it, for
-    a module: these routes' answers, not the server process, are checked."""
-    with TestClient(create_app(model_path=str(model_dir), file_storage_path=str(tmp_path))) as c:
+def tiny_server_http(model_dir, tmp_path, **options) -> Iterator[httpx.Client]:
+    """The app on the tiny model (with these ServerArgs `options`), in
+    process, and an HTTP client of it, for a module: these routes' answers,
+    not the server process, are checked."""
+    with TestClient(create_app(model_path=str(model_dir), file_storage_path=str(tmp_path), **options)) as c:
         yield c
 
 
