@@ -183,10 +183,10 @@ def test_required_and_named_tool_calls_parse_and_validate(client, model_name):
             else:  # one call
                 assert choice.finish_reason == "tool_calls" and choice.message.content is None
                 assert len(calls) == 1
-            for call in calls:
+            for made in calls:
                 if tool_choice == named:
-                    assert call.function.name == "get_time"
-                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                    assert made.function.name == "get_time"
+                jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
 
 
 def test_other_settings_keep_working_under_a_constraint(client, model_name):
