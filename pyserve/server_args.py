@@ -205,15 +205,12 @@ class ServerArgs(ServerOptions, EngineOptions, ModelOptions):
         a sequence classifier, a base model without its vocabulary
         projection, a decoder trained to attend both ways), so that it is
         served as --is-embedding asks, as SGLang and vLLM tell by its architecture."""
-        from pyserve.model.config import is_sequence_classifier, read_config_files
-        from pyserve.model.encoders import is_encoder
-        from pyserve.model.families import is_base_model
+        from pyserve.model.config import read_config_files
+        from pyserve.model.families import scores_only
 
         if not self.model_path or not (Path(self.model_path) / "config.json").is_file():
             return False
-        config, _ = read_config_files(self.model_path, self.config_overrides)
-        return is_encoder(config) or is_sequence_classifier(config) or is_base_model(config) \
-            or bool(config.get("use_bidirectional_attention"))
+        return scores_only(read_config_files(self.model_path, self.config_overrides)[0]) is not None
 
     def _draft_shape(self, on_cuda: bool) -> dict[str, int | None]:
         """--speculative-num-steps, -eagle-topk and -num-draft-tokens, made

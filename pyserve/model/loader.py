@@ -47,9 +47,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pyserve.model.checkpoint import CheckpointNames, expected_pieces, pieces
-from pyserve.model.config import ModelConfig, is_sequence_classifier, read_config_files
+from pyserve.model.config import ModelConfig, read_config_files
 from pyserve.model.encoders import is_encoder, load_encoder, parse_encoder_config
-from pyserve.model.families import family_of, parse_config
+from pyserve.model.families import family_of, parse_config, scores_only
 from pyserve.model.families.family import Family
 from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
 from pyserve.model.layers.causal_lm import CausalLM
@@ -248,11 +248,9 @@ def load_model(
     model_dir = Path(model_dir)
     device = torch.device(device)
     raw, generation = read_config_files(model_dir, config_overrides)
-    scores_only = ("a sequence classifier (a reward model)" if is_sequence_classifier(raw) else "an encoder model"
-                   if is_encoder(raw) else "a model attending both ways" if raw.get("use_bidirectional_attention")
-                   else None)
-    if lm_head and scores_only:
-        raise ValueError(f"{model_dir} is {scores_only}, which embeds or scores prompts and generates nothing: "
+    what = scores_only(raw)
+    if lm_head and what:
+        raise ValueError(f"{model_dir} is {what}, which embeds or scores prompts and generates nothing: "
                          "serve it with --is-embedding")
     scheme = detect(raw, quantization)
     if is_encoder(raw):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyserve.model.config import SEQUENCE_CLASSIFIER, ModelConfig, base_fields, read_config_files
-from pyserve.model.encoders import ENCODER_ARCHITECTURES
+from pyserve.model.config import (SEQUENCE_CLASSIFIER, ModelConfig, base_fields, is_sequence_classifier,
+                                  read_config_files)
+from pyserve.model.encoders import ENCODER_ARCHITECTURES, is_encoder
 from pyserve.model.families import (deepseek, gemma, glm4, glm4_moe, gpt_oss, granite, llama, minimax_m2, mixtral,
                                    olmo2, phi3, qwen, qwen_moe, smollm3)
 from pyserve.model.families.family import Family
@@ -43,11 +44,25 @@ def causal_architecture(architecture: str) -> str:
     return architecture.removesuffix("Model") + "ForCausalLM" if architecture.endswith("Model") else architecture
 
 
-def is_base_model(cfg: dict) -> bool:
-    """Whether config.json names a served family's base model, which has no
-    vocabulary projection to generate with (an embedding model)."""
+def _is_base_model(cfg: dict) -> bool:
+    """Whether config.json names a served family's base model."""
     archs = cfg.get("architectures") or []
     return any(a.endswith("Model") and causal_architecture(a) in _BY_ARCHITECTURE for a in archs)
+
+
+def scores_only(cfg: dict) -> str | None:
+    """What the model in config.json is when it embeds or scores and cannot
+    generate, as SGLang and vLLM tell by the architecture (it is served as
+    --is-embedding asks); None for a model that generates."""
+    if is_sequence_classifier(cfg):
+        return "a sequence classifier (a reward model)"
+    if is_encoder(cfg):
+        return "an encoder model"
+    if _is_base_model(cfg):
+        return "a base model, without a vocabulary projection"
+    if cfg.get("use_bidirectional_attention"):
+        return "a model attending both ways"
+    return None
 
 
 def parse_config(cfg: dict, gen: dict | None = None, source: str = "config") -> ModelConfig:
