@@ -46,14 +46,21 @@ def attend_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: li
     return torch.cat(out)
 
 
+def whole_prompt_lengths(batch: ForwardBatch) -> list[int]:
+    """Each prompt's length in the step; ValueError for a step that does not
+    compute each of its prompts whole, in one piece."""
+    if list(batch.extend_lens) != list(batch.seq_lens):
+        raise ValueError("a model attending both ways computes whole prompts: this step has one in chunks or "
+                         "after a cached prefix")
+    return list(batch.extend_lens)
+
+
 class BidirectionalAttention(AttentionBackend):
     def __init__(self, kv_buffer: KVBuffer):
         self.kv_buffer = kv_buffer
 
     def prepare(self, batch: ForwardBatch, plan: StepPlan = TORCH_STEP) -> None:
-        if list(batch.extend_lens) != list(batch.seq_lens):
-            raise ValueError("a model attending both ways computes whole prompts: this step has one in chunks or "
-                             "after a cached prefix")
+        whole_prompt_lengths(batch)
         self._batch = batch
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, scale: float, *, window: int | None = None,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyserve.model.attention.bidirectional import whole_prompt_lengths
 from pyserve.model.config import ModelConfig
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.parallel import ModelShard
@@ -82,10 +83,7 @@ class Encoder(nn.Module):
         encoder step never takes."""
         if capture is not None:
             raise ValueError("an encoder keeps no hidden states for a draft")
-        lengths = list(batch.extend_lens)
-        if lengths != list(batch.seq_lens):
-            raise ValueError("an encoder computes whole prompts: this step has one in chunks or after a cached prefix")
-        return self.encode(batch.input_ids, batch.positions, lengths)[rows]
+        return self.encode(batch.input_ids, batch.positions, whole_prompt_lengths(batch))[rows]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """No rows: an encoder has no vocabulary projection, and an
