@@ -77,7 +77,8 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
             logprobs[i].add(result.prompt_logprobs, result.logprobs)
         meta = _meta(requests[i].rid, result.final, started, logprobs[i])
         if requests[i].params.return_hidden_states:
-            meta["hidden_states"] = _hidden_states_meta(result.hidden_states, len(requests[i].input_ids))
+            rows = torch.cat(result.hidden_states).tolist() if result.hidden_states else []
+            meta["hidden_states"] = _hidden_states_meta(rows, len(requests[i].input_ids))
         results.append({**({"text": result.text} if has_text else {}), "output_ids": result.token_ids,
                         "meta_info": meta})
     # As SGLang answers: one object for one text, a list for a batch or n > 1.
@@ -127,7 +128,7 @@ async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started:
     with no tokenizer, the token ids alone."""
     texts = [""] * len(requests)
     ids: list[list[int]] = [[] for _ in requests]
-    states: list[list[torch.Tensor]] = [[] for _ in requests]
+    states: list[list[list[float]]] = [[] for _ in requests]  # each request's hidden-state rows so far
     async for i, out in merged_outputs(ctx.engine, requests):
         texts[i] += out.text
         ids[i] += out.token_ids
@@ -135,7 +136,7 @@ async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started:
             logprobs[i].add(out.prompt_logprobs or [], out.logprobs or [])
         meta = _meta(requests[i].rid, out, started, logprobs[i])
         if out.hidden_states is not None:
-            states[i].append(out.hidden_states)
+            states[i] += out.hidden_states.tolist()  # each row converted once, not at every event
         if requests[i].params.return_hidden_states:  # all so far, as the text and ids
             meta["hidden_states"] = _hidden_states_meta(states[i], len(requests[i].input_ids))
         event = {**({"text": texts[i]} if has_text else {}), "output_ids": list(ids[i]), "meta_info": meta}
@@ -165,10 +166,9 @@ def _meta(rid: str, out: GenerateOutput, started: float, logprobs: MetaLogprobs 
     }
 
 
-def _hidden_states_meta(outputs: list[torch.Tensor], prompt_tokens: int) -> list:
+def _hidden_states_meta(rows: list[list[float]], prompt_tokens: int) -> list:
     """SGLang's meta_info.hidden_states: the prompt's rows as one list, then
-    each output token's row, from the rows the outputs brought in order."""
-    rows = torch.cat(outputs).tolist() if outputs else []
+    each output token's row, from the rows the outputs brought, in order."""
     return [rows[:prompt_tokens], *rows[prompt_tokens:]] if rows else []
 
 
