@@ -27,7 +27,8 @@ import msgspec
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import (
-    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, weights,
+    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, weight_sync,
+    weights,
 )
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -167,6 +168,17 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/get_weight_version"): Route(weights.weight_version),
     ("POST", "/update_weights_from_disk"): Route(weights.update_weights_from_disk, weights.UpdateWeightsRequest,
                                                  dialect=SGLANG_CONTROL),
+    ("POST", "/init_weights_update_group"): Route(weight_sync.init_weights_update_group,
+                                                  weight_sync.InitWeightsUpdateGroupRequest, dialect=SGLANG_CONTROL),
+    ("POST", "/update_weights_from_distributed"): Route(weight_sync.update_weights_from_distributed,
+                                                        weight_sync.UpdateWeightsFromDistributedRequest,
+                                                        dialect=SGLANG_CONTROL),
+    ("POST", "/destroy_weights_update_group"): Route(weight_sync.destroy_weights_update_group, raw=True,
+                                                     dialect=SGLANG_CONTROL),
+    ("POST", "/update_weights_from_tensor"): Route(weight_sync.update_weights_from_tensor,
+                                                   weight_sync.UpdateWeightsFromTensorRequest, dialect=SGLANG_CONTROL),
+    ("GET", "/get_weights_by_name"): Route(weight_sync.get_weights_by_name, raw=True, dialect=SGLANG_CONTROL),
+    ("POST", "/get_weights_by_name"): Route(weight_sync.get_weights_by_name, raw=True, dialect=SGLANG_CONTROL),
     ("GET", "/version"): Route(operations.version),
     ("GET", "/health"): Route(operations.health, public=True),
     ("GET", "/ping"): Route(operations.health, public=True),

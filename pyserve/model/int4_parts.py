@@ -1,4 +1,4 @@
-"""Reading a checkpoint tensor's part, and the 4-bit groups a checkpoint
+"""Reading a checkpoint tensor's part (and where it goes), and the 4-bit groups a checkpoint
 brings: a shipped int4 file's, a rank's slice of a layer's groups, and a
 fused module's parts stacked in row order."""
 
@@ -26,6 +26,21 @@ def read_part(handle, key: str, dim: int | None, part: range | None, full: int |
     if len(shape) <= dim or shape[dim] != full:
         raise ValueError(f"{key} has shape {tuple(shape)}, the config expects {full} along dimension {dim}")
     return view[(slice(None),) * dim + (slice(part.start, min(part.stop, full)),)]
+
+
+def piece_copy(target: torch.Tensor, piece, handle, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where in `target` it goes, what goes there) for one piece
+    (checkpoint.Piece) of the tensor `key`; ValueError where its shape is
+    not the config's. A vocabulary shard's rows past the checkpoint's
+    (padding) are not in the destination."""
+    if piece.row is not None:
+        target = target.narrow(0, piece.row, len(piece.part))
+    tensor = read_part(handle, key, piece.dim, piece.part, piece.full)
+    if piece.dim == 0 and piece.row is None and tensor.shape[0] < target.shape[0]:
+        target = target[: tensor.shape[0]]
+    if tensor.shape != target.shape:
+        raise ValueError(f"{key} has shape {tuple(tensor.shape)}, the config expects {tuple(target.shape)}")
+    return target, tensor
 
 
 def shipped_int4(path: Path, config: ModelConfig, shard: ModelShard, names: CheckpointNames,

@@ -51,7 +51,7 @@ from pyserve.model.config import ModelConfig, read_config_files
 from pyserve.model.encoders import is_encoder, load_encoder, parse_encoder_config
 from pyserve.model.families import family_of, parse_config, scores_only
 from pyserve.model.families.family import Family
-from pyserve.model.int4_parts import read_part, shipped_int4, sliced_groups, stacked_groups
+from pyserve.model.int4_parts import piece_copy, shipped_int4, sliced_groups, stacked_groups
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.layers.moe import MoEBlock, placement
 from pyserve.model.layers.moe_weights import ExpertGroups
@@ -81,7 +81,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-class _Tensors:
+class DenseTensors:
     """Dense tensors read as a safetensors handle reads its own."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
@@ -124,7 +124,7 @@ def _expert_split(blocks: dict[int, MoEBlock], module: str) -> tuple[int, range]
     """(dim, part) of the quantized layer `module` this rank holds, where
     it is one of an MoE block's experts (or its shared expert) split over
     the ranks: rows of gate/up (dim 0), inputs of down (dim 1)."""
-    block = _block_claiming(blocks, module + ".weight")
+    block = block_claiming(blocks, module + ".weight")
     if block is None:
         return None
     where = placement(block.spec, module + ".weight")
@@ -164,30 +164,24 @@ class _TensorView:
 
 def _copy_piece(target: torch.Tensor, piece, handle, hf_name: str, path: Path) -> None:
     """Read one piece of the checkpoint tensor `hf_name` into its place in `target`."""
-    if piece.row is not None:
-        target = target.narrow(0, piece.row, len(piece.part))
     try:
-        tensor = read_part(handle, hf_name, piece.dim, piece.part, piece.full)
+        destination, tensor = piece_copy(target, piece, handle, hf_name)
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
-    if piece.dim == 0 and piece.row is None and tensor.shape[0] < target.shape[0]:  # vocabulary padding rows
-        target[tensor.shape[0] :].zero_()
-        target = target[: tensor.shape[0]]
-    if tensor.shape != target.shape:
-        raise ValueError(
-            f"{path.name}: {hf_name} has shape {tuple(tensor.shape)}, the config expects {tuple(target.shape)}")
-    target.copy_(tensor)
+    if piece.dim == 0 and piece.row is None:
+        target[destination.shape[0]:].zero_()  # vocabulary padding rows
+    destination.copy_(tensor)
 
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
-def _expert_blocks(model: CausalLM) -> dict[int, MoEBlock]:
+def expert_blocks(model: CausalLM) -> dict[int, MoEBlock]:
     """The MoE blocks of `model`, by layer index."""
     return {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)}
 
 
-def _block_claiming(blocks: dict[int, MoEBlock], hf_name: str) -> MoEBlock | None:
+def block_claiming(blocks: dict[int, MoEBlock], hf_name: str) -> MoEBlock | None:
     """The MoE block whose tensor `hf_name` is, if any."""
     layer = _LAYER.match(hf_name)
     block = blocks.get(int(layer.group(1))) if layer else None
@@ -274,7 +268,7 @@ def load_model(
         model = family.model(config, shard) if part is None else part.model(family, shard)
     if not lm_head:
         model.lm_head = None
-    blocks = _expert_blocks(model)
+    blocks = expert_blocks(model)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
     for block in blocks.values():
@@ -295,7 +289,7 @@ def load_model(
     def place(hf_name: str, handle, path_name: str, held: dict | None = None) -> None:
         """`held`: a checkpoint-quantized layer's weight as this rank read
         it, {None: the whole} or {(dim, part): each part}."""
-        block = _block_claiming(blocks, hf_name)
+        block = block_claiming(blocks, hf_name)
         if block is not None:
             if hf_name in placed:
                 raise ValueError(f"{path_name}: repeated tensor {hf_name}")
@@ -353,7 +347,7 @@ def load_model(
         if quantized is not None:
             def split(module: str) -> list[tuple[int, range]]:
                 expert = _expert_split(blocks, module)
-                if expert is not None or _block_claiming(blocks, module + ".weight"):
+                if expert is not None or block_claiming(blocks, module + ".weight"):
                     return [] if expert is None else [expert]
                 return _dense_split(quantized, module, config, shard, names)
 
@@ -361,7 +355,7 @@ def load_model(
                 key = module + ".weight" if part is None else part.name_of(module + ".weight")
                 if read[0][2] is None:
                     weight, dense, _ = read[0]
-                    place(key, _Tensors({key: dense}), scheme.name, {None: weight})
+                    place(key, DenseTensors({key: dense}), scheme.name, {None: weight})
                 else:
                     full = quantized.shape(module)[read[0][2][0]]  # the length its parts cut
                     place(key, _Parts(key, {part: dense for _, dense, part in read}, full), scheme.name,

@@ -15,6 +15,8 @@ weights as they were."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
@@ -41,23 +43,34 @@ async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsReques
                                                  ctx.server_args.get("download_dir"), "model_path"))
     except ValueError as e:
         raise bad_request(str(e), "model_path") from None
+    async with weights_replaced(ctx, req.abort_all_requests, req.flush_cache, req.weight_version):
+        try:
+            await ctx.engine.runner.swap_weights(model_dir)
+        except (ValueError, OSError) as e:
+            raise bad_request(f"{model_dir}: {e}", "model_path") from None
+    return {"success": True, "message": f"Succeeded to update model weights from {model_dir}."}
+
+
+@asynccontextmanager
+async def weights_replaced(ctx: ServingContext, abort_all_requests: bool, flush_cache: bool,
+                           weight_version: str | None) -> AsyncIterator[None]:
+    """The body replaces the served weights with the admission gate closed:
+    the requests in the engine have finished first (or stopped, with
+    `abort_all_requests`; a paused engine's stay, and resume on the new
+    weights), and the prefix cache is dropped (`flush_cache`). Once the
+    body returns, `weight_version` (if given) names the weights."""
     engine = ctx.engine
     async with ctx.gate.updating():
-        if req.abort_all_requests:
+        if abort_all_requests:
             engine.abort_all()
-        # A paused engine's requests stay, and resume on the new weights.
         await engine_emptied(engine, stop=lambda: ctx.gate.pause_mode is not None)
         # Before the swap: no prefix of the old weights is matched after it.
-        if req.flush_cache and not engine.flush_cache():
+        if flush_cache and not engine.flush_cache():
             raise bad_request("requests paused in place hold KV the served weights computed, which a flush cannot "
                               "drop: pause with mode retract or abort, or update with flush_cache false",
                               "flush_cache")
-        try:
-            await engine.runner.swap_weights(model_dir)
-        except (ValueError, OSError) as e:
-            raise bad_request(f"{model_dir}: {e}", "model_path") from None
-        ctx.gate.version = req.weight_version or ctx.gate.version
-    return {"success": True, "message": f"Succeeded to update model weights from {model_dir}."}
+        yield
+        ctx.gate.version = weight_version or ctx.gate.version
 
 
 class UpdateWeightVersionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -32,6 +32,7 @@ import torch
 from pyserve.engine.runner.profiler import StepProfiler
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.runner.weight_swap import copy_weights, paired_tensors
+from pyserve.engine.runner.weight_sync import Operation, WeightSync
 from pyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from pyserve.engine.sampling_state import SamplingState
 from pyserve.engine.sequence import Sequence
@@ -113,6 +114,7 @@ class ModelRunner:
         self.sampler = Sampler(options.random_seed)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self.profiler = StepProfiler()  # /start_profile's, on the forward thread
+        self.weight_sync = WeightSync(self.rank_model)  # a trainer's update groups, on the forward thread
         self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
         # --speculative-algorithm but NGRAM: its DraftModel or EagleDraft (speculative/options.py sets it).
         self.draft = None
@@ -198,6 +200,18 @@ class ModelRunner:
             copy_weights(pairs)
 
         return asyncio.get_running_loop().run_in_executor(self.executor, swap)
+
+    def sync_weights(self, op: Operation) -> asyncio.Future:
+        """Every rank's Outcome of a weight sync operation (weight_sync.py),
+        performed on the forward thread after the steps queued so far."""
+        def sync() -> list:
+            if self.ranks is None:
+                return [self.weight_sync.perform(op)]
+            self.ranks.check()
+            self.ranks.channel.send_weight_sync(op)
+            return self.ranks.channel.gather(self.weight_sync.perform(op))
+
+        return asyncio.get_running_loop().run_in_executor(self.executor, sync)
 
     def launch(self, step: ScheduledStep) -> asyncio.Future:
         """Queue `step` on the worker thread; call from the event loop."""

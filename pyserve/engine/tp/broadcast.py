@@ -13,16 +13,20 @@ time reaches them the same way, between steps: a header saying which slot
 and how long its path is, then the path (each rank reads its own shard).
 So do the K/V copies that move a draft tree's accepted nodes to their
 sequence's next slots after a verify step (speculative/tree.py): a
-header with their count, then the slots on the model's device.
+header with their count, then the slots on the model's device. A weight
+sync operation (runner/weight_sync.py) goes as JSON text, as a path does;
+every rank performs it and rank 0 gathers their outcomes.
 """
 
 from __future__ import annotations
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from dataclasses import dataclass
 
+from pyserve.engine.runner.weight_sync import Operation, Outcome
 from pyserve.engine.tp.group import Membership
 from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
@@ -34,6 +38,7 @@ _STOP = -1
 _LOAD_ADAPTER = -2  # then the slot and the path's length in bytes
 _COPY_KV = -3  # then the copies' count and whether they carry sliding slots
 _SWAP_WEIGHTS = -4  # then the checkpoint path's length in bytes
+_WEIGHT_SYNC = -5  # then the operation's length in bytes
 
 
 @dataclass(frozen=True)
@@ -134,8 +139,20 @@ class StepChannel:
     def send_weight_swap(self, path: str) -> None:
         self._send_path(_SWAP_WEIGHTS, 0, path)
 
+    def send_weight_sync(self, op: Operation) -> None:
+        self._send_text(_WEIGHT_SYNC, 0, msgspec.json.encode(op))
+
+    def gather(self, outcome: Outcome) -> list[Outcome]:
+        """Every rank's outcome, in rank order."""
+        outcomes = [None] * dist.get_world_size(self.member.control)
+        dist.gather_object(outcome, outcomes, group=self.member.control, group_dst=0)
+        return outcomes
+
     def _send_path(self, kind: int, value: int, path: str) -> None:
-        data = torch.tensor(list(path.encode()), dtype=torch.uint8)
+        self._send_text(kind, value, path.encode())
+
+    def _send_text(self, kind: int, value: int, text: bytes) -> None:
+        data = torch.tensor(list(text), dtype=torch.uint8)
         self._broadcast_header(torch.tensor([kind, value, data.numel()] + [0] * (_HEADER - 3)))
         dist.broadcast(data, src=0, group=self.member.control)
 
@@ -150,17 +167,20 @@ class StepChannel:
 
     # ranks 1..N-1
 
-    def receive(self) -> ForwardBatch | AdapterLoad | WeightSwap | SlotCopies | None:
+    def receive(self) -> ForwardBatch | AdapterLoad | WeightSwap | SlotCopies | Operation | None:
         """The next step's batch on this rank's device, an adapter to load,
-        a checkpoint to swap in, K/V slots to copy, or None when rank 0 stops."""
+        a checkpoint to swap in, K/V slots to copy, a weight sync operation,
+        or None when rank 0 stops."""
         sizes = torch.empty(_HEADER, dtype=torch.long)
         self._broadcast_header(sizes)
         sizes = sizes.tolist()
         if sizes[0] == _STOP:
             return None
-        if sizes[0] in (_LOAD_ADAPTER, _SWAP_WEIGHTS):
+        if sizes[0] in (_LOAD_ADAPTER, _SWAP_WEIGHTS, _WEIGHT_SYNC):
             data = torch.empty(sizes[2], dtype=torch.uint8)
             dist.broadcast(data, src=0, group=self.member.control)
+            if sizes[0] == _WEIGHT_SYNC:
+                return msgspec.json.decode(data.numpy().tobytes(), type=Operation)
             path = bytes(data.tolist()).decode()
             return AdapterLoad(sizes[1], path) if sizes[0] == _LOAD_ADAPTER else WeightSwap(path)
         if sizes[0] == _COPY_KV:
@@ -177,6 +197,10 @@ class StepChannel:
         return int(values[0])
 
     # every rank
+
+    def send_outcome(self, outcome: Outcome) -> None:
+        """This rank's part of rank 0's `gather`."""
+        dist.gather_object(outcome, None, group=self.member.control, group_dst=0)
 
     def barrier(self) -> None:
         dist.barrier(group=self.member.control)

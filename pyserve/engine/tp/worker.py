@@ -23,7 +23,8 @@ import torch
 from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.runner.weight_swap import copy_weights, paired_tensors
-from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel, WeightSwap
+from pyserve.engine.runner.weight_sync import WeightSync
+from pyserve.engine.tp.broadcast import AdapterLoad, ForwardBatch, StepChannel, WeightSwap
 from pyserve.lora.adapter import read_adapter
 from pyserve.model.hub import local_model_dir
 from pyserve.model.kv_buffer import SlotCopies
@@ -46,6 +47,7 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
         model = RankModel(options, model_dir, member.device, member.tp, layout.ranks_per_node)
         model.allocate(channel.receive_value(), window_pool=True)
         channel.barrier()  # ready
+        weight_sync = WeightSync(model)
         logger.info("tensor-parallel rank %d ready (pid %d)", rank, os.getpid())
         with torch.inference_mode():
             while (message := channel.receive()) is not None:
@@ -57,8 +59,10 @@ def run_worker(rank: int, layout: tp_group.RankLayout, options: ModelOptions, mo
                     copy_weights(paired_tensors(model.model, model.read_checkpoint(Path(local))))
                 elif isinstance(message, SlotCopies):
                     model.kv_buffer.copy_slots(message)
-                else:
+                elif isinstance(message, ForwardBatch):
                     model.forward(message)
+                else:
+                    channel.send_outcome(weight_sync.perform(message))
         tp_group.leave()
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -297,12 +297,35 @@ class MoEBlock(nn.Module):
                 moe_weights.copy_mxfp4_part(target, where.param, *pair, self.part, self.spec.hidden,
                                             self.spec.intermediate)
             return True
-        shared = where.param.startswith("shared_w")
-        part, full = (self.shared_part, self.spec.shared_intermediate) if shared else (self.part, self.spec.intermediate)
-        if where.expert is not None:
-            target = target[where.expert]
-        moe_weights.copy_part(target, source, where.param, "up" if where.row else None, where.layout, part, full)
+        moe_weights.copy_part(self._destination(where), source, where.param, "up" if where.row else None,
+                              where.layout, *self._part_of(where))
         return True
+
+    def weight_copies(self, name: str, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source view) pairs that put this rank's part of
+        the dense checkpoint tensor `name` in the block (moe_weights.part_copies),
+        for a caller that checks every tensor of an update before copying
+        any; [] for b2 on ranks other than 0. ValueError where it is not
+        the block's, comes packed, or does not fit."""
+        where = placement(self.spec, name)
+        if where is None or mxfp4.packed_part(name):
+            raise ValueError(f"{name} is not one of the MoE block's dense tensors")
+        if getattr(self, where.param) is None:
+            return []
+        if not isinstance(getattr(self, where.param), nn.Parameter):
+            raise ValueError(f"{name}: the experts are held quantized")
+        return moe_weights.part_copies(self._destination(where), tensor, where.param, "up" if where.row else None,
+                                       where.layout, *self._part_of(where))
+
+    def _destination(self, where: Placement) -> torch.Tensor:
+        target = getattr(self, where.param).data
+        return target if where.expert is None else target[where.expert]
+
+    def _part_of(self, where: Placement) -> tuple[range, int]:
+        """This rank's part of the intermediate dimension `where` splits, and its whole length."""
+        if where.param.startswith("shared_w"):
+            return self.shared_part, self.spec.shared_intermediate
+        return self.part, self.spec.intermediate
 
     def quantize_experts(self, layer) -> None:
         """Replace each expert's weights (and the shared expert's) by

@@ -27,31 +27,42 @@ def whole(source) -> torch.Tensor:
     return source if isinstance(source, torch.Tensor) else source[:]
 
 
-@torch.no_grad()
-def copy_part(target: torch.Tensor, source, param: str, half: str | None, layout: str, part: range,
-              full: int) -> None:
-    """Copy this rank's `part` (of `full` rows of the intermediate
-    dimension) of `source` into `target`, the block's parameter `param`
-    (one expert's, or the shared expert's, where `layout` is "linear"):
-    w13 rows are [gate part; up part] (`half` says which one a per-expert
-    tensor fills), w2 columns are the part."""
+def part_copies(target: torch.Tensor, source, param: str, half: str | None, layout: str, part: range,
+                full: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, what goes there) for this rank's `part` (of `full`
+    rows of the intermediate dimension) of `source` in `target`, the
+    block's parameter `param` (one expert's, or the shared expert's, where
+    `layout` is "linear"): w13 rows are [gate part; up part] (`half` says
+    which one a per-expert tensor fills), w2 columns are the part.
+    ValueError where a source's shape does not fit its destination."""
     L, s, e = len(part), part.start, part.stop
     if param in ("w13", "shared_w13") and layout == "linear":
         up = L if half == "up" else 0
-        target[up:up + L].copy_(source[s:e])
+        pairs = [(target[up:up + L], source[s:e])]
     elif param in ("w2", "shared_w2") and layout == "linear":
-        target.copy_(source[:, s:e])
+        pairs = [(target, source[:, s:e])]
     elif param == "w2":  # stacked [E, H, I], gpt-oss's [E, I, H]
-        target.copy_(source[:, s:e].transpose(1, 2) if layout == "gpt_oss" else source[:, :, s:e])
+        pairs = [(target, source[:, s:e].transpose(1, 2) if layout == "gpt_oss" else source[:, :, s:e])]
     elif param in ("w13", "b13") and layout == "gpt_oss":  # gate and up interleaved along the last dimension
         chunk = source[:, 2 * s:2 * e] if param == "b13" else source[:, :, 2 * s:2 * e].transpose(1, 2)
-        target[:, :L].copy_(chunk[:, 0::2])
-        target[:, L:].copy_(chunk[:, 1::2])
+        pairs = [(target[:, :L], chunk[:, 0::2]), (target[:, L:], chunk[:, 1::2])]
     elif param == "w13":  # stacked [E, 2I, H], gate rows then up rows
-        target[:, :L].copy_(source[:, s:e])
-        target[:, L:].copy_(source[:, full + s:full + e])
+        pairs = [(target[:, :L], source[:, s:e]), (target[:, L:], source[:, full + s:full + e])]
     else:
-        target.copy_(whole(source))
+        pairs = [(target, whole(source))]
+    for destination, chunk in pairs:
+        if destination.shape != chunk.shape:  # copy_ would broadcast some
+            raise ValueError(f"{param} takes {tuple(destination.shape)} from a tensor of shape {shape_of(source)}, "
+                             f"which gives {tuple(chunk.shape)}")
+    return pairs
+
+
+@torch.no_grad()
+def copy_part(target: torch.Tensor, source, param: str, half: str | None, layout: str, part: range,
+              full: int) -> None:
+    """Copy what part_copies pairs."""
+    for destination, chunk in part_copies(target, source, param, half, layout, part, full):
+        destination.copy_(chunk)
 
 
 @torch.no_grad()
