@@ -1,6 +1,7 @@
 """SGLang's weight sync for RL trainers. A trainer process joins a gloo
 group with the server (/init_weights_update_group) and broadcasts another
-checkpoint's tensors by name, in buckets (/update_weights_from_distributed);
+checkpoint's tensors by name, tensor by tensor and as one flattened
+bucket (/update_weights_from_distributed);
 then the server answers as transformers does on that checkpoint (greedy
 tokens in float32) and /get_weights_by_name reads the new values back,
 q/k/v out of the fused projection. Tensors shared through
@@ -19,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -65,11 +67,36 @@ def start_trainer(tmp_path, port: int, world_size: int, checkpoint, tensors: lis
                             stdout=subprocess.PIPE, text=True)
 
 
-def shared(named: list[tuple[str, torch.Tensor]]) -> str:
-    """A trainer's payload: the (name, tensor) list pickled by torch.multiprocessing, in base64."""
+def shared(named) -> str:
+    """A trainer's payload: the (name, tensor) list (or a flattened bucket) pickled by torch.multiprocessing,
+    in base64."""
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(named)
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """A trainer's copy of SGLang's bucket entry (weight_sync/tensor_bucket.py): where a tensor's bytes lie."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
+    """SGLang's flattened bucket of `named`: their bytes back to back, and where each lies."""
+    parts, metadata, offset = [], [], 0
+    for name, tensor in named:
+        part = tensor.flatten().view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + part.numel(),
+                                                part.numel()))
+        parts.append(part)
+        offset += part.numel()
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
 
 
 def _tokens(body: bytes) -> list[int]:
@@ -92,7 +119,8 @@ def test_a_trainer_broadcasts_a_checkpoint_into_the_server(llamas, tmp_path):
     port = free_port()
     down = "model.layers.0.mlp.down_proj.weight"
     trainer = start_trainer(tmp_path, port, 2, second,
-                            [[down, [3, 5]], ["model.layers.0.mlp.nonsense.weight", [4]]] + [[n, None] for n in names])
+                            [[down, [3, 5]], ["model.layers.0.mlp.nonsense.weight", [4]]]
+                            + [[n, None] for n in names[:half]] + [{"bucket": names[half:]}])
 
     async def go():
         app = create_app(model_path=str(first), file_storage_path=str(tmp_path), **FLOAT)
@@ -110,9 +138,10 @@ def test_a_trainer_broadcasts_a_checkpoint_into_the_server(llamas, tmp_path):
                 "names": ["model.layers.0.mlp.nonsense.weight"], "dtypes": ["float32"], "shapes": [[4]]})
             still = _tokens((await call(app, "POST", "/v1/completions", GREEDY))[2])
             buckets = []
-            for bucket, dtype in ((names[:half], "float32"), (names[half:], "torch.float32")):
+            for bucket, dtype, load_format in ((names[:half], "float32", None),
+                                               (names[half:], "torch.float32", "flattened_bucket")):
                 buckets.append(await call(app, "POST", "/update_weights_from_distributed", {
-                    "names": bucket, "dtypes": [dtype] * len(bucket),
+                    "names": bucket, "dtypes": [dtype] * len(bucket), "load_format": load_format,
                     "shapes": [list(new[n].shape) for n in bucket], "weight_version": "step-1"}))
             after = _tokens((await call(app, "POST", "/v1/completions", GREEDY))[2])
             k_rows = await call(app, "GET", "/get_weights_by_name?name=model.layers.1.self_attn.k_proj.weight"
@@ -158,8 +187,10 @@ def test_tensors_shared_by_a_trainer_process_replace_the_weights(arch, tmp_path,
         try:
             strangers = await call(app, "POST", "/update_weights_from_tensor",
                                    {"serialized_named_tensors": [base64.b64encode(pickle.dumps(os.getcwd)).decode()]})
-            updated = await call(app, "POST", "/update_weights_from_tensor",
-                                 {"serialized_named_tensors": [shared(new)], "flush_cache": True})
+            half = len(new) // 2
+            updated = [await call(app, "POST", "/update_weights_from_tensor", body) for body in (
+                {"serialized_named_tensors": [shared(new[:half])]},
+                {"serialized_named_tensors": [shared(flattened_bucket(new[half:]))], "load_format": "flattened_bucket"})]
             after = _tokens((await call(app, "POST", "/v1/completions", GREEDY))[2])
             expert = await call(app, "POST", "/get_weights_by_name",
                                 {"name": "model.layers.0.mlp.experts.0.gate_proj.weight"})
@@ -174,7 +205,7 @@ def test_tensors_shared_by_a_trainer_process_replace_the_weights(arch, tmp_path,
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
     assert "may hold only tensors; it names posix.getcwd" in _refusal(strangers)
-    assert updated[0] == 200, updated
+    assert [status for status, _, _ in updated] == [200, 200], updated
     assert after == reference_greedy(second)
     if arch == "mixtral":
         assert "not read back by name" in _refusal(expert)

@@ -7,7 +7,9 @@ in the order the server is told to receive them.
 
 PLAN.json: {"checkpoint": dir, "tensors": [[name, shape or null], ...]}: a
 null shape sends the checkpoint's tensor `name`, a shape sends zeros of it
-(what a server must refuse). Prints "joined" once the group is made."""
+(what a server must refuse); {"bucket": [names]} sends those tensors as
+SGLang's flattened bucket, their bytes back to back in one uint8 tensor.
+Prints "joined" once the group is made."""
 
 from __future__ import annotations
 
@@ -36,7 +38,12 @@ def main() -> None:
     tensors = load_file(f"{plan['checkpoint']}/model.safetensors")
     group = trainer_group(port, world_size)
     print("joined", flush=True)
-    for name, shape in plan["tensors"]:
+    for entry in plan["tensors"]:
+        if isinstance(entry, dict):
+            flat = torch.cat([tensors[name].flatten().view(torch.uint8) for name in entry["bucket"]])
+            dist.broadcast(flat, src=0, group=group)
+            continue
+        name, shape = entry
         dist.broadcast(tensors[name] if shape is None else torch.zeros(shape), src=0, group=group)
     dist.destroy_process_group(group)
     print("sent", flush=True)

@@ -58,7 +58,7 @@ class UpdateWeightsFromDistributedRequest(msgspec.Struct, kw_only=True, forbid_u
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-    load_format: str | None = None  # None: one broadcast per tensor
+    load_format: str | None = None  # null: one broadcast per tensor; flattened_bucket: one of all their bytes
     torch_empty_cache: bool = False
 
 
@@ -112,8 +112,8 @@ async def destroy_weights_update_group(ctx: ServingContext, request: Request) ->
 
 
 async def update_weights_from_distributed(ctx: ServingContext, req: UpdateWeightsFromDistributedRequest) -> dict:
-    if req.load_format is not None:
-        raise bad_request(f"load_format {req.load_format!r}: each tensor comes as its own broadcast (null)",
+    if req.load_format not in (None, "flattened_bucket"):
+        raise bad_request(f"load_format {req.load_format!r}: null (a broadcast per tensor) or flattened_bucket",
                           "load_format")
     if not len(req.names) == len(req.dtypes) == len(req.shapes):
         raise bad_request(f"{len(req.names)} names, {len(req.dtypes)} dtypes and {len(req.shapes)} shapes: one of "
@@ -125,7 +125,8 @@ async def update_weights_from_distributed(ctx: ServingContext, req: UpdateWeight
             raise bad_request(str(e), "dtypes") from None
     if any(n < 0 for shape in req.shapes for n in shape):
         raise bad_request("a shape has a negative size", "shapes")
-    op = ReceiveWeights(group_name=req.group_name, names=req.names, dtypes=req.dtypes, shapes=req.shapes)
+    op = ReceiveWeights(group_name=req.group_name, names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                        flattened=req.load_format == "flattened_bucket")
     async with weights_replaced(ctx, req.abort_all_requests, req.flush_cache, req.weight_version):
         await _on_every_rank(ctx, op, "names")
     _empty_cuda_cache(ctx, req.torch_empty_cache)
@@ -133,8 +134,8 @@ async def update_weights_from_distributed(ctx: ServingContext, req: UpdateWeight
 
 
 async def update_weights_from_tensor(ctx: ServingContext, req: UpdateWeightsFromTensorRequest) -> dict:
-    if req.load_format not in (None, "direct"):
-        raise bad_request(f"load_format {req.load_format!r}: payloads are pickled (name, tensor) lists (null)",
+    if req.load_format not in (None, "direct", "flattened_bucket"):
+        raise bad_request(f"load_format {req.load_format!r}: null (pickled (name, tensor) lists) or flattened_bucket",
                           "load_format")
     if req.disable_draft_model is False and ctx.engine.runner.draft is not None:
         raise bad_request("disable_draft_model false: the draft model's weights are not updated from tensors",

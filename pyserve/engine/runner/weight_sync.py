@@ -13,7 +13,9 @@ checkpoint names (model/named_weights.py). /update_weights_from_tensor
 instead hands each rank tensors a process on the same machine shares
 (CUDA IPC, or shared memory), pickled as torch.multiprocessing pickles
 them; only torch's rebuilding functions are unpickled. /get_weights_by_name
-reads a weight back. Rank 0 sends each operation to the other ranks (tp/broadcast.py),
+reads a weight back. Either update may bring its tensors as SGLang's
+"flattened_bucket": one uint8 tensor holding every tensor's bytes back to
+back (a trainer's FlattenedTensorBucket), cut apart here. Rank 0 sends each operation to the other ranks (tp/broadcast.py),
 every rank performs it, and rank 0 gathers their results.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from dataclasses import dataclass
 from datetime import timedelta
 
 import msgspec
@@ -54,6 +57,7 @@ class ReceiveWeights(msgspec.Struct, tag=True, kw_only=True):
     names: list[str]
     dtypes: list[str]  # torch dtype names: bfloat16 (or torch.bfloat16)
     shapes: list[list[int]]
+    flattened: bool = False  # one broadcast of all their bytes
 
 
 class SharedWeights(msgspec.Struct, tag=True, kw_only=True):
@@ -135,6 +139,16 @@ class WeightSync:
         is never left waiting in one."""
         group, backend = self._group(op.group_name)
         device = self.rank_model.device if backend == "nccl" else torch.device("cpu")
+        if op.flattened:
+            entries, offset = [], 0
+            for name, dtype, shape in zip(op.names, op.dtypes, op.shapes):
+                size = torch.Size(shape).numel() * dtype_of(dtype).itemsize
+                entries.append(BucketEntry(name, shape, dtype_of(dtype), offset, offset + size, size))
+                offset += size
+            flat = torch.empty(offset, dtype=torch.uint8, device=device)
+            dist.broadcast(flat, group=group, group_src=0)
+            self._weights().write(unflattened(flat, entries))
+            return
         received = []
         for name, dtype, shape in zip(op.names, op.dtypes, op.shapes):
             tensor = torch.empty(shape, dtype=dtype_of(dtype), device=device)
@@ -144,11 +158,44 @@ class WeightSync:
 
     def _shared(self, op: SharedWeights) -> None:
         named = _unpickle(base64.b64decode(op.payloads[self._tp.rank]))
+        if isinstance(named, dict) and isinstance(named.get("flattened_tensor"), torch.Tensor) \
+                and isinstance(named.get("metadata"), list) and all(isinstance(e, BucketEntry) for e in named["metadata"]):
+            named = unflattened(named["flattened_tensor"], named["metadata"])
         if not isinstance(named, list) or not all(
                 isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor) for item in named):
-            raise ValueError("a payload is a pickled list of (name, tensor) pairs")
+            raise ValueError("a payload is a pickled list of (name, tensor) pairs, or a flattened bucket "
+                             "({'flattened_tensor', 'metadata'})")
         self._weights().write(named)
+
+
+@dataclass
+class BucketEntry:
+    """Where one tensor's bytes lie in a flattened bucket; a trainer's
+    pickled FlattenedTensorMetadata is read as one."""
+
+    name: str
+    shape: list[int]
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int  # bytes
+
+
+def unflattened(flat: torch.Tensor, entries: list[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
+    """Each entry's tensor, a view of the bucket's bytes; ValueError where they do not fit it."""
+    named = []
+    for e in entries:
+        size = torch.Size(e.shape).numel() * e.dtype.itemsize
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or not 0 <= e.start_idx <= e.start_idx + size == e.end_idx \
+                or e.end_idx > flat.numel():
+            raise ValueError(f"{e.name}: {tuple(e.shape)} {e.dtype} is not bytes {e.start_idx}..{e.end_idx} of the "
+                             f"bucket's {flat.numel()}")
+        part = flat[e.start_idx:e.end_idx]
+        if e.start_idx % e.dtype.itemsize:  # a view as wider elements starts on one
+            part = part.clone()
+        named.append((e.name, part.view(e.dtype).view(e.shape)))
+    return named
 
 
 class _TorchTensors(pickle.Unpickler):
@@ -169,6 +216,8 @@ class _TorchTensors(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
+        if name == "FlattenedTensorMetadata":  # SGLang's, or a trainer's copy of it
+            return BucketEntry
         if name in self._ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"a payload may hold only tensors; it names {module}.{name}")
