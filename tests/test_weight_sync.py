@@ -185,8 +185,11 @@ def test_tensors_shared_by_a_trainer_process_replace_the_weights(arch, tmp_path,
         app = create_app(model_path=str(first), file_storage_path=str(tmp_path), **FLOAT)
         await app.startup()
         try:
-            strangers = await call(app, "POST", "/update_weights_from_tensor",
-                                   {"serialized_named_tensors": [base64.b64encode(pickle.dumps(os.getcwd)).decode()]})
+            # Not torch.multiprocessing's pickle: a call of a function, and a tensor as plain pickle writes it
+            # (its storage unpickled by torch.load).
+            strangers = [await call(app, "POST", "/update_weights_from_tensor",
+                                    {"serialized_named_tensors": [base64.b64encode(pickle.dumps(obj)).decode()]})
+                         for obj in (os.getcwd, [("model.norm.weight", torch.ones(64))])]
             half = len(new) // 2
             updated = [await call(app, "POST", "/update_weights_from_tensor", body) for body in (
                 {"serialized_named_tensors": [shared(new[:half])]},
@@ -204,7 +207,8 @@ def test_tensors_shared_by_a_trainer_process_replace_the_weights(arch, tmp_path,
         strangers, updated, after, expert = asyncio.run(go())
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
-    assert "may hold only tensors; it names posix.getcwd" in _refusal(strangers)
+    assert "may hold only tensors; it names posix.getcwd" in _refusal(strangers[0])
+    assert "may hold only tensors; it names torch." in _refusal(strangers[1])
     assert [status for status, _, _ in updated] == [200, 200], updated
     assert after == reference_greedy(second)
     if arch == "mixtral":

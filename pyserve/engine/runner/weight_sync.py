@@ -202,17 +202,16 @@ class _TorchTensors(pickle.Unpickler):
     """Unpickles what torch.multiprocessing's pickler writes for tensors,
     and nothing else: any other global is refused."""
 
+    # Not torch.storage._load_from_bytes, which would torch.load a pickle within.
     _ALLOWED = {
         "torch.multiprocessing.reductions": {"rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd",
                                              "rebuild_storage_filename", "rebuild_typed_storage",
                                              "rebuild_typed_storage_child", "rebuild_storage_empty"},
-        "torch._utils": {"_rebuild_tensor_v2"},
-        "torch.storage": {"UntypedStorage", "TypedStorage", "_load_from_bytes"},
-        "torch": {"Tensor", "Size", "UntypedStorage", "TypedStorage", "device",
-                  *(n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype))},
+        "torch.storage": {"UntypedStorage"},
+        "torch": {"Tensor", "Size", "UntypedStorage", *(n for n in dir(torch)
+                                                         if isinstance(getattr(torch, n), torch.dtype))},
         "torch.nn.parameter": {"Parameter"},
         "multiprocessing.resource_sharer": {"DupFd"},
-        "collections": {"OrderedDict"},
     }
 
     def find_class(self, module: str, name: str):
