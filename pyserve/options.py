@@ -118,6 +118,9 @@ class EngineOptions:
     disable_radix_cache: bool = option(False, "--disable-radix-cache", "--no-enable-prefix-caching",
                                        help="do not reuse the KV of shared prompt prefixes",
                                        inverse=("--enable-prefix-caching", "vLLM's: reuse them (the default)"))
+    enable_prompt_embeds: bool = option(
+        False, help="take prompts as embeddings: vLLM's prompt_embeds (/v1/completions), SGLang's input_embeds "
+                    "(/generate); their KV is not shared through the prefix cache")
     enable_return_hidden_states: bool = option(
         False, help="serve requests' return_hidden_states (SGLang's): the final-norm hidden state of every token "
                     "the model reads, their prompts computed whole")

@@ -6,6 +6,9 @@ the message carries it."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
 
 from pyserve.engine.request import GenerateRequest, RequestError
 from pyserve.engine.sequence import Sequence
@@ -39,23 +42,59 @@ def check_prompt(req: GenerateRequest, vocab_size: int, context_len: int, kv_cap
         raise RequestError(f"the prompt has {n} tokens, but the KV cache holds {kv_capacity}", "prompt")
 
 
-def hidden_states_refusal(enabled: bool, drafter) -> str | None:
-    """Why this server refuses return_hidden_states; None where it serves it."""
-    if not enabled:
-        return ("return_hidden_states needs a server started with --enable-return-hidden-states (each such "
-                "request's prompt is computed whole, without the prefix cache)")
-    if drafter is not None:
-        return "return_hidden_states is not served with speculative decoding: the verify steps read drafts"
-    return None
+@dataclass(frozen=True)
+class ServedFields:
+    """Why this server refuses the request fields its options decide, None
+    for those it serves; and the model's hidden size, which prompt
+    embeddings must have."""
+
+    hidden_states: str | None = None
+    prompt_embeds: str | None = "prompt embeddings are not served here"
+    hidden_size: int = 0
+
+    @classmethod
+    def of(cls, options, model_options, model_config, embedding: bool) -> ServedFields:
+        """For an engine of `options` (EngineOptions) over `model_config`
+        (of `model_options`), generating or (`embedding`) pooling."""
+        speculative, tp_size = options.speculative_algorithm, model_options.tp_size
+        hidden_states = prompt_embeds = None
+        if not options.enable_return_hidden_states:
+            hidden_states = ("return_hidden_states needs a server started with --enable-return-hidden-states "
+                             "(each such request's prompt is computed whole, without the prefix cache)")
+        elif speculative is not None:
+            hidden_states = "return_hidden_states is not served with speculative decoding: the verify steps read drafts"
+        if not options.enable_prompt_embeds:
+            prompt_embeds = "prompt embeddings need a server started with --enable-prompt-embeds"
+        elif embedding or tp_size > 1 or speculative not in (None, "NGRAM"):
+            what = ("an embedding server" if embedding else f"--tp-size {tp_size}" if tp_size > 1
+                    else f"{speculative}'s draft model, which reads the prompt's tokens")
+            prompt_embeds = f"prompt embeddings are served on one rank of a generating model, not with {what}"
+        return cls(hidden_states, prompt_embeds, model_config.hidden_size)
+
+
+def check_prompt_embeds(embeds: torch.Tensor, served: ServedFields) -> None:
+    """A prompt given as embeddings: one finite row of the model's hidden size per token."""
+    if served.prompt_embeds is not None:
+        raise RequestError(served.prompt_embeds, "prompt_embeds")
+    if embeds.dim() != 2 or embeds.shape[1] != served.hidden_size or not embeds.is_floating_point():
+        raise RequestError(f"prompt embeddings are a float tensor [tokens, {served.hidden_size}] (the model's "
+                           f"hidden size), not {embeds.dtype} of shape {tuple(embeds.shape)}", "prompt_embeds")
+    if not torch.isfinite(embeds).all():
+        raise RequestError("prompt embeddings must be finite numbers", "prompt_embeds")
 
 
 def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: bool, has_text: bool = True,
-                 hidden_states_refused: str | None = None) -> None:
+                 served: ServedFields = ServedFields()) -> None:
     """The request's fields that need the server's options (`has_text`:
-    whether it has a tokenizer, without --skip-tokenizer-init;
-    `hidden_states_refused`: why return_hidden_states is not served, if it is not)."""
-    if req.params.return_hidden_states and hidden_states_refused is not None:
-        raise RequestError(hidden_states_refused, "return_hidden_states")
+    whether it has a tokenizer, without --skip-tokenizer-init; `served`:
+    what its options serve)."""
+    if req.params.return_hidden_states and served.hidden_states is not None:
+        raise RequestError(served.hidden_states, "return_hidden_states")
+    if req.prompt_embeds is not None:
+        check_prompt_embeds(req.prompt_embeds, served)
+        if req.params.prompt_logprobs:
+            raise RequestError("prompt logprobs score the prompt's tokens; a prompt given as embeddings has none",
+                               "prompt_embeds")
     if not has_text and (req.params.stop or req.params.stop_regex or req.params.constraint is not None):
         field = "constraint" if req.params.constraint is not None else "stop"
         raise RequestError(f"this server runs with --skip-tokenizer-init: with no text, {field}s cannot be read "

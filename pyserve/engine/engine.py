@@ -27,7 +27,7 @@ import torch
 
 from pyserve._rust import Tokenizer
 from pyserve.engine.adapters import Adapters, adapter_of
-from pyserve.engine.admission import GRAMMARS_OFF, check_fields, check_prompt, check_queue, hidden_states_refusal
+from pyserve.engine.admission import GRAMMARS_OFF, ServedFields, check_fields, check_prompt, check_queue
 from pyserve.engine.embedding import EmbeddingOutput, embedding_mismatch
 from pyserve.engine.grammar import GrammarBackend, tokenizer_info
 from pyserve.engine.jump_forward import emitted_tokens
@@ -96,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, options.max_running_requests, options.max_prefill_tokens, chunk,
                                    priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
-        self.hidden_states_refused = hidden_states_refusal(options.enable_return_hidden_states, self.drafter)
+        self.served = ServedFields.of(options, model_options, self.model_config, self.pooling is not None)
         self.scheduler.order = WaitingOrder(options.schedule_policy, self.kv, model_options.random_seed)
         self.metrics = EngineMetrics()
         self.request_log = RequestLog(options.log_requests_level if options.log_requests else None, self.tokenizer)
@@ -156,7 +156,7 @@ class Engine:
         asks here before it answers."""
         check_prompt(req, self.vocab_size, self.context_len, self.prompt_capacity)
         check_fields(req, self.grammars is not None, self.scheduler.priority_scheduling, self.tokenizer is not None,
-                     self.hidden_states_refused)
+                     self.served)
         if req.embedding != (self.pooling is not None):
             raise RequestError(embedding_mismatch(req.embedding), "prompt")
         adapter_of(req, self.adapters)
@@ -189,7 +189,7 @@ class Engine:
                          pooling=self.pooling.mode if req.embedding else None)
         seq = Sequence(rid=req.rid, prompt_ids=list(req.input_ids), params=params, batch=req.batch,
                        priority=req.priority or 0, cache_salt=req.cache_salt, arrival=time.monotonic(),
-                       lora=adapter_of(req, self.adapters))
+                       lora=adapter_of(req, self.adapters), prompt_embeds=req.prompt_embeds)
         if params.pooling:
             self._outputs[seq] = EmbeddingOutput(seq, self.pooling)
         else:

@@ -88,7 +88,8 @@ class OutputProcessor:
         p = seq.params
         # --skip-tokenizer-init: no text (stop strings are refused before a request gets here).
         self.detok = _NO_TEXT if tokenizer is None else \
-            DecodeStream(tokenizer, p.skip_special_tokens, seq.prompt_ids[-_PROMPT_CONTEXT:])
+            DecodeStream(tokenizer, p.skip_special_tokens,
+                         seq.prompt_ids[-_PROMPT_CONTEXT:] if seq.prompt_embeds is None else [])
         self.stops = StopMatcher(p.stop, p.stop_regex, p.keep_stop)
         self.stop_ids = set(p.stop_token_ids)
         # A grammar allows EOS only at its end: there the request stops.

@@ -106,6 +106,9 @@ class GenerateRequest:
     # An embedding (an --is-embedding server): the pooled vector of the
     # prompt instead of generated tokens.
     embedding: bool = False
+    # The prompt as embeddings [tokens, hidden] (vLLM's prompt_embeds,
+    # SGLang's input_embeds); input_ids are then placeholders of its length.
+    prompt_embeds: torch.Tensor | None = None
 
 
 

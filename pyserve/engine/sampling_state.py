@@ -68,7 +68,7 @@ class SamplingState(ThreadOwned):
         """The request's history, brought up to its latest output token."""
         seq, history = self.seq, self._history
         if history is None:
-            seen = set(seq.prompt_ids)
+            seen = set(seq.prompt_ids) if seq.prompt_embeds is None else set()  # not placeholder ids
             history = self._history = TokenHistory(seen, torch.tensor(sorted(seen), dtype=torch.long))
         new = seq.output_ids[len(history.outputs):]
         if new:

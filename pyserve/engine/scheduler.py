@@ -327,7 +327,7 @@ class Scheduler:
     def _head(seq: Sequence) -> tuple[str | None, tuple[int, ...]] | None:
         """The first tokens of a prompt long enough to be worth sharing,
         with the salt it may share them under."""
-        if len(seq.prompt_ids) <= _SHARED_HEAD:
+        if len(seq.prompt_ids) <= _SHARED_HEAD or not seq.caches_kv:
             return None
         return seq.cache_salt, tuple(seq.prompt_ids[:_SHARED_HEAD])
 

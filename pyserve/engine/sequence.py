@@ -35,6 +35,8 @@ class Sequence:
     priority: int = 0  # larger runs first (with priority scheduling)
     cache_salt: str | None = None  # it shares cached prefixes only with requests of the same salt
     lora: LoraRef | None = None  # the adapter it runs under; None: the base model
+    # The prompt as embeddings [len(prompt_ids), hidden] (vLLM's prompt_embeds); its ids are then placeholders.
+    prompt_embeds: torch.Tensor | None = None
     arrival: float = 0.0  # time.monotonic() when the engine got it
     channel: asyncio.Queue[GenerateOutput] = field(default_factory=asyncio.Queue)  # the caller reads here
 
@@ -93,6 +95,13 @@ class Sequence:
     # False once a forward pass that wrote this sequence's KV failed: its
     # slots must not go into the prefix cache.
     kv_valid: bool = True
+
+    @property
+    def caches_kv(self) -> bool:
+        """Whether its KV may go into the prefix cache: not once a forward
+        pass that wrote it failed, nor for a prompt given as embeddings
+        (the placeholder ids its KV would be filed under name no tokens)."""
+        return self.kv_valid and self.prompt_embeds is None
 
     @property
     def prefix_namespace(self) -> str | tuple[int, str | None] | None:

@@ -126,6 +126,8 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
     embedded: list[Sequence] = []
     state_rows: list[int] = []
     state_spans: list[tuple[Sequence, range]] = []
+    embeds_rows: list[int] = []
+    embeds: list[torch.Tensor] = []
     seqs = prefill.seqs + decode.seqs
     lengths = prefill.lengths + decode.lengths
     new_slots = prefill.new_slots + decode.new_slots
@@ -154,6 +156,10 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
             if kept:
                 state_rows += [len(input_ids) + p - start for p in kept]
                 state_spans.append((seq, kept))
+        if seq.prompt_embeds is not None and start < len(seq.prompt_ids):
+            given = seq.prompt_embeds[start:start + n]
+            embeds_rows += range(len(input_ids), len(input_ids) + len(given))
+            embeds.append(given)
         input_ids.extend(new)
         positions.extend(range(start, start + n))
         kv.append_slots(seq, slots)
@@ -170,6 +176,7 @@ def build_step(kv: KVManager, prefill: Rows, decode: Rows, cached_tokens: int) -
         logits_indices + prompt_rows, is_decode=not prefill.seqs and len(input_ids) == len(seqs), device="cpu",
         lora=LoraBatch.of_rows([seq.lora.slot if seq.lora else -1 for seq in seqs], lengths),
         window_slots=kv.windowed.window_slots if kv.windowed is not None else None,
+        embeds=(embeds_rows, torch.cat(embeds)) if embeds else None,
     )
     for seq in prefill.seqs:
         kv.share_prompt(seq)

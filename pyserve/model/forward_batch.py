@@ -11,6 +11,10 @@ tokens by their sliding slots instead: `window_out_cache_loc` and
 `window_kv_indices`, entry for entry the sliding slots of `out_cache_loc`
 and `kv_indices` (same `kv_indptr`). Tokens before a sequence's window have
 none (they read as padding slots) and the windowed attention never reads them.
+
+Prompt tokens given as embeddings (vLLM's prompt_embeds) carry them in
+`input_embeds`, one row per index of `embeds_rows`; the model reads those
+rows instead of looking their placeholder ids up.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class ForwardBatch:
     # backend may not copy from the host while it is captured; None: the
     # backend builds it from extend_lens.
     qo_indptr: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None  # [R, hidden]: token rows given as embeddings
+    embeds_rows: torch.Tensor | None = None  # [R] int64: which rows of the batch they are
 
     @property
     def batch_size(self) -> int:
@@ -64,10 +70,12 @@ class ForwardBatch:
         device: torch.device | str,
         lora: LoraBatch | None = None,
         window_slots: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        embeds: tuple[list[int], torch.Tensor] | None = None,
     ) -> "ForwardBatch":
         """Concatenate per-sequence CPU lists into device tensors, one copy
         each. `slots[i]` are sequence i's KV slots after this step;
-        `window_slots` maps slots to the sliding pool's, when there is one."""
+        `window_slots` maps slots to the sliding pool's, when there is one;
+        `embeds`: the rows given as embeddings, and those embeddings."""
         seq_lens = [s.numel() for s in slots]
         indptr = [0]
         for n in seq_lens:
@@ -93,6 +101,8 @@ class ForwardBatch:
             lora=lora,
             window_out_cache_loc=to_dev(window_slots(out_cache_loc.cpu())) if windowed else None,
             window_kv_indices=to_dev(window_slots(kv_indices.cpu())) if windowed else None,
+            input_embeds=None if embeds is None else embeds[1].to(device, non_blocking=True),
+            embeds_rows=None if embeds is None else to_dev(embeds[0]),
         )
 
     def to(self, device: torch.device) -> "ForwardBatch":
@@ -115,4 +125,6 @@ class ForwardBatch:
             lora=self.lora.to(device, pin) if self.lora is not None else None,
             window_out_cache_loc=None if self.window_out_cache_loc is None else move(self.window_out_cache_loc),
             window_kv_indices=None if self.window_kv_indices is None else move(self.window_kv_indices),
+            input_embeds=None if self.input_embeds is None else move(self.input_embeds),
+            embeds_rows=None if self.embeds_rows is None else move(self.embeds_rows),
         )

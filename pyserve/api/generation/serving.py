@@ -25,6 +25,7 @@ from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import TokenIdTexts, TokenTexts
 from pyserve.api.generation.truncation import fit_context
 from pyserve.api.generation.admission_gate import AdmissionGate
+from pyserve.api.generation.prompt_embeds import placeholder_ids
 from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.completion_template import CompletionTemplate
@@ -113,7 +114,8 @@ def prompt_id_lists(tokenizer: Tokenizer, prompt, param: str, text: bool = True)
     raise bad_request(f"{param} must be {shapes}", param)
 
 
-async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+async def fan_out(ctx: ServingContext, prompts: list[list[int] | torch.Tensor],
+                  params: SamplingParams | list[SamplingParams],
                   n: int, rid: str | list[str], param_names: Mapping[str, str], *, batch: bool = False,
                   priority: int | None = None, cache_salt: str | None = None,
                   lora: str | list[str | None] | None = None) -> list[GenerateRequest]:
@@ -123,7 +125,8 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     stay reproducible. Each is a batch job or not (`batch`) and carries the
     body's `priority`, `cache_salt` and LoRA adapter (`lora`, see adapter_name).
     `params`, `rid` and `lora` are one for every prompt or a list of one
-    each (SGLang's /generate batches); a listed rid is its prompt's own.
+    each (SGLang's /generate batches); a listed rid is its prompt's own. A
+    prompt may be a tensor: its embeddings (prompt_embeds.py).
 
     With --allow-auto-truncate a prompt too long for the context is cut
     first (truncation.fit_context). The engine validates each prompt once, and compiles each constraint
@@ -141,16 +144,19 @@ async def fan_out(ctx: ServingContext, prompts: list[list[int]], params: Samplin
     try:
         if not batch:
             engine.check_queue_room()
-        for p, ids in enumerate(prompts):
-            ids, prompt_params = fit_context(ids, each_params[p], engine.context_len) if ctx.allow_auto_truncate \
-                else (ids, each_params[p])
+        for p, prompt in enumerate(prompts):
+            embeds = prompt if isinstance(prompt, torch.Tensor) else None
+            ids = prompt if embeds is None else placeholder_ids(embeds)
+            ids, prompt_params = fit_context(ids, each_params[p], engine.context_len) \
+                if ctx.allow_auto_truncate and embeds is None else (ids, each_params[p])
             base = rid[p] if isinstance(rid, list) else f"{rid}-{p}" if len(prompts) > 1 else rid
             for i in range(n):
                 choice = prompt_params if prompt_params.seed is None or i == 0 else \
                     replace(prompt_params, seed=prompt_params.seed + i)
                 requests.append(GenerateRequest(ids, choice, f"{base}-{i}" if n > 1 else base, batch=batch,
                                                 priority=priority, cache_salt=cache_salt,
-                                                lora=lora[p] if isinstance(lora, list) else lora))
+                                                lora=lora[p] if isinstance(lora, list) else lora,
+                                                prompt_embeds=embeds))
             engine.validate(requests[p * n])
         for constraint in dict.fromkeys(c.constraint for c in each_params if c.constraint is not None):
             await engine.compile_grammar(constraint)

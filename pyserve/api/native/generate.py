@@ -1,4 +1,4 @@
-"""SGLang's native POST /generate: `text` or `input_ids`, `sampling_params`,
+"""SGLang's native POST /generate: `text`, `input_ids` or `input_embeds`, `sampling_params`,
 `stream`; answers `text`, `output_ids` (the generated tokens) and
 `meta_info`, with SGLang's logprob lists when `return_logprob` is set, and
 its hidden states when `return_hidden_states` is: `hidden_states[0]` the
@@ -15,6 +15,7 @@ import torch
 
 from pyserve.api.generation.constraints import request_constraint
 from pyserve.api.generation.logprobs import TokenTexts
+from pyserve.api.generation.prompt_embeds import embeds_from_lists
 from pyserve.http.errors import bad_request
 from pyserve.api.protocol.native import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.generation.sampling import sampling_params
@@ -35,15 +36,18 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         if getattr(req, name) != default:
             raise bad_request(f"{name}={getattr(req, name)} is not supported: pyserve answers as with "
                               f"{name}={default}", name, "unsupported_parameter")
-    if (req.text is None) == (req.input_ids is None):
-        raise bad_request("give exactly one of text and input_ids", "text")
-    prompt_param = "text" if req.text is not None else "input_ids"
+    given = [name for name in ("text", "input_ids", "input_embeds") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise bad_request("give exactly one of text, input_ids and input_embeds", given[1] if given else "text")
+    prompt_param = given[0]
     has_text = ctx.engine.tokenizer is not None  # not with --skip-tokenizer-init
     if not has_text and (req.text is not None or req.return_text_in_logprobs):
         raise bad_request("this server runs with --skip-tokenizer-init: send input_ids, and read output_ids",
                           "text" if req.text is not None else "return_text_in_logprobs")
     if req.text is not None:
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.text, "text")
+    elif req.input_embeds is not None:
+        prompts, single = embeds_from_lists(req.input_embeds, "input_embeds")
     else:
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.input_ids, "input_ids", text=False)
     batch = _Batch(req, len(prompts))
@@ -56,7 +60,8 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     ) for fields, constrained, wanted, start, top in zip(batch.fields, constraints, batch.return_logprob,
                                                           batch.logprob_start_len, batch.top_logprobs_num)]
     params = [replace(p, return_hidden_states=wanted) for p, wanted in zip(params, batch.return_hidden_states)]
-    names = {"prompt": prompt_param, "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
+    names = {"prompt": prompt_param, "prompt_embeds": "input_embeds",
+             "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "stop": "sampling_params.stop",
              "constraint": next((c.param for c in constraints if c is not None), None)}
     n = batch.fields[0].n

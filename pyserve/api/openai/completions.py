@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import torch
+from msgspec import UNSET, UnsetType
+
 from pyserve.api.generation.constraints import request_constraint
+from pyserve.api.generation.prompt_embeds import embeds_from_base64
 from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, completion_logprobs, prompt_logprobs
 from pyserve.api.protocol.openai import CompletionChoice, CompletionRequest, CompletionResponse
@@ -25,9 +29,7 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    prompts, _ = prompt_id_lists(ctx.engine.tokenizer, _fill_in_the_middle(ctx, req) if req.suffix else req.prompt,
-                                 "prompt")
-    prompts = keep_last_tokens(prompts, req.truncate_prompt_tokens, ctx.engine.context_len)
+    prompts = keep_last_tokens(_prompts(ctx, req), req.truncate_prompt_tokens, ctx.engine.context_len)
     constrained = request_constraint(req)
     prompt_k = vllm_prompt_logprobs(req)
     params = sampling_params(req, req.max_tokens, ctx.engine.vocab_size, top_logprobs=req.logprobs,
@@ -46,6 +48,21 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
     choices = [_choice(ctx, req, i, requests[i], r, echoes[i // req.n]) for i, r in enumerate(results)]
     return CompletionResponse(id=rid, created=now(), model=answering_model(ctx, req.model, req.lora_path),
                               choices=choices, usage=usage([r.final for r in results], req.n))
+
+
+def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int] | torch.Tensor]:
+    """The prompts' token ids, after those given as embeddings (first, as vLLM orders them); with
+    prompt_embeds, an empty `prompt` adds none."""
+    embeds = [] if req.prompt_embeds is None else embeds_from_base64(req.prompt_embeds, "prompt_embeds")
+    if embeds and (req.echo or req.suffix):
+        raise bad_request(f"{'echo' if req.echo else 'suffix'} reads the prompt's text; a prompt given as embeddings "
+                          "has none", "echo" if req.echo else "suffix")
+    if embeds and req.prompt in (None, "", []):
+        return embeds
+    if req.prompt is None:
+        raise bad_request("prompt is required (or prompt_embeds, with --enable-prompt-embeds)", "prompt")
+    text = _fill_in_the_middle(ctx, req) if req.suffix else req.prompt
+    return embeds + prompt_id_lists(ctx.engine.tokenizer, text, "prompt")[0]
 
 
 def _fill_in_the_middle(ctx: ServingContext, req: CompletionRequest) -> str | list[str]:
@@ -75,10 +92,15 @@ def _choice(ctx: ServingContext, req: CompletionRequest, index: int, request: Ge
     if req.prompt_logprobs is not None:
         choice.prompt_logprobs = prompt_logprobs(ctx.texts_for(req), result.prompt_logprobs)
     if req.return_token_ids:
-        choice.prompt_token_ids, choice.token_ids = request.input_ids, result.token_ids
+        choice.prompt_token_ids, choice.token_ids = _prompt_ids(request), result.token_ids
     if req.return_hidden_states:
         choice.hidden_states = last_hidden_state(result.hidden_states, result.final.prompt_tokens)
     return choice
+
+
+def _prompt_ids(request: GenerateRequest) -> list[int] | UnsetType:
+    """return_token_ids' prompt_token_ids: none for a prompt given as embeddings (its ids are placeholders)."""
+    return request.input_ids if request.prompt_embeds is None else UNSET
 
 
 def _echoes(ctx: ServingContext, prompt, prompts: list[list[int]]) -> list[str]:
@@ -132,7 +154,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, requests: list[Ge
             if req.return_token_ids:
                 choice.token_ids, held_ids[i] = held_ids[i], []
                 if not token_ids_sent[i]:
-                    choice.prompt_token_ids, token_ids_sent[i] = requests[i].input_ids, True
+                    choice.prompt_token_ids, token_ids_sent[i] = _prompt_ids(requests[i]), True
             if out.finished and req.return_hidden_states:
                 choice.hidden_states = last_hidden_state(states[i], out.prompt_tokens)
             yield chunk([choice], stream_usage.on_chunk())

@@ -51,6 +51,9 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     # Token ids, or a list of token id lists. msgspec takes one array type
     # per union, so the items are typed and generate.py refuses a mix.
     input_ids: list[int | list[int]] | None = None
+    # With --enable-prompt-embeds: the prompt as embeddings, [tokens][hidden]
+    # floats, or a list of those (prompt_embeds.py reads the nesting).
+    input_embeds: list | None = None
     # These fields take one value for every prompt, or a list of one per
     # prompt (a batch's prompts, each with its own settings).
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None

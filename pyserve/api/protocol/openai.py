@@ -206,7 +206,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     # Text, texts, token ids or token id lists. msgspec takes one array type
     # per union, so the items are typed and serving.prompt_id_lists refuses a mix.
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | int | list[int]] | None = None
+    # vLLM's (with --enable-prompt-embeds): prompts as embeddings, base64 of torch.save'd [tokens, hidden] tensors.
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16  # the legacy API's default (OpenAI, SGLang, vLLM)
     echo: bool = False
     suffix: str | None = None

@@ -187,10 +187,10 @@ class KVManager:
     def can_share(self, seq: Sequence) -> bool:
         """Whether `seq` may start from a cached prefix (one cached under its own cache_salt): not when the cache
         is off, nor when it wants the logits or hidden states of every prompt position, nor when it is an
-        embedding pooled from the first position on."""
+        embedding pooled from the first position on, nor when its KV is not for the cache (Sequence.caches_kv)."""
         p = seq.params
         whole = p.prompt_logprobs or p.return_hidden_states or p.pooling not in (None, "last")
-        return self.cache is not None and not whole
+        return self.cache is not None and not whole and seq.caches_kv
 
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The longest cached prefix of `seq` that `can_share` allows,
@@ -247,7 +247,7 @@ class KVManager:
         same prefix reuse it. Whoever reads it runs in a later step, after
         this one wrote it. Where the cache already had some of it, the
         sequence switches to the cache's pages and frees its own copies."""
-        if self.cache is None:
+        if self.cache is None or not seq.caches_kv:
             return
         known = min(seq.kv_len, len(seq.prompt_ids), _draft_kv_end(seq))
         whole = known - known % self.page_size
@@ -270,7 +270,7 @@ class KVManager:
         already had, the partial last page, and slots of tokens not known
         yet (pending) are freed."""
         own = seq.slots[seq.shared_len :]
-        if self.cache is None or not seq.kv_valid:
+        if self.cache is None or not seq.caches_kv:
             self.allocator.free_slots(own)
         else:
             known = min(seq.kv_len, seq.num_tokens, _draft_kv_end(seq))

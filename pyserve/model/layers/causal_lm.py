@@ -140,6 +140,8 @@ class CausalLM(nn.Module):
             raise ValueError("hidden states are not kept by the compiled decode layer")
         attn.prepare(batch, plan)
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard.vocab.start, self.shard.tp)
+        if batch.input_embeds is not None:  # rows given as embeddings, scaled below as looked-up ones are
+            x = x.index_copy(0, batch.embeds_rows, batch.input_embeds.to(x.dtype))
         multiplier = self.config.embedding_multiplier
         if multiplier != 1:
             if self.config.embedding_multiplier_rounded:
