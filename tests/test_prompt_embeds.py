@@ -1,6 +1,6 @@
 """Prompts given as embeddings (--enable-prompt-embeds): vLLM's
 `prompt_embeds` on /v1/completions, through the openai client, and
-SGLang's `input_embeds` on /generate. The model reads the vectors in place
+SGLang's `input_embeds` on /generate (and over tensor-parallel ranks). The model reads the vectors in place
 of its embedding table's rows (scaled as looked-up ones are), so its greedy
 tokens and logprobs are transformers' given the same `inputs_embeds`, for
 vectors no token has, across prefill chunks; prompts given as embeddings
@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from pyserve.asgi import create_app
+from tests.conftest import ServerProcess
+from tests.slow import slow_test
 from tests.test_api_handlers import call
 from tests.tiny_models import build_tiny_model
 
@@ -162,3 +164,22 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(tmp_path, tiny_llama_di
         error = json.loads(raw)
         error = error.get("error", error)
         assert error.get("param") == param and phrase in error["message"], (route, param, error)
+
+
+@slow_test
+def test_every_tensor_parallel_rank_reads_the_vectors(tmp_path, default_model_dir):
+    import httpx
+
+    model_dir = build_tiny_model(tmp_path / "m", "llama", tokenizer_dir=default_model_dir, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    embeds = torch.randn(7, 64) * 0.5
+    server = ServerProcess("--model", str(model_dir), "--tp-size", "2", "--dtype", "float32", "--torchao-config",
+                           "none", "--max-total-tokens", "4096", "--enable-prompt-embeds")
+    try:
+        answer = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+            "model": "m", "prompt_embeds": b64(embeds), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+    finally:
+        server.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["token_ids"] == reference(hf, embeds, 6)[0]

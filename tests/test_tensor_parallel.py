@@ -46,6 +46,18 @@ def test_a_batch_survives_packing():
     assert same_batch(unpack(header(batch).tolist(), payload(batch)), batch)
 
 
+def test_a_batch_with_rows_given_as_embeddings_survives_packing():
+    embeds = torch.randn(2, 8)
+    batch = ForwardBatch.build(
+        input_ids=[0, 0, 0, 8], positions=[0, 1, 2, 9], out_cache_loc=torch.tensor([3, 4, 5, 11]),
+        extend_lens=[3, 1], slots=[torch.tensor([3, 4, 5]), torch.arange(2, 12)], logits_indices=[2, 3],
+        is_decode=False, device="cpu", embeds=([1, 2], embeds))
+    sizes = header(batch).tolist()
+    got = unpack(sizes, payload(batch), torch.empty(sizes[7], sizes[8]).copy_(embeds))
+    assert same_batch(got, batch)
+    assert got.embeds_rows.tolist() == [1, 2] and torch.equal(got.input_embeds, embeds)
+
+
 @pytest.mark.parametrize("windowed", [False, True])
 def test_kv_copies_survive_packing(windowed):
     slots = [torch.tensor([9, 12]), torch.tensor([4, 5])] + ([torch.tensor([1, 2]), torch.tensor([0, 3])]

@@ -53,10 +53,10 @@ class ServedFields:
     hidden_size: int = 0
 
     @classmethod
-    def of(cls, options, model_options, model_config, embedding: bool) -> ServedFields:
-        """For an engine of `options` (EngineOptions) over `model_config`
-        (of `model_options`), generating or (`embedding`) pooling."""
-        speculative, tp_size = options.speculative_algorithm, model_options.tp_size
+    def of(cls, options, model_config, embedding: bool) -> ServedFields:
+        """For an engine of `options` (EngineOptions) over `model_config`,
+        generating or (`embedding`) pooling."""
+        speculative = options.speculative_algorithm
         hidden_states = prompt_embeds = None
         if not options.enable_return_hidden_states:
             hidden_states = ("return_hidden_states needs a server started with --enable-return-hidden-states "
@@ -65,10 +65,9 @@ class ServedFields:
             hidden_states = "return_hidden_states is not served with speculative decoding: the verify steps read drafts"
         if not options.enable_prompt_embeds:
             prompt_embeds = "prompt embeddings need a server started with --enable-prompt-embeds"
-        elif embedding or tp_size > 1 or speculative not in (None, "NGRAM"):
-            what = ("an embedding server" if embedding else f"--tp-size {tp_size}" if tp_size > 1
-                    else f"{speculative}'s draft model, which reads the prompt's tokens")
-            prompt_embeds = f"prompt embeddings are served on one rank of a generating model, not with {what}"
+        elif embedding or speculative not in (None, "NGRAM"):
+            what = "an embedding server" if embedding else f"{speculative}'s draft model, which reads the prompt's tokens"
+            prompt_embeds = f"prompt embeddings are served by a generating model, not with {what}"
         return cls(hidden_states, prompt_embeds, model_config.hidden_size)
 
 

@@ -96,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, options.max_running_requests, options.max_prefill_tokens, chunk,
                                    priority_scheduling=options.enable_priority_scheduling, drafter=self.drafter)
         self.scheduler.jump_forward = self.grammars is not None and self.grammars.jump_tokenizer is not None
-        self.served = ServedFields.of(options, model_options, self.model_config, self.pooling is not None)
+        self.served = ServedFields.of(options, self.model_config, self.pooling is not None)
         self.scheduler.order = WaitingOrder(options.schedule_policy, self.kv, model_options.random_seed)
         self.metrics = EngineMetrics()
         self.request_log = RequestLog(options.log_requests_level if options.log_requests else None, self.tokenizer)

@@ -4,7 +4,8 @@ A step costs two broadcasts whatever the batch holds: a fixed header of
 sizes on the CPU group (tp/group.py), then every field of the ForwardBatch
 back to back as one int64 tensor on the model's device and group (NCCL on
 CUDA: no copy through the host, and the ids rank 0 resolved from the
-previous step on the device travel as they are). The other ranks rebuild
+previous step on the device travel as they are); a third carries the rows
+a step's prompts give as embeddings, in float32, when it has any. The other ranks rebuild
 the same batch and run the same forward, joining the model's collectives.
 A header of all -1 tells them to stop. Before the first step, rank 0
 tells them the KV cache's size (it decides it; every rank holds as many
@@ -32,8 +33,9 @@ from pyserve.lora.batch import LoraBatch
 from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.kv_buffer import SlotCopies
 
-# tokens, sequences, is_decode, logits rows, kv slots, whether tokens run under adapters
-_HEADER = 7
+# tokens, sequences, is_decode, logits rows, kv slots, whether tokens run under adapters, whether
+# there are sliding slots, rows given as embeddings and their width
+_HEADER = 9
 _STOP = -1
 _LOAD_ADAPTER = -2  # then the slot and the path's length in bytes
 _COPY_KV = -3  # then the copies' count and whether they carry sliding slots
@@ -58,9 +60,10 @@ class WeightSwap:
 
 def header(batch: ForwardBatch) -> torch.Tensor:
     """The batch's sizes, on the CPU."""
+    embedded = batch.input_embeds.shape if batch.input_embeds is not None else (0, 0)
     return torch.tensor([batch.input_ids.numel(), batch.batch_size, int(batch.is_decode),
                          batch.logits_indices.numel(), batch.kv_indices.numel(), int(batch.lora is not None),
-                          int(batch.window_kv_indices is not None)],
+                         int(batch.window_kv_indices is not None), *embedded],
                         dtype=torch.long)
 
 
@@ -72,22 +75,24 @@ def payload(batch: ForwardBatch) -> torch.Tensor:
         lists = lists.pin_memory().to(device, non_blocking=True)
     adapters = [batch.lora.per_token] if batch.lora is not None else []
     window = [batch.window_out_cache_loc, batch.window_kv_indices] if batch.window_kv_indices is not None else []
+    embedded = [batch.embeds_rows] if batch.embeds_rows is not None else []
     return torch.cat([batch.input_ids, batch.positions, batch.out_cache_loc, lists, batch.kv_indptr,
-                      batch.kv_indices, batch.logits_indices, *adapters, *window])
+                      batch.kv_indices, batch.logits_indices, *adapters, *window, *embedded])
 
 
 def payload_size(sizes: list[int]) -> int:
-    tokens, seqs, _, logits_rows, kv_slots, lora, window = sizes
-    return (3 + lora + window) * tokens + 3 * seqs + 1 + (1 + window) * kv_slots + logits_rows
+    tokens, seqs, _, logits_rows, kv_slots, lora, window, embedded, _ = sizes
+    return (3 + lora + window) * tokens + 3 * seqs + 1 + (1 + window) * kv_slots + logits_rows + embedded
 
 
-def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
-    """The batch whose header is `sizes` from its payload; tensors are views of it."""
-    tokens, seqs, is_decode, logits_rows, kv_slots, lora, window = sizes
+def unpack(sizes: list[int], data: torch.Tensor, input_embeds: torch.Tensor | None = None) -> ForwardBatch:
+    """The batch whose header is `sizes` from its payload (and the rows
+    given as embeddings); tensors are views of it."""
+    tokens, seqs, is_decode, logits_rows, kv_slots, lora, window, embedded, _ = sizes
     split = [tokens, tokens, tokens, 2 * seqs, seqs + 1, kv_slots, logits_rows, lora * tokens, window * tokens,
-             window * kv_slots]
+             window * kv_slots, embedded]
     (input_ids, positions, out_cache_loc, lists, kv_indptr, kv_indices, logits_indices, per_token,
-     window_out_cache_loc, window_kv_indices) = data.split(split)
+     window_out_cache_loc, window_kv_indices, embeds_rows) = data.split(split)
     lists = lists.tolist()
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=lists[:seqs],
@@ -95,6 +100,7 @@ def unpack(sizes: list[int], data: torch.Tensor) -> ForwardBatch:
         is_decode=bool(is_decode), lora=LoraBatch.of_tokens(per_token) if lora else None,
         window_out_cache_loc=window_out_cache_loc if window else None,
         window_kv_indices=window_kv_indices if window else None,
+        input_embeds=input_embeds, embeds_rows=embeds_rows if embedded else None,
     )
 
 
@@ -129,6 +135,8 @@ class StepChannel:
         """Hand the step (on rank 0's device, ids resolved) to the other ranks."""
         self._broadcast_header(header(batch))
         dist.broadcast(payload(batch), src=0, group=self.member.tp.group)
+        if batch.input_embeds is not None:
+            dist.broadcast(batch.input_embeds.float().contiguous(), src=0, group=self.member.tp.group)
 
     def send_stop(self) -> None:
         self._broadcast_header(torch.full((_HEADER,), _STOP, dtype=torch.long))
@@ -189,7 +197,11 @@ class StepChannel:
             return unpack_copies(sizes, slots)
         data = torch.empty(payload_size(sizes), dtype=torch.long, device=self.member.device)
         dist.broadcast(data, src=0, group=self.member.tp.group)
-        return unpack(sizes, data)
+        embeds = None
+        if sizes[7]:
+            embeds = torch.empty(sizes[7], sizes[8], dtype=torch.float32, device=self.member.device)
+            dist.broadcast(embeds, src=0, group=self.member.tp.group)
+        return unpack(sizes, data, embeds)
 
     def receive_value(self) -> int:
         values = torch.empty(_HEADER, dtype=torch.long)
