@@ -47,6 +47,7 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
             one = json.loads((await call(app, "POST", "/classify", {"model": "rm", "text": TEXTS[1]}))[2])
             embedded = json.loads((await call(app, "POST", "/v1/embeddings", {"input": TEXTS}))[2])
             vllm = json.loads((await call(app, "POST", "/classify", {"model": "rm", "input": TEXTS}))[2])
+            v1 = json.loads((await call(app, "POST", "/v1/classify", {"model": "rm", "input": TEXTS}))[2])
             # A conversation (a reward model's usual input), rendered by the chat template.
             chat = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": TEXTS[0]}]
             ids = json.loads((await call(app, "POST", "/tokenize", {"messages": chat,
@@ -57,11 +58,12 @@ def test_classify_and_embeddings_answer_transformers_scores(tmp_path, default_mo
             refusals = [await call(app, "POST", "/classify", body)
                         for body in ({"text": "a", "input_ids": [1]}, {"text": "a", "top_k": 1})]
             cut = await call(app, "POST", "/v1/embeddings", {"input": "a", "dimensions": labels + 1})
-            return batch, one, embedded, vllm, conversation, refusals, cut
+            return batch, one, embedded, vllm, v1, conversation, refusals, cut
         finally:
             await app.shutdown()
 
-    batch, one, embedded, vllm, conversation, refusals, cut = asyncio.run(go())
+    batch, one, embedded, vllm, v1, conversation, refusals, cut = asyncio.run(go())
+    assert [d["probs"] for d in v1["data"]] == [d["probs"] for d in vllm["data"]]  # SGLang's path of vLLM's route
     want = hf_scores(model_dir)
     assert len(batch) == len(TEXTS) and one["embedding"] == pytest.approx(batch[1]["embedding"], abs=1e-4)
     for got, ref, vector in zip(batch, want, embedded["data"]):

@@ -193,7 +193,8 @@ def test_tensors_shared_by_a_trainer_process_replace_the_weights(arch, tmp_path,
             half = len(new) // 2
             updated = [await call(app, "POST", "/update_weights_from_tensor", body) for body in (
                 {"serialized_named_tensors": [shared(new[:half])]},
-                {"serialized_named_tensors": [shared(flattened_bucket(new[half:]))], "load_format": "flattened_bucket"})]
+                {"serialized_named_tensors": [shared(flattened_bucket(new[half:]))],
+                 "load_format": "flattened_bucket"})]
             after = _tokens((await call(app, "POST", "/v1/completions", GREEDY))[2])
             expert = await call(app, "POST", "/get_weights_by_name",
                                 {"name": "model.layers.0.mlp.experts.0.gate_proj.weight"})

@@ -140,6 +140,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/score"): Route(score.score, dict),
     ("POST", "/score"): Route(score.score, dict),
     ("POST", "/classify"): Route(classify.classify, dict),
+    ("POST", "/v1/classify"): Route(classify.classify, dict),
     ("POST", "/encode"): Route(classify.encode, classify.ClassifyRequest),
     ("POST", "/pooling"): Route(classify.pooling, classify.PoolingRequest),
     ("POST", "/v1/rerank"): Route(rerank.rerank, dict),

@@ -66,7 +66,8 @@ class ServedFields:
         if not options.enable_prompt_embeds:
             prompt_embeds = "prompt embeddings need a server started with --enable-prompt-embeds"
         elif embedding or speculative not in (None, "NGRAM"):
-            what = "an embedding server" if embedding else f"{speculative}'s draft model, which reads the prompt's tokens"
+            what = ("an embedding server" if embedding
+                    else f"{speculative}'s draft model, which reads the prompt's tokens")
             prompt_embeds = f"prompt embeddings are served by a generating model, not with {what}"
         return cls(hidden_states, prompt_embeds, model_config.hidden_size)
 

@@ -15,8 +15,9 @@ instead hands each rank tensors a process on the same machine shares
 them; only torch's rebuilding functions are unpickled. /get_weights_by_name
 reads a weight back. Either update may bring its tensors as SGLang's
 "flattened_bucket": one uint8 tensor holding every tensor's bytes back to
-back (a trainer's FlattenedTensorBucket), cut apart here. Rank 0 sends each operation to the other ranks (tp/broadcast.py),
-every rank performs it, and rank 0 gathers their results.
+back (a trainer's FlattenedTensorBucket), cut apart here. Rank 0 sends
+each operation to the other ranks (tp/broadcast.py), every rank performs
+it, and rank 0 gathers their results.
 """
 
 from __future__ import annotations
@@ -158,8 +159,7 @@ class WeightSync:
 
     def _shared(self, op: SharedWeights) -> None:
         named = _unpickle(base64.b64decode(op.payloads[self._tp.rank]))
-        if isinstance(named, dict) and isinstance(named.get("flattened_tensor"), torch.Tensor) \
-                and isinstance(named.get("metadata"), list) and all(isinstance(e, BucketEntry) for e in named["metadata"]):
+        if _is_bucket(named):
             named = unflattened(named["flattened_tensor"], named["metadata"])
         if not isinstance(named, list) or not all(
                 isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
@@ -167,6 +167,13 @@ class WeightSync:
             raise ValueError("a payload is a pickled list of (name, tensor) pairs, or a flattened bucket "
                              "({'flattened_tensor', 'metadata'})")
         self._weights().write(named)
+
+
+def _is_bucket(payload) -> bool:
+    """A flattened bucket: {"flattened_tensor": uint8 tensor, "metadata": [BucketEntry]}."""
+    return (isinstance(payload, dict) and isinstance(payload.get("flattened_tensor"), torch.Tensor)
+            and isinstance(payload.get("metadata"), list)
+            and all(isinstance(e, BucketEntry) for e in payload["metadata"]))
 
 
 @dataclass
