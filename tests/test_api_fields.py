@@ -14,12 +14,15 @@ tested by the sampler, engine and real-server tests.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
 import re
 
 import msgspec
 import pytest
+import torch
 
 from pyserve.api.app import App
 from pyserve.api.protocol.openai import NO_OP_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, \
@@ -56,9 +59,16 @@ def probe(effect: str, value=None, **base):
 def engine(value, changes: dict, **base):
     """A field whose effect is on what the engine is asked: `changes` is
     what differs from the baseline request, each SamplingParams setting by
-    name, "prompt" the prompt's text, "requests" how many requests; a
-    callable checks a value it cannot spell in full."""
+    name, "prompt" the prompt's text, "prompt_embeds" whether it is given
+    as embeddings, "requests" how many requests ("each": what differs in
+    each, where they differ); a callable checks a value it cannot spell in full."""
     return ENGINE, value, base, changes
+
+
+def _saved(tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
 
 
 def prompt(text: str) -> dict:
@@ -186,6 +196,9 @@ COMPLETIONS = {
     "best_of": probe(REFUSED, 2),
     "return_tokens_as_token_ids": probe(RESPONSE, True, logprobs=1),
     "truncate_prompt_tokens": engine(1, {"prompt": " world"}, prompt="hello world"),
+    # A prompt of two vectors (placeholder ids stand for them) comes before the text prompt.
+    "prompt_embeds": engine(base64.b64encode(_saved(torch.zeros(2, 8))).decode(), {
+        "requests": 2, "each": [{"prompt_embeds": True, "prompt": lambda text: text != "hi"}, {}]}),
 }
 def _names(struct: type, prefix: str = "") -> set[str]:
     return {prefix + f.name for f in msgspec.structs.fields(struct)}
@@ -214,7 +227,8 @@ def _normalized(raw: bytes) -> str:
 def _send(app, engine, path: str, body: dict):
     engine.requests.clear()
     status, _, raw = run(call(app, "POST", path, body))
-    asked = [(r.input_ids, r.params, r.priority, r.cache_salt, r.lora) for r in engine.requests]
+    asked = [(r.input_ids, r.params, r.priority, r.cache_salt, r.lora, r.prompt_embeds is not None)
+             for r in engine.requests]
     return status, raw, asked
 
 
@@ -222,8 +236,9 @@ def _changes(baseline: tuple, asked: tuple, tokenizer) -> dict:
     """What differs in one engine request from the baseline's: "prompt"
     (the new prompt's text), each SamplingParams setting that differs, and
     the request's "priority", "cache_salt" and "lora"."""
-    (ids0, params0, priority0, salt0, lora0), (ids, params, priority, salt, lora) = baseline, asked
+    (ids0, params0, priority0, salt0, lora0, embeds0), (ids, params, priority, salt, lora, embeds) = baseline, asked
     out = {"prompt": tokenizer.decode(ids)} if ids != ids0 else {}
+    out |= {"prompt_embeds": embeds} if embeds != embeds0 else {}
     out |= {"priority": priority} if priority != priority0 else {}
     out |= {"cache_salt": salt} if salt != salt0 else {}
     out |= {"lora": lora} if lora != lora0 else {}
@@ -262,9 +277,9 @@ def test_each_field_changes_the_output_or_is_refused_or_a_documented_no_op(app_a
         if effect == ENGINE:
             expected = dict(expected)
             assert len(asked) == expected.pop("requests", 1), name
-            for one in asked:
+            for one, want in zip(asked, expected.pop("each", None) or [expected] * len(asked)):
                 changes = _changes(asked0[0], one, tokenizer)
-                assert _as_expected(changes, expected), (name, changes)
+                assert _as_expected(changes, want), (name, changes)
         elif effect == RESPONSE:
             assert asked == asked0 and _normalized(raw) != _normalized(raw0), name
         else:
