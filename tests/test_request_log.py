@@ -53,3 +53,36 @@ def test_without_the_flag_nothing_is_logged(tiny_llama_dir, caplog):
 
     asyncio.run(main())
     assert not [r for r in caplog.records if r.name == "pyserve.requests"]
+
+
+def test_configure_logging_turns_it_on_and_off_while_serving(tiny_llama_dir, tmp_path, caplog):
+    from pyserve.asgi import create_app
+    from tests.test_api_handlers import call
+
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+
+    async def main():
+        app = create_app(model_path=str(tiny_llama_dir), file_storage_path=str(tmp_path), max_total_tokens=4096)
+        await app.startup()
+        try:
+            with caplog.at_level(logging.INFO, logger="pyserve.requests"):
+                answers = []
+                for change in ({}, {"log_requests": True, "log_requests_level": 0}, {"log_requests_level": 2},
+                               {"log_requests": False}):
+                    if change:
+                        answers.append((await call(app, "POST", "/configure_logging", change))[0])
+                    await call(app, "POST", "/v1/completions", {**body, "rid": f"after-{len(answers)}"})
+                refused = await call(app, "POST", "/configure_logging", {"dump_requests_folder": "/tmp/d"})
+                unknown = await call(app, "POST", "/configure_logging", {"log_level": "debug", "x": 1})
+            return answers, refused, unknown
+        finally:
+            await app.shutdown()
+
+    answers, refused, unknown = asyncio.run(main())
+    received = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Receive:")]
+    assert answers == [200, 200, 200]
+    # Off at start, on at level 0, then level 2 (with the prompt's text), then off again.
+    assert [m.split(",")[0] for m in received] == ["Receive: rid=after-1", "Receive: rid=after-2"]
+    assert "prompt=" not in received[0] and "prompt=" in received[1]
+    assert refused[0] == 400 and "dump_requests_folder" in refused[2].decode()
+    assert unknown[0] == 400

@@ -153,6 +153,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/loads"): Route(operations.loads),
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
+    ("POST", "/configure_logging"): Route(operations.configure_logging, raw=True),
     ("POST", "/reset_prefix_cache"): Route(operations.flush_cache),
     ("POST", "/abort_request"): Route(operations.abort_request, AbortRequest),
     ("POST", "/parse_function_call"): Route(parsers.parse_function_call, parsers.ParseFunctionCallRequest),

@@ -99,7 +99,7 @@ class Engine:
         self.served = ServedFields.of(options, self.model_config, self.pooling is not None)
         self.scheduler.order = WaitingOrder(options.schedule_policy, self.kv, model_options.random_seed)
         self.metrics = EngineMetrics()
-        self.request_log = RequestLog(options.log_requests_level if options.log_requests else None, self.tokenizer)
+        self.request_log = RequestLog(options.log_requests, options.log_requests_level, self.tokenizer)
         # Each request's output side, by its sequence, while it runs.
         self._outputs: dict[Sequence, OutputProcessor | EmbeddingOutput] = {}
         self._step_log = StepLog(self.scheduler, self.kv, options.decode_log_interval, self.metrics)

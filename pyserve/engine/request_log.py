@@ -6,6 +6,9 @@ of each as --log-requests-level says:
 1  and its sampling parameters
 2  and its prompt and output text, each cut to MAX_PARTIAL_CHARS
 3  and the whole prompt and output text
+
+SGLang's POST /configure_logging turns it on or off, or changes the level,
+while the server runs (`configure`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ MAX_PARTIAL_CHARS = 2048
 
 
 class RequestLog:
-    def __init__(self, level: int | None, tokenizer: Tokenizer | None):
-        """`level`: None logs nothing."""
-        self.level, self.tokenizer = level, tokenizer
+    def __init__(self, on: bool, level: int, tokenizer: Tokenizer | None):
+        self.on, self.level, self.tokenizer = on, level, tokenizer
+
+    def configure(self, on: bool | None = None, level: int | None = None) -> None:
+        """Log or not, at another level; None leaves either as it is."""
+        self.on = self.on if on is None else on
+        self.level = self.level if level is None else level
 
     def received(self, seq: Sequence) -> None:
-        if self.level is None:
+        if not self.on:
             return
         parts = [f"rid={seq.rid}", f"prompt_tokens={len(seq.prompt_ids)}"]
         if self.level >= 1:
@@ -39,11 +46,14 @@ class RequestLog:
             if params.constraint is not None:  # its kind: a schema may be long
                 given["constraint"] = params.constraint.kind
             parts.append(f"sampling_params={given}")
-        parts += self._text("prompt", seq.prompt_ids)
+        if seq.prompt_embeds is None:
+            parts += self._text("prompt", seq.prompt_ids)
+        else:  # its ids are placeholders
+            parts.append(f"prompt_embeds={tuple(seq.prompt_embeds.shape)}")
         logger.info("Receive: %s", ", ".join(parts))
 
     def finished(self, seq: Sequence, last: GenerateOutput) -> None:
-        if self.level is None:
+        if not self.on:
             return
         parts = [f"rid={seq.rid}", f"finish_reason={last.finish_reason}", f"prompt_tokens={len(seq.prompt_ids)}",
                  f"cached_tokens={seq.cache_hit or 0}", f"completion_tokens={len(seq.output_ids)}",

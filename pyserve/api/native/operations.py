@@ -1,7 +1,7 @@
 """The operational routes: /v1/models, and SGLang's /health_generate,
 /get_model_info, /get_server_info (also without `get_`, as SGLang now names
-them), /v1/loads, /metrics, /flush_cache and /version: what operators,
-load balancers and the smg gateway read.
+them), /v1/loads, /metrics, /flush_cache, /configure_logging and
+/version: what operators, load balancers and the smg gateway read or set.
 
 They read the engine's public figures (kv_usage, integrity_problem,
 metrics...), never its scheduler or KV pool.
@@ -13,11 +13,15 @@ import asyncio
 import json
 import re
 from datetime import datetime, timezone
+from typing import Literal
+
+import msgspec
 
 from pyserve import __version__
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.openai.embeddings import serves_embeddings
-from pyserve.http.io import Response
+from pyserve.http.io import Request, Response
+from pyserve.http.strict import read_strict
 from pyserve.api.protocol.openai import ModelCard, ModelList
 from pyserve.api.protocol.native import AbortRequest
 from pyserve.api.generation.serving import ServingContext, merged_outputs, new_id
@@ -129,6 +133,35 @@ def loads(ctx: ServingContext) -> dict:
         "max_running_requests": engine.max_running_requests,
     }
     return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1, "loads": [load]}
+
+
+class ConfigureLoggingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's body; a field left out (or null) keeps its setting."""
+
+    log_requests: bool | None = None
+    log_requests_level: Literal[0, 1, 2, 3] | None = None
+    # SGLang's others, which pyserve has no counterpart of: refused when set.
+    log_requests_format: str | None = None
+    dump_requests_folder: str | None = None
+    dump_requests_threshold: int | None = None
+    crash_dump_folder: str | None = None
+    dump_requests_exclude_meta_keys: list[str] | None = None
+
+
+_NOT_CONFIGURED = ("log_requests_format", "dump_requests_folder", "dump_requests_threshold", "crash_dump_folder",
+                   "dump_requests_exclude_meta_keys")
+
+
+async def configure_logging(ctx: ServingContext, request: Request) -> Response:
+    """SGLang's POST /configure_logging: --log-requests and
+    --log-requests-level, changed while the server runs."""
+    req = await read_strict(request, ConfigureLoggingRequest, "/configure_logging")
+    refused = next((name for name in _NOT_CONFIGURED if getattr(req, name) is not None), None)
+    if refused is not None:
+        raise bad_request(f"{refused}: pyserve logs requests as lines of its log (--log-requests), and dumps none",
+                          refused)
+    ctx.engine.request_log.configure(req.log_requests, req.log_requests_level)
+    return Response(200, b"")
 
 
 def flush_cache(ctx: ServingContext) -> Response:
