@@ -281,6 +281,17 @@ def test_model_routes(default_model_dir, tokenizer):
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
 
 
+def test_freeze_gc_takes_what_the_server_holds_out_of_the_collectors_scans(default_model_dir, tokenizer):
+    import gc
+
+    app, _ = make_app(default_model_dir, tokenizer, ["a"])
+    try:
+        status, _, body = run(call(app, "POST", "/freeze_gc"))
+        assert status == 200 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_max_body_bytes_refuses_a_declared_length_before_reading(default_model_dir, tokenizer):
     app, engine = make_app(default_model_dir, tokenizer, ["x"], max_body_bytes=64)
     sent = []

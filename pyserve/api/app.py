@@ -154,6 +154,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
     ("POST", "/configure_logging"): Route(operations.configure_logging, raw=True),
+    ("POST", "/freeze_gc"): Route(operations.freeze_gc),
+    ("GET", "/freeze_gc"): Route(operations.freeze_gc),
     ("POST", "/reset_prefix_cache"): Route(operations.flush_cache),
     ("POST", "/abort_request"): Route(operations.abort_request, AbortRequest),
     ("POST", "/parse_function_call"): Route(parsers.parse_function_call, parsers.ParseFunctionCallRequest),

@@ -1,7 +1,7 @@
 """The operational routes: /v1/models, and SGLang's /health_generate,
 /get_model_info, /get_server_info (also without `get_`, as SGLang now names
-them), /v1/loads, /metrics, /flush_cache, /configure_logging and
-/version: what operators, load balancers and the smg gateway read or set.
+them), /v1/loads, /metrics, /flush_cache, /configure_logging, /freeze_gc
+and /version: what operators, load balancers and the smg gateway read or set.
 
 They read the engine's public figures (kv_usage, integrity_problem,
 metrics...), never its scheduler or KV pool.
@@ -10,6 +10,7 @@ metrics...), never its scheduler or KV pool.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 from datetime import datetime, timezone
@@ -162,6 +163,14 @@ async def configure_logging(ctx: ServingContext, request: Request) -> Response:
                           refused)
     ctx.engine.request_log.configure(req.log_requests, req.log_requests_level)
     return Response(200, b"")
+
+
+def freeze_gc(ctx: ServingContext) -> Response:
+    """SGLang's /freeze_gc: every object the server holds now (the model,
+    the caches, what start-up made) leaves the garbage collector's scans,
+    which then cost less (gc.freeze)."""
+    gc.freeze()
+    return Response(200, b"Garbage collection frozen.\n", "text/plain; charset=utf-8")
 
 
 def flush_cache(ctx: ServingContext) -> Response:
