@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -76,6 +77,7 @@ class PyserveApp:
             return
         # Imported here so that `pyserve --help` answers without loading torch.
         from pyserve.api.app import App
+        from pyserve.api.native.vertex import vertex_paths
         from pyserve.batches.runner import BatchManager
         from pyserve.http.proxy import CORS, TrustedProxies
         from pyserve.api.responses.routes import ResponseManager
@@ -117,7 +119,7 @@ class PyserveApp:
         self.http = App(ctx, server.api_key, files, batches, responses=responses,
                         cors=CORS(comma_list(server.allowed_origins)),
                         proxies=TrustedProxies(comma_list(server.forwarded_allow_ips)),
-                        max_body_bytes=server.max_payload_size)
+                        max_body_bytes=server.max_payload_size, aliases=vertex_paths(os.environ))
         logger.info("Serving %s as %r (%.1fs to start)", engine.model_dir, names[0], time.perf_counter() - started)
 
     def begin_drain(self) -> None:

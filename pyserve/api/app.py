@@ -27,8 +27,8 @@ import msgspec
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import (
-    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, weight_sync,
-    weights,
+    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, vertex,
+    weight_sync, weights,
 )
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -187,12 +187,14 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health"): Route(operations.health, public=True),
     ("GET", "/ping"): Route(operations.health, public=True),
     ("POST", "/invocations"): Route(_invocation_path, forwards=True),
+    ("POST", vertex.PREDICT_PATH): Route(vertex.predict, vertex.VertexRequest),
     ("POST", "/ping"): Route(operations.health, public=True),
     ("GET", "/health_generate"): Route(operations.health_generate, public=True),
 }
 # Routes that generate text: an --is-embedding server answers them 400.
 # (/v1/score and the rerank routes answer by the model they find.)
-GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, messages.create)
+GENERATION_HANDLERS = (chat.create, completions.create, generate.generate, responses.create, messages.create,
+                       vertex.predict)
 # Routes that read or write text (/generate and /classify check their own fields): refused under
 # --skip-tokenizer-init.
 TEXT_HANDLERS = (chat.create, completions.create, embeddings.create, responses.create, score.score, messages.create,
@@ -226,8 +228,10 @@ class App:
     def __init__(self, ctx: ServingContext, api_key: str | None = None, files: FileStore | None = None,
                  batches: BatchManager | None = None, *, responses: ResponseManager | None = None,
                  cors: CORS | None = None, proxies: TrustedProxies | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, aliases: dict[str, str] | None = None):
+        """`aliases`: paths answered by another path's route (Vertex AI's, vertex.vertex_paths)."""
         self.ctx = ctx
+        self.aliases = aliases or {}
         self.max_body_bytes = max_body_bytes
         self.files = files
         self.batches = batches
@@ -265,7 +269,7 @@ class App:
             await self._respond(request, response, send)
 
     async def _dispatch(self, request: Request):
-        route, params = _match(request.method, request.path)
+        route, params = _match(request.method, self.aliases.get(request.path, request.path))
         if route.forwards:
             route, params = _match(request.method, await route.handler(request))
         try:
