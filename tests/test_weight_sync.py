@@ -266,3 +266,17 @@ def test_every_tensor_parallel_rank_joins_the_group_and_takes_its_shard(llamas, 
         trainer.kill()
         server.stop()
     assert tokens == reference_greedy(second)
+
+
+def test_a_tied_matrix_whose_output_projection_is_a_quantized_copy_is_refused(tmp_path):
+    from pyserve.model.loader import load_model
+    from pyserve.model.named_weights import NamedWeights
+    from pyserve.model.quant import resolve_quant
+
+    model_dir = build_tiny_model(tmp_path / "tied", "llama", seed=1, tie_word_embeddings=True)
+    quant = resolve_quant("int8wo", model_dir, torch.device("cpu"), 1, "auto", None)
+    model, config = load_model(model_dir, torch.float32, "cpu", quant)
+    before = model.embed_tokens.weight.clone()
+    with pytest.raises(ValueError, match="quantized copy of this tied matrix"):
+        NamedWeights(model, config).write([("model.embed_tokens.weight", torch.zeros_like(before))])
+    assert torch.equal(model.embed_tokens.weight, before)

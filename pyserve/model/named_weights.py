@@ -81,6 +81,9 @@ class NamedWeights:
         found = [p for p in pieces(name, self.config, self.shard, self.names)
                  if p.param != "lm_head.weight" or self.has_lm_head]
         for p in found:
+            if p.param == "embed_tokens.weight" and self.config.tie_word_embeddings and self.has_lm_head:
+                raise ValueError(f"{name}: the output projection holds a quantized copy of this tied matrix, "
+                                 "which a float write would leave behind (--torchao-config none)")
             if p.param not in self.params:
                 module = self.modules.get(p.param.rpartition(".")[0])
                 if module is None:
