@@ -101,8 +101,8 @@ class WeightSync:
                 return Outcome(parts=self._weights().read(op.name, op.rows))
             {JoinGroup: self._join, LeaveGroup: self._leave, ReceiveWeights: self._receive,
              SharedWeights: self._shared}[type(op)](op)
-        except (ValueError, RuntimeError, pickle.UnpicklingError) as e:
-            return Outcome(error=str(e))
+        except Exception as e:  # reported to the caller as a 400; the rank serves on (a worker must not die here)
+            return Outcome(error=str(e) or type(e).__name__)
         return Outcome()
 
     @property
