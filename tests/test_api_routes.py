@@ -191,6 +191,9 @@ def test_flush_cache_empties_the_prefix_cache(http):
     assert r.status_code == 200
     info = http.get("/get_server_info").json()
     assert info["kv_tokens_cached"] == 0 and info["kv_integrity"] == "ok"
+    http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert http.get("/flush_cache").status_code == 200  # SGLang's curl without -X POST
+    assert http.get("/get_server_info").json()["kv_tokens_cached"] == 0
     again = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 

@@ -26,10 +26,10 @@ def test_a_trace_holds_the_steps_between_start_and_stop(tiny_llama_dir, tmp_path
         await app.startup()
         try:
             out = [await call(app, "POST", "/stop_profile", raw=b"")]  # none running
-            out.append(await call(app, "POST", "/start_profile", raw=b""))  # vLLM's empty body
+            out.append(await call(app, "GET", "/start_profile", raw=b""))  # an empty body; SGLang takes GET too
             out.append(await call(app, "POST", "/start_profile", {"profile_id": "again"}))
             out.append(await call(app, "POST", "/v1/completions", COMPLETION))
-            out.append(await call(app, "POST", "/stop_profile", raw=b""))
+            out.append(await call(app, "GET", "/stop_profile", raw=b""))
             # SGLang's body: its own directory and name, ended after two steps.
             out.append(await call(app, "POST", "/start_profile", {
                 "output_dir": str(tmp_path / "body-traces"), "profile_id": "two", "num_steps": 2,

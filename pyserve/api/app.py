@@ -153,6 +153,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/v1/loads"): Route(operations.loads),
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
+    ("GET", "/flush_cache"): Route(operations.flush_cache),  # SGLang takes either method, as on the profile routes
     ("POST", "/configure_logging"): Route(operations.configure_logging, raw=True),
     ("POST", "/freeze_gc"): Route(operations.freeze_gc),
     ("GET", "/freeze_gc"): Route(operations.freeze_gc),
@@ -162,6 +163,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/separate_reasoning"): Route(parsers.separate_reasoning, parsers.SeparateReasoningRequest),
     ("POST", "/start_profile"): Route(profile.start_profile, raw=True),
     ("POST", "/stop_profile"): Route(profile.stop_profile, raw=True),
+    ("GET", "/start_profile"): Route(profile.start_profile, raw=True),
+    ("GET", "/stop_profile"): Route(profile.stop_profile, raw=True),
     ("POST", "/pause_generation"): Route(pause.pause_generation, raw=True, dialect=SGLANG_CONTROL),
     ("POST", "/continue_generation"): Route(pause.continue_generation, raw=True, dialect=SGLANG_CONTROL),
     ("POST", "/pause"): Route(pause.vllm_pause, raw=True),
