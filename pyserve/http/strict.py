@@ -14,11 +14,12 @@ from pyserve.http.io import Request, decode_json
 T = TypeVar("T")
 
 
-def convert_strict(body: dict, struct: type[T], route: str) -> T:
+def convert_strict(body: dict, struct: type[T], route: str, from_text: bool = False) -> T:
     """`body` (decoded JSON) as `struct`, a Struct declared with
-    forbid_unknown_fields; `route` names the API in the refusal."""
+    forbid_unknown_fields; `route` names the API in the refusal.
+    `from_text`: the values are text to read as the fields' types (a query string's)."""
     try:
-        return msgspec.convert(body, struct)
+        return msgspec.convert(body, struct, strict=not from_text)
     except msgspec.ValidationError as e:
         text, _, path = str(e).partition(" - at `$")
         if text.startswith("Object contains unknown field `"):
@@ -29,8 +30,11 @@ def convert_strict(body: dict, struct: type[T], route: str) -> T:
         raise from_msgspec(e) from None
 
 
-async def read_strict(request: Request, struct: type[T], route: str) -> T:
+async def read_strict(request: Request, struct: type[T], route: str, query: bool = False) -> T:
     """The request's JSON body as `struct` (convert_strict); an empty body,
-    which some clients send to routes whose fields all have defaults, as {}."""
+    which some clients send to routes whose fields all have defaults, as {},
+    or with `query` as the query string's parameters (a GET's)."""
     raw = await request.body()
-    return convert_strict(decode_json(msgspec.json.Decoder(dict), raw) if raw.strip() else {}, struct, route)
+    if raw.strip():
+        return convert_strict(decode_json(msgspec.json.Decoder(dict), raw), struct, route)
+    return convert_strict(request.query() if query else {}, struct, route, from_text=query)

@@ -28,16 +28,23 @@ def read_part(handle, key: str, dim: int | None, part: range | None, full: int |
     return view[(slice(None),) * dim + (slice(part.start, min(part.stop, full)),)]
 
 
+def piece_destination(target: torch.Tensor, piece) -> torch.Tensor:
+    """Where in `target` (its parameter) one piece (checkpoint.Piece) of a
+    checkpoint tensor lies: its rows of a fused parameter; of a vocabulary
+    shard, the rows the checkpoint has (those past it are padding)."""
+    if piece.row is not None:
+        return target.narrow(0, piece.row, len(piece.part))
+    if piece.dim == 0:
+        return target[: max(0, min(piece.part.stop, piece.full) - piece.part.start)]
+    return target
+
+
 def piece_copy(target: torch.Tensor, piece, handle, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(where in `target` it goes, what goes there) for one piece
     (checkpoint.Piece) of the tensor `key`; ValueError where its shape is
-    not the config's. A vocabulary shard's rows past the checkpoint's
-    (padding) are not in the destination."""
-    if piece.row is not None:
-        target = target.narrow(0, piece.row, len(piece.part))
+    not the config's."""
+    target = piece_destination(target, piece)
     tensor = read_part(handle, key, piece.dim, piece.part, piece.full)
-    if piece.dim == 0 and piece.row is None and tensor.shape[0] < target.shape[0]:
-        target = target[: tensor.shape[0]]
     if tensor.shape != target.shape:
         raise ValueError(f"{key} has shape {tuple(tensor.shape)}, the config expects {tuple(target.shape)}")
     return target, tensor

@@ -20,7 +20,7 @@ import torch
 from pyserve.model.checkpoint import Piece, pieces
 from pyserve.model.config import ModelConfig
 from pyserve.model.families import family_of
-from pyserve.model.int4_parts import piece_copy
+from pyserve.model.int4_parts import piece_copy, piece_destination
 from pyserve.model.layers.causal_lm import CausalLM
 from pyserve.model.loader import DenseTensors, block_claiming, expert_blocks
 
@@ -67,13 +67,8 @@ class NamedWeights:
             name = name.replace("lm_head.weight", "model.embed_tokens.weight")  # the same tensor
         held = []
         for p in self._pieces(name):
-            values = self.params[p.param].data
-            if p.row is not None:
-                values = values.narrow(0, p.row, len(p.part))
             start = p.part.start if p.dim == 0 else 0
-            if p.dim == 0 and p.row is None:  # a vocabulary shard: its rows past the checkpoint's are padding
-                values = values[: max(0, min(p.part.stop, p.full) - start)]
-            values = values[: max(0, rows - start)]
+            values = piece_destination(self.params[p.param].data, p)[: max(0, rows - start)]
             held.append((p.dim, p.part, p.full, values.float().cpu().clone()))
         return held
 

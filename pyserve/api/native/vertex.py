@@ -39,11 +39,10 @@ def vertex_paths(environ: Mapping[str, str]) -> dict[str, str]:
 async def predict(ctx: ServingContext, req: VertexRequest) -> dict:
     if not req.instances:
         return {"predictions": []}
-    kinds = {tuple(sorted(instance)) for instance in req.instances}
-    if len(kinds) != 1 or len(next(iter(kinds))) != 1 or next(iter(kinds))[0] not in _PROMPT_KINDS:
+    kind = next(iter(req.instances[0]), None)
+    if kind not in _PROMPT_KINDS or any(list(instance) != [kind] for instance in req.instances):
         raise bad_request("each instance is one prompt, {\"text\"}, {\"input_ids\"} or {\"input_embeds\"}, all of "
                           "the same kind", "instances")
-    kind = next(iter(kinds))[0]
     parameters = req.parameters or {}
     if kind in parameters or parameters.get("stream"):
         raise bad_request("parameters are /generate's other fields, answered whole: not the prompt, nor stream",

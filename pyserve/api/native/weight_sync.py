@@ -30,8 +30,8 @@ from pyserve.engine.runner.weight_sync import (
     BACKENDS, JoinGroup, LeaveGroup, Operation, ReadWeight, ReceiveWeights, SharedWeights, dtype_of,
 )
 from pyserve.http.errors import bad_request
-from pyserve.http.io import Request, decode_json
-from pyserve.http.strict import convert_strict, read_strict
+from pyserve.http.io import Request
+from pyserve.http.strict import read_strict
 from pyserve.model.named_weights import assemble
 
 _GROUP = "weight_update_group"
@@ -154,18 +154,7 @@ async def update_weights_from_tensor(ctx: ServingContext, req: UpdateWeightsFrom
 
 async def get_weights_by_name(ctx: ServingContext, request: Request) -> list:
     """The body's fields, or the query string's (a GET without a body)."""
-    raw = await request.body()
-    if raw.strip():
-        req = convert_strict(decode_json(msgspec.json.Decoder(dict), raw), GetWeightsByNameRequest,
-                             "/get_weights_by_name")
-    else:
-        query = dict(request.query())
-        if "truncate_size" in query:
-            try:
-                query["truncate_size"] = int(query["truncate_size"])
-            except ValueError:
-                raise bad_request("truncate_size is a number of rows", "truncate_size") from None
-        req = convert_strict(query, GetWeightsByNameRequest, "/get_weights_by_name")
+    req = await read_strict(request, GetWeightsByNameRequest, "/get_weights_by_name", query=True)
     if req.truncate_size < 1:
         raise bad_request("truncate_size is at least 1", "truncate_size")
     outcomes = await _on_every_rank(ctx, ReadWeight(name=req.name, rows=req.truncate_size), "name")

@@ -208,11 +208,11 @@ class StepChannel:
         self._broadcast_header(values)
         return int(values[0])
 
-    # every rank
-
     def send_outcome(self, outcome: Outcome) -> None:
         """This rank's part of rank 0's `gather`."""
         dist.gather_object(outcome, None, group=self.member.control, group_dst=0)
+
+    # every rank
 
     def barrier(self) -> None:
         dist.barrier(group=self.member.control)

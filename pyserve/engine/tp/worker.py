@@ -24,8 +24,9 @@ from pyserve.engine.tp import group as tp_group
 from pyserve.engine.runner.rank_model import RankModel
 from pyserve.engine.runner.weight_swap import copy_weights, paired_tensors
 from pyserve.engine.runner.weight_sync import WeightSync
-from pyserve.engine.tp.broadcast import AdapterLoad, ForwardBatch, StepChannel, WeightSwap
+from pyserve.engine.tp.broadcast import AdapterLoad, StepChannel, WeightSwap
 from pyserve.lora.adapter import read_adapter
+from pyserve.model.forward_batch import ForwardBatch
 from pyserve.model.hub import local_model_dir
 from pyserve.model.kv_buffer import SlotCopies
 from pyserve.options import ModelOptions
