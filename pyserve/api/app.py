@@ -27,8 +27,8 @@ import msgspec
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import (
-    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, tokenize, vertex,
-    weight_sync, weights,
+    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, sessions, tokenize,
+    vertex, weight_sync, weights,
 )
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -39,8 +39,8 @@ from pyserve.http.drain import Drain
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.protocol.anthropic import CountTokensRequest, MessagesRequest
 from pyserve.api.protocol.native import (
-    AbortRequest, AddExternalCorpusRequest, LoadLoraAdapterRequest, NativeGenerateRequest, RemoveExternalCorpusRequest,
-    UnloadLoraAdapterRequest,
+    AbortRequest, AddExternalCorpusRequest, CloseSessionRequest, LoadLoraAdapterRequest, NativeGenerateRequest,
+    OpenSessionRequest, RemoveExternalCorpusRequest, UnloadLoraAdapterRequest,
 )
 from pyserve.http.io import (
     MAX_BODY_BYTES, FileResponse, Request, Response, decode_json, error_response, json_response,
@@ -125,6 +125,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/messages"): Route(messages.create, MessagesRequest, dialect=ANTHROPIC),
     ("POST", "/v1/messages/count_tokens"): Route(messages.count_tokens, CountTokensRequest, dialect=ANTHROPIC),
     ("POST", "/generate"): Route(generate.generate, NativeGenerateRequest),
+    ("POST", "/open_session"): Route(sessions.open_session, OpenSessionRequest),
+    ("POST", "/close_session"): Route(sessions.close_session, CloseSessionRequest),
     ("POST", "/load_lora_adapter"): Route(adapters.load, LoadLoraAdapterRequest),
     ("POST", "/unload_lora_adapter"): Route(adapters.unload, UnloadLoraAdapterRequest),
     ("POST", "/v1/load_lora_adapter"): Route(adapters.load, LoadLoraAdapterRequest),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -26,6 +26,7 @@ from pyserve.api.generation.logprobs import TokenIdTexts, TokenTexts
 from pyserve.api.generation.truncation import fit_context
 from pyserve.api.generation.admission_gate import AdmissionGate
 from pyserve.api.generation.prompt_embeds import placeholder_ids
+from pyserve.api.generation.sessions import Sessions
 from pyserve.api.protocol.openai import PromptTokensDetails, Usage
 from pyserve.chat_template import ChatTemplate
 from pyserve.completion_template import CompletionTemplate
@@ -60,6 +61,7 @@ class ServingContext:
     gate: AdmissionGate = field(default_factory=AdmissionGate)
     # Other names the base model answers to (--served-model-name's after the first).
     other_model_names: tuple[str, ...] = ()
+    sessions: Sessions = field(default_factory=Sessions)  # SGLang's /open_session and session_params
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -201,8 +203,11 @@ def _check_sequences(cap: int, prompts: int, n: int, param_names: Mapping[str, s
                       "(--max-sequences-per-request): split it into smaller requests", param)
 
 
-async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
-    """Outputs of several requests as they come: (request index, output).
+async def merged_outputs(engine: Engine, requests: list[GenerateRequest],
+                         on_output: Callable[[int, GenerateOutput], None] | None = None,
+                         ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Outputs of several requests as they come: (request index, output),
+    each shown first to `on_output` (a session records its turns' tokens).
 
     Leaving early (client gone) cancels every request's generator, which
     aborts it in the engine."""
@@ -232,6 +237,8 @@ async def merged_outputs(engine: Engine, requests: list[GenerateRequest]) -> Asy
                 remaining -= 1
                 if item.finish_reason == "error":
                     raise APIError("the request was aborted by the server", 500, "server_error")
+            if on_output is not None:
+                on_output(i, item)
             yield i, item
     finally:
         for t in tasks:
@@ -261,10 +268,11 @@ def last_hidden_state(rows: list[torch.Tensor], prompt_tokens: int) -> list[floa
     return rows[-1][-1].tolist() if sum(len(r) for r in rows) > prompt_tokens else []
 
 
-async def collect(engine: Engine, requests: list[GenerateRequest]) -> list[ChoiceResult]:
-    """Every request run to its end, its outputs gathered."""
+async def collect(engine: Engine, requests: list[GenerateRequest],
+                  on_output: Callable[[int, GenerateOutput], None] | None = None) -> list[ChoiceResult]:
+    """Every request run to its end, its outputs gathered (see merged_outputs)."""
     results = [ChoiceResult() for _ in requests]
-    async for i, out in merged_outputs(engine, requests):
+    async for i, out in merged_outputs(engine, requests, on_output):
         result = results[i]
         result.text += out.text
         result.token_ids += out.token_ids

@@ -16,6 +16,7 @@ import torch
 from pyserve.api.generation.constraints import request_constraint
 from pyserve.api.generation.logprobs import TokenTexts
 from pyserve.api.generation.prompt_embeds import embeds_from_lists
+from pyserve.api.generation.sessions import SessionStream
 from pyserve.http.errors import bad_request
 from pyserve.api.protocol.native import NativeGenerateRequest, NativeSamplingParams
 from pyserve.api.generation.sampling import sampling_params
@@ -51,6 +52,14 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
     else:
         prompts, single = prompt_id_lists(ctx.engine.tokenizer, req.input_ids, "input_ids", text=False)
     batch = _Batch(req, len(prompts))
+    continuations = None
+    if req.session_params is not None:
+        if req.input_embeds is not None:
+            raise bad_request("a session continues token ids: send text or input_ids with session_params",
+                              "session_params")
+        bos = _bos(ctx.engine.tokenizer)
+        continuations = [ctx.sessions.continuation(sp, ids, bos) for sp, ids in zip(batch.session_params, prompts)]
+        prompts = [c.prompt_ids for c in continuations]
     constraints = [request_constraint(f, "sampling_params.") for f in batch.fields]
     params = [sampling_params(
         fields, fields.max_new_tokens, ctx.engine.vocab_size,
@@ -70,14 +79,22 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
                              lora=[adapter_name(ctx, req.model, path) for path in batch.lora_path])
     for ids, wanted, start in zip(prompts, batch.return_logprob, batch.logprob_start_len):
         _check_logprob_start(wanted, start, ids)  # after the engine refused an empty prompt
+    turns = ctx.sessions.join(continuations, [[r.rid for r in requests[p * n:(p + 1) * n]] for p in range(len(prompts))],
+                              ctx.engine.abort) if continuations else []
+    record = (lambda i, out: turns[i].output_ids.extend(out.token_ids)) if turns else None
     started = time.perf_counter()
     texts = ctx.token_texts if req.return_text_in_logprobs else None
     logprobs = [MetaLogprobs(texts, batch.logprob_start_len[p], r.input_ids) if batch.return_logprob[p] else None
                 for p, r in ((k // n, r) for k, r in enumerate(requests))]
     if req.stream:
-        return _stream(ctx, requests, started, logprobs, has_text)
+        events = _stream(ctx, requests, started, logprobs, has_text, record)
+        return SessionStream(events, lambda: ctx.sessions.ended(turns)) if turns else events
+    try:
+        collected = await collect(ctx.engine, requests, record)
+    finally:
+        ctx.sessions.ended(turns)
     results = []
-    for i, result in enumerate(await collect(ctx.engine, requests)):
+    for i, result in enumerate(collected):
         if logprobs[i]:
             logprobs[i].add(result.prompt_logprobs, result.logprobs)
         meta = _meta(requests[i].rid, result.final, started, logprobs[i])
@@ -103,6 +120,7 @@ class _Batch:
             self._each(req.rid, "rid")
             if len(set(req.rid)) < prompts:
                 raise bad_request("the rid list names a request twice: give each prompt its own", "rid")
+        self.session_params = self._each(req.session_params, "session_params")
         self.lora_path = self._each(req.lora_path, "lora_path")
         self.return_logprob = self._each(req.return_logprob, "return_logprob")
         self.logprob_start_len = self._each(req.logprob_start_len, "logprob_start_len")
@@ -118,6 +136,13 @@ class _Batch:
         return value
 
 
+def _bos(tokenizer) -> int | None:
+    """The token the tokenizer puts before a text (a Llama BOS), which a
+    session's continuation drops, as SGLang does; None when it puts none."""
+    lead = tokenizer.encode("", add_special_tokens=True) if tokenizer is not None else []
+    return lead[0] if lead else None
+
+
 def _check_logprob_start(wanted: bool, start: int, prompt: list[int]) -> None:
     """With return_logprob, the prompt's logprobs start inside the prompt
     (-1: none of it), as SGLang checks; without it the options are unused."""
@@ -128,13 +153,13 @@ def _check_logprob_start(wanted: bool, start: int, prompt: list[int]) -> None:
 
 
 async def _stream(ctx: ServingContext, requests: list[GenerateRequest], started: float,
-                  logprobs: list[MetaLogprobs | None], has_text: bool) -> AsyncIterator[dict]:
+                  logprobs: list[MetaLogprobs | None], has_text: bool, record) -> AsyncIterator[dict]:
     """SGLang streams the whole text (and token ids) so far in every event;
     with no tokenizer, the token ids alone."""
     texts = [""] * len(requests)
     ids: list[list[int]] = [[] for _ in requests]
     states: list[list[list[float]]] = [[] for _ in requests]  # each request's hidden-state rows so far
-    async for i, out in merged_outputs(ctx.engine, requests):
+    async for i, out in merged_outputs(ctx.engine, requests, record):
         texts[i] += out.text
         ids[i] += out.token_ids
         if logprobs[i]:

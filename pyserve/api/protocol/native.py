@@ -46,6 +46,31 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     structural_tag: str | dict[str, Any] | None = None
 
 
+class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """/generate's `session_params` (api/generation/sessions.py): the session,
+    and the request of it this one continues."""
+
+    id: str
+    rid: str | None = None  # None: a first turn (or, with replace, a fresh start)
+    offset: int | None = None
+    replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+
+class OpenSessionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /open_session body."""
+
+    # SGLang takes it and bounds nothing with it (clients send 0 as well as 50000); so does pyserve.
+    capacity_of_str_len: int
+    session_id: str | None = None
+    timeout: float | None = None  # idle seconds after which the session closes itself
+    streaming: bool = False  # SGLang's sessions that hold their KV between turns: refused
+
+
+class CloseSessionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    session_id: str
+
+
 class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | list[str] | None = None
     # Token ids, or a list of token id lists. msgspec takes one array type
@@ -58,6 +83,7 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     # prompt (a batch's prompts, each with its own settings).
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     rid: str | list[str] | None = None
+    session_params: SessionParams | list[SessionParams] | None = None
     lora_path: str | list[str | None] | None = None  # SGLang: the LoRA adapter, by name (with --enable-lora)
     return_logprob: bool | list[bool] = False
     # SGLang's logprob options: output tokens' logprobs, and the prompt's
