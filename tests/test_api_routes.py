@@ -149,6 +149,25 @@ def test_client_chosen_rid_already_running_is_a_400(server, http):
     assert second.status_code == 400 and second.json()["error"]["param"] == "rid"
 
 
+def test_load_reports_count_the_requests_running_and_the_kv_they_hold(server, http):
+    body = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as other:
+        with other.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)
+            during = http.get("/get_load").json(), http.get("/v1/loads").json()
+    old, new = during
+    assert old == [{"dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": old[0]["num_tokens"]}]
+    assert old[0]["num_tokens"] > 0  # the KV it alone holds (its prompt's is shared with the prefix cache)
+    load = new["loads"][0]
+    assert new["dp_rank_count"] == 1 and load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 0
+    assert load["num_used_tokens"] > 0 and 0 < load["token_usage"] <= 1
+    deadline = time.time() + 10  # the engine frees it once the client has gone
+    while http.get("/get_load").json()[0]["num_reqs"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert http.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
 def test_access_log_lines(server, http):
     http.get("/v1/models?x=1")
     line = '"GET /v1/models?x=1 HTTP/1.1" 200 OK'

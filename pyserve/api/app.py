@@ -153,6 +153,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/get_server_info"): Route(operations.server_info),
     ("GET", "/server_info"): Route(operations.server_info),
     ("GET", "/v1/loads"): Route(operations.loads),
+    ("GET", "/get_load"): Route(operations.get_load),
     ("GET", "/metrics"): Route(operations.metrics),
     ("POST", "/flush_cache"): Route(operations.flush_cache),
     ("GET", "/flush_cache"): Route(operations.flush_cache),  # SGLang takes either method, as on the profile routes

@@ -136,6 +136,14 @@ def loads(ctx: ServingContext) -> dict:
     return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1, "loads": [load]}
 
 
+def get_load(ctx: ServingContext) -> list[dict]:
+    """SGLang's /get_load: each data-parallel rank's requests (running and
+    waiting) and the KV tokens they hold."""
+    engine = ctx.engine
+    return [{"dp_rank": 0, "num_reqs": engine.num_running + engine.num_waiting,
+             "num_waiting_reqs": engine.num_waiting, "num_tokens": engine.kv_usage()["in_use"]}]
+
+
 class ConfigureLoggingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """SGLang's body; a field left out (or null) keeps its setting."""
 
