@@ -121,6 +121,9 @@ class EngineOptions:
     enable_prompt_embeds: bool = option(
         False, help="take prompts as embeddings: vLLM's prompt_embeds (/v1/completions), SGLang's input_embeds "
                     "(/generate); their KV is not shared through the prefix cache")
+    enable_custom_logit_processor: bool = option(
+        False, help="run the custom logit processors clients send (SGLang's custom_logit_processor on /generate): "
+                    "unpickling one runs the client's code in the server, so only for clients you trust")
     enable_return_hidden_states: bool = option(
         False, help="serve requests' return_hidden_states (SGLang's): the final-norm hidden state of every token "
                     "the model reads, their prompts computed whole")

@@ -51,6 +51,7 @@ class ServedFields:
     hidden_states: str | None = None
     prompt_embeds: str | None = "prompt embeddings are not served here"
     hidden_size: int = 0
+    custom_logit_processor: str | None = "custom logit processors are not served here"
 
     @classmethod
     def of(cls, options, model_config, embedding: bool) -> ServedFields:
@@ -69,7 +70,9 @@ class ServedFields:
             what = ("an embedding server" if embedding
                     else f"{speculative}'s draft model, which reads the prompt's tokens")
             prompt_embeds = f"prompt embeddings are served by a generating model, not with {what}"
-        return cls(hidden_states, prompt_embeds, model_config.hidden_size)
+        processor = None if options.enable_custom_logit_processor else \
+            "custom logit processors need a server started with --enable-custom-logit-processor"
+        return cls(hidden_states, prompt_embeds, model_config.hidden_size, processor)
 
 
 def check_prompt_embeds(embeds: torch.Tensor, served: ServedFields) -> None:
@@ -90,6 +93,12 @@ def check_fields(req: GenerateRequest, grammars_on: bool, priority_scheduling: b
     what its options serve)."""
     if req.params.return_hidden_states and served.hidden_states is not None:
         raise RequestError(served.hidden_states, "return_hidden_states")
+    if req.params.logit_processor is not None:
+        if served.custom_logit_processor is not None:
+            raise RequestError(served.custom_logit_processor, "custom_logit_processor")
+        if req.params.constraint is not None:
+            raise RequestError("a custom logit processor may raise a token the grammar masks: give a request one "
+                               "or the other", "custom_logit_processor")
     if req.prompt_embeds is not None:
         check_prompt_embeds(req.prompt_embeds, served)
         if req.params.prompt_logprobs:

@@ -1,8 +1,9 @@
 """The logit adjustments before sampling, for a whole batch at once:
 repetition, frequency and presence penalties, logit bias, the tokens a
 request allows (allowed_token_ids) or bans after what it wrote (bad
-words), and the stop tokens a request may not end with yet
-(min_new_tokens).
+words), the stop tokens a request may not end with yet
+(min_new_tokens), and last a client's custom logit processor
+(engine/logit_processors.py).
 
 Only the entries of tokens a row has seen change, so each adjustment is
 one gather or scatter over those entries, never a pass over [batch,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pyserve.engine import logit_processors
 from pyserve.engine.request import SamplingParams
 from pyserve.engine.sampling_state import SamplingState, joined
 
@@ -39,7 +41,7 @@ def ends_too_soon(state: SamplingState, drafted: int = 0) -> bool:
 def adjusts_logits(state: SamplingState) -> bool:
     p = state.params
     return (reads_history(p) or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.banned_sequences)
-            or ends_too_soon(state))
+            or p.logit_processor is not None or ends_too_soon(state))
 
 
 def _entries(parts: list[torch.Tensor], rows: list[int], device: torch.device
@@ -91,6 +93,8 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState], after: list
     _add_at(logits, [(i, token, bias) for i, s in enumerate(seqs) for token, bias in s.params.logit_bias.items()])
     _add_at(logits, [(i, token, float("-inf")) for i, s in enumerate(states) if ends_too_soon(s, len(after[i]))
                      for token in s.stop_ids if token < vocab])
+    if any(s.params.logit_processor is not None for s in states):
+        logit_processors.apply(logits, states, after)
 
 
 def _ends_with(output: list[int], after: list[int], ids: tuple[int, ...]) -> bool:

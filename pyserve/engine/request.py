@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pyserve.engine.logit_processors import LogitProcessor
+
 
 @dataclass(frozen=True)
 class Constraint:
@@ -80,6 +82,10 @@ class SamplingParams:
     # the outputs (GenerateOutput.hidden_states). The prompt is then
     # computed whole, as with prompt_logprobs.
     return_hidden_states: bool = False
+    # SGLang's custom logit processor (engine/logit_processors.py), and the
+    # request's parameters it reads.
+    logit_processor: LogitProcessor | None = None
+    custom_params: dict | None = None
 
 
 def prompt_alternatives(p: SamplingParams) -> int:

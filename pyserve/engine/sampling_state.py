@@ -47,6 +47,7 @@ class SamplingState(ThreadOwned):
     # Tokens masked until min_new_tokens are out: the request's stop ids.
     stop_ids: frozenset[int] = frozenset()
     sampled: int = 0  # tokens drawn so far, in flight or not
+    processor_failed: bool = False  # its custom logit processor raised (engine/logit_processors.py)
     _history: TokenHistory | None = field(default=None, init=False)
 
     def claim(self) -> None:
@@ -60,9 +61,9 @@ class SamplingState(ThreadOwned):
 
     @property
     def refused(self) -> bool:
-        """The grammar refused a token sampled under its mask: a bug; the
-        engine ends the request."""
-        return self.grammar is not None and self.grammar.failed
+        """The grammar refused a token sampled under its mask (a bug), or
+        its custom logit processor raised: the engine ends the request."""
+        return self.processor_failed or (self.grammar is not None and self.grammar.failed)
 
     def history(self) -> TokenHistory:
         """The request's history, brought up to its latest output token."""

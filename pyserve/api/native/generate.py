@@ -23,6 +23,8 @@ from pyserve.api.generation.sampling import sampling_params
 from pyserve.api.generation.serving import (
     ServingContext, adapter_name, collect, fan_out, merged_outputs, new_id, prompt_id_lists,
 )
+from pyserve.engine import logit_processors
+from pyserve.engine.logit_processors import LogitProcessor
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SpeculationCounts, TokenLogprob
 
 
@@ -68,7 +70,9 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         defaults=ctx.sampling_defaults,
     ) for fields, constrained, wanted, start, top in zip(batch.fields, constraints, batch.return_logprob,
                                                           batch.logprob_start_len, batch.top_logprobs_num)]
-    params = [replace(p, return_hidden_states=wanted) for p, wanted in zip(params, batch.return_hidden_states)]
+    params = [replace(p, return_hidden_states=wanted, logit_processor=processor, custom_params=fields.custom_params)
+              for p, wanted, processor, fields in zip(params, batch.return_hidden_states, _processors(ctx, batch),
+                                                      batch.fields)]
     names = {"prompt": prompt_param, "prompt_embeds": "input_embeds",
              "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "stop": "sampling_params.stop",
@@ -121,6 +125,7 @@ class _Batch:
             if len(set(req.rid)) < prompts:
                 raise bad_request("the rid list names a request twice: give each prompt its own", "rid")
         self.session_params = self._each(req.session_params, "session_params")
+        self.custom_logit_processor = self._each(req.custom_logit_processor, "custom_logit_processor")
         self.lora_path = self._each(req.lora_path, "lora_path")
         self.return_logprob = self._each(req.return_logprob, "return_logprob")
         self.logprob_start_len = self._each(req.logprob_start_len, "logprob_start_len")
@@ -134,6 +139,27 @@ class _Batch:
             raise bad_request(f"{name} is a list of {len(value)} for {self.prompts} prompt"
                               f"{'s' if self.prompts != 1 else ''}: give one value for all, or one per prompt", name)
         return value
+
+
+def _processors(ctx: ServingContext, batch: _Batch) -> list[LogitProcessor | None]:
+    """Each prompt's custom logit processor, unpickled only on a server that
+    runs them (unpickling runs the client's code)."""
+    processors = []
+    for source, fields in zip(batch.custom_logit_processor, batch.fields):
+        if source is None:
+            if fields.custom_params is not None:
+                raise bad_request("custom_params is what a custom logit processor reads: send the processor in "
+                                  "custom_logit_processor", "sampling_params.custom_params")
+            processors.append(None)
+            continue
+        refusal = ctx.engine.served.custom_logit_processor
+        if refusal is not None:
+            raise bad_request(refusal, "custom_logit_processor")
+        try:
+            processors.append(logit_processors.load(source))
+        except ValueError as e:
+            raise bad_request(str(e), "custom_logit_processor") from None
+    return processors
 
 
 def _bos(tokenizer) -> int | None:

@@ -36,6 +36,7 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     min_new_tokens: int = 0  # EOS and stop token ids masked until this many tokens
     no_stop_trim: bool = False  # the matched stop string or stop token's text stays in the text
     stop_regex: str | list[str] | None = None  # stops that are regular expressions
+    custom_params: dict[str, Any] | None = None  # what the request's custom logit processor reads
     # Structured outputs, as SGLang takes them: a JSON schema (JSON text, or
     # the schema itself, which stays a free object), a regex, a GBNF
     # grammar, a structural tag (JSON text or object); api/constraints.py
@@ -84,6 +85,8 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     rid: str | list[str] | None = None
     session_params: SessionParams | list[SessionParams] | None = None
+    # With --enable-custom-logit-processor: SGLang's CustomLogitProcessor.to_str() text (engine/logit_processors.py).
+    custom_logit_processor: str | list[str | None] | None = None
     lora_path: str | list[str | None] | None = None  # SGLang: the LoRA adapter, by name (with --enable-lora)
     return_logprob: bool | list[bool] = False
     # SGLang's logprob options: output tokens' logprobs, and the prompt's
