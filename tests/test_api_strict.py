@@ -152,8 +152,10 @@ BAD_GENERATE_BODIES = {
     # SGLang's own, which pyserve cannot honour: refused, not dropped
     "min_new_tokens a string": ({"sampling_params": {"min_new_tokens": "2"}}, "sampling_params.min_new_tokens",
                                 "invalid_type"),
-    "custom_params": ({"sampling_params": {"custom_params": {"k": 1}}}, "sampling_params.custom_params",
-                      "unknown_parameter"),
+    "custom_params without a processor": ({"sampling_params": {"custom_params": {"k": 1}}},
+                                          "sampling_params.custom_params", None),
+    "custom_logit_processor without its flag": ({"custom_logit_processor": '{"callable": "80"}'},
+                                                "custom_logit_processor", None),
     "image_data": ({"image_data": "http://example.com/a.png"}, "image_data", "unknown_parameter"),
     "lora_path": ({"lora_path": "adapter"}, "lora_path", "unknown_parameter"),
     "return_hidden_states without its flag": ({"return_hidden_states": True}, "return_hidden_states", None),
