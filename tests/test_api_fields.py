@@ -132,6 +132,9 @@ def shared(after: str | None) -> dict:
         "cache_salt": engine("tenant-a", {"cache_salt": "tenant-a"}),
         # The scripted engine takes any adapter; a real one checks the name (tests/test_lora_api.py).
         "lora_path": engine("alpha", {"lora": "alpha"}),
+        # Refused unread by a server without --enable-custom-logit-processor (tests/test_logit_processors.py).
+        "custom_logit_processor": probe(REFUSED, '{"callable": "80"}'),
+        "custom_params": probe(REFUSED, {"token_ids": [5]}),  # without a processor to read it
     }
 
 

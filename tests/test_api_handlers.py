@@ -20,6 +20,7 @@ from pyserve.api.app import App
 from pyserve.http.proxy import CORS
 from pyserve.api.generation.serving import ServingContext
 from pyserve.chat_template import ChatTemplate
+from pyserve.engine.admission import ServedFields
 from pyserve.engine.request import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -33,6 +34,7 @@ class ScriptedEngine:
         self.vocab_size = tokenizer.vocab_size
         self.context_len = 256
         self.adapters = None  # a server without --enable-lora
+        self.served = ServedFields()  # nor the other options requests' fields need
         self.script = script
         self.fail_after = fail_after
         self.requests: list[GenerateRequest] = []

@@ -112,6 +112,26 @@ def test_each_row_gets_its_own_params_and_output_so_far(tiny_llama_dir, tmp_path
         assert sum(a["meta_info"]["spec_accept_token_num"] for a in out) > 0
 
 
+def test_the_openai_routes_take_it_through_extra_body(tiny_llama_dir, tmp_path):
+    from starlette.testclient import TestClient
+
+    openai = pytest.importorskip("openai")
+    extra = {"custom_logit_processor": to_str(Script), "custom_params": {"tokens": [21, 22]}, "ignore_eos": True,
+             "return_token_ids": True}
+    app = create_app(model_path=str(tiny_llama_dir), file_storage_path=str(tmp_path),
+                     enable_custom_logit_processor=True, **OPTIONS)
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+        completion = client.completions.create(model="m", prompt="Hello", max_tokens=5, extra_body=extra)
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                              extra_body=extra)
+        streamed = [c.choices[0].text for c in client.completions.create(model="m", prompt="Hello", max_tokens=5,
+                                                                        stream=True, extra_body=extra)]
+    assert completion.choices[0].model_extra["token_ids"] == [21, 22, 21, 22, 21]
+    assert chat.choices[0].model_extra["token_ids"] == [21, 22, 21, 22, 21]
+    assert "".join(streamed) == completion.choices[0].text
+
+
 def test_a_processor_that_raises_ends_its_own_request_only(tiny_llama_dir, tmp_path):
     async def scenario(app):
         good = generate(app, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})

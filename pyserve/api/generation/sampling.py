@@ -12,12 +12,14 @@ to check: `Engine.validate`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from pyserve._rust import StopMatcher, Tokenizer
 from pyserve.http.errors import APIError, bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS
 from pyserve.api.protocol.native import NativeSamplingParams
 from pyserve.api.protocol.openai import SamplingFields
+from pyserve.engine import logit_processors
 from pyserve.engine.request import Constraint, SamplingParams
 
 MAX_N = 128
@@ -184,3 +186,23 @@ def sampling_params(
         constraint=constraint,
         return_hidden_states=getattr(f, "return_hidden_states", False),
     )
+
+
+def with_logit_processor(params: SamplingParams, source: str | None, custom_params: dict | None,
+                         refusal: str | None, params_param: str = "custom_params") -> SamplingParams:
+    """`params` with SGLang's custom logit processor `source` and the
+    `custom_params` it reads (engine/logit_processors.py). `refusal`: why
+    this server runs none (the engine's ServedFields), checked before
+    anything is unpickled, since unpickling runs the client's code."""
+    if source is None:
+        if custom_params is not None:
+            raise bad_request("custom_params is what a custom logit processor reads: send the processor in "
+                              "custom_logit_processor", params_param)
+        return params
+    if refusal is not None:
+        raise bad_request(refusal, "custom_logit_processor")
+    try:
+        processor = logit_processors.load(source)
+    except ValueError as e:
+        raise bad_request(str(e), "custom_logit_processor") from None
+    return replace(params, logit_processor=processor, custom_params=custom_params)

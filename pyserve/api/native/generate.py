@@ -19,12 +19,10 @@ from pyserve.api.generation.prompt_embeds import embeds_from_lists
 from pyserve.api.generation.sessions import SessionStream
 from pyserve.http.errors import bad_request
 from pyserve.api.protocol.native import NativeGenerateRequest, NativeSamplingParams
-from pyserve.api.generation.sampling import sampling_params
+from pyserve.api.generation.sampling import sampling_params, with_logit_processor
 from pyserve.api.generation.serving import (
     ServingContext, adapter_name, collect, fan_out, merged_outputs, new_id, prompt_id_lists,
 )
-from pyserve.engine import logit_processors
-from pyserve.engine.logit_processors import LogitProcessor
 from pyserve.engine.request import GenerateOutput, GenerateRequest, SpeculationCounts, TokenLogprob
 
 
@@ -70,9 +68,10 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
         defaults=ctx.sampling_defaults,
     ) for fields, constrained, wanted, start, top in zip(batch.fields, constraints, batch.return_logprob,
                                                           batch.logprob_start_len, batch.top_logprobs_num)]
-    params = [replace(p, return_hidden_states=wanted, logit_processor=processor, custom_params=fields.custom_params)
-              for p, wanted, processor, fields in zip(params, batch.return_hidden_states, _processors(ctx, batch),
-                                                      batch.fields)]
+    params = [with_logit_processor(replace(p, return_hidden_states=wanted), source, fields.custom_params,
+                                   ctx.engine.served.custom_logit_processor, "sampling_params.custom_params")
+              for p, wanted, source, fields in zip(params, batch.return_hidden_states, batch.custom_logit_processor,
+                                                   batch.fields)]
     names = {"prompt": prompt_param, "prompt_embeds": "input_embeds",
              "max_new_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n",
              "stop": "sampling_params.stop",
@@ -139,27 +138,6 @@ class _Batch:
             raise bad_request(f"{name} is a list of {len(value)} for {self.prompts} prompt"
                               f"{'s' if self.prompts != 1 else ''}: give one value for all, or one per prompt", name)
         return value
-
-
-def _processors(ctx: ServingContext, batch: _Batch) -> list[LogitProcessor | None]:
-    """Each prompt's custom logit processor, unpickled only on a server that
-    runs them (unpickling runs the client's code)."""
-    processors = []
-    for source, fields in zip(batch.custom_logit_processor, batch.fields):
-        if source is None:
-            if fields.custom_params is not None:
-                raise bad_request("custom_params is what a custom logit processor reads: send the processor in "
-                                  "custom_logit_processor", "sampling_params.custom_params")
-            processors.append(None)
-            continue
-        refusal = ctx.engine.served.custom_logit_processor
-        if refusal is not None:
-            raise bad_request(refusal, "custom_logit_processor")
-        try:
-            processors.append(logit_processors.load(source))
-        except ValueError as e:
-            raise bad_request(str(e), "custom_logit_processor") from None
-    return processors
 
 
 def _bos(tokenizer) -> int | None:

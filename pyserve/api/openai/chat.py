@@ -19,7 +19,7 @@ from pyserve.api.protocol.openai import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
     ChatStreamChoice, CompletionTokensDetails, Delta, FunctionCallDelta, ToolCallDelta, Usage,
 )
-from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
+from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs, with_logit_processor
 from pyserve.api.generation.truncation import keep_last_tokens
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
@@ -158,6 +158,8 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest
                              prompt_logprobs=prompt_k is not None, prompt_top_logprobs=prompt_k,
                              constraint=constrained and constrained.constraint, defaults=ctx.sampling_defaults,
                              tokenizer=ctx.engine.tokenizer)
+    params = with_logit_processor(params, req.custom_logit_processor, req.custom_params,
+                                  ctx.engine.served.custom_logit_processor)
     if reads_harmony(ctx.reasoning_parser, ctx.tool_call_parser):
         params = replace(params, skip_special_tokens=False)  # Harmony's markers are special tokens
     return prompt_ids, params, calling, constrained and constrained.param

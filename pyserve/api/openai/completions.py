@@ -13,7 +13,7 @@ from pyserve.http.errors import bad_request
 from pyserve.api.generation.logprobs import MAX_TOP_LOGPROBS, PendingLogprobs, completion_logprobs, prompt_logprobs
 from pyserve.api.protocol.openai import CompletionChoice, CompletionRequest, CompletionResponse
 from pyserve.api.generation.truncation import keep_last_tokens
-from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs
+from pyserve.api.generation.sampling import sampling_params, vllm_prompt_logprobs, with_logit_processor
 from pyserve.api.generation.serving import (
     ChoiceResult, ChunkFactory, ServingContext, StreamUsage, adapter_name, answering_model, collect, fan_out,
     last_hidden_state, merged_outputs, new_id, now, prompt_id_lists, usage,
@@ -37,6 +37,8 @@ async def create(ctx: ServingContext, req: CompletionRequest, batch: bool = Fals
                              prompt_logprobs=(req.echo and req.logprobs is not None) or prompt_k is not None,
                              prompt_top_logprobs=prompt_k, constraint=constrained and constrained.constraint,
                              defaults=ctx.sampling_defaults, tokenizer=ctx.engine.tokenizer)
+    params = with_logit_processor(params, req.custom_logit_processor, req.custom_params,
+                                  ctx.engine.served.custom_logit_processor)
     rid = req.rid or new_id("cmpl-")
     names = {"prompt": "prompt", "max_new_tokens": "max_tokens", "constraint": constrained and constrained.param}
     requests = await fan_out(ctx, prompts, params, req.n, rid, names, batch=batch, priority=req.priority,

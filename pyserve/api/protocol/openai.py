@@ -173,6 +173,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     # SGLang: the LoRA adapter, by name (with --enable-lora; vLLM's way is `model`).
     lora_path: str | None = None
+    # SGLang: a custom logit processor and what it reads (with --enable-custom-logit-processor).
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's, SGLang's (a JSON string, a regex, a GBNF
     # grammar) and vLLM's object; see api/constraints.py.
     response_format: ResponseFormat | None = None
