@@ -27,8 +27,8 @@ import msgspec
 from pyserve.api.anthropic import routes as messages
 from pyserve.api.anthropic.errors import ANTHROPIC
 from pyserve.api.native import (
-    adapters, classify, corpora, generate, operations, parsers, pause, profile, rerank, score, sessions, tokenize,
-    vertex, weight_sync, weights,
+    adapters, classify, corpora, generate, memory, operations, parsers, pause, profile, rerank, score, sessions,
+    tokenize, vertex, weight_sync, weights,
 )
 from pyserve.api.openai import chat, completions, embeddings
 from pyserve.batches import routes as batches
@@ -187,6 +187,8 @@ ROUTES: dict[tuple[str, str], Route] = {
                                                      dialect=SGLANG_CONTROL),
     ("POST", "/update_weights_from_tensor"): Route(weight_sync.update_weights_from_tensor,
                                                    weight_sync.UpdateWeightsFromTensorRequest, dialect=SGLANG_CONTROL),
+    ("POST", "/release_memory_occupation"): Route(memory.release_memory_occupation, memory.MemoryOccupationRequest),
+    ("POST", "/resume_memory_occupation"): Route(memory.resume_memory_occupation, memory.MemoryOccupationRequest),
     ("GET", "/get_weights_by_name"): Route(weight_sync.get_weights_by_name, raw=True, dialect=SGLANG_CONTROL),
     ("POST", "/get_weights_by_name"): Route(weight_sync.get_weights_by_name, raw=True, dialect=SGLANG_CONTROL),
     ("GET", "/version"): Route(operations.version),

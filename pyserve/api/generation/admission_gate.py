@@ -1,6 +1,7 @@
 """The gate requests pass on their way to the engine. It is closed while
-POST /update_weights_from_disk replaces the served weights, and from POST
-/pause_generation to POST /continue_generation: a request that arrives
+POST /update_weights_from_disk replaces the served weights, from POST
+/pause_generation to POST /continue_generation, and while memory is
+released (/release_memory_occupation to /resume_memory_occupation): a request that arrives
 meanwhile waits, then starts (on the new weights), and neither an update
 nor a pause waits on a stream of new arrivals."""
 
@@ -19,6 +20,8 @@ class AdmissionGate:
         self._updating = False
         self._paused = False  # closed by /pause_generation
         self.pause_mode: str | None = None  # its mode, once the engine stopped
+        # Closed too while /release_memory_occupation has memory released (api/native/memory.py).
+        self.memory_released = False
         self.version = "default"  # the weights' version, as the last update named it
 
     @property
@@ -54,5 +57,5 @@ class AdmissionGate:
         self._reopen()
 
     def _reopen(self) -> None:
-        if not self._paused and not self._updating:
+        if not self._paused and not self._updating and not self.memory_released:
             self._open.set()

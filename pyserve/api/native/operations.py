@@ -63,6 +63,9 @@ async def health_generate(ctx: ServingContext) -> None:
     """SGLang's deep health check: the engine generates one token in time."""
     if ctx.gate.pause_mode is not None:
         raise APIError("generation is paused: POST /continue_generation resumes it", 503, "server_error")
+    if ctx.gate.memory_released:
+        raise APIError("the server's memory is released: POST /resume_memory_occupation takes it back", 503,
+                       "server_error")
     tokenizer = ctx.engine.tokenizer
     ids = tokenizer.encode("Hello", add_special_tokens=True) if tokenizer is not None else [0]  # 0: any token
     req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0), new_id("health-"),

@@ -77,7 +77,7 @@ class GetWeightsByNameRequest(msgspec.Struct, kw_only=True, forbid_unknown_field
     truncate_size: int = 100  # the rows (of a vector, the values) returned
 
 
-async def _on_every_rank(ctx: ServingContext, op: Operation, param: str | None = None) -> list:
+async def on_every_rank(ctx: ServingContext, op: Operation, param: str | None = None) -> list:
     outcomes = await ctx.engine.runner.sync_weights(op)
     failed = next((o.error for o in outcomes if o.error is not None), None)
     if failed is not None:
@@ -101,13 +101,13 @@ async def init_weights_update_group(ctx: ServingContext, req: InitWeightsUpdateG
         raise bad_request(f"rank_offset {req.rank_offset} and world_size {req.world_size}: the trainer is rank 0, "
                           f"and this server's {tp} rank(s) take rank_offset onwards, within world_size",
                           "rank_offset")
-    await _on_every_rank(ctx, JoinGroup(**msgspec.structs.asdict(req)))
+    await on_every_rank(ctx, JoinGroup(**msgspec.structs.asdict(req)))
     return {"success": True, "message": f"Joined update group {req.group_name!r}."}
 
 
 async def destroy_weights_update_group(ctx: ServingContext, request: Request) -> dict:
     req = await read_strict(request, DestroyWeightsUpdateGroupRequest, "/destroy_weights_update_group")
-    await _on_every_rank(ctx, LeaveGroup(group_name=req.group_name), "group_name")
+    await on_every_rank(ctx, LeaveGroup(group_name=req.group_name), "group_name")
     return {"success": True, "message": f"Left update group {req.group_name!r}."}
 
 
@@ -128,7 +128,7 @@ async def update_weights_from_distributed(ctx: ServingContext, req: UpdateWeight
     op = ReceiveWeights(group_name=req.group_name, names=req.names, dtypes=req.dtypes, shapes=req.shapes,
                         flattened=req.load_format == "flattened_bucket")
     async with weights_replaced(ctx, req.abort_all_requests, req.flush_cache, req.weight_version):
-        await _on_every_rank(ctx, op, "names")
+        await on_every_rank(ctx, op, "names")
     _empty_cuda_cache(ctx, req.torch_empty_cache)
     return {"success": True, "message": f"Updated {len(req.names)} weights from group {req.group_name!r}."}
 
@@ -147,7 +147,7 @@ async def update_weights_from_tensor(ctx: ServingContext, req: UpdateWeightsFrom
                           "serialized_named_tensors")
     op = SharedWeights(payloads=payloads * tp if len(payloads) == 1 else payloads)
     async with weights_replaced(ctx, req.abort_all_requests, req.flush_cache, req.weight_version):
-        await _on_every_rank(ctx, op, "serialized_named_tensors")
+        await on_every_rank(ctx, op, "serialized_named_tensors")
     _empty_cuda_cache(ctx, req.torch_empty_cache)
     return {"success": True, "message": "Succeeded to update model weights."}
 
@@ -157,7 +157,7 @@ async def get_weights_by_name(ctx: ServingContext, request: Request) -> list:
     req = await read_strict(request, GetWeightsByNameRequest, "/get_weights_by_name", query=True)
     if req.truncate_size < 1:
         raise bad_request("truncate_size is at least 1", "truncate_size")
-    outcomes = await _on_every_rank(ctx, ReadWeight(name=req.name, rows=req.truncate_size), "name")
+    outcomes = await on_every_rank(ctx, ReadWeight(name=req.name, rows=req.truncate_size), "name")
     try:
         weight = assemble([part for o in outcomes for part in o.parts], req.truncate_size)
     except ValueError as e:

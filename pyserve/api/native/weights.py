@@ -43,6 +43,9 @@ async def update_weights_from_disk(ctx: ServingContext, req: UpdateWeightsReques
                                                  ctx.server_args.get("download_dir"), "model_path"))
     except ValueError as e:
         raise bad_request(str(e), "model_path") from None
+    if "weights" in ctx.engine.runner.memory_released:
+        raise bad_request("the weights are released: /resume_memory_occupation with the tag weights first",
+                          "model_path")
     async with weights_replaced(ctx, req.abort_all_requests, req.flush_cache, req.weight_version):
         try:
             await ctx.engine.runner.swap_weights(model_dir)

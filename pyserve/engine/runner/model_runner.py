@@ -115,6 +115,7 @@ class ModelRunner:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-forward")
         self.profiler = StepProfiler()  # /start_profile's, on the forward thread
         self.weight_sync = WeightSync(self.rank_model)  # a trainer's update groups, on the forward thread
+        self.checkpoint_dir = model_dir  # whose weights are served: a memory release reads them again
         self._last_runs: StepRuns | None = None  # what the previous step emitted, for its following rows
         # --speculative-algorithm but NGRAM: its DraftModel or EagleDraft (speculative/options.py sets it).
         self.draft = None
@@ -198,8 +199,14 @@ class ModelRunner:
                 self.ranks.check()
                 self.ranks.channel.send_weight_swap(str(model_dir))  # each rank reads its own shard
             copy_weights(pairs)
+            self.checkpoint_dir = model_dir
 
         return asyncio.get_running_loop().run_in_executor(self.executor, swap)
+
+    @property
+    def memory_released(self) -> frozenset[str]:
+        """The memory tags released now (runner/memory_occupation.py); set on the forward thread."""
+        return self.weight_sync.memory.released
 
     def sync_weights(self, op: Operation) -> asyncio.Future:
         """Every rank's Outcome of a weight sync operation (weight_sync.py),

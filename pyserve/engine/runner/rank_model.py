@@ -205,6 +205,7 @@ class RankModel:
                                   window_layers=self.window_layers() if window_pages else frozenset(),
                                   window_pages=window_pages, cache_dtype=self.kv_dtype)
         self.attention = self._make_attention(options.attention_backend)
+        self._graph_rows = (verify_tokens, aux_layers)  # what capture_graphs takes again after a memory release
         self.capture_graphs(verify_tokens, aux_layers)
         self.native_extend_fits = (self._block_kernels() and isinstance(self.attention, TorchAttention)
                                    and extend_attention.fits(self.kv_buffer, self.model.layers))
@@ -247,6 +248,18 @@ class RankModel:
         self.cuda_graphs = None  # the old graphs' memory goes back first
         self.cuda_graphs = CudaGraphRunner(self.model, self.attention, self.options.cuda_graph_max_bs,
                                            self.context_len, verify_tokens, aux_layers)
+
+    def drop_address_holders(self) -> None:
+        """Drop the CUDA graphs and native layers, which hold the addresses
+        of the KV cache and the weights (runner/memory_occupation.py)."""
+        self.cuda_graphs = None
+        self.native_layers = None
+
+    def rebuild_address_holders(self, graphs: bool) -> None:
+        """The native layers, and the CUDA graphs when `graphs`, over the KV cache and weights as they lie now."""
+        if graphs:
+            self.capture_graphs(*self._graph_rows)
+        self.native_layers = self._native_layers()
 
     def _native_layers(self) -> NativeDecode | None:
         """8da4w on a CPU: decode steps' layers as one Rust call each (native_layers.py)."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 
-def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of every module, by module path and attribute name."""
     found = {}
     for path, module in model.named_modules():
@@ -28,8 +28,8 @@ def paired_tensors(served: nn.Module, read: nn.Module) -> list[tuple[torch.Tenso
     ValueError when they do not pair up in name, shape and dtype (another
     architecture, size or quantization). The served model may hold more
     (LoRA slots)."""
-    targets, pairs = _tensors(served), []
-    for name, source in _tensors(read).items():
+    targets, pairs = model_tensors(served), []
+    for name, source in model_tensors(read).items():
         target = targets.get(name)
         if target is None:
             raise ValueError(f"the served model has no tensor {name}: the checkpoint is of another architecture")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
+from pyserve.engine.runner.memory_occupation import MemoryOccupation, ReleaseMemory, ResumeMemory
 from pyserve.model.named_weights import NamedWeights
 
 # How long a rank waits for the trainer to join a group, or to send a tensor.
@@ -70,7 +71,9 @@ class ReadWeight(msgspec.Struct, tag=True, kw_only=True):
     rows: int
 
 
-Operation = JoinGroup | LeaveGroup | ReceiveWeights | SharedWeights | ReadWeight
+# The memory release ops (memory_occupation.py) travel the same way: they
+# must be in this union, and a weight must not be written while released.
+Operation = JoinGroup | LeaveGroup | ReceiveWeights | SharedWeights | ReadWeight | ReleaseMemory | ResumeMemory
 
 
 class Outcome(msgspec.Struct):
@@ -94,13 +97,17 @@ class WeightSync:
     def __init__(self, rank_model):
         self.rank_model = rank_model
         self.groups: dict[str, tuple[dist.ProcessGroup, str]] = {}  # name -> (group, backend)
+        self.memory = MemoryOccupation(rank_model)
 
     def perform(self, op: Operation) -> Outcome:
         try:
+            if isinstance(op, (ReceiveWeights, SharedWeights, ReadWeight)) and "weights" in self.memory.released:
+                raise ValueError("the weights are released: /resume_memory_occupation with the tag weights first")
             if isinstance(op, ReadWeight):
                 return Outcome(parts=self._weights().read(op.name, op.rows))
             {JoinGroup: self._join, LeaveGroup: self._leave, ReceiveWeights: self._receive,
-             SharedWeights: self._shared}[type(op)](op)
+             SharedWeights: self._shared, ReleaseMemory: self.memory.release,
+             ResumeMemory: self.memory.resume}[type(op)](op)
         except Exception as e:  # reported to the caller as a 400; the rank serves on (a worker must not die here)
             return Outcome(error=str(e) or type(e).__name__)
         return Outcome()

@@ -1,0 +1,58 @@
+"""SGLang's POST /release_memory_occupation and /resume_memory_occupation:
+an RL trainer colocated with the server takes the memory of the KV cache,
+the weights and the CUDA graphs (`tags`; none named: all three) between
+rollouts, and gives it back (engine/runner/memory_occupation.py does it
+on every rank). While any is released, requests wait at the admission
+gate and /health_generate answers 503. A release waits for the requests
+in the engine to finish, as a weight update does; the weights come back
+as the served checkpoint on disk has them, before a trainer sends its own."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pyserve.api.generation.serving import ServingContext
+from pyserve.api.native.pause import engine_emptied
+from pyserve.api.native.weight_sync import on_every_rank
+from pyserve.engine.runner.memory_occupation import TAGS, ReleaseMemory, ResumeMemory
+from pyserve.http.errors import bad_request
+
+
+class MemoryOccupationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    tags: list[str] | None = None  # kv_cache, weights, cuda_graph; None: all
+
+
+def _tags(req: MemoryOccupationRequest) -> list[str]:
+    tags = list(TAGS) if req.tags is None else req.tags
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown or not tags:
+        raise bad_request(f"tags {tags}: some of {', '.join(TAGS)} (null: all)", "tags")
+    return tags
+
+
+async def release_memory_occupation(ctx: ServingContext, req: MemoryOccupationRequest) -> None:
+    tags = _tags(req)
+    engine = ctx.engine
+    if engine.runner.draft is not None:
+        raise bad_request("a server with a draft model (speculative decoding) keeps its memory: its draft's KV "
+                          "cache and weights are not released", "tags")
+    async with ctx.gate.updating():
+        await engine_emptied(engine, stop=lambda: ctx.gate.pause_mode is not None)
+        if engine.request_ids:
+            raise bad_request("requests paused in place hold the memory: continue or abort them first", "tags")
+        if "kv_cache" in tags:
+            engine.flush_cache()  # the cached prefixes' KV goes with the memory
+        try:
+            await on_every_rank(ctx, ReleaseMemory(tags=tags), "tags")
+        finally:
+            ctx.gate.memory_released = bool(engine.runner.memory_released)
+
+
+async def resume_memory_occupation(ctx: ServingContext, req: MemoryOccupationRequest) -> None:
+    tags = _tags(req)
+    runner = ctx.engine.runner
+    async with ctx.gate.updating():
+        try:
+            await on_every_rank(ctx, ResumeMemory(tags=tags, checkpoint=str(runner.checkpoint_dir)), "tags")
+        finally:
+            ctx.gate.memory_released = bool(runner.memory_released)

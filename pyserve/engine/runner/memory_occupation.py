@@ -1,0 +1,106 @@
+"""SGLang's /release_memory_occupation and /resume_memory_occupation on one
+tensor-parallel rank: an RL trainer sharing the machine with the server
+takes the memory of the KV cache (tag "kv_cache"), of the weights
+("weights") and of the CUDA graphs ("cuda_graph") while the server idles,
+and gives it back.
+
+The KV cache and the weights give their tensors' storage back (resized to
+nothing, the tensors kept, so every view and holder stays valid) and get
+new storage on resume: the KV cache zeroed (the prefix cache was flushed),
+the weights read again from the served checkpoint on disk, as
+/update_weights_from_disk reads one (weight_swap.py), so that they are
+whole before a trainer sends its own. What holds their addresses (the
+CUDA graphs, the CPU's native layers) is dropped on release and rebuilt
+once both are back, the graphs unless their tag stays released."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import msgspec
+import torch
+
+from pyserve.engine.runner.weight_swap import copy_weights, model_tensors, paired_tensors
+
+TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+class ReleaseMemory(msgspec.Struct, tag=True, kw_only=True):
+    tags: list[str]
+
+
+class ResumeMemory(msgspec.Struct, tag=True, kw_only=True):
+    tags: list[str]
+    checkpoint: str  # the served checkpoint's directory, which the weights are read from again
+
+
+class MemoryOccupation:
+    """What this rank has released, and the storage it gave back."""
+
+    def __init__(self, rank_model):
+        self.rank_model = rank_model
+        self.released: frozenset[str] = frozenset()
+        self._sizes: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}  # tag -> (storage, its bytes)
+
+    def release(self, op: ReleaseMemory) -> None:
+        rank_model = self.rank_model
+        tags = set(op.tags) - self.released
+        if "weights" in tags and rank_model.lora is not None:
+            raise ValueError("the weights cannot be released with --enable-lora: the adapters' slots would be lost")
+        rank_model.drop_address_holders()
+        if "kv_cache" in tags:
+            buffer = rank_model.kv_buffer
+            self._sizes["kv_cache"] = _give_back(buffer.k_pages + ([] if buffer.latent else buffer.v_pages))
+        if "weights" in tags:
+            self._sizes["weights"] = _give_back(list(model_tensors(rank_model.model).values()))
+        self.released |= tags
+        gc.collect()
+        if rank_model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self, op: ResumeMemory) -> None:
+        tags = set(op.tags) & self.released
+        if "weights" in tags:
+            read = self.rank_model.read_checkpoint(Path(op.checkpoint))  # before taking the memory back
+            _take_back(self._sizes.pop("weights"))
+            copy_weights(paired_tensors(self.rank_model.model, read))
+            del read
+        if "kv_cache" in tags:
+            _take_back(self._sizes.pop("kv_cache"))
+            for pages in self.rank_model.kv_buffer.k_pages + self.rank_model.kv_buffer.v_pages:
+                pages.zero_()
+        self.released -= tags
+        if not self.released & {"kv_cache", "weights"}:
+            self.rank_model.rebuild_address_holders(graphs="cuda_graph" not in self.released)
+
+
+def _give_back(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """Each distinct storage under `tensors` resized to nothing: (storage,
+    its bytes); ValueError, with nothing released, where one cannot be. A
+    storage that cannot be resized (numpy's or a file's, as a GGUF read
+    leaves them) is first moved into a new one of its own that can, by
+    every tensor over it."""
+    users: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass wrapping others
+            raise ValueError(f"a {type(t).__name__} of the model holds no storage of its own to release") from None
+        if storage.nbytes():
+            users.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
+    sizes = []
+    with torch.no_grad():
+        for storage, over in users.values():
+            if not storage.resizable():
+                moved = torch.UntypedStorage(storage.nbytes(), device=storage.device)  # its bytes come back from disk
+                for t in over:
+                    t.set_(moved, t.storage_offset(), t.size(), t.stride())
+                storage = moved
+            sizes.append((storage, storage.nbytes()))
+    for storage, _ in sizes:
+        storage.resize_(0)
+    return sizes
+def _take_back(sizes: list[tuple[torch.UntypedStorage, int]]) -> None:
+    for storage, nbytes in sizes:
+        storage.resize_(nbytes)

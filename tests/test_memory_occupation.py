@@ -1,0 +1,149 @@
+"""SGLang's /release_memory_occupation and /resume_memory_occupation, as a
+colocated RL trainer calls them between rollouts: the KV cache's memory
+leaves the process (its resident size drops by the pool's bytes) and the
+weights' storage is given back; meanwhile requests wait, /health_generate
+is a 503 and weight writes are refused; on resume the weights are read
+again from the checkpoint on disk, and the server answers as before, on
+the CPU's native 4-bit layers too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import httpx
+import pytest
+
+from pyserve.asgi import create_app
+from tests.conftest import ServerProcess
+from tests.slow import slow_test
+from tests.test_api_handlers import call
+from tests.tiny_models import build_tiny_model
+
+OPTIONS = {"dtype": "float32", "torchao_config": "none"}
+PROMPT = {"input_ids": [5, 17, 42, 99, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+                                                              "ignore_eos": True}}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib * 1024
+
+
+async def post(app, path: str, body: dict):
+    status, _, raw = await call(app, "POST", path, body)
+    return status, (json.loads(raw) if raw else None)
+
+
+def test_released_memory_leaves_and_comes_back_read_from_disk(tmp_path, default_model_dir):
+    served = build_tiny_model(tmp_path / "served", "llama", tokenizer_dir=default_model_dir, seed=1)
+    other = build_tiny_model(tmp_path / "other", "llama", tokenizer_dir=default_model_dir, seed=2)
+
+    async def go():
+        # A pool of ~100 MB (2 layers x 2 KV heads x 16 x float32, K and V): its leaving shows in the RSS.
+        app = create_app(model_path=str(served), file_storage_path=str(tmp_path / "files"),
+                         max_total_tokens=200_000, **OPTIONS)
+        await app.startup()
+        try:
+            engine = app.http.ctx.engine
+            before = (await post(app, "/generate", PROMPT))[1]["output_ids"]
+            other_answer = None
+            pool = engine.runner.rank_model.kv_buffer
+            pool_bytes = sum(t.untyped_storage().nbytes() for t in pool.k_pages + pool.v_pages)
+            resident = resident_bytes()
+            assert await post(app, "/release_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
+            freed = resident - resident_bytes()
+            waiting = asyncio.create_task(post(app, "/generate", PROMPT))
+            health = await call(app, "GET", "/health_generate")
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # it waits at the gate
+            assert (await post(app, "/release_memory_occupation", {"tags": ["weights"]}))[0] == 200
+            refused = [await post(app, "/update_weights_from_disk", {"model_path": str(other)}),
+                       await post(app, "/get_weights_by_name", {"name": "model.norm.weight"})]
+            # What the trainer's side would do: the checkpoint on disk changes while the weights are out.
+            for name in ("model.safetensors", "config.json"):
+                shutil.copy(other / name, served / name)
+            assert await post(app, "/resume_memory_occupation", {"tags": ["weights"]}) == (200, None)
+            assert not waiting.done()  # the KV cache is still out
+            assert await post(app, "/resume_memory_occupation", {}) == (200, None)  # all that is out
+            status, after = await asyncio.wait_for(waiting, 30)
+            other_answer = after["output_ids"]
+            again = (await post(app, "/generate", PROMPT))[1]["output_ids"]
+            healthy = await call(app, "GET", "/health_generate")
+            return before, other_answer, again, freed, pool_bytes, health, refused, healthy
+        finally:
+            await app.shutdown()
+
+    before, after, again, freed, pool_bytes, health, refused, healthy = asyncio.run(go())
+    assert freed > 0.8 * pool_bytes, (freed, pool_bytes)
+    assert health[0] == 503 and b"resume_memory_occupation" in health[2]
+    for status, error in refused:  # in SGLang's control shape: {"success": false, "message"}
+        assert status == 400 and "released" in error["message"], error
+
+    async def reference():  # the other checkpoint, served from the start
+        app = create_app(model_path=str(other), file_storage_path=str(tmp_path / "files2"), **OPTIONS)
+        await app.startup()
+        try:
+            return (await post(app, "/generate", PROMPT))[1]["output_ids"]
+        finally:
+            await app.shutdown()
+
+    assert after == again == asyncio.run(reference()) != before
+    assert healthy[0] == 200
+
+
+def test_the_native_4bit_layers_answer_the_same_after_a_release(default_model_dir, tmp_path):
+    prompt = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+
+    async def go():
+        app = create_app(file_storage_path=str(tmp_path), max_total_tokens=4096)  # the embedded model, its CPU default
+        await app.startup()
+        try:
+            native = app.http.ctx.engine.runner.rank_model.native_layers is not None
+            before = (await post(app, "/generate", prompt))[1]["output_ids"]
+            assert (await post(app, "/release_memory_occupation", {"tags": None}))[0] == 200
+            assert (await post(app, "/resume_memory_occupation", {"tags": None}))[0] == 200
+            after = (await post(app, "/generate", prompt))[1]["output_ids"]
+            return native, before, after, app.http.ctx.engine.runner.rank_model.native_layers is not None
+        finally:
+            await app.shutdown()
+
+    native, before, after, rebuilt = asyncio.run(go())
+    assert after == before
+    assert rebuilt == native
+
+
+@pytest.mark.parametrize("body, param", [({"tags": ["gpu"]}, "tags"), ({"tags": []}, "tags"),
+                                         ({"tag": "kv_cache"}, "tag")])
+def test_what_cannot_be_released_is_a_400_naming_the_field(tiny_llama_dir, tmp_path, body, param):
+    async def go():
+        app = create_app(model_path=str(tiny_llama_dir), file_storage_path=str(tmp_path), **OPTIONS)
+        await app.startup()
+        try:
+            return await post(app, "/release_memory_occupation", body), app.http.ctx.gate.is_open
+        finally:
+            await app.shutdown()
+
+    (status, error), still_open = asyncio.run(go())
+    assert status == 400 and error["error"]["param"] == param
+    assert still_open
+
+
+@slow_test
+def test_every_tensor_parallel_rank_releases_and_resumes(tiny_llama_dir):
+    server = ServerProcess("--model", str(tiny_llama_dir), "--tp-size", "2", "--dtype", "float32",
+                           "--torchao-config", "none", "--max-total-tokens", "4096")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as http:
+            before = http.post("/generate", json=PROMPT).json()["output_ids"]
+            released = http.post("/release_memory_occupation", json={"tags": None})
+            health = http.get("/health_generate")
+            resumed = http.post("/resume_memory_occupation", json={"tags": None})
+            after = http.post("/generate", json=PROMPT).json()["output_ids"]
+    finally:
+        server.stop()
+    assert released.status_code == 200 and resumed.status_code == 200, (released.text, resumed.text)
+    assert health.status_code == 503
+    assert after == before
