@@ -115,6 +115,46 @@ def test_the_native_4bit_layers_answer_the_same_after_a_release(default_model_di
     assert rebuilt == native
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllms_sleep_keeps_the_weights_in_host_memory_at_level_1_only(tmp_path, default_model_dir, level):
+    served = build_tiny_model(tmp_path / "served", "llama", tokenizer_dir=default_model_dir, seed=1)
+    other = build_tiny_model(tmp_path / "other", "llama", tokenizer_dir=default_model_dir, seed=2)
+
+    async def go():
+        app = create_app(model_path=str(served), file_storage_path=str(tmp_path / "files"), **OPTIONS)
+        await app.startup()
+        try:
+            before = (await post(app, "/generate", PROMPT))[1]["output_ids"]
+            bad = await post(app, "/sleep?level=3", {})
+            asleep = [(await call(app, "POST", f"/sleep?level={level}"))[0],
+                      json.loads((await call(app, "GET", "/is_sleeping"))[2])]
+            for name in ("model.safetensors", "config.json"):  # the checkpoint on disk changes meanwhile
+                shutil.copy(other / name, served / name)
+            waking = [(await call(app, "POST", "/wake_up?tags=weights"))[0],
+                      json.loads((await call(app, "GET", "/is_sleeping"))[2]),
+                      (await call(app, "POST", "/wake_up?tags=kv_cache"))[0],
+                      json.loads((await call(app, "GET", "/is_sleeping"))[2])]
+            after = (await post(app, "/generate", PROMPT))[1]["output_ids"]
+            return before, bad, asleep, waking, after
+        finally:
+            await app.shutdown()
+
+    async def other_answer():
+        app = create_app(model_path=str(other), file_storage_path=str(tmp_path / "files2"), **OPTIONS)
+        await app.startup()
+        try:
+            return (await post(app, "/generate", PROMPT))[1]["output_ids"]
+        finally:
+            await app.shutdown()
+
+    before, bad, asleep, waking, after = asyncio.run(go())
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "level"
+    assert asleep == [200, {"is_sleeping": True}]
+    assert waking == [200, {"is_sleeping": True}, 200, {"is_sleeping": False}]
+    assert after == (before if level == 1 else asyncio.run(other_answer()))
+    assert before != asyncio.run(other_answer())
+
+
 @pytest.mark.parametrize("body, param", [({"tags": ["gpu"]}, "tags"), ({"tags": []}, "tags"),
                                          ({"tag": "kv_cache"}, "tag")])
 def test_what_cannot_be_released_is_a_400_naming_the_field(tiny_llama_dir, tmp_path, body, param):

@@ -71,6 +71,10 @@ class Request:
         """The query string's parameters (the last value of a repeated one)."""
         return {k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode()).items()}
 
+    def query_values(self, name: str) -> list[str]:
+        """Every value of a repeated query parameter (`?tags=a&tags=b`)."""
+        return parse_qs(self.scope.get("query_string", b"").decode()).get(name, [])
+
 
 def route_path(scope: dict) -> str:
     """The path to route: `path` less the `root_path` the app is mounted at.

@@ -1,4 +1,5 @@
-"""SGLang's POST /release_memory_occupation and /resume_memory_occupation:
+"""SGLang's POST /release_memory_occupation and /resume_memory_occupation,
+and vLLM's POST /sleep, POST /wake_up and GET /is_sleeping:
 an RL trainer colocated with the server takes the memory of the KV cache,
 the weights and the CUDA graphs (`tags`; none named: all three) between
 rollouts, and gives it back (engine/runner/memory_occupation.py does it
@@ -16,6 +17,7 @@ from pyserve.api.native.pause import engine_emptied
 from pyserve.api.native.weight_sync import on_every_rank
 from pyserve.engine.runner.memory_occupation import TAGS, ReleaseMemory, ResumeMemory
 from pyserve.http.errors import bad_request
+from pyserve.http.io import Request
 
 
 class MemoryOccupationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -31,7 +33,10 @@ def _tags(req: MemoryOccupationRequest) -> list[str]:
 
 
 async def release_memory_occupation(ctx: ServingContext, req: MemoryOccupationRequest) -> None:
-    tags = _tags(req)
+    await _release(ctx, _tags(req))
+
+
+async def _release(ctx: ServingContext, tags: list[str], host_copy: bool = False) -> None:
     engine = ctx.engine
     if engine.runner.draft is not None:
         raise bad_request("a server with a draft model (speculative decoding) keeps its memory: its draft's KV "
@@ -43,16 +48,42 @@ async def release_memory_occupation(ctx: ServingContext, req: MemoryOccupationRe
         if "kv_cache" in tags:
             engine.flush_cache()  # the cached prefixes' KV goes with the memory
         try:
-            await on_every_rank(ctx, ReleaseMemory(tags=tags), "tags")
+            await on_every_rank(ctx, ReleaseMemory(tags=tags, host_copy=host_copy), "tags")
         finally:
             ctx.gate.memory_released = bool(engine.runner.memory_released)
 
 
 async def resume_memory_occupation(ctx: ServingContext, req: MemoryOccupationRequest) -> None:
-    tags = _tags(req)
+    await _resume(ctx, _tags(req))
+
+
+async def _resume(ctx: ServingContext, tags: list[str]) -> None:
     runner = ctx.engine.runner
     async with ctx.gate.updating():
         try:
             await on_every_rank(ctx, ResumeMemory(tags=tags, checkpoint=str(runner.checkpoint_dir)), "tags")
         finally:
             ctx.gate.memory_released = bool(runner.memory_released)
+
+
+async def vllm_sleep(ctx: ServingContext, request: Request) -> None:
+    """vLLM's `?level=`: 1 (the default) keeps the weights in host memory
+    to wake with, 2 lets them go (they wake as the checkpoint on disk has
+    them); the KV cache goes at either. On a CPU server the weights are in
+    host memory already: level 1 frees nothing of them."""
+    level = request.query().get("level", "1")
+    if level not in ("1", "2"):
+        raise bad_request(f"level {level!r}: 1 (the weights kept in host memory) or 2 (let go)", "level")
+    await _release(ctx, list(TAGS), host_copy=level == "1")
+
+
+async def vllm_wake_up(ctx: ServingContext, request: Request) -> None:
+    """vLLM's `?tags=weights&tags=kv_cache` (none: everything asleep)."""
+    tags = request.query_values("tags") or list(TAGS)
+    if "kv_cache" in tags:  # vLLM names no graphs: they come back with the KV cache
+        tags.append("cuda_graph")
+    await _resume(ctx, _tags(MemoryOccupationRequest(tags=tags)))
+
+
+def vllm_is_sleeping(ctx: ServingContext) -> dict:
+    return {"is_sleeping": bool(ctx.engine.runner.memory_released)}

@@ -9,7 +9,8 @@ nothing, the tensors kept, so every view and holder stays valid) and get
 new storage on resume: the KV cache zeroed (the prefix cache was flushed),
 the weights read again from the served checkpoint on disk, as
 /update_weights_from_disk reads one (weight_swap.py), so that they are
-whole before a trainer sends its own. What holds their addresses (the
+whole before a trainer sends its own; or, released with `host_copy`
+(vLLM's sleep level 1), copied back from host memory as they were. What holds their addresses (the
 CUDA graphs, the CPU's native layers) is dropped on release and rebuilt
 once both are back, the graphs unless their tag stays released."""
 
@@ -24,10 +25,13 @@ import torch
 from pyserve.engine.runner.weight_swap import copy_weights, model_tensors, paired_tensors
 
 TAGS = ("kv_cache", "weights", "cuda_graph")
+# A storage given back: the storage, its bytes, and their host copy (or None).
+_Given = tuple[torch.UntypedStorage, int, "torch.UntypedStorage | None"]
 
 
 class ReleaseMemory(msgspec.Struct, tag=True, kw_only=True):
     tags: list[str]
+    host_copy: bool = False  # the weights wait in host memory (vLLM's sleep level 1) instead of on disk
 
 
 class ResumeMemory(msgspec.Struct, tag=True, kw_only=True):
@@ -41,7 +45,7 @@ class MemoryOccupation:
     def __init__(self, rank_model):
         self.rank_model = rank_model
         self.released: frozenset[str] = frozenset()
-        self._sizes: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}  # tag -> (storage, its bytes)
+        self._given: dict[str, list[_Given]] = {}  # by tag
 
     def release(self, op: ReleaseMemory) -> None:
         rank_model = self.rank_model
@@ -51,9 +55,9 @@ class MemoryOccupation:
         rank_model.drop_address_holders()
         if "kv_cache" in tags:
             buffer = rank_model.kv_buffer
-            self._sizes["kv_cache"] = _give_back(buffer.k_pages + ([] if buffer.latent else buffer.v_pages))
+            self._given["kv_cache"] = _give_back(buffer.k_pages + ([] if buffer.latent else buffer.v_pages))
         if "weights" in tags:
-            self._sizes["weights"] = _give_back(list(model_tensors(rank_model.model).values()))
+            self._given["weights"] = _give_back(list(model_tensors(rank_model.model).values()), op.host_copy)
         self.released |= tags
         gc.collect()
         if rank_model.device.type == "cuda":
@@ -62,12 +66,15 @@ class MemoryOccupation:
     def resume(self, op: ResumeMemory) -> None:
         tags = set(op.tags) & self.released
         if "weights" in tags:
-            read = self.rank_model.read_checkpoint(Path(op.checkpoint))  # before taking the memory back
-            _take_back(self._sizes.pop("weights"))
-            copy_weights(paired_tensors(self.rank_model.model, read))
-            del read
+            given = self._given.pop("weights")
+            kept = any(copy is not None for _, _, copy in given)
+            read = None if kept else self.rank_model.read_checkpoint(Path(op.checkpoint))
+            _take_back(given)  # after the read: its copy is made before the memory is taken again
+            if read is not None:
+                copy_weights(paired_tensors(self.rank_model.model, read))
+                del read
         if "kv_cache" in tags:
-            _take_back(self._sizes.pop("kv_cache"))
+            _take_back(self._given.pop("kv_cache"))
             for pages in self.rank_model.kv_buffer.k_pages + self.rank_model.kv_buffer.v_pages:
                 pages.zero_()
         self.released -= tags
@@ -75,12 +82,12 @@ class MemoryOccupation:
             self.rank_model.rebuild_address_holders(graphs="cuda_graph" not in self.released)
 
 
-def _give_back(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
-    """Each distinct storage under `tensors` resized to nothing: (storage,
-    its bytes); ValueError, with nothing released, where one cannot be. A
-    storage that cannot be resized (numpy's or a file's, as a GGUF read
-    leaves them) is first moved into a new one of its own that can, by
-    every tensor over it."""
+def _give_back(tensors: list[torch.Tensor], host_copy: bool = False) -> list[_Given]:
+    """Each distinct storage under `tensors` resized to nothing, its bytes
+    first copied to host memory with `host_copy`; ValueError, with nothing
+    released, where one cannot be. A storage that cannot be resized
+    (numpy's or a file's, as a GGUF read leaves them) is first moved into a
+    new one of its own that can, by every tensor over it."""
     users: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
         try:
@@ -89,18 +96,24 @@ def _give_back(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, 
             raise ValueError(f"a {type(t).__name__} of the model holds no storage of its own to release") from None
         if storage.nbytes():
             users.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
-    sizes = []
+    given = []
     with torch.no_grad():
         for storage, over in users.values():
+            copy = torch.UntypedStorage(storage.nbytes()).copy_(storage) if host_copy else None
             if not storage.resizable():
-                moved = torch.UntypedStorage(storage.nbytes(), device=storage.device)  # its bytes come back from disk
+                moved = torch.UntypedStorage(storage.nbytes(), device=storage.device)
                 for t in over:
                     t.set_(moved, t.storage_offset(), t.size(), t.stride())
                 storage = moved
-            sizes.append((storage, storage.nbytes()))
-    for storage, _ in sizes:
+            given.append((storage, storage.nbytes(), copy))
+    for storage, _, _ in given:
         storage.resize_(0)
-    return sizes
-def _take_back(sizes: list[tuple[torch.UntypedStorage, int]]) -> None:
-    for storage, nbytes in sizes:
+    return given
+
+
+def _take_back(given: list[_Given]) -> None:
+    """Each storage at its size again, with its host copy's bytes where it has one."""
+    for storage, nbytes, copy in given:
         storage.resize_(nbytes)
+        if copy is not None:
+            storage.copy_(copy)
