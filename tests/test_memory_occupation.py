@@ -37,6 +37,19 @@ async def post(app, path: str, body: dict):
     return status, (json.loads(raw) if raw else None)
 
 
+def answer_of(model_dir, files) -> list[int]:
+    """PROMPT's greedy tokens from a server started on `model_dir`."""
+    async def go():
+        app = create_app(model_path=str(model_dir), file_storage_path=str(files), **OPTIONS)
+        await app.startup()
+        try:
+            return (await post(app, "/generate", PROMPT))[1]["output_ids"]
+        finally:
+            await app.shutdown()
+
+    return asyncio.run(go())
+
+
 def test_released_memory_leaves_and_comes_back_read_from_disk(tmp_path, default_model_dir):
     served = build_tiny_model(tmp_path / "served", "llama", tokenizer_dir=default_model_dir, seed=1)
     other = build_tiny_model(tmp_path / "other", "llama", tokenizer_dir=default_model_dir, seed=2)
@@ -82,15 +95,7 @@ def test_released_memory_leaves_and_comes_back_read_from_disk(tmp_path, default_
     for status, error in refused:  # in SGLang's control shape: {"success": false, "message"}
         assert status == 400 and "released" in error["message"], error
 
-    async def reference():  # the other checkpoint, served from the start
-        app = create_app(model_path=str(other), file_storage_path=str(tmp_path / "files2"), **OPTIONS)
-        await app.startup()
-        try:
-            return (await post(app, "/generate", PROMPT))[1]["output_ids"]
-        finally:
-            await app.shutdown()
-
-    assert after == again == asyncio.run(reference()) != before
+    assert after == again == answer_of(other, tmp_path / "files2") != before  # the other checkpoint's
     assert healthy[0] == 200
 
 
@@ -139,20 +144,12 @@ def test_vllms_sleep_keeps_the_weights_in_host_memory_at_level_1_only(tmp_path, 
         finally:
             await app.shutdown()
 
-    async def other_answer():
-        app = create_app(model_path=str(other), file_storage_path=str(tmp_path / "files2"), **OPTIONS)
-        await app.startup()
-        try:
-            return (await post(app, "/generate", PROMPT))[1]["output_ids"]
-        finally:
-            await app.shutdown()
-
     before, bad, asleep, waking, after = asyncio.run(go())
     assert bad[0] == 400 and bad[1]["error"]["param"] == "level"
     assert asleep == [200, {"is_sleeping": True}]
     assert waking == [200, {"is_sleeping": True}, 200, {"is_sleeping": False}]
-    assert after == (before if level == 1 else asyncio.run(other_answer()))
-    assert before != asyncio.run(other_answer())
+    other_answer = answer_of(other, tmp_path / "files2")
+    assert after == (before if level == 1 else other_answer) and before != other_answer
 
 
 @pytest.mark.parametrize("body, param", [({"tags": ["gpu"]}, "tags"), ({"tags": []}, "tags"),
