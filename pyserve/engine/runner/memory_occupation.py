@@ -16,6 +16,7 @@ once both are back, the graphs unless their tag stays released."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from pathlib import Path
 
@@ -59,9 +60,7 @@ class MemoryOccupation:
         if "weights" in tags:
             self._given["weights"] = _give_back(list(model_tensors(rank_model.model).values()), op.host_copy)
         self.released |= tags
-        gc.collect()
-        if rank_model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _return_freed(rank_model.device)
 
     def resume(self, op: ResumeMemory) -> None:
         tags = set(op.tags) & self.released
@@ -73,10 +72,11 @@ class MemoryOccupation:
             if read is not None:
                 copy_weights(paired_tensors(self.rank_model.model, read))
                 del read
+                _return_freed(self.rank_model.device)  # the read's transient copy
         if "kv_cache" in tags:
             _take_back(self._given.pop("kv_cache"))
             for pages in self.rank_model.kv_buffer.k_pages + self.rank_model.kv_buffer.v_pages:
-                pages.zero_()
+                pages.zero_()  # as at start: a padded row reads page 0
         self.released -= tags
         if not self.released & {"kv_cache", "weights"}:
             self.rank_model.rebuild_address_holders(graphs="cuda_graph" not in self.released)
@@ -109,6 +109,21 @@ def _give_back(tensors: list[torch.Tensor], host_copy: bool = False) -> list[_Gi
     for storage, _, _ in given:
         storage.resize_(0)
     return given
+
+
+def _return_freed(device: torch.device) -> None:
+    """Hand the memory freed to the system: the CUDA allocator's cache, or
+    the C heap's free pages. On a CPU, tensors of tens of MB (a layer's KV
+    pages) come from glibc's heap, whose free chunks below its top stay
+    resident until malloc_trim."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim by hand
+        pass
 
 
 def _take_back(given: list[_Given]) -> None:
