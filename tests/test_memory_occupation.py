@@ -104,21 +104,28 @@ def test_the_native_4bit_layers_answer_the_same_after_a_release(default_model_di
     prompt = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
 
     async def go():
-        app = create_app(file_storage_path=str(tmp_path), max_total_tokens=4096)  # the embedded model, its CPU default
+        app = create_app(file_storage_path=str(tmp_path), max_total_tokens=200_000)  # the embedded model, its CPU default
         await app.startup()
         try:
-            native = app.http.ctx.engine.runner.rank_model.native_layers is not None
-            before = (await post(app, "/generate", prompt))[1]["output_ids"]
+            rank_model = app.http.ctx.engine.runner.rank_model
+            native = rank_model.native_layers is not None
+            pool = rank_model.kv_buffer
+            pool_bytes = sum(t.untyped_storage().nbytes() for t in pool.k_pages + pool.v_pages)
+            before = (await post(app, "/generate", prompt))[1]["output_ids"]  # the native layers read the pool
+            resident = resident_bytes()
             assert (await post(app, "/release_memory_occupation", {"tags": None}))[0] == 200
+            freed = resident - resident_bytes()
             assert (await post(app, "/resume_memory_occupation", {"tags": None}))[0] == 200
+            grown = resident_bytes() - resident
             after = (await post(app, "/generate", prompt))[1]["output_ids"]
-            return native, before, after, app.http.ctx.engine.runner.rank_model.native_layers is not None
+            return native, before, after, rank_model.native_layers is not None, freed, grown, pool_bytes
         finally:
             await app.shutdown()
 
-    native, before, after, rebuilt = asyncio.run(go())
+    native, before, after, rebuilt, freed, grown, pool_bytes = asyncio.run(go())
     assert after == before
     assert rebuilt == native
+    assert freed > 0.8 * pool_bytes and grown < 0.3 * pool_bytes, (freed, grown, pool_bytes)
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -55,8 +55,8 @@ class MemoryOccupation:
             raise ValueError("the weights cannot be released with --enable-lora: the adapters' slots would be lost")
         rank_model.drop_address_holders()
         if "kv_cache" in tags:
-            buffer = rank_model.kv_buffer
-            self._given["kv_cache"] = _give_back(buffer.k_pages + ([] if buffer.latent else buffer.v_pages))
+            buffer = rank_model.kv_buffer  # every view of its pages: a moved storage must take them all
+            self._given["kv_cache"] = _give_back(buffer.k_pages + buffer.k_buffer + buffer.v_pages + buffer.v_buffer)
         if "weights" in tags:
             self._given["weights"] = _give_back(list(model_tensors(rank_model.model).values()), op.host_copy)
         self.released |= tags
@@ -85,9 +85,10 @@ class MemoryOccupation:
 def _give_back(tensors: list[torch.Tensor], host_copy: bool = False) -> list[_Given]:
     """Each distinct storage under `tensors` resized to nothing, its bytes
     first copied to host memory with `host_copy`; ValueError, with nothing
-    released, where one cannot be. A storage that cannot be resized
-    (numpy's or a file's, as a GGUF read leaves them) is first moved into a
-    new one of its own that can, by every tensor over it."""
+    released, where one cannot be. A storage that cannot be resized (one a
+    file or numpy holds: a GGUF read, or a tensor the native layers read
+    through numpy) is first moved into a new one of its own that can, by
+    every tensor over it, so `tensors` must name every view there is."""
     users: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
         try:

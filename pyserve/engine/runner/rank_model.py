@@ -256,7 +256,9 @@ class RankModel:
         self.native_layers = None
 
     def rebuild_address_holders(self, graphs: bool) -> None:
-        """The native layers, and the CUDA graphs when `graphs`, over the KV cache and weights as they lie now."""
+        """The attention backend, the native layers, and the CUDA graphs when
+        `graphs`, over the KV cache and weights as they lie now."""
+        self.attention = self._make_attention(self.options.attention_backend)
         if graphs:
             self.capture_graphs(*self._graph_rows)
         self.native_layers = self._native_layers()
