@@ -54,13 +54,19 @@ class MemoryOccupation:
         if "weights" in tags and rank_model.lora is not None:
             raise ValueError("the weights cannot be released with --enable-lora: the adapters' slots would be lost")
         rank_model.drop_address_holders()
-        if "kv_cache" in tags:
-            buffer = rank_model.kv_buffer  # every view of its pages: a moved storage must take them all
-            self._given["kv_cache"] = _give_back(buffer.k_pages + buffer.k_buffer + buffer.v_pages + buffer.v_buffer)
-        if "weights" in tags:
-            self._given["weights"] = _give_back(list(model_tensors(rank_model.model).values()), op.host_copy)
-        self.released |= tags
-        _return_freed(rank_model.device)
+        try:  # `released` says what is out at every point: a refusal midway leaves the rest in place
+            if "kv_cache" in tags:
+                buffer = rank_model.kv_buffer  # every view of its pages: a moved storage must take them all
+                self._given["kv_cache"] = _give_back(buffer.k_pages + buffer.k_buffer + buffer.v_pages
+                                                     + buffer.v_buffer)
+                self.released |= {"kv_cache"}
+            if "weights" in tags:
+                self._given["weights"] = _give_back(list(model_tensors(rank_model.model).values()), op.host_copy)
+                self.released |= {"weights"}
+            self.released |= tags & {"cuda_graph"}
+        finally:
+            self._rebuild_when_whole()
+            _return_freed(rank_model.device)
 
     def resume(self, op: ResumeMemory) -> None:
         tags = set(op.tags) & self.released
@@ -78,6 +84,10 @@ class MemoryOccupation:
             for pages in self.rank_model.kv_buffer.k_pages + self.rank_model.kv_buffer.v_pages:
                 pages.zero_()  # as at start: a padded row reads page 0
         self.released -= tags
+        self._rebuild_when_whole()
+
+    def _rebuild_when_whole(self) -> None:
+        """What holds the memory's addresses, once the KV cache and the weights are both in place."""
         if not self.released & {"kv_cache", "weights"}:
             self.rank_model.rebuild_address_holders(graphs="cuda_graph" not in self.released)
 
