@@ -6,7 +6,7 @@ to the resident size before; and the time each call takes.
 The embedded model in its CPU default (4-bit native layers), in process, a
 greedy request before and after (the answers must match).
 
-    python bench/memory_release.py [--max-total-tokens 400000]
+    python bench/memory_release.py [--max-total-tokens 100000]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ async def run(max_total_tokens: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-total-tokens", type=int, default=400_000)
+    parser.add_argument("--max-total-tokens", type=int, default=100_000)
     asyncio.run(run(parser.parse_args().max_total_tokens))
 
 
