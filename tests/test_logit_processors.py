@@ -18,11 +18,10 @@ import torch
 
 from pyserve.asgi import create_app
 from tests.test_api_handlers import call
+from tests.test_sessions import OPTIONS, serve
 
 dill = pytest.importorskip("dill")
 transformers = pytest.importorskip("transformers")
-
-OPTIONS = {"dtype": "float32", "torchao_config": "none", "max_total_tokens": 4096}
 
 
 class BanTokens:
@@ -53,18 +52,6 @@ class Broken:
 def to_str(cls) -> str:
     """CustomLogitProcessor.to_str()."""
     return json.dumps({"callable": dill.dumps(cls).hex()})
-
-
-def serve(model_dir, tmp_path, scenario, **options):
-    async def go():
-        app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path), **{**OPTIONS, **options})
-        await app.startup()
-        try:
-            return await scenario(app)
-        finally:
-            await app.shutdown()
-
-    return asyncio.run(go())
 
 
 async def generate(app, body: dict):
@@ -172,13 +159,13 @@ def test_what_cannot_be_served_is_a_400_and_nothing_is_unpickled_without_the_opt
          "custom_logit_processor", "grammar"),
     ]
 
-    async def scenario(enabled):
-        async def go(app):
+    def cases_of(enabled: bool):
+        async def scenario(app):
             return [await generate(app, {"input_ids": [5, 6], **body}) for on, body, _, _ in cases if on == enabled]
-        return go
+        return scenario
 
-    answers = serve(tiny_llama_dir, tmp_path, asyncio.run(scenario(False))) + \
-        serve(tiny_llama_dir, tmp_path, asyncio.run(scenario(True)), enable_custom_logit_processor=True)
+    answers = serve(tiny_llama_dir, tmp_path, cases_of(False)) + \
+        serve(tiny_llama_dir, tmp_path, cases_of(True), enable_custom_logit_processor=True)
     ordered = [c for c in cases if not c[0]] + [c for c in cases if c[0]]
     for (status, body), (_, _, param, phrase) in zip(answers, ordered):
         assert status == 400 and body["error"]["param"] == param and phrase in body["error"]["message"], body

@@ -104,7 +104,8 @@ def test_the_native_4bit_layers_answer_the_same_after_a_release(default_model_di
     prompt = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
 
     async def go():
-        app = create_app(file_storage_path=str(tmp_path), max_total_tokens=200_000)  # the embedded model, its CPU default
+        # The embedded model, in its CPU default.
+        app = create_app(file_storage_path=str(tmp_path), max_total_tokens=200_000)
         await app.startup()
         try:
             rank_model = app.http.ctx.engine.runner.rank_model

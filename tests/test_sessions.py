@@ -32,9 +32,10 @@ async def post(app, path: str, body: dict):
     return status, (json.loads(raw) if raw else None)
 
 
-def serve(model_dir, tmp_path, scenario):
+def serve(model_dir, tmp_path, scenario, **options):
+    """`scenario(app)` on an in-process server of `model_dir` (float32, `options` added)."""
     async def go():
-        app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path), **OPTIONS)
+        app = create_app(model_path=str(model_dir), file_storage_path=str(tmp_path), **{**OPTIONS, **options})
         await app.startup()
         try:
             return await scenario(app)

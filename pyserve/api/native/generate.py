@@ -82,8 +82,8 @@ async def generate(ctx: ServingContext, req: NativeGenerateRequest):
                              lora=[adapter_name(ctx, req.model, path) for path in batch.lora_path])
     for ids, wanted, start in zip(prompts, batch.return_logprob, batch.logprob_start_len):
         _check_logprob_start(wanted, start, ids)  # after the engine refused an empty prompt
-    turns = ctx.sessions.join(continuations, [[r.rid for r in requests[p * n:(p + 1) * n]] for p in range(len(prompts))],
-                              ctx.engine.abort) if continuations else []
+    choice_rids = [[r.rid for r in requests[p * n:(p + 1) * n]] for p in range(len(prompts))]
+    turns = ctx.sessions.join(continuations, choice_rids, ctx.engine.abort) if continuations else []
     record = (lambda i, out: turns[i].output_ids.extend(out.token_ids)) if turns else None
     started = time.perf_counter()
     texts = ctx.token_texts if req.return_text_in_logprobs else None
