@@ -161,6 +161,31 @@ def test_vllms_sleep_keeps_the_weights_in_host_memory_at_level_1_only(tmp_path, 
     assert after == (before if level == 1 else other_answer) and before != other_answer
 
 
+def test_a_checkpoint_that_cannot_be_read_leaves_the_weights_released(tmp_path, default_model_dir):
+    served = build_tiny_model(tmp_path / "served", "llama", tokenizer_dir=default_model_dir, seed=1)
+
+    async def go():
+        app = create_app(model_path=str(served), file_storage_path=str(tmp_path / "files"), **OPTIONS)
+        await app.startup()
+        try:
+            before = (await post(app, "/generate", PROMPT))[1]["output_ids"]
+            await post(app, "/release_memory_occupation", {"tags": ["weights"]})
+            served.rename(tmp_path / "moved")
+            failed = await post(app, "/resume_memory_occupation", {"tags": ["weights"]})
+            still = json.loads((await call(app, "GET", "/is_sleeping"))[2])
+            (tmp_path / "moved").rename(served)
+            resumed = await post(app, "/resume_memory_occupation", {"tags": ["weights"]})
+            # Not stuck at a gate that a lost record keeps closed.
+            after = (await asyncio.wait_for(post(app, "/generate", PROMPT), 60))[1]["output_ids"]
+            return before, failed, still, resumed, after
+        finally:
+            await app.shutdown()
+
+    before, (status, _), still, resumed, after = asyncio.run(go())
+    assert status == 400 and still == {"is_sleeping": True}
+    assert resumed == (200, None) and after == before
+
+
 @pytest.mark.parametrize("body, param", [({"tags": ["gpu"]}, "tags"), ({"tags": []}, "tags"),
                                          ({"tag": "kv_cache"}, "tag")])
 def test_what_cannot_be_released_is_a_400_naming_the_field(tiny_llama_dir, tmp_path, body, param):

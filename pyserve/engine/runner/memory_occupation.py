@@ -10,9 +10,10 @@ new storage on resume: the KV cache zeroed (the prefix cache was flushed),
 the weights read again from the served checkpoint on disk, as
 /update_weights_from_disk reads one (weight_swap.py), so that they are
 whole before a trainer sends its own; or, released with `host_copy`
-(vLLM's sleep level 1), copied back from host memory as they were. What holds their addresses (the
-CUDA graphs, the CPU's native layers) is dropped on release and rebuilt
-once both are back, the graphs unless their tag stays released."""
+(vLLM's sleep level 1), copied back from host memory as they were. What
+holds their addresses (the CUDA graphs, the CPU's native layers) is
+dropped on release and rebuilt once both are back, the graphs unless
+their tag stays released."""
 
 from __future__ import annotations
 
@@ -71,10 +72,11 @@ class MemoryOccupation:
     def resume(self, op: ResumeMemory) -> None:
         tags = set(op.tags) & self.released
         if "weights" in tags:
-            given = self._given.pop("weights")
-            kept = any(copy is not None for _, _, copy in given)
+            kept = any(copy is not None for _, _, copy in self._given["weights"])
+            # Read before the memory is taken again (the read needs its own), and before the
+            # record is dropped: a checkpoint that cannot be read leaves the weights released.
             read = None if kept else self.rank_model.read_checkpoint(Path(op.checkpoint))
-            _take_back(given)  # after the read: its copy is made before the memory is taken again
+            _take_back(self._given.pop("weights"))
             if read is not None:
                 copy_weights(paired_tensors(self.rank_model.model, read))
                 del read
