@@ -33,7 +33,6 @@ class Turn:
     rid: str
     session: Session
     prompt_ids: list[int]
-    parent: Turn | None
     output_ids: list[int] = field(default_factory=list)
     running: bool = True  # until its request ends: finished, aborted, or its client gone
     children: list[Turn] = field(default_factory=list)
@@ -94,8 +93,7 @@ class Session:
 class Sessions:
     """The server's open sessions (the ServingContext owns them)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
+    def __init__(self):
         self._open: dict[str, Session] = {}
 
     def open(self, session_id: str | None, timeout: float | None) -> str:
@@ -106,7 +104,7 @@ class Sessions:
         if timeout is not None and timeout <= 0:
             raise bad_request(f"timeout must be a positive number of seconds, not {timeout}", "timeout")
         sid = session_id if session_id is not None else uuid.uuid4().hex
-        self._open[sid] = Session(sid, timeout, self.clock())
+        self._open[sid] = Session(sid, timeout, time.monotonic())
         return sid
 
     def close(self, session_id: str) -> None:
@@ -122,7 +120,7 @@ class Sessions:
         return session
 
     def _expire(self) -> None:
-        now = self.clock()
+        now = time.monotonic()
         for sid in [sid for sid, s in self._open.items() if s.idle_past(now)]:
             del self._open[sid]
 
@@ -166,16 +164,16 @@ class Sessions:
         turns = []
         for c, choice_rids in zip(continuations, rids):
             for rid in choice_rids:
-                turn = Turn(rid, c.session, c.prompt_ids, c.parent)
+                turn = Turn(rid, c.session, c.prompt_ids)
                 if c.parent is not None:
                     c.parent.children.append(turn)
                 c.session.turns[rid] = turn
                 turns.append(turn)
-            c.session.used = self.clock()
+            c.session.used = time.monotonic()
         return turns
 
     def ended(self, turns: list[Turn]) -> None:
-        now = self.clock()
+        now = time.monotonic()
         for turn in turns:
             turn.running = False
             turn.session.used = now

@@ -24,8 +24,8 @@ class MemoryOccupationRequest(msgspec.Struct, kw_only=True, forbid_unknown_field
     tags: list[str] | None = None  # kv_cache, weights, cuda_graph; None: all
 
 
-def _tags(req: MemoryOccupationRequest) -> list[str]:
-    tags = list(TAGS) if req.tags is None else req.tags
+def _tags(given: list[str] | None) -> list[str]:
+    tags = list(TAGS) if given is None else given
     unknown = [t for t in tags if t not in TAGS]
     if unknown or not tags:
         raise bad_request(f"tags {tags}: some of {', '.join(TAGS)} (null: all)", "tags")
@@ -33,7 +33,7 @@ def _tags(req: MemoryOccupationRequest) -> list[str]:
 
 
 async def release_memory_occupation(ctx: ServingContext, req: MemoryOccupationRequest) -> None:
-    await _release(ctx, _tags(req))
+    await _release(ctx, _tags(req.tags))
 
 
 async def _release(ctx: ServingContext, tags: list[str], host_copy: bool = False) -> None:
@@ -54,7 +54,7 @@ async def _release(ctx: ServingContext, tags: list[str], host_copy: bool = False
 
 
 async def resume_memory_occupation(ctx: ServingContext, req: MemoryOccupationRequest) -> None:
-    await _resume(ctx, _tags(req))
+    await _resume(ctx, _tags(req.tags))
 
 
 async def _resume(ctx: ServingContext, tags: list[str]) -> None:
@@ -82,7 +82,7 @@ async def vllm_wake_up(ctx: ServingContext, request: Request) -> None:
     tags = request.query_values("tags") or list(TAGS)
     if "kv_cache" in tags:  # vLLM names no graphs: they come back with the KV cache
         tags.append("cuda_graph")
-    await _resume(ctx, _tags(MemoryOccupationRequest(tags=tags)))
+    await _resume(ctx, _tags(tags))
 
 
 def vllm_is_sleeping(ctx: ServingContext) -> dict:
